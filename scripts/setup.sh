@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Set up everything gapless needs on a fresh Linux machine: bubblewrap, a virtualenv in .venv,
+# PyTorch (the CPU build unless an NVIDIA GPU is present), and gapless itself with its test extras.
+# Idempotent: a second run with unchanged pyproject.toml returns in well under a second.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+
+if ! command -v bwrap >/dev/null 2>&1; then
+  echo "setup: installing bubblewrap (the sandbox runtime)"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get install -y -qq bubblewrap >/dev/null 2>&1 || {
+    $SUDO apt-get update -qq >/dev/null && $SUDO apt-get install -y -qq bubblewrap >/dev/null;
+  } || { echo "setup: could not install bubblewrap; install it with your package manager (package 'bubblewrap')" >&2; exit 1; }
+fi
+
+stamp=".venv/.gapless-setup-$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ]; then exit 0; fi
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=".venv/bin/python -m pip"
+$PIP install -q --upgrade pip >/dev/null 2>&1 || true
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "setup: NVIDIA GPU found: installing torch==$TORCH_VERSION (CUDA build)"
+    $PIP install -q "torch==$TORCH_VERSION"
+  else
+    # Without CUDA, ask for the CPU build by name: a bare `torch` could pull a multi-GB CUDA wheel.
+    echo "setup: no GPU: installing torch==$TORCH_VERSION+cpu"
+    $PIP install -q "torch==$TORCH_VERSION+cpu" 2>/dev/null \
+      || $PIP install -q "torch==$TORCH_VERSION+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+  fi
+fi
+$PIP install -q -e ".[test]"
+rm -f .venv/.gapless-setup-*
+touch "$stamp"
+echo "setup: done (.venv/bin/gapless)"

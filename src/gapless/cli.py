@@ -1,0 +1,106 @@
+"""Command line: `gapless train [CONFIG] [--run-dir DIR] [--resume] [--dotted.key value ...]` and
+`gapless sandbox run FILE --json [--timeout-s S] [--memory-mb M]`.
+
+User errors (bad config, missing model path, malformed TOML) print one line `gapless: error: ...`
+and exit with code 2; infrastructure failures (sandbox cannot start) exit with code 3 and say
+what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from gapless.config import ConfigError, load_config
+
+
+class _Usage(Exception):
+    pass
+
+
+def _split_overrides(rest: list[str]) -> dict[str, str]:
+    """`--a.b 1 --c=2` -> {"a.b": "1", "c": "2"}; anything else is a usage error."""
+    overrides, i = {}, 0
+    while i < len(rest):
+        arg = rest[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise _Usage(f"unexpected argument {arg!r}; overrides look like --trainer.lr 3e-4")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(rest):
+                raise _Usage(f"override --{key} needs a value")
+            value = rest[i + 1]
+            i += 1
+        overrides[key.replace("-", "_")] = value
+        i += 1
+    return overrides
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gapless", description="GRPO post-training of language models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="run a training job (no CONFIG: the embedded default)")
+    train.add_argument("args", nargs=argparse.REMAINDER,
+                       help="[CONFIG] [--run-dir DIR] [--resume] [--section.key VALUE ...]; "
+                            "CONFIG is a TOML run file such as configs/default.toml")
+    sandbox = sub.add_parser("sandbox", help="run programs in the sandbox")
+    sandbox_sub = sandbox.add_subparsers(dest="sandbox_command", required=True)
+    run = sandbox_sub.add_parser("run", help="run a Python file in the sandbox")
+    run.add_argument("file")
+    run.add_argument("--json", action="store_true", help="print one JSON object")
+    run.add_argument("--timeout-s", type=float, default=5.0)
+    run.add_argument("--memory-mb", type=int, default=512)
+    return parser
+
+
+def _cmd_train(argv: list[str]) -> int:
+    config_path = None
+    if argv and not argv[0].startswith("--"):
+        config_path, argv = argv[0], argv[1:]
+    resume = "--resume" in argv
+    overrides = _split_overrides([a for a in argv if a != "--resume"])
+    if "run_dir" in overrides:  # --run-dir DIR is the documented spelling of --run_dir
+        overrides["run_dir"] = json.dumps(overrides["run_dir"])
+    cfg = load_config(config_path, overrides)
+    from gapless.orchestrate.loop import train  # heavy imports only once the config is valid
+
+    summary = train(cfg, resume=resume)
+    print(json.dumps(summary))
+    return 0
+
+
+def _cmd_sandbox_run(args: argparse.Namespace) -> int:
+    from gapless.sandbox import BwrapSandbox, SandboxLimits
+
+    limits = SandboxLimits(timeout_s=args.timeout_s, memory_mb=args.memory_mb)
+    result = BwrapSandbox(limits).run_file(args.file, limits)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        sys.stdout.write(result.stdout)
+        sys.stderr.write(result.stderr)
+        print(f"[{result.status.value}] exit={result.exit_code} wall={result.wall_s:.3f}s", file=sys.stderr)
+    return 0 if result.status.value == "ok" else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv[:1] == ["train"] and not {"-h", "--help"} & set(argv):
+            return _cmd_train(argv[1:])  # free-form dotted overrides: parsed by hand, not argparse
+        return _cmd_sandbox_run(parser.parse_args(argv))
+    except (ConfigError, _Usage) as exc:
+        print(f"gapless: error: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"gapless: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gapless: interrupted; the last checkpoint in the run dir is intact (use --resume)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Typed run configuration: defaults < TOML file < dotted command-line overrides.
+
+Every field carries a docstring (what it is, its unit, when to change it); the defaults are the
+embedded CPU job. `load_config` is the only entry point: it merges the three layers and
+validates the result. Any bad input -- unknown key, wrong type, out-of-range value, malformed
+TOML -- raises `ConfigError` with a one-line message naming the key and what is allowed; the CLI
+turns it into exit code 2. The resolved config is plain JSON (`Config.model_dump(mode="json")`)
+and is written into the run directory by the loop.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True, coerce_numbers_to_str=True)
+
+
+class ModelConfig(_Section):
+    path: str | None = None
+    """Local Hugging Face checkpoint directory (config.json, weights, tokenizer). None builds the
+    embedded tiny model and a tokenizer trained locally on the task's text. Nothing is downloaded."""
+    architecture: Literal["qwen2", "llama"] = "qwen2"
+    """Architecture of the embedded tiny model (ignored when `path` is set)."""
+    hidden_size: int = Field(128, ge=8, le=4096)
+    """Width of the embedded tiny model."""
+    num_layers: int = Field(4, ge=1, le=64)
+    """Number of transformer blocks of the embedded tiny model."""
+    num_heads: int = Field(4, ge=1, le=64)
+    """Attention heads of the embedded tiny model; must divide `hidden_size`."""
+    num_kv_heads: int = Field(2, ge=1, le=64)
+    """Key/value heads (grouped-query attention); must divide `num_heads`."""
+    intermediate_size: int = Field(512, ge=8, le=16384)
+    """MLP width of the embedded tiny model."""
+    vocab_size: int = Field(384, ge=64, le=65536)
+    """Size of the BPE vocabulary trained for the embedded tiny model."""
+
+
+class TaskConfig(_Section):
+    name: Literal["procedural_code"] = "procedural_code"
+    """Which environment scores the rollouts. The embedded default is procedurally generated
+    code synthesis with hidden unit tests."""
+    levels: list[int] = [1, 2, 3]
+    """Difficulty levels to draw problems from (1 = one operation, 3 = compositions)."""
+    num_train_prompts: int = Field(4000, ge=1)
+    """Number of distinct training problems (split 'train')."""
+    num_eval_prompts: int = Field(200, ge=1)
+    """Number of held-out problems used for pass@1 (split 'eval', disjoint from 'train')."""
+    num_hidden_tests: int = Field(5, ge=1, le=50)
+    """Unit tests per problem that the model never sees in its prompt."""
+
+
+class SandboxConfig(_Section):
+    timeout_s: float = Field(5.0, gt=0, le=600)
+    """Wall-clock deadline per program; every process of the run is killed at it."""
+    memory_mb: int = Field(512, ge=32, le=65536)
+    """Address-space limit per process in the sandbox."""
+    max_processes: int = Field(32, ge=1, le=4096)
+    """Processes one program may run at once (its slot has its own host uid)."""
+    concurrency: int = Field(4, ge=1, le=1024)
+    """Programs scored at once. Throughput saturates near 2x the cores; more only adds latency."""
+    python: str = "/usr/bin/python3"
+    """Interpreter run inside the sandbox; it must live under /usr (the only system bind)."""
+
+
+class GeneratorConfig(_Section):
+    group_size: int = Field(8, ge=2, le=256)
+    """N: completions sampled per prompt (one group). GRPO needs at least 2."""
+    temperature: float = Field(1.0, gt=0, le=10)
+    """Sampling temperature for training rollouts (evaluation is greedy)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass; 1.0 disables it."""
+    max_new_tokens: int = Field(24, ge=1, le=32768)
+    """Completion length cap; a completion cut here has finish reason 'length'."""
+
+
+class TrainerConfig(_Section):
+    lr: float = Field(1e-3, gt=0, le=1)
+    """AdamW learning rate for the RL phase."""
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    """AdamW decoupled weight decay."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping threshold (global L2 norm)."""
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    """PPO clip range: ratios outside [1 - eps, 1 + eps] stop contributing gradient."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the k3 KL penalty to the frozen reference (the warm-started model). 0 disables it
+    and skips the reference forward pass."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Sequences per forward/backward pass; gradients accumulate to the whole step."""
+    threads: int = Field(0, ge=0, le=512)
+    """torch intra-op threads; 0 uses every core given to the process."""
+
+
+class WarmStartConfig(_Section):
+    steps: int = Field(250, ge=0)
+    """Supervised steps on generated reference solutions before RL (0 skips the warm start).
+    Cached by content hash, so reruns with the same seed and settings skip it."""
+    batch_size: int = Field(64, ge=1)
+    """Sequences per supervised step."""
+    lr: float = Field(3e-3, gt=0, le=1)
+    """AdamW learning rate of the warm start."""
+    cache_dir: str = ".cache/gapless"
+    """Where warm-started checkpoints are cached (relative paths are relative to the cwd)."""
+
+
+class LoopConfig(_Section):
+    steps: int = Field(120, ge=0)
+    """RL optimizer steps (each one policy version)."""
+    prompts_per_step: int = Field(8, ge=1)
+    """Groups per step; the batch is prompts_per_step * group_size rollouts."""
+    eval_every: int = Field(20, ge=1)
+    """Held-out greedy pass@1 every this many steps (and at the start and the end)."""
+    checkpoint_every: int = Field(40, ge=1)
+    """Checkpoint (HF model + optimizer + step) every this many steps and at the end."""
+
+
+class Config(_Section):
+    seed: int = 0
+    """Seeds the task split, the model init, sampling and data order."""
+    run_dir: str = "runs/default"
+    """Directory for config.json, metrics.jsonl, summary.json and checkpoints."""
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    sandbox: SandboxConfig = SandboxConfig()
+    generator: GeneratorConfig = GeneratorConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    warmstart: WarmStartConfig = WarmStartConfig()
+    loop: LoopConfig = LoopConfig()
+
+
+class ConfigError(ValueError):
+    """A config problem the user must fix; the message is one line naming the key."""
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, str] | None = None) -> Config:
+    """Defaults < TOML file at `path` < dotted `overrides` ({"trainer.lr": "3e-4"})."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = _read_toml(Path(path))
+    for dotted, raw in (overrides or {}).items():
+        _set_dotted(data, dotted, _parse_scalar(raw))
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+    _check_cross_field(cfg)
+    return cfg
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: malformed TOML: {exc}") from None
+
+
+def _parse_scalar(raw: str) -> Any:
+    """Parse a command-line value as a TOML value when it is one, else keep the string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = data
+    for i, key in enumerate(parents):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(parents[: i + 1])} is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def _describe(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    key = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        section = _section_at(err["loc"][:-1])
+        allowed = ", ".join(section.model_fields) if section else "?"
+        return f"unknown key '{key}'; allowed here: {allowed}"
+    return f"{key}: {err['msg']} (got {err.get('input')!r})"
+
+
+def _section_at(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type):
+            return None
+        if not issubclass(field.annotation, BaseModel):
+            return None
+        model = field.annotation
+    return model
+
+
+def _check_cross_field(cfg: Config) -> None:
+    m = cfg.model
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads ({m.num_kv_heads})")
+    if m.path is not None and not Path(m.path).is_dir():
+        raise ConfigError(f"model.path: directory {m.path!r} does not exist; give a local Hugging Face checkpoint directory or leave it unset for the embedded tiny model")
+    bad_levels = [lv for lv in cfg.task.levels if lv not in (1, 2, 3)]
+    if bad_levels or not cfg.task.levels:
+        raise ConfigError(f"task.levels: {cfg.task.levels} must be a non-empty list drawn from 1, 2, 3")

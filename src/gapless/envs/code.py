@@ -1,0 +1,106 @@
+"""Code environment: a completion passes the hidden tests of its problem inside the sandbox.
+
+reward = fraction of hidden tests whose output equals the expected output (canonical JSON, so
+`True` is not `1`). Every rollout gets one status:
+    ok             all tests pass
+    wrong_answer   the program ran; some tests failed or raised
+    syntax_error   the program does not compile
+    crashed        the program died before reporting (exception at import, exit(), os._exit())
+    timeout        wall or CPU deadline            memory_limit  address-space limit
+    output_limit   printed past the capture cap    infra_error   the sandbox itself failed
+Model output is untrusted: it only ever becomes a reward and a status. `infra_error` rollouts
+(after one retry) are excluded from group statistics by the advantage function, and
+`check_infra` raises `SandboxUnavailable` when a whole step failed that way, instead of training on
+fake zeros.
+Identical completions of one prompt are executed once (the result is deterministic input/output).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from gapless.envs.problems import CodeProblem
+from gapless.sandbox import BwrapSandbox, SandboxLimits, Status
+from gapless.types import Completion, Rollout
+
+HARNESS = (Path(__file__).parent / "code_harness.py").read_text()
+_SANDBOX_STATUS = {
+    Status.TIMEOUT: "timeout",
+    Status.MEMORY_LIMIT: "memory_limit",
+    Status.OUTPUT_LIMIT: "output_limit",
+}
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox failed for infrastructure reasons on every retry; fix the host, not the model."""
+
+
+def parse_report(report: bytes, expected: tuple[str, ...]) -> tuple[int, bool, str | None]:
+    """(tests passed, all tests reported, compile error) from the untrusted report channel."""
+    outputs: dict[int, str] = {}
+    compile_error = None
+    for raw in report.decode("utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(raw)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(record, dict):
+            continue
+        if "compile_error" in record and compile_error is None:
+            compile_error = str(record["compile_error"])[:500]
+        index = record.get("i")
+        if isinstance(index, int) and 0 <= index < len(expected) and index not in outputs:
+            outputs[index] = json.dumps(record["out"], sort_keys=True) if "out" in record else "<error>"
+    passed = sum(1 for i, want in enumerate(expected) if outputs.get(i) == want)
+    return passed, len(outputs) == len(expected), compile_error
+
+
+class CodeEnvironment:
+    def __init__(self, sandbox: BwrapSandbox, limits: SandboxLimits, concurrency: int = 4, retries: int = 1):
+        self.sandbox = sandbox
+        self.limits = limits
+        self.retries = retries
+        self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="sandbox")
+
+    def score(self, problem: CodeProblem, completions: list[Completion]) -> list[Rollout]:
+        distinct = {c.text: None for c in completions}
+        futures = {text: self.pool.submit(self.score_text, problem, text) for text in distinct}
+        results = {text: fut.result() for text, fut in futures.items()}
+        return [Rollout(problem.uid, c, *results[c.text]) for c in completions]
+
+    def score_text(self, problem: CodeProblem, text: str) -> tuple[float, str, dict]:
+        files = {
+            "harness.py": HARNESS,
+            "solution.py": problem.program(text),
+            "tests.json": "[" + ",".join(problem.test_inputs) + "]",
+        }
+        for _attempt in range(self.retries + 1):
+            result = self.sandbox.run_python(files, "harness.py", [problem.entry_point], self.limits)
+            if result.status != Status.INFRA_ERROR:
+                break
+        else:
+            return 0.0, "infra_error", {"error": result.stderr.strip()[:300]}
+        passed, complete, compile_error = parse_report(result.report, problem.test_outputs)
+        reward = passed / len(problem.test_outputs)
+        info = {"passed": passed, "wall_s": result.wall_s}
+        if compile_error is not None:
+            return 0.0, "syntax_error", info
+        if result.status in _SANDBOX_STATUS:
+            return reward, _SANDBOX_STATUS[result.status], info
+        if not complete:
+            return reward, "crashed", info
+        return reward, "ok" if passed == len(problem.test_outputs) else "wrong_answer", info
+
+    @staticmethod
+    def check_infra(rollouts: list[Rollout]) -> int:
+        """Count infra failures; raise when no rollout could be scored at all."""
+        failures = sum(r.is_infra_failure for r in rollouts)
+        if rollouts and failures == len(rollouts):
+            detail = rollouts[0].info.get("error", "")
+            raise SandboxUnavailable(f"every sandbox run of this step failed to start ({detail}); run `gapless sandbox check`")
+        return failures
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)

@@ -1,0 +1,101 @@
+"""The policy: a Hugging Face causal LM and its tokenizer, built tiny locally or loaded from disk.
+
+`build_tiny` trains a byte-level BPE tokenizer (digits kept as single tokens, so arithmetic stays
+regular) on the task's own text and creates a randomly initialised Qwen2 or Llama model from a
+config; `load_local` opens any local HF checkpoint directory. Nothing is ever downloaded: a
+missing directory is a `FileNotFoundError` that says what to give instead.
+Both return a `Policy`: the model (fp32, eval mode) plus the token ids the loop needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
+
+from gapless.config import ModelConfig
+
+PAD, EOS = "<|pad|>", "<|eos|>"
+hf_logging.disable_progress_bar()  # checkpoint writes would otherwise draw bars into the live log
+
+
+@dataclass
+class Policy:
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerFast
+    eos_id: int
+    pad_id: int
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def save(self, path: Path) -> None:
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Deterministic byte-level BPE; single digits are never merged."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS)
+
+
+def build_tiny(cfg: ModelConfig, texts: Iterable[str], seed: int, max_positions: int = 512) -> Policy:
+    tokenizer = train_tokenizer(texts, cfg.vocab_size)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+    if cfg.architecture == "qwen2":
+        from transformers import Qwen2Config as ArchConfig
+    else:
+        from transformers import LlamaConfig as ArchConfig
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(ArchConfig(**common), dtype=torch.float32)
+    model.eval()
+    return Policy(model, tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id)
+
+
+def load_local(path: str | Path) -> Policy:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path} is not a Hugging Face checkpoint directory (no config.json); "
+            "point model.path at a local directory saved with save_pretrained, or unset it for the embedded tiny model"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    eos_id = tokenizer.eos_token_id
+    if eos_id is None:
+        raise ValueError(f"tokenizer in {path} has no eos token; set eos_token in its tokenizer_config.json")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+    return Policy(model, tokenizer, eos_id, pad_id)

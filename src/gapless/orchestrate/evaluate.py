@@ -1,0 +1,21 @@
+"""Held-out evaluation: greedy pass@1 = fraction of eval problems whose greedy completion passes
+every hidden test in the sandbox."""
+
+from __future__ import annotations
+
+from gapless.envs.code import CodeEnvironment
+from gapless.envs.problems import CodeProblem
+from gapless.generate.sampler import TorchSampler
+from gapless.types import SamplingParams
+
+
+def greedy_pass_at_1(sampler: TorchSampler, env: CodeEnvironment, problems: list[CodeProblem], encode,
+                     max_new_tokens: int, batch_size: int = 256) -> float:
+    params = SamplingParams(greedy=True, max_new_tokens=max_new_tokens)
+    solved = 0
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start : start + batch_size]
+        completions = sampler.generate([encode(p.prompt) for p in chunk], params)
+        futures = [env.pool.submit(env.score_text, p, c.text) for p, c in zip(chunk, completions)]
+        solved += sum(1 for fut in futures if fut.result()[1] == "ok")
+    return solved / len(problems)

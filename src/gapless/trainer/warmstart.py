@@ -1,0 +1,61 @@
+"""Supervised warm start: teach a randomly initialised model the task's format before RL.
+
+A random model never writes valid code, so RL alone would see only zero-reward groups. The warm
+start trains on (prompt, reference solution + EOS) pairs of the train split, loss on completion
+tokens only, for a deliberately short schedule: it leaves the model able to write code but far
+from solving every problem, which is the room RL is measured in. Deterministic in the seed.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+import torch
+
+from gapless.config import WarmStartConfig
+from gapless.envs.problems import CodeProblem
+from gapless.models import Policy
+from gapless.trainer.batch import token_logprobs
+
+
+def supervised_batch(policy: Policy, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    seqs, starts = [], []
+    for prompt, target in pairs:
+        p = policy.encode(prompt)
+        seqs.append(p + policy.encode(target) + [policy.eos_id])
+        starts.append(len(p))
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), policy.pad_id, dtype=torch.long)  # (B, L)
+    attn = torch.zeros_like(ids)
+    mask = torch.zeros((len(seqs), width - 1))  # (B, L-1)
+    for row, (seq, start) in enumerate(zip(seqs, starts)):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        attn[row, : len(seq)] = 1
+        mask[row, start - 1 : len(seq) - 1] = 1.0
+    return ids, attn, mask
+
+
+def warm_start(policy: Policy, problems: list[CodeProblem], cfg: WarmStartConfig, seed: int,
+               log: Callable[[int, float], None] | None = None) -> list[float]:
+    rng = random.Random(seed)
+    model = policy.model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
+    losses = []
+    model.train()
+    for step in range(cfg.steps):
+        chosen = rng.sample(problems, min(cfg.batch_size, len(problems)))
+        ids, attn, mask = supervised_batch(policy, [(p.prompt, p.solution) for p in chosen])
+        logp = token_logprobs(model, ids, attn)
+        loss = -(logp * mask).sum() / mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+        if log is not None:
+            log(step, losses[-1])
+    model.eval()
+    return losses

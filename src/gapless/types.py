@@ -1,0 +1,62 @@
+"""The records that flow between actors, named as in the glossary (docs/architecture.md).
+
+prompt -> completion (generator) -> rollout (environment) -> group (N rollouts of one prompt)
+-> batch (trainer). Policy versions are data: every completion token carries the version of the
+weights that sampled it, and the trainer computes staleness from them instead of assuming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 24
+    greedy: bool = False
+    seed: int = 0
+
+
+@dataclass
+class Completion:
+    """Generator output for one prompt: token ids with their sampling log-probs and versions."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # log p(token) under the distribution it was sampled from
+    versions: list[int]  # policy version that sampled each token
+    finish_reason: FinishReason
+    text: str
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.versions) if self.versions else 0
+
+
+@dataclass
+class Rollout:
+    """A scored completion. `status` explains `reward`; infra failures carry no reward signal."""
+
+    prompt_uid: str
+    completion: Completion
+    reward: float
+    status: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_infra_failure(self) -> bool:
+        return self.status == "infra_error"
+
+
+@dataclass
+class Group:
+    """The N rollouts of one prompt: the unit of advantage computation."""
+
+    prompt_uid: str
+    rollouts: list[Rollout]
+    advantages: list[float] = field(default_factory=list)

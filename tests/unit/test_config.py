@@ -1,0 +1,73 @@
+import json
+
+import pytest
+
+from gapless.cli import main
+from gapless.config import Config, ConfigError, load_config
+
+
+def test_precedence_defaults_file_cli(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("seed = 5\n[trainer]\nlr = 0.01\nclip_eps = 0.3\n")
+    cfg = load_config(path, {"trainer.lr": "3e-4"})
+    assert cfg.seed == 5  # file over default
+    assert cfg.trainer.lr == 3e-4  # command line over file
+    assert cfg.trainer.clip_eps == 0.3
+    assert cfg.trainer.max_grad_norm == Config().trainer.max_grad_norm  # default
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        ({"trainer.lrr": "1"}, "unknown key 'trainer.lrr'; allowed here: lr,"),
+        ({"nosuch": "1"}, "unknown key 'nosuch'"),
+        ({"trainer.lr": "fast"}, "trainer.lr: Input should be a valid number"),
+        ({"loop.steps": "-3"}, "loop.steps: Input should be greater than or equal to 0"),
+        ({"generator.group_size": "1"}, "generator.group_size"),
+        ({"model.hidden_size": "102"}, "model.hidden_size (102) must be divisible by model.num_heads"),
+        ({"model.path": "'/no/such/dir'"}, "model.path: directory '/no/such/dir' does not exist"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, fragment):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, overrides)
+    assert fragment in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_every_field_is_documented():
+    def walk(model):
+        for name, field in model.model_fields.items():
+            annotation = field.annotation
+            if isinstance(annotation, type) and hasattr(annotation, "model_fields"):
+                yield from walk(annotation)
+            else:
+                yield name, field.description
+
+    missing = [name for name, doc in walk(Config) if not doc]
+    assert missing == []
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["train", "--trainer.lrr", "1"], "unknown key 'trainer.lrr'"),
+        (["train", "MALFORMED"], "malformed TOML"),
+        (["train", "--model.path", "/no/such/model"], "model.path"),
+        (["train", "--loop.steps"], "needs a value"),
+    ],
+)
+def test_cli_errors_exit_2_with_one_line(argv, fragment, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "MALFORMED").write_text("seed = [\n")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert fragment in err and len(err.splitlines()) == 1
+
+
+def test_shipped_configs_are_valid():
+    from pathlib import Path
+
+    for path in sorted((Path(__file__).parents[2] / "configs").glob("*.toml")):
+        cfg = load_config(path)
+        json.dumps(cfg.model_dump(mode="json"))
