@@ -91,6 +91,10 @@ class TrainerConfig(_Section):
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the k3 KL penalty to the frozen reference (the warm-started model). 0 disables it
     and skips the reference forward pass."""
+    epochs: int = Field(1, ge=1, le=32)
+    """Optimizer updates per batch (GRPO's mu; TRL `num_iterations`, verl `ppo_epochs`). Above 1
+    the later updates are off-policy and the clipped ratio bounds how far each batch moves the
+    policy; generation and scoring are paid once."""
     micro_batch_size: int = Field(64, ge=1)
     """Sequences per forward/backward pass; gradients accumulate to the whole step."""
     threads: int = Field(0, ge=0, le=512)

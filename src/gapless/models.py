@@ -9,6 +9,7 @@ Both return a `Policy`: the model (fp32, eval mode) plus the token ids the loop 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -84,6 +85,19 @@ def build_tiny(cfg: ModelConfig, texts: Iterable[str], seed: int, max_positions:
     return Policy(model, tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id)
 
 
+def _load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
+    """A plain `tokenizers` file is loaded as is: AutoTokenizer would rebuild it as the model
+    family's tokenizer class (e.g. Qwen2's), silently replacing its pre-tokenizer."""
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    if config.get("tokenizer_class") in _PLAIN_TOKENIZER_CLASSES and (path / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+_PLAIN_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
 def load_local(path: str | Path) -> Policy:
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -91,7 +105,7 @@ def load_local(path: str | Path) -> Policy:
             f"{path} is not a Hugging Face checkpoint directory (no config.json); "
             "point model.path at a local directory saved with save_pretrained, or unset it for the embedded tiny model"
         )
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = _load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
     eos_id = tokenizer.eos_token_id

@@ -58,3 +58,15 @@ def test_top_p_keeps_only_the_nucleus():
     gen = torch.Generator().manual_seed(0)
     picks = {int(sample_next(logits, SamplingParams(top_p=0.8), gen)[0]) for _ in range(200)}
     assert picks == {0, 1}
+
+
+def test_saved_policy_reloads_with_identical_tokenization_and_weights(tiny_policy, problems, tmp_path):
+    from gapless.models import load_local
+
+    tiny_policy.save(tmp_path / "ckpt")
+    loaded = load_local(tmp_path / "ckpt")
+    for p in problems[:10]:
+        assert loaded.encode(p.prompt + p.solution) == tiny_policy.encode(p.prompt + p.solution)
+    assert (loaded.eos_id, loaded.pad_id) == (tiny_policy.eos_id, tiny_policy.pad_id)
+    for (k, a), b in zip(tiny_policy.model.state_dict().items(), loaded.model.state_dict().values()):
+        assert torch.equal(a, b), k

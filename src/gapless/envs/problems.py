@@ -102,8 +102,18 @@ def _sample_input(kind: str, rng: random.Random) -> Any:
     return [rng.randint(0, 9) for _ in range(rng.randint(2, 4))]
 
 
+def _anchor_inputs(kind: str, rng: random.Random) -> list[Any]:
+    """Visible inputs that make parameters readable: f(0) shows an offset, f(1) a factor."""
+    if kind == "int":
+        return [0, 1]
+    if kind == "list":
+        return [[0] + [rng.randint(0, 9) for _ in range(rng.randint(1, 3))],
+                [1] + [rng.randint(0, 9) for _ in range(rng.randint(1, 3))]]
+    return []
+
+
 def _distinct_inputs(kind: str, rng: random.Random, n: int) -> list[Any]:
-    seen: list[Any] = []
+    seen: list[Any] = _anchor_inputs(kind, rng)
     while len(seen) < n:
         value = _sample_input(kind, rng)
         if value not in seen:
@@ -124,6 +134,7 @@ def make_problem(rng: random.Random, levels: list[int], num_visible: int = 3, nu
     fn = eval(f"lambda {arg}: {solution}")  # our own reference expression, trusted
     inputs = _distinct_inputs(kind, rng, num_visible + num_hidden)
     visible, hidden = inputs[:num_visible], inputs[num_visible:]
+    rng.shuffle(visible)
     shown = "; ".join(f"f({v!r}) -> {fn(v)!r}" for v in visible)
     prompt = f"# {shown}\ndef f({arg}):\n    return "
     uid = hashlib.sha256(prompt.encode()).hexdigest()[:16]

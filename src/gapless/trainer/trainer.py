@@ -1,6 +1,6 @@
 """The GRPO trainer: one optimizer step per batch, algorithm-blind beyond the loss function.
 
-A step splits the batch into micro-batches, accumulates gradients with the step-wide token
+A step makes `epochs` updates on its batch (stats are those of the last update); each update splits the batch into micro-batches, accumulates gradients with the step-wide token
 count as normaliser (so the result equals one big batch), clips the global gradient norm and
 takes one AdamW step. `version` counts published steps; `state_for_push` hands the weights to
 the generator. The reference model for the optional KL term is a frozen copy taken at creation.
@@ -40,7 +40,15 @@ class GRPOTrainer:
         self.version = 0
 
     def step(self, batch: Batch) -> StepStats:
+        """`cfg.epochs` optimizer updates on `batch`, published as one new policy version."""
         self.model.train()
+        for _ in range(self.cfg.epochs):
+            stats = self._update(batch)
+        self.model.eval()
+        self.version += 1
+        return stats
+
+    def _update(self, batch: Batch) -> StepStats:
         num_tokens = batch.num_tokens
         totals = {"loss": 0.0, "clip_count": 0.0, "ratio_sum": 0.0, "kl_sum": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
@@ -61,8 +69,6 @@ class GRPOTrainer:
                 totals[key] += value
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         self.optimizer.step()
-        self.model.eval()
-        self.version += 1
         denom = max(num_tokens, 1)
         return StepStats(
             loss=totals["loss"],

@@ -1,0 +1,61 @@
+"""Pure tests of how a run's observation becomes a status (no bwrap needed)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from gapless.sandbox.result import Observation, Status, classify
+from gapless.sandbox.streams import CappedSink
+
+
+def observe(returncode: int | None, stderr: str = "", **overrides: object) -> Observation:
+    fields = dict(has_started=True, returncode=returncode, is_deadline_hit=returncode is None,
+                  stderr=stderr.encode(), is_truncated=False)  # fmt: skip
+    fields.update(overrides)
+    return Observation(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("seen", "expected"),
+    [
+        (observe(0), (Status.OK, None, 0, None)),
+        (observe(3, "ValueError: x"), (Status.NONZERO_EXIT, None, 3, None)),
+        (observe(None), (Status.TIMEOUT, "wall", None, signal.SIGKILL)),
+        (observe(128 + signal.SIGXCPU), (Status.TIMEOUT, "cpu", None, signal.SIGXCPU)),
+        (observe(128 + signal.SIGKILL), (Status.MEMORY_LIMIT, "memory", None, signal.SIGKILL)),
+        (observe(128 + signal.SIGSEGV), (Status.NONZERO_EXIT, None, None, signal.SIGSEGV)),
+        (observe(1, "x\nMemoryError\n"), (Status.MEMORY_LIMIT, "memory", 1, None)),
+        (observe(1, "BlockingIOError: [Errno 11] Resource temporarily unavailable"),
+         (Status.PROCESS_LIMIT, "processes", 1, None)),
+        (observe(1, "RuntimeError: can't start new thread"),
+         (Status.PROCESS_LIMIT, "processes", 1, None)),
+        (observe(1, "OSError: [Errno 27] File too large"), (Status.DISK_LIMIT, "disk", 1, None)),
+        (observe(1, "OSError: [Errno 28] No space left on device"),
+         (Status.DISK_LIMIT, "disk", 1, None)),
+        (observe(0, is_truncated=True), (Status.OUTPUT_LIMIT, "output", 0, None)),
+        (observe(1, "MemoryError", is_truncated=True), (Status.OUTPUT_LIMIT, "output", 1, None)),
+    ],
+)
+def test_classify(seen: Observation, expected: tuple) -> None:
+    assert classify(seen) == expected
+
+
+def test_only_a_missing_start_marker_is_an_infra_error() -> None:
+    assert classify(observe(1, "bwrap: oops"))[0] is Status.NONZERO_EXIT
+    not_started = observe(1, "bwrap: execvp /x: No such file", has_started=False)
+    assert classify(not_started)[0] is Status.INFRA_ERROR
+    assert classify(observe(None, has_started=False))[0] is Status.INFRA_ERROR
+
+
+def test_memory_error_earlier_in_stderr_does_not_decide() -> None:
+    seen = observe(1, "MemoryError handled\nValueError: later failure")
+    assert classify(seen)[0] is Status.NONZERO_EXIT
+
+
+def test_capped_sink_keeps_the_head_and_counts_the_rest() -> None:
+    sink = CappedSink(cap_bytes=4)
+    for chunk in (b"ab", b"cdef", b"gh"):
+        sink.feed(chunk)
+    assert bytes(sink.data) == b"abcd" and sink.dropped_bytes == 4 and sink.is_truncated
