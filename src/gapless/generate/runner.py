@@ -1,0 +1,190 @@
+"""A lean forward pass over a Hugging Face Llama/Qwen2 model's weights, with a slot KV cache.
+
+`DecoderRunner` copies the model's weights into its own tensors once (q/k/v fused into one
+matrix, gate/up into another, so a layer is three matmuls plus attention) and runs the same
+arithmetic as the HF modules: RMSNorm in fp32, rotary embeddings from the model's own
+`rotary_emb` (so every static RoPE variant matches), grouped-query attention with scale
+head_dim**-0.5, SiLU-gated MLP, final norm and LM head. It never calls the HF module at run
+time, which is where `generate`'s per-step overhead lives.
+
+Two entry points: `prefill` runs right-padded prompts at positions 0..P-1 with a causal mask
+and returns their keys/values for the engine to place; `decode` feeds one token for each of
+the B running slots at its own position, writes its key/value into the cache and attends to
+positions <= its own. Both return logits only where a token is sampled.
+`load_state` takes a (possibly partial) HF state dict by name and copies it into the fused
+tensors in place; the cache is untouched, so in-flight sequences survive a weight swap.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gapless.generate.kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+_POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")  # their tables change with sequence length
+
+
+class _Layer:
+    """One decoder block's weights, laid out for the fused matmuls."""
+
+    def __init__(self, dim: int, q_dim: int, kv_dim: int, mlp_dim: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool, **like):
+        empty = lambda *shape: torch.empty(*shape, **like)  # noqa: E731
+        self.input_norm = empty(dim)
+        self.qkv = empty(q_dim + 2 * kv_dim, dim)  # rows: q | k | v
+        self.qkv_bias = empty(q_dim + 2 * kv_dim) if qkv_bias else None
+        self.o = empty(dim, q_dim)
+        self.o_bias = empty(dim) if o_bias else None
+        self.post_norm = empty(dim)
+        self.gate_up = empty(2 * mlp_dim, dim)  # rows: gate | up
+        self.gate_up_bias = empty(2 * mlp_dim) if mlp_bias else None
+        self.down = empty(dim, mlp_dim)
+        self.down_bias = empty(dim) if mlp_bias else None
+
+
+class DecoderRunner:
+    def __init__(self, model: torch.nn.Module, max_seq_len: int):
+        cfg = model.config
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise NotImplementedError(f"torch engine supports {SUPPORTED_MODEL_TYPES}, not {cfg.model_type!r}; use generator.engine = 'reference'")
+        if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "hidden_act", "silu") != "silu":
+            raise NotImplementedError("torch engine: sliding-window attention and non-SiLU MLPs are not implemented")
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        if rope.get("rope_type", rope.get("type")) in _POSITION_DEPENDENT_ROPE:
+            raise NotImplementedError(f"torch engine: RoPE type {rope.get('rope_type')!r} depends on sequence length")
+        weight = model.get_input_embeddings().weight
+        self.dtype, self.device = weight.dtype, weight.device
+        self.num_heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.group = self.num_heads // self.kv_heads
+        self.eps = cfg.rms_norm_eps
+        self.max_seq_len = max_seq_len
+        self.num_layers = cfg.num_hidden_layers
+        self.vocab_size = cfg.vocab_size
+        dim, q_dim, kv_dim, mlp_dim = cfg.hidden_size, self.num_heads * self.head_dim, self.kv_heads * self.head_dim, cfg.intermediate_size
+        qkv_bias = model.model.layers[0].self_attn.q_proj.bias is not None
+        o_bias = model.model.layers[0].self_attn.o_proj.bias is not None
+        mlp_bias = model.model.layers[0].mlp.gate_proj.bias is not None
+        like = dict(dtype=self.dtype, device=self.device)
+        self.layers = [_Layer(dim, q_dim, kv_dim, mlp_dim, qkv_bias, o_bias, mlp_bias, **like) for _ in range(self.num_layers)]
+        self.embed = torch.empty(cfg.vocab_size, dim, **like)
+        self.final_norm = torch.empty(dim, **like)
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = self.embed if self.tied else torch.empty(cfg.vocab_size, dim, **like)
+        self._targets = self._name_map(q_dim, kv_dim, mlp_dim)
+        self.load_state(model.state_dict())
+        self.cos, self.sin_signed = self._rope_tables(model, max_seq_len)
+        self.num_params = sum(p.numel() for p in model.parameters())
+
+    def _name_map(self, q_dim: int, kv_dim: int, mlp_dim: int) -> dict[str, torch.Tensor]:
+        """HF state-dict name -> the view of our tensors it fills."""
+        targets = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.final_norm, "lm_head.weight": self.lm_head}
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            q, k, v = slice(0, q_dim), slice(q_dim, q_dim + kv_dim), slice(q_dim + kv_dim, q_dim + 2 * kv_dim)
+            targets |= {
+                p + "input_layernorm.weight": layer.input_norm,
+                p + "post_attention_layernorm.weight": layer.post_norm,
+                p + "self_attn.q_proj.weight": layer.qkv[q], p + "self_attn.k_proj.weight": layer.qkv[k],
+                p + "self_attn.v_proj.weight": layer.qkv[v], p + "self_attn.o_proj.weight": layer.o,
+                p + "mlp.gate_proj.weight": layer.gate_up[:mlp_dim], p + "mlp.up_proj.weight": layer.gate_up[mlp_dim:],
+                p + "mlp.down_proj.weight": layer.down,
+            }
+            if layer.qkv_bias is not None:
+                targets |= {p + "self_attn.q_proj.bias": layer.qkv_bias[q], p + "self_attn.k_proj.bias": layer.qkv_bias[k],
+                            p + "self_attn.v_proj.bias": layer.qkv_bias[v]}
+            if layer.o_bias is not None:
+                targets[p + "self_attn.o_proj.bias"] = layer.o_bias
+            if layer.gate_up_bias is not None:
+                targets |= {p + "mlp.gate_proj.bias": layer.gate_up_bias[:mlp_dim], p + "mlp.up_proj.bias": layer.gate_up_bias[mlp_dim:],
+                            p + "mlp.down_proj.bias": layer.down_bias}
+        return targets
+
+    @torch.no_grad()
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy weights in place by HF name. Every weight must be present (a tied LM head may be
+        omitted): a partial push would silently mix two policies."""
+        unknown = set(state) - set(self._targets)
+        missing = set(self._targets) - set(state) - ({"lm_head.weight"} if self.tied else set())
+        if unknown or missing:
+            raise KeyError(f"weights do not match the engine's model: unknown {sorted(unknown)[:5]}, missing {sorted(missing)[:5]}")
+        for name, tensor in state.items():
+            self._targets[name].copy_(tensor)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The engine's current weights under their HF names (views, not copies)."""
+        return dict(self._targets)
+
+    def _rope_tables(self, model: torch.nn.Module, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(length, device=self.device)[None]
+        with torch.no_grad():
+            cos, sin = model.model.rotary_emb(self.embed[:1][None], positions)  # (1, L, head_dim)
+        half = self.head_dim // 2
+        # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: same products, one op fewer
+        sin_signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+        return cos[0].to(self.dtype).contiguous(), sin_signed.to(self.dtype).contiguous()  # (L, head_dim)
+
+    def new_cache(self, slots: int) -> KVCache:
+        return KVCache(self.num_layers, slots, self.kv_heads, self.max_seq_len, self.head_dim, self.dtype, self.device)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        return x * cos + torch.roll(x, self.head_dim // 2, dims=-1) * sin_signed
+
+    def _mlp_residual(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        h = F.rms_norm(x, x.shape[-1:], layer.post_norm, self.eps)
+        gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps), self.lm_head)
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Right-padded rows `ids` (R, P) with true `lengths` (R,). Returns the logits at each
+        row's last real token (R, V) and per layer the keys/values (R, kv_heads, P, head_dim)."""
+        rows, width = ids.shape
+        x = F.embedding(ids, self.embed)  # (R, P, D)
+        cos, sin = self.cos[:width], self.sin_signed[:width]  # (P, head_dim)
+        kv = []
+        for layer in self.layers:
+            h = F.rms_norm(x, x.shape[-1:], layer.input_norm, self.eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(rows, width, self.num_heads + 2 * self.kv_heads, self.head_dim)
+            qkv = qkv.transpose(1, 2)  # (R, H + 2 KV, P, head_dim)
+            q = self._rope(qkv[:, : self.num_heads], cos, sin)
+            k = self._rope(qkv[:, self.num_heads : self.num_heads + self.kv_heads], cos, sin)
+            v = qkv[:, self.num_heads + self.kv_heads :].contiguous()
+            kv.append((k, v))
+            # right padding: a real token only sees real tokens before it, so causal is enough
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.group > 1)  # (R, H, P, hd)
+            att = att.transpose(1, 2).reshape(rows, width, -1)
+            x = x + F.linear(att, layer.o, layer.o_bias)
+            x = self._mlp_residual(x, layer)
+        last = x[torch.arange(rows, device=self.device), lengths.to(self.device) - 1]  # (R, D)
+        return self._logits(last), kv
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One token for each of the slots 0..B-1 at `positions` (B,); returns logits (B, V)."""
+        batch = tokens.shape[0]
+        span = int(positions.max()) + 1
+        x = F.embedding(tokens, self.embed)  # (B, D)
+        cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # (B, 1, hd)
+        visible = torch.arange(span, device=self.device)[None] <= positions[:, None]  # (B, span)
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+        mask = mask[:, None, None]  # (B, 1, 1, span)
+        slots = torch.arange(batch, device=self.device)
+        for i, layer in enumerate(self.layers):
+            h = F.rms_norm(x, x.shape[-1:], layer.input_norm, self.eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(batch, self.num_heads + 2 * self.kv_heads, self.head_dim)
+            qk = self._rope(qkv[:, : self.num_heads + self.kv_heads], cos, sin)  # (B, H + KV, hd)
+            keys, values = cache.keys[i], cache.values[i]
+            keys[slots, :, positions] = qk[:, self.num_heads :]
+            values[slots, :, positions] = qkv[:, self.num_heads + self.kv_heads :]
+            # the `group` query heads sharing a KV head become the query rows of one attention
+            q = qk[:, : self.num_heads].view(batch, self.kv_heads, self.group, self.head_dim)
+            att = F.scaled_dot_product_attention(q, keys[:batch, :, :span], values[:batch, :, :span], attn_mask=mask)
+            x = x + F.linear(att.reshape(batch, -1), layer.o, layer.o_bias)
+            x = self._mlp_residual(x, layer)
+        return self._logits(x)
