@@ -77,6 +77,14 @@ class GeneratorConfig(_Section):
     """Nucleus sampling mass; 1.0 disables it."""
     max_new_tokens: int = Field(24, ge=1, le=32768)
     """Completion length cap; a completion cut here has finish reason 'length'."""
+    engine: Literal["torch", "reference", "vllm"] = "torch"
+    """Which generator samples rollouts: 'torch' (the project's engine: continuous batching, exact
+    log-probs, in-flight weight swaps; Llama/Qwen2 models), 'reference' (the simple sampler over the
+    HF model's forward that the engine is tested against; any HF causal LM), 'vllm' (GPU, needs
+    vLLM installed)."""
+    max_batch: int = Field(128, ge=1, le=65536)
+    """Sequences decoded together (KV-cache slots). Larger batches raise throughput until the
+    matmuls are compute-bound; KV memory grows with max_batch x (longest prompt + max_new_tokens)."""
 
 
 class TrainerConfig(_Section):

@@ -68,6 +68,9 @@ class TorchSampler:
             self.model.load_state_dict(state, strict=True)
         self.version = version
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         gen = torch.Generator().manual_seed(params.seed)

@@ -14,7 +14,6 @@ greedy pass@1 runs at the start, every `loop.eval_every` steps and at the end; c
 
 from __future__ import annotations
 
-import copy
 import json
 import random
 import time
@@ -25,7 +24,7 @@ import torch
 from gapless.config import Config
 from gapless.envs.code import CodeEnvironment
 from gapless.envs.problems import CodeProblem, generate_problems
-from gapless.generate.sampler import TorchSampler
+from gapless.generate import make_generator
 from gapless.metrics import JsonlSink, ProgressLine, Sinks
 from gapless.models import Policy, load_local
 from gapless.orchestrate.evaluate import greedy_pass_at_1
@@ -84,9 +83,14 @@ class SyncLoop:
             self.state = load_trainer_state(checkpoint, self.trainer.optimizer)
             self.start_step = self.trainer.version = self.state["step"]
             log(f"resumed from {checkpoint} at step {self.start_step}")
-        self.sampler = TorchSampler(copy.deepcopy(self.policy.model), self.policy.eos_id, self.policy.pad_id, self.policy.decode)
+        self.sampler = make_generator(cfg.generator, self.policy, self.max_seq_len(), self.run_dir)
         self.sampler.version = self.trainer.version
         self.sinks = Sinks([JsonlSink(self.run_dir / "metrics.jsonl", append=checkpoint is not None), ProgressLine(cfg.loop.steps)])
+
+    def max_seq_len(self) -> int:
+        """Longest context the generator must hold: the longest prompt plus the completion cap."""
+        longest = max(len(self.policy.encode(p.prompt)) for p in self.train + self.eval)
+        return longest + self.cfg.generator.max_new_tokens
 
     def evaluate(self) -> float:
         return greedy_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens)

@@ -1,0 +1,230 @@
+"""Generator benchmark: the torch engine against `transformers` `generate`, in one run.
+
+Measured side by side, configurations interleaved round by round (A B A B ...):
+  throughput    64 sequences (8 prompts x 8 samples) x 32 forced new tokens, T = 1: engine and
+                `generate` tokens/s; the engine's FLOP/s (2N per prefilled or decoded token, N =
+                parameters, attention excluded) against an fp32 matmul peak measured in each round
+  heavy_tailed  1 in 8 sequences 8x longer (256 vs 32 forced tokens), 64 slots: continuous
+                batching against static batches of 64 (a batch starts when the previous ends)
+  second_point  the engine at 4x the batch and on a 4x wider model: how utilisation moves when
+                per-step overhead is amortised over more work
+Each timed run also records the CPU other processes used meanwhile (/proc/stat minus our own
+CPU time), because 2-thread OpenMP runs slow down sharply when another tenant runs.
+Prints a human summary, then one JSON object on the last line.
+
+    PYTHONPATH=src python bench/generate.py [--rounds 5] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from gapless.config import ModelConfig
+from gapless.envs.problems import generate_problems
+from gapless.generate.engine import TorchEngine
+from gapless.models import build_tiny
+from gapless.types import SamplingParams
+
+TINY = ModelConfig(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024, vocab_size=512)
+WIDE = ModelConfig(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=2048, vocab_size=512)
+
+
+class LoadMeter:
+    """CPU cores used by other processes during a timed block: machine busy time minus ours."""
+
+    def __enter__(self):
+        self.t0, self.busy0, self.own0 = time.perf_counter(), _busy_s(), _own_cpu_s()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall_s = time.perf_counter() - self.t0
+        self.outside_cores = max(0.0, (_busy_s() - self.busy0) - (_own_cpu_s() - self.own0)) / self.wall_s
+
+
+def _busy_s() -> float:
+    fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def matmul_peak_gflops(sizes=(512, 1024), reps: int = 5) -> float:
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t)
+        best = max(best, 2 * n**3 / statistics.median(times) / 1e9)
+    return best
+
+
+def run_engine(engine: TorchEngine, prompts: list[list[int]], n: int, params: SamplingParams) -> dict:
+    """Groups of `n` samples per prompt through add_request/step; times every step."""
+    before = (engine.stats.prefill_tokens, engine.stats.decode_tokens)
+    for prompt in prompts:
+        engine.add_request(prompt, params, n=n)
+    steps = []
+    with LoadMeter() as meter:
+        while engine.has_work:
+            t = time.perf_counter()
+            batch = engine.num_running
+            engine.step()
+            steps.append((batch, time.perf_counter() - t))
+    prefill = engine.stats.prefill_tokens - before[0]
+    decode = engine.stats.decode_tokens - before[1]
+    tokens = len(prompts) * n * params.max_new_tokens
+    full = [dt for b, dt in steps[1:] if b == len(prompts) * n]  # steady-state decode steps
+    return {"wall_s": meter.wall_s, "outside_cores": meter.outside_cores, "tokens": tokens,
+            "flop_tokens": prefill + decode, "decode_step_s": statistics.median(full) if full else float("nan")}
+
+
+def run_hf(model, rows: list[list[int]], pad_id: int, new_tokens: int) -> dict:
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])  # left padded, as generate wants
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    with LoadMeter() as meter, torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_id)
+    assert out.shape[1] - width == new_tokens
+    return {"wall_s": meter.wall_s, "outside_cores": meter.outside_cores, "tokens": len(rows) * new_tokens,
+            "flop_tokens": sum(map(len, rows)) + len(rows) * new_tokens}
+
+
+def run_tailed(engine: TorchEngine, prompts: list[list[int]], n: int, short: int, long: int, static: bool) -> dict:
+    """Sample j of every group is long when (group * n + j) % 8 == 0; `static` admits 64 at a time."""
+    specs = [(p, short * 8 if (g * n + j) % 8 == 0 else short) for g, p in enumerate(prompts) for j in range(n)]
+    chunk = engine.max_batch if static else len(specs)
+    steps = 0
+    with LoadMeter() as meter:
+        for start in range(0, len(specs), chunk):
+            for k, (prompt, length) in enumerate(specs[start : start + chunk]):
+                engine.add_request(prompt, SamplingParams(max_new_tokens=length, ignore_eos=True, seed=start + k))
+            while engine.has_work:
+                engine.step()
+                steps += 1
+    tokens = sum(length for _, length in specs)
+    return {"wall_s": meter.wall_s, "outside_cores": meter.outside_cores, "tokens": tokens, "steps": steps}
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _iqr(values: list[float]) -> list[float]:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return [round(q[0], 3), round(q[2], 3)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tail-groups", type=int, default=64, help="groups of 8 in the heavy-tailed workload")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    problems = generate_problems(0, "train", 2000, [1, 2, 3])
+    texts = [p.prompt + p.solution for p in problems]
+    tiny = build_tiny(TINY, texts, seed=0)
+    wide = build_tiny(WIDE, texts, seed=0)
+    n_params = {"tiny": sum(p.numel() for p in tiny.model.parameters()), "wide": sum(p.numel() for p in wide.model.parameters())}
+    prompts = [tiny.encode(p.prompt) for p in problems[:8]]
+    rows = [p for p in prompts for _ in range(8)]
+    tail_prompts = [tiny.encode(p.prompt) for p in problems[: args.tail_groups]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True)
+    max_len = max(map(len, tail_prompts + prompts)) + 256
+
+    engine = TorchEngine(tiny.model, tiny.eos_id, tiny.pad_id, max_batch=64, max_seq_len=max_len)
+    big_batch = TorchEngine(tiny.model, tiny.eos_id, tiny.pad_id, max_batch=256, max_seq_len=max_len)
+    wide_engine = TorchEngine(wide.model, wide.eos_id, wide.pad_id, max_batch=64, max_seq_len=max_len)
+    big_prompts = [tiny.encode(p.prompt) for p in problems[8:40]]
+
+    # warm-up: first calls allocate and pick kernels
+    run_engine(engine, prompts, 8, params), run_hf(tiny.model, rows, tiny.pad_id, 32)
+    run_engine(big_batch, big_prompts, 8, params), run_engine(wide_engine, prompts, 8, params)
+
+    res = {k: [] for k in ("peak", "engine", "hf", "continuous", "static", "big_batch", "wide")}
+    for r in range(args.rounds):
+        res["peak"].append(matmul_peak_gflops())
+        res["engine"].append(run_engine(engine, prompts, 8, SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True, seed=r)))
+        res["hf"].append(run_hf(tiny.model, rows, tiny.pad_id, 32))
+        res["continuous"].append(run_tailed(engine, tail_prompts, 8, 32, 256, static=False))
+        res["static"].append(run_tailed(engine, tail_prompts, 8, 32, 256, static=True))
+        res["big_batch"].append(run_engine(big_batch, big_prompts, 8, params))
+        res["wide"].append(run_engine(wide_engine, prompts, 8, params))
+        res["peak"].append(matmul_peak_gflops())
+        e, h = res["engine"][-1], res["hf"][-1]
+        print(f"round {r}: engine {e['tokens'] / e['wall_s']:.0f} tok/s, generate {h['tokens'] / h['wall_s']:.0f} tok/s, "
+              f"continuous {res['continuous'][-1]['wall_s']:.2f} s, static {res['static'][-1]['wall_s']:.2f} s, "
+              f"outside load {e['outside_cores']:.2f}/{h['outside_cores']:.2f} cores", flush=True)
+
+    peak = statistics.median(res["peak"])
+
+    def tok_s(runs):
+        return statistics.median(x["tokens"] / x["wall_s"] for x in runs)
+
+    def gflops(runs, n):
+        return statistics.median(2 * n * x["flop_tokens"] / x["wall_s"] / 1e9 for x in runs)
+
+    def decode_gflops(runs, n, batch):
+        return statistics.median(2 * n * batch / x["decode_step_s"] / 1e9 for x in runs)
+
+    ratios = [h["wall_s"] / e["wall_s"] for e, h in zip(res["engine"], res["hf"])]
+    tail_ratios = [s["wall_s"] / c["wall_s"] for c, s in zip(res["continuous"], res["static"])]
+    n_tiny, n_wide = n_params["tiny"], n_params["wide"]
+    summary = {
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "model": {"tiny": TINY.model_dump(), "tiny_params": n_tiny, "wide": WIDE.model_dump(), "wide_params": n_wide},
+        "matmul_peak_gflops": round(peak, 1),
+        "outside_load_cores_median": round(statistics.median(x["outside_cores"] for k in ("engine", "hf", "continuous", "static") for x in res[k]), 2),
+        "throughput": {
+            "workload": "8 prompts x 8 samples, 32 forced new tokens, T=1, 64 slots",
+            "engine_tok_s": round(tok_s(res["engine"])),
+            "generate_tok_s": round(tok_s(res["hf"])),
+            "speedup": round(_median(res["hf"], "wall_s") / _median(res["engine"], "wall_s"), 2),
+            "speedup_iqr": _iqr(ratios),
+            "engine_gflops": round(gflops(res["engine"], n_tiny), 1),
+            "engine_peak_frac": round(gflops(res["engine"], n_tiny) / peak, 3),
+            "engine_decode_step_ms": round(_median(res["engine"], "decode_step_s") * 1e3, 2),
+            "engine_decode_peak_frac": round(decode_gflops(res["engine"], n_tiny, 64) / peak, 3),
+            "generate_peak_frac": round(gflops(res["hf"], n_tiny) / peak, 3),
+        },
+        "heavy_tailed": {
+            "workload": f"{args.tail_groups} prompts x 8 samples, 1 in 8 forced to 256 tokens, others 32, 64 slots",
+            "continuous_s": round(_median(res["continuous"], "wall_s"), 3),
+            "static_s": round(_median(res["static"], "wall_s"), 3),
+            "speedup": round(_median(res["static"], "wall_s") / _median(res["continuous"], "wall_s"), 2),
+            "speedup_iqr": _iqr(tail_ratios),
+            "continuous_steps": res["continuous"][0]["steps"],
+            "static_steps": res["static"][0]["steps"],
+        },
+        "second_point": {
+            "tiny_256_slots_tok_s": round(tok_s(res["big_batch"])),
+            "tiny_256_slots_peak_frac": round(gflops(res["big_batch"], n_tiny) / peak, 3),
+            "tiny_256_slots_decode_peak_frac": round(decode_gflops(res["big_batch"], n_tiny, 256) / peak, 3),
+            "wide_64_slots_tok_s": round(tok_s(res["wide"])),
+            "wide_64_slots_peak_frac": round(gflops(res["wide"], n_wide) / peak, 3),
+            "wide_64_slots_decode_peak_frac": round(decode_gflops(res["wide"], n_wide, 64) / peak, 3),
+        },
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
