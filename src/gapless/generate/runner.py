@@ -130,12 +130,19 @@ class DecoderRunner:
         return KVCache(self.num_layers, slots, self.kv_heads, self.max_seq_len, self.head_dim, self.dtype, self.device)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-        return x * cos + torch.roll(x, self.head_dim // 2, dims=-1) * sin_signed
+        return torch.addcmul(x * cos, torch.roll(x, self.head_dim // 2, dims=-1), sin_signed)
+
+    @staticmethod
+    def _residual_linear(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x + a @ weight.T (+ bias), one fused matmul when there is no bias."""
+        if bias is None and x.dim() == 2:
+            return torch.addmm(x, a, weight.t())
+        return x + F.linear(a, weight, bias)
 
     def _mlp_residual(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
         h = F.rms_norm(x, x.shape[-1:], layer.post_norm, self.eps)
         gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        return self._residual_linear(x, F.silu(gate) * up, layer.down, layer.down_bias)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps), self.lm_head)
@@ -159,7 +166,7 @@ class DecoderRunner:
             # right padding: a real token only sees real tokens before it, so causal is enough
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.group > 1)  # (R, H, P, hd)
             att = att.transpose(1, 2).reshape(rows, width, -1)
-            x = x + F.linear(att, layer.o, layer.o_bias)
+            x = self._residual_linear(x, att, layer.o, layer.o_bias)
             x = self._mlp_residual(x, layer)
         last = x[torch.arange(rows, device=self.device), lengths.to(self.device) - 1]  # (R, D)
         return self._logits(last), kv
@@ -167,24 +174,26 @@ class DecoderRunner:
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One token for each of the slots 0..B-1 at `positions` (B,); returns logits (B, V)."""
-        batch = tokens.shape[0]
+        batch, heads, kv_heads, hd = tokens.shape[0], self.num_heads, self.kv_heads, self.head_dim
         span = int(positions.max()) + 1
         x = F.embedding(tokens, self.embed)  # (B, D)
         cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # (B, 1, hd)
-        visible = torch.arange(span, device=self.device)[None] <= positions[:, None]  # (B, span)
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
-        mask = mask[:, None, None]  # (B, 1, 1, span)
-        slots = torch.arange(batch, device=self.device)
+        hidden = torch.arange(span, device=self.device)[None] > positions[:, None]  # (B, span): not yet written
+        mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(hidden, float("-inf"))[:, None, None]
+        # row of (slot b, kv head h, position p) in the cache viewed as (slots * kv_heads * max_len, hd)
+        rows = ((torch.arange(batch, device=self.device)[:, None] * kv_heads + torch.arange(kv_heads, device=self.device)) * cache.max_seq_len
+                + positions[:, None]).view(-1)  # (B * KV,)
         for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, x.shape[-1:], layer.input_norm, self.eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(batch, self.num_heads + 2 * self.kv_heads, self.head_dim)
-            qk = self._rope(qkv[:, : self.num_heads + self.kv_heads], cos, sin)  # (B, H + KV, hd)
-            keys, values = cache.keys[i], cache.values[i]
-            keys[slots, :, positions] = qk[:, self.num_heads :]
-            values[slots, :, positions] = qkv[:, self.num_heads + self.kv_heads :]
-            # the `group` query heads sharing a KV head become the query rows of one attention
-            q = qk[:, : self.num_heads].view(batch, self.kv_heads, self.group, self.head_dim)
-            att = F.scaled_dot_product_attention(q, keys[:batch, :, :span], values[:batch, :, :span], attn_mask=mask)
-            x = x + F.linear(att.reshape(batch, -1), layer.o, layer.o_bias)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(batch, heads + 2 * kv_heads, hd)
+            qk = self._rope(qkv[:, : heads + kv_heads], cos, sin)  # (B, H + KV, hd)
+            cache.keys[i].view(-1, hd).index_copy_(0, rows, qk[:, heads:].reshape(-1, hd))
+            cache.values[i].view(-1, hd).index_copy_(0, rows, qkv[:, heads + kv_heads :].reshape(-1, hd))
+            # the `group` query heads sharing a KV head are the query rows of one small attention
+            q = qk[:, :heads].view(batch, kv_heads, self.group, hd)
+            keys, values = cache.keys[i][:batch, :, :span], cache.values[i][:batch, :, :span]  # views, no copy
+            scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(hd**-0.5).add_(mask)  # (B, KV, group, span)
+            att = torch.matmul(torch.softmax(scores, dim=-1), values)  # (B, KV, group, hd)
+            x = self._residual_linear(x, att.view(batch, heads * hd), layer.o, layer.o_bias)
             x = self._mlp_residual(x, layer)
         return self._logits(x)
