@@ -129,6 +129,12 @@ class DecoderRunner:
     def new_cache(self, slots: int) -> KVCache:
         return KVCache(self.num_layers, slots, self.kv_heads, self.max_seq_len, self.head_dim, self.dtype, self.device)
 
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm in HF's order of operations, computed in fp32 whatever the weights' dtype."""
+        h = x.float()  # no copy when x is already fp32
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).add_(self.eps))
+        return weight * h.to(x.dtype)
+
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         return torch.addcmul(x * cos, torch.roll(x, self.head_dim // 2, dims=-1), sin_signed)
 
@@ -140,12 +146,12 @@ class DecoderRunner:
         return x + F.linear(a, weight, bias)
 
     def _mlp_residual(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
-        h = F.rms_norm(x, x.shape[-1:], layer.post_norm, self.eps)
+        h = self._norm(x, layer.post_norm)
         gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
         return self._residual_linear(x, F.silu(gate) * up, layer.down, layer.down_bias)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps), self.lm_head)
+        return F.linear(self._norm(x, self.final_norm), self.lm_head)
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -156,7 +162,7 @@ class DecoderRunner:
         cos, sin = self.cos[:width], self.sin_signed[:width]  # (P, head_dim)
         kv = []
         for layer in self.layers:
-            h = F.rms_norm(x, x.shape[-1:], layer.input_norm, self.eps)
+            h = self._norm(x, layer.input_norm)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(rows, width, self.num_heads + 2 * self.kv_heads, self.head_dim)
             qkv = qkv.transpose(1, 2)  # (R, H + 2 KV, P, head_dim)
             q = self._rope(qkv[:, : self.num_heads], cos, sin)
@@ -184,7 +190,7 @@ class DecoderRunner:
         rows = ((torch.arange(batch, device=self.device)[:, None] * kv_heads + torch.arange(kv_heads, device=self.device)) * cache.max_seq_len
                 + positions[:, None]).view(-1)  # (B * KV,)
         for i, layer in enumerate(self.layers):
-            h = F.rms_norm(x, x.shape[-1:], layer.input_norm, self.eps)
+            h = self._norm(x, layer.input_norm)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(batch, heads + 2 * kv_heads, hd)
             qk = self._rope(qkv[:, : heads + kv_heads], cos, sin)  # (B, H + KV, hd)
             cache.keys[i].view(-1, hd).index_copy_(0, rows, qk[:, heads:].reshape(-1, hd))

@@ -50,18 +50,19 @@ def sample_rows(logits: torch.Tensor, rows: RowSettings, u: torch.Tensor) -> tup
         logp = torch.log_softmax(logits, dim=-1)  # (B, V)
         token = logits.argmax(dim=-1)
         return token, logp.gather(-1, token[:, None]).squeeze(-1)
-    logp = torch.log_softmax(logits / rows.temperature[:, None], dim=-1)  # (B, V)
-    probs = logp.exp()
+    probs = torch.softmax(logits / rows.temperature[:, None], dim=-1)  # (B, V)
     kept_mass = None
     if rows.any_truncation:
         probs, kept_mass = _truncate(probs, rows.top_p, rows.top_k)
     cdf = probs.cumsum(dim=-1)  # (B, V)
     total = cdf[:, -1]
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # < total: lands on a kept token
-    token = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+    token = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
     if rows.any_greedy:
         token = torch.where(rows.greedy, logits.argmax(dim=-1), token)
-    token_logp = logp.gather(-1, token[:, None]).squeeze(-1)
+    # log of the softmax entry, not log_softmax over the row: one (B,) log instead of a (B, V) pass;
+    # it differs from log_softmax by float rounding (~1e-7), far inside the 1e-5 contract
+    token_logp = probs.gather(-1, token[:, None]).squeeze(-1).log()
     if kept_mass is not None:
         token_logp = token_logp - kept_mass.log()
     return token, token_logp
