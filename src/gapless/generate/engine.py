@@ -271,15 +271,32 @@ class TorchEngine:
         return self._record(0, tokens.tolist(), logprobs.tolist())
 
     def _admit(self) -> list[Completion]:
+        """Fill free slots from the waiting queue and sample each newcomer's next token."""
         take = min(self.max_batch - len(self.running), len(self.waiting))
         if take == 0:
             return []
         seqs = [self.waiting.popleft() for _ in range(take)]
         contexts = [seq.context for seq in seqs]
         lo, hi = len(self.running), len(self.running) + take
+        first_logits = self._fill_slots(contexts, lo)  # (take, V)
+        for i, (seq, ctx) in enumerate(zip(seqs, contexts)):
+            self.slots.assign(lo + i, seq, len(ctx))
+            self._leave_waiting(ctx)
+        self.running += seqs
+        self._decode_rows = None
+        u = self.slots.uniforms[lo:hi].gather(1, self.slots.generated[lo:hi, None]).squeeze(1)
+        tokens, logprobs = sample_rows(first_logits, self.slots.settings(lo, hi, seqs), u)
+        self.slots.last_token[lo:hi] = tokens
+        self.slots.generated[lo:hi] += 1
+        return self._record(lo, tokens.tolist(), logprobs.tolist())
+
+    def _fill_slots(self, contexts: list[tuple[int, ...]], lo: int) -> torch.Tensor:
+        """Write the keys/values of `contexts` into slots lo, lo+1, ...; return their last logits.
+        Each distinct context is prefilled once (or copied from its stash); a fresh prefill is
+        stashed while samples with the same context still wait for a slot."""
         fresh = list(dict.fromkeys(c for c in contexts if c not in self._prefixes))  # distinct, in order
         stashed = list(dict.fromkeys(c for c in contexts if c in self._prefixes))
-        row = {ctx: i for i, ctx in enumerate(fresh + stashed)}  # row of each context's logits in `table`
+        row = {ctx: i for i, ctx in enumerate(fresh + stashed)}  # row of each context in `table`
         table = []
         if fresh:
             ids, lengths = right_pad(fresh, self.pad_id)
@@ -292,7 +309,7 @@ class TorchEngine:
                 self.cache.write_prefix(layer, k, v, rows_t, slots_t)
             table.append(logits)
             admitted = Counter(contexts)
-            for ctx in fresh:  # keep prefills that samples still waiting for a slot will need
+            for ctx in fresh:
                 if self._waiting_contexts[ctx] > admitted[ctx]:
                     r = row[ctx]
                     self._prefixes[ctx] = _Prefix([k[r : r + 1, :, : len(ctx)].clone() for k, _ in kv],
@@ -303,17 +320,7 @@ class TorchEngine:
             for layer in range(self.runner.num_layers):
                 self.cache.write_prefix(layer, prefix.keys[layer], prefix.values[layer], torch.zeros_like(slots_t), slots_t)
             table.append(prefix.logits[None])
-        for i, (seq, ctx) in enumerate(zip(seqs, contexts)):
-            self.slots.assign(lo + i, seq, len(ctx))
-            self._leave_waiting(ctx)
-        self.running += seqs
-        self._decode_rows = None
-        u = self.slots.uniforms[lo:hi].gather(1, self.slots.generated[lo:hi, None]).squeeze(1)
-        first_logits = torch.cat(table)[torch.tensor([row[ctx] for ctx in contexts])]  # (take, V)
-        tokens, logprobs = sample_rows(first_logits, self.slots.settings(lo, hi, seqs), u)
-        self.slots.last_token[lo:hi] = tokens
-        self.slots.generated[lo:hi] += 1
-        return self._record(lo, tokens.tolist(), logprobs.tolist())
+        return torch.cat(table)[torch.tensor([row[ctx] for ctx in contexts])]
 
     def _record(self, lo: int, tokens: list[int], logprobs: list[float]) -> list[Completion]:
         """Append one token to running[lo:lo+len(tokens)]; retire those that finished."""
