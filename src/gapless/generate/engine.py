@@ -8,12 +8,13 @@ Who calls what (one thread; the caller drives the steps and swaps weights betwee
     abort(ids) ──> partial completions (finish reason "abort"), resumable later
     update_weights(state, v) between steps: KV kept, or in-flight sequences re-prefilled
 
-A step (1) decodes one token for every running sequence in one batched forward, (2) retires the
-finished ones and closes the holes by moving the last slots down (so the running batch is always
-the prefix 0..B-1 of the cache), (3) fills the free slots from the waiting queue: their contexts
-are prefilled in one right-padded batch, each distinct context once -- the N samples of a group
-share one prompt prefill, and a stashed copy serves samples admitted in later steps -- and their
-first token is sampled from the prefill logits.
+A step (1) fills the free slots from the waiting queue: the keys/values of each newcomer's
+context but its last token are prefilled in one right-padded batch, each distinct prefix once --
+the N samples of a group share one prompt prefill, and a stashed copy serves samples admitted in
+later steps; (2) decodes one token for every running sequence in one batched forward (a newcomer
+feeds its last context token, so every token is sampled in the same place); (3) retires the
+finished sequences and closes the holes by moving the last slots down, so the running batch is
+always the prefix 0..B-1 of the cache and a freed slot is refilled at the next step.
 
 Guarantees (tested): greedy tokens equal `transformers` `generate`; cached decoding equals full
 recomputation within fp32 rounding; with top-p = 1 and top-k = 0 each token's log-prob equals the
@@ -65,11 +66,10 @@ class _Sequence:
 
 @dataclass
 class _Prefix:
-    """A prefilled context kept for its samples that did not fit in this step's free slots."""
+    """Prefilled keys/values kept for sequences with the same prefix that did not fit in this step's free slots."""
 
     keys: list[torch.Tensor]  # per layer (1, kv_heads, P, head_dim)
     values: list[torch.Tensor]
-    logits: torch.Tensor  # (V,)
 
 
 @dataclass
@@ -97,9 +97,10 @@ class _Slots:
         self.uniforms = torch.zeros(slots, width, **like)
         self._all = [self.position, self.last_token, self.generated, self.temperature, self.top_p, self.top_k, self.greedy, self.uniforms]
 
-    def assign(self, slot: int, seq: _Sequence, position: int) -> None:
+    def assign(self, slot: int, seq: _Sequence, last_token: int, position: int) -> None:
         p = seq.params
         self.position[slot] = position
+        self.last_token[slot] = last_token
         self.generated[slot] = len(seq.tokens)
         self.temperature[slot] = 1.0 if p.greedy else p.temperature
         self.top_p[slot] = 1.0 if p.greedy else p.top_p
@@ -121,12 +122,12 @@ class _Slots:
         )
 
 
-def right_pad(rows: list[tuple[int, ...]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def right_pad(rows: list[tuple[int, ...]], pad_id: int) -> torch.Tensor:
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (R, P)
     for i, row in enumerate(rows):
         ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-    return ids, torch.tensor([len(r) for r in rows])
+    return ids
 
 
 class TorchEngine:
@@ -147,7 +148,7 @@ class TorchEngine:
         self.waiting: deque[_Sequence] = deque()
         self._decode_text = decode
         self._prefixes: dict[tuple[int, ...], _Prefix] = {}
-        self._waiting_contexts: Counter[tuple[int, ...]] = Counter()
+        self._waiting_prefixes: Counter[tuple[int, ...]] = Counter()
         self._decode_rows: RowSettings | None = None  # settings of the running batch, rebuilt when it changes
         self._ids = itertools.count()
 
@@ -192,7 +193,7 @@ class TorchEngine:
         for seq in self.waiting:
             if seq.request_id in ids:
                 out.append(self._completion(seq, "abort"))
-                self._leave_waiting(seq.context)
+                self._leave_waiting(seq.context[:-1])
             else:
                 kept.append(seq)
         self.waiting = kept
@@ -221,13 +222,13 @@ class TorchEngine:
             raise ValueError(f"prompt ({len(seq.prompt)}) + max_new_tokens ({seq.params.max_new_tokens}) exceeds the "
                              f"engine's max_seq_len ({self.max_seq_len}); shorten them or build the engine with a larger max_seq_len")
         self.waiting.append(seq)
-        self._waiting_contexts[seq.context] += 1
+        self._waiting_prefixes[seq.context[:-1]] += 1
 
-    def _leave_waiting(self, context: tuple[int, ...]) -> None:
-        self._waiting_contexts[context] -= 1
-        if self._waiting_contexts[context] == 0:
-            del self._waiting_contexts[context]
-            self._prefixes.pop(context, None)
+    def _leave_waiting(self, prefix: tuple[int, ...]) -> None:
+        self._waiting_prefixes[prefix] -= 1
+        if self._waiting_prefixes[prefix] == 0:
+            del self._waiting_prefixes[prefix]
+            self._prefixes.pop(prefix, None)
 
     # ---- weights --------------------------------------------------------------------------
     def update_weights(self, state: dict[str, torch.Tensor], version: int, recompute_kv: bool | None = None) -> None:
@@ -240,7 +241,7 @@ class TorchEngine:
         if self.recompute_kv if recompute_kv is None else recompute_kv:
             for seq in reversed(self.running):
                 self.waiting.appendleft(seq)
-                self._waiting_contexts[seq.context] += 1
+                self._waiting_prefixes[seq.context[:-1]] += 1
             self.running.clear()
             self._decode_rows = None
 
@@ -250,10 +251,10 @@ class TorchEngine:
     # ---- the step -------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[Completion]:
-        """Decode one token for every running sequence, then refill free slots; returns the
-        completions that finished in this step."""
+        """Fill free slots from the waiting queue, then decode one token for every running
+        sequence; returns the completions that finished in this step."""
+        self._admit()
         finished = self._decode_step() if self.running else []
-        finished += self._admit()
         self.stats.steps += 1
         return finished
 
@@ -268,64 +269,54 @@ class TorchEngine:
         slots.last_token[:batch] = tokens
         slots.generated[:batch] += 1
         self.stats.decode_tokens += batch
-        return self._record(0, tokens.tolist(), logprobs.tolist())
+        return self._record(tokens.tolist(), logprobs.tolist())
 
-    def _admit(self) -> list[Completion]:
-        """Fill free slots from the waiting queue and sample each newcomer's next token."""
+    def _admit(self) -> None:
+        """Move waiting sequences into the free slots: the cache gets the keys/values of all but
+        the last context token, which the next decode feeds like any sampled token."""
         take = min(self.max_batch - len(self.running), len(self.waiting))
         if take == 0:
-            return []
+            return
         seqs = [self.waiting.popleft() for _ in range(take)]
         contexts = [seq.context for seq in seqs]
-        lo, hi = len(self.running), len(self.running) + take
-        first_logits = self._fill_slots(contexts, lo)  # (take, V)
+        lo = len(self.running)
+        self._fill_slots([ctx[:-1] for ctx in contexts], lo)
         for i, (seq, ctx) in enumerate(zip(seqs, contexts)):
-            self.slots.assign(lo + i, seq, len(ctx))
-            self._leave_waiting(ctx)
+            self.slots.assign(lo + i, seq, ctx[-1], len(ctx) - 1)
+            self._leave_waiting(ctx[:-1])
         self.running += seqs
         self._decode_rows = None
-        u = self.slots.uniforms[lo:hi].gather(1, self.slots.generated[lo:hi, None]).squeeze(1)
-        tokens, logprobs = sample_rows(first_logits, self.slots.settings(lo, hi, seqs), u)
-        self.slots.last_token[lo:hi] = tokens
-        self.slots.generated[lo:hi] += 1
-        return self._record(lo, tokens.tolist(), logprobs.tolist())
 
-    def _fill_slots(self, contexts: list[tuple[int, ...]], lo: int) -> torch.Tensor:
-        """Write the keys/values of `contexts` into slots lo, lo+1, ...; return their last logits.
-        Each distinct context is prefilled once (or copied from its stash); a fresh prefill is
-        stashed while samples with the same context still wait for a slot."""
-        fresh = list(dict.fromkeys(c for c in contexts if c not in self._prefixes))  # distinct, in order
-        stashed = list(dict.fromkeys(c for c in contexts if c in self._prefixes))
-        row = {ctx: i for i, ctx in enumerate(fresh + stashed)}  # row of each context in `table`
-        table = []
+    def _fill_slots(self, prefixes: list[tuple[int, ...]], lo: int) -> None:
+        """Write the keys/values of `prefixes` into slots lo, lo+1, ... Each distinct prefix is
+        prefilled once (or copied from its stash); a fresh prefill is stashed while sequences
+        with the same prefix still wait for a slot."""
+        fresh = list(dict.fromkeys(p for p in prefixes if p and p not in self._prefixes))  # distinct, in order
         if fresh:
-            ids, lengths = right_pad(fresh, self.pad_id)
-            logits, kv = self.runner.prefill(ids, lengths)  # (R, V), per layer (R, kv_heads, P, hd)
-            self.stats.prefill_tokens += int(lengths.sum())
+            row = {prefix: i for i, prefix in enumerate(fresh)}
+            ids = right_pad(fresh, self.pad_id)
+            kv = self.runner.prefill(ids)  # per layer (R, kv_heads, P, hd)
+            self.stats.prefill_tokens += sum(map(len, fresh))
             self.stats.prefill_padded_tokens += ids.numel()
-            into = [(row[ctx], lo + i) for i, ctx in enumerate(contexts) if row[ctx] < len(fresh)]
+            into = [(row[p], lo + i) for i, p in enumerate(prefixes) if p in row]
             rows_t, slots_t = torch.tensor([r for r, _ in into]), torch.tensor([s for _, s in into])
             for layer, (k, v) in enumerate(kv):
                 self.cache.write_prefix(layer, k, v, rows_t, slots_t)
-            table.append(logits)
-            admitted = Counter(contexts)
-            for ctx in fresh:
-                if self._waiting_contexts[ctx] > admitted[ctx]:
-                    r = row[ctx]
-                    self._prefixes[ctx] = _Prefix([k[r : r + 1, :, : len(ctx)].clone() for k, _ in kv],
-                                                  [v[r : r + 1, :, : len(ctx)].clone() for _, v in kv], logits[r].clone())
-        for ctx in stashed:
-            prefix = self._prefixes[ctx]
-            slots_t = torch.tensor([lo + i for i, c in enumerate(contexts) if c == ctx])
+            admitted = Counter(prefixes)
+            for prefix, r in row.items():
+                if self._waiting_prefixes[prefix] > admitted[prefix]:
+                    self._prefixes[prefix] = _Prefix([k[r : r + 1, :, : len(prefix)].clone() for k, _ in kv],
+                                                     [v[r : r + 1, :, : len(prefix)].clone() for _, v in kv])
+        for prefix in dict.fromkeys(p for p in prefixes if p in self._prefixes and p not in fresh):
+            stash = self._prefixes[prefix]
+            slots_t = torch.tensor([lo + i for i, p in enumerate(prefixes) if p == prefix])
             for layer in range(self.runner.num_layers):
-                self.cache.write_prefix(layer, prefix.keys[layer], prefix.values[layer], torch.zeros_like(slots_t), slots_t)
-            table.append(prefix.logits[None])
-        return torch.cat(table)[torch.tensor([row[ctx] for ctx in contexts])]
+                self.cache.write_prefix(layer, stash.keys[layer], stash.values[layer], torch.zeros_like(slots_t), slots_t)
 
-    def _record(self, lo: int, tokens: list[int], logprobs: list[float]) -> list[Completion]:
-        """Append one token to running[lo:lo+len(tokens)]; retire those that finished."""
+    def _record(self, tokens: list[int], logprobs: list[float]) -> list[Completion]:
+        """Append one token to every running sequence; retire those that finished."""
         done, reasons = [], []
-        for i, (token, logprob) in enumerate(zip(tokens, logprobs), start=lo):
+        for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
             seq = self.running[i]
             seq.tokens.append(token)
             seq.logprobs.append(logprob)

@@ -7,10 +7,10 @@ arithmetic as the HF modules: RMSNorm in fp32, rotary embeddings from the model'
 head_dim**-0.5, SiLU-gated MLP, final norm and LM head. It never calls the HF module at run
 time, which is where `generate`'s per-step overhead lives.
 
-Two entry points: `prefill` runs right-padded prompts at positions 0..P-1 with a causal mask
+Two entry points: `prefill` runs right-padded contexts at positions 0..P-1 with a causal mask
 and returns their keys/values for the engine to place; `decode` feeds one token for each of
-the B running slots at its own position, writes its key/value into the cache and attends to
-positions <= its own. Both return logits only where a token is sampled.
+the B running slots at its own position, writes its key/value into the cache, attends to
+positions <= its own and returns the logits of the next token.
 `load_state` takes a full HF state dict by name and copies it into the fused tensors in place;
 the cache is untouched, so in-flight sequences survive a weight swap.
 """
@@ -181,28 +181,29 @@ class DecoderRunner:
         return self.lm_head(self._norm(x, self.final_norm))
 
     @torch.no_grad()
-    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Right-padded rows `ids` (R, P) with true `lengths` (R,). Returns the logits at each
-        row's last real token (R, V) and per layer the keys/values (R, kv_heads, P, head_dim)."""
+    def prefill(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Right-padded rows `ids` (R, P) at positions 0..P-1; per layer their keys and values
+        (R, kv_heads, P, head_dim). Padding only produces keys/values past a row's length, which
+        the decode mask hides. No logits: the engine samples every token in `decode`."""
         rows, width = ids.shape
         x = F.embedding(ids, self.embed)  # (R, P, D)
         cos, sin = self.cos[:width], self.sin_signed[:width]  # (P, head_dim)
         kv = []
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             h = self._norm(x, layer.input_norm)
             qkv = layer.qkv(h).view(rows, width, self.num_heads + 2 * self.kv_heads, self.head_dim)
             qkv = qkv.transpose(1, 2)  # (R, H + 2 KV, P, head_dim)
-            q = self._rope(qkv[:, : self.num_heads], cos, sin)
             k = self._rope(qkv[:, self.num_heads : self.num_heads + self.kv_heads], cos, sin)
             v = qkv[:, self.num_heads + self.kv_heads :].contiguous()
             kv.append((k, v))
+            if i == self.num_layers - 1:
+                break  # the last layer's output feeds only logits, which prefill does not produce
+            q = self._rope(qkv[:, : self.num_heads], cos, sin)
             # right padding: a real token only sees real tokens before it, so causal is enough
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.group > 1)  # (R, H, P, hd)
-            att = att.transpose(1, 2).reshape(rows, width, -1)
-            x = layer.o.residual(x, att)
+            x = layer.o.residual(x, att.transpose(1, 2).reshape(rows, width, -1))
             x = self._mlp_residual(x, layer)
-        last = x[torch.arange(rows, device=self.device), lengths.to(self.device) - 1]  # (R, D)
-        return self._logits(last), kv
+        return kv
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
