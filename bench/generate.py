@@ -167,9 +167,9 @@ def main() -> None:
     params = SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True)
     max_len = max(map(len, tail_prompts + prompts)) + 256
 
-    engine = TorchEngine(tiny.model, tiny.eos_id, tiny.pad_id, max_batch=64, max_seq_len=max_len)
-    big_batch = TorchEngine(tiny.model, tiny.eos_id, tiny.pad_id, max_batch=256, max_seq_len=max_len)
-    wide_engine = TorchEngine(wide.model, wide.eos_id, wide.pad_id, max_batch=64, max_seq_len=max_len)
+    engine = TorchEngine(tiny.model, tiny.eos_id, max_batch=64, max_seq_len=max_len)
+    big_batch = TorchEngine(tiny.model, tiny.eos_id, max_batch=256, max_seq_len=max_len)
+    wide_engine = TorchEngine(wide.model, wide.eos_id, max_batch=64, max_seq_len=max_len)
     big_prompts = [tiny.encode(p.prompt) for p in problems[8:40]]
 
     # warm-up: first calls allocate and pick kernels

@@ -42,7 +42,7 @@ def _prompts(policy, problems, k=6):
 
 
 def _engine(policy, **kw):
-    return TorchEngine(policy.model, policy.eos_id, policy.pad_id, **kw)
+    return TorchEngine(policy.model, policy.eos_id, **kw)
 
 
 def _hf_forward(model, ids, cache=None):
@@ -72,9 +72,7 @@ def test_cached_decode_logits_equal_full_recomputation(policy, problems):
     starts = torch.tensor([6, 9, 4, 7, 5])
     runner = DecoderRunner(policy.model, 128)
     cache = runner.new_cache(5)
-    width = int(starts.max())
-    ids = torch.tensor([s[:n] + [policy.pad_id] * (width - n) for s, n in zip(seqs, starts.tolist())])
-    for layer, (k, v) in enumerate(runner.prefill(ids)):
+    for layer, (k, v) in enumerate(runner.prefill([tuple(s[:n]) for s, n in zip(seqs, starts.tolist())])):
         cache.write_prefix(layer, k, v, torch.arange(5), torch.arange(5))
     with torch.no_grad():
         full = [_hf_forward(policy.model, s) for s in seqs]

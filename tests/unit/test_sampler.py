@@ -10,7 +10,7 @@ from gapless.types import SamplingParams
 
 GENERATORS = {
     "reference": lambda policy: TorchSampler(policy.model, policy.eos_id, policy.pad_id),
-    "torch": lambda policy: TorchEngine(policy.model, policy.eos_id, policy.pad_id, max_batch=4),  # < prompts: refills
+    "torch": lambda policy: TorchEngine(policy.model, policy.eos_id, max_batch=4),  # < prompts: refills
 }
 
 

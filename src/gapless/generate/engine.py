@@ -78,8 +78,7 @@ class EngineStats:
 
     steps: int = 0
     decode_tokens: int = 0
-    prefill_tokens: int = 0  # real context tokens run through a prefill
-    prefill_padded_tokens: int = 0  # including right padding
+    prefill_tokens: int = 0  # context tokens run through a prefill
 
 
 class _Slots:
@@ -97,16 +96,19 @@ class _Slots:
         self.uniforms = torch.zeros(slots, width, **like)
         self._all = [self.position, self.last_token, self.generated, self.temperature, self.top_p, self.top_k, self.greedy, self.uniforms]
 
-    def assign(self, slot: int, seq: _Sequence, last_token: int, position: int) -> None:
-        p = seq.params
-        self.position[slot] = position
-        self.last_token[slot] = last_token
-        self.generated[slot] = len(seq.tokens)
-        self.temperature[slot] = 1.0 if p.greedy else p.temperature
-        self.top_p[slot] = 1.0 if p.greedy else p.top_p
-        self.top_k[slot] = 0 if p.greedy else p.top_k
-        self.greedy[slot] = p.greedy
-        self.uniforms[slot, : p.max_new_tokens] = uniform_stream(seq.seed, p.max_new_tokens)
+    def assign(self, lo: int, seqs: list[_Sequence], last_tokens: list[int], positions: list[int]) -> None:
+        """Set slots lo, lo+1, ... for `seqs` (one tensor write per field, not per sequence)."""
+        hi, params = lo + len(seqs), [s.params for s in seqs]
+        put = lambda field, values, **kw: field[lo:hi].copy_(torch.tensor(values, **kw))  # noqa: E731
+        put(self.position, positions)
+        put(self.last_token, last_tokens)
+        put(self.generated, [len(s.tokens) for s in seqs])
+        put(self.temperature, [1.0 if p.greedy else p.temperature for p in params], dtype=self.temperature.dtype)
+        put(self.top_p, [1.0 if p.greedy else p.top_p for p in params], dtype=self.top_p.dtype)
+        put(self.top_k, [0 if p.greedy else p.top_k for p in params])
+        put(self.greedy, [p.greedy for p in params])
+        for i, seq in enumerate(seqs):
+            self.uniforms[lo + i, : seq.params.max_new_tokens] = uniform_stream(seq.seed, seq.params.max_new_tokens)
 
     def move(self, src: list[int], dst: list[int]) -> None:
         src_t, dst_t = torch.tensor(src), torch.tensor(dst)
@@ -122,25 +124,17 @@ class _Slots:
         )
 
 
-def right_pad(rows: list[tuple[int, ...]], pad_id: int) -> torch.Tensor:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (R, P)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-    return ids
-
-
 class TorchEngine:
     """Generator over a copy of an HF Llama/Qwen2 model's weights; push new ones with `update_weights`."""
 
-    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, decode: Callable[[list[int]], str] | None = None,
+    def __init__(self, model: torch.nn.Module, eos_id: int, decode: Callable[[list[int]], str] | None = None,
                  *, max_batch: int = 64, max_seq_len: int | None = None, recompute_kv: bool = False):
         self.runner = DecoderRunner(model, max_seq_len or model.config.max_position_embeddings)
         self.max_batch = max_batch
         self.max_seq_len = self.runner.max_seq_len
         self.cache = self.runner.new_cache(max_batch)
         self.slots = _Slots(max_batch, self.max_seq_len, self.runner.device)
-        self.eos_id, self.pad_id = eos_id, pad_id
+        self.eos_id = eos_id
         self.recompute_kv = recompute_kv
         self.version = 0
         self.stats = EngineStats()
@@ -281,8 +275,8 @@ class TorchEngine:
         contexts = [seq.context for seq in seqs]
         lo = len(self.running)
         self._fill_slots([ctx[:-1] for ctx in contexts], lo)
-        for i, (seq, ctx) in enumerate(zip(seqs, contexts)):
-            self.slots.assign(lo + i, seq, ctx[-1], len(ctx) - 1)
+        self.slots.assign(lo, seqs, [ctx[-1] for ctx in contexts], [len(ctx) - 1 for ctx in contexts])
+        for ctx in contexts:
             self._leave_waiting(ctx[:-1])
         self.running += seqs
         self._decode_rows = None
@@ -294,10 +288,8 @@ class TorchEngine:
         fresh = list(dict.fromkeys(p for p in prefixes if p and p not in self._prefixes))  # distinct, in order
         if fresh:
             row = {prefix: i for i, prefix in enumerate(fresh)}
-            ids = right_pad(fresh, self.pad_id)
-            kv = self.runner.prefill(ids)  # per layer (R, kv_heads, P, hd)
+            kv = self.runner.prefill(fresh)  # per layer (R, kv_heads, P, hd)
             self.stats.prefill_tokens += sum(map(len, fresh))
-            self.stats.prefill_padded_tokens += ids.numel()
             into = [(row[p], lo + i) for i, p in enumerate(prefixes) if p in row]
             rows_t, slots_t = torch.tensor([r for r, _ in into]), torch.tensor([s for _, s in into])
             for layer, (k, v) in enumerate(kv):
