@@ -68,10 +68,25 @@ def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.15) -> None:
             return
 
 
-def matmul_peak_gflops(sizes=(512, 1024), reps: int = 5) -> float:
+CLEAN_CORES = 0.1  # a run is clean when other processes used less than this many cores meanwhile
+
+
+def clean_run(run, max_attempts: int, max_wait_s: float) -> dict:
+    """`run()` after waiting for a quiet machine, repeated until other tenants stayed quiet
+    during it (at most `max_attempts` times); the result says how many attempts it took."""
+    for attempt in range(1, max_attempts + 1):
+        wait_for_quiet(max_wait_s)
+        result = run()
+        if result["outside_cores"] < CLEAN_CORES:
+            break
+    return {**result, "attempts": attempt}
+
+
+def matmul_peak_gflops(sizes=(512, 1024), reps: int = 5) -> dict:
     """Best median fp32 GFLOP/s of square matmuls, over torch's BLAS path and the oneDNN packed
     path the engine uses (whichever is faster on this CPU sets the peak)."""
     best = 0.0
+    meter = LoadMeter().__enter__()
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
         paths = [lambda: a @ b]
@@ -86,7 +101,8 @@ def matmul_peak_gflops(sizes=(512, 1024), reps: int = 5) -> float:
                 run()
                 times.append(time.perf_counter() - t)
             best = max(best, 2 * n**3 / statistics.median(times) / 1e9)
-    return best
+    meter.__exit__()
+    return {"gflops": best, "outside_cores": meter.outside_cores}
 
 
 def run_engine(engine: TorchEngine, prompts: list[list[int]], n: int, params: SamplingParams) -> dict:
@@ -151,7 +167,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tail-groups", type=int, default=64, help="groups of 8 in the heavy-tailed workload")
-    ap.add_argument("--max-wait-s", type=float, default=30.0, help="wait up to this long for a quiet machine before each run")
+    ap.add_argument("--max-wait-s", type=float, default=60.0, help="wait up to this long for a quiet machine before each run")
+    ap.add_argument("--max-attempts", type=int, default=4, help="repeat a run disturbed by other tenants up to this many times")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -177,22 +194,24 @@ def main() -> None:
     run_engine(big_batch, big_prompts, 8, params), run_engine(wide_engine, prompts, 8, params)
 
     res = {k: [] for k in ("peak", "engine", "hf", "continuous", "static", "big_batch", "wide")}
-    quiet = lambda: wait_for_quiet(args.max_wait_s)  # noqa: E731
+    def measure(key: str, run) -> None:
+        res[key].append(clean_run(run, args.max_attempts, args.max_wait_s))
+
     for r in range(args.rounds):
-        quiet(), res["peak"].append(matmul_peak_gflops())
-        quiet(), res["engine"].append(run_engine(engine, prompts, 8, SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True, seed=r)))
-        quiet(), res["hf"].append(run_hf(tiny.model, rows, tiny.pad_id, 32))
-        quiet(), res["continuous"].append(run_tailed(engine, tail_prompts, 8, 32, 256, static=False))
-        quiet(), res["static"].append(run_tailed(engine, tail_prompts, 8, 32, 256, static=True))
-        quiet(), res["big_batch"].append(run_engine(big_batch, big_prompts, 8, params))
-        quiet(), res["wide"].append(run_engine(wide_engine, prompts, 8, params))
-        quiet(), res["peak"].append(matmul_peak_gflops())
+        tput = SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True, seed=r)
+        measure("peak", matmul_peak_gflops)
+        measure("engine", lambda: run_engine(engine, prompts, 8, tput))
+        measure("hf", lambda: run_hf(tiny.model, rows, tiny.pad_id, 32))
+        measure("continuous", lambda: run_tailed(engine, tail_prompts, 8, 32, 256, static=False))
+        measure("static", lambda: run_tailed(engine, tail_prompts, 8, 32, 256, static=True))
+        measure("big_batch", lambda: run_engine(big_batch, big_prompts, 8, params))
+        measure("wide", lambda: run_engine(wide_engine, prompts, 8, params))
         e, h = res["engine"][-1], res["hf"][-1]
         print(f"round {r}: engine {e['tokens'] / e['wall_s']:.0f} tok/s, generate {h['tokens'] / h['wall_s']:.0f} tok/s, "
               f"continuous {res['continuous'][-1]['wall_s']:.2f} s, static {res['static'][-1]['wall_s']:.2f} s, "
               f"outside load {e['outside_cores']:.2f}/{h['outside_cores']:.2f} cores", flush=True)
 
-    peak = statistics.median(res["peak"])
+    peak = statistics.median(x["gflops"] for x in res["peak"])
 
     def tok_s(runs):
         return statistics.median(x["tokens"] / x["wall_s"] for x in runs)
@@ -211,8 +230,8 @@ def main() -> None:
         "rounds": args.rounds,
         "model": {"tiny": TINY.model_dump(), "tiny_params": n_tiny, "wide": WIDE.model_dump(), "wide_params": n_wide},
         "matmul_peak_gflops": round(peak, 1),
-        "outside_load_cores_median": round(statistics.median(x["outside_cores"] for k in ("engine", "hf", "continuous", "static") for x in res[k]), 2),
-        "clean_run_frac": round(statistics.mean(x["outside_cores"] < 0.15 for k in ("engine", "hf", "continuous", "static") for x in res[k]), 2),
+        "outside_load_cores_median": round(statistics.median(x["outside_cores"] for runs in res.values() for x in runs), 3),
+        "clean_run_frac": round(statistics.mean(x["outside_cores"] < CLEAN_CORES for runs in res.values() for x in runs), 2),
         "throughput": {
             "workload": "8 prompts x 8 samples, 32 forced new tokens, T=1, 64 slots",
             "engine_tok_s": round(tok_s(res["engine"])),

@@ -9,7 +9,7 @@ Who calls what (one thread; the caller drives the steps and swaps weights betwee
     update_weights(state, v) between steps: KV kept, or in-flight sequences re-prefilled
 
 A step (1) fills the free slots from the waiting queue: the keys/values of each newcomer's
-context but its last token are prefilled in one right-padded batch, each distinct prefix once --
+context but its last token are prefilled in one batch, each distinct prefix once --
 the N samples of a group share one prompt prefill, and a stashed copy serves samples admitted in
 later steps; (2) decodes one token for every running sequence in one batched forward (a newcomer
 feeds its last context token, so every token is sampled in the same place); (3) retires the
@@ -115,10 +115,11 @@ class _Slots:
         for t in self._all:
             t[dst_t] = t[src_t]
 
-    def settings(self, lo: int, hi: int, seqs: list[_Sequence]) -> RowSettings:
-        greedy = [s.params.greedy for s in seqs]
+    def settings(self, seqs: list[_Sequence]) -> RowSettings:
+        """Sampling settings of slots 0..len(seqs)-1, which `seqs` occupy."""
+        greedy, n = [s.params.greedy for s in seqs], len(seqs)
         return RowSettings(
-            self.temperature[lo:hi], self.top_p[lo:hi], self.top_k[lo:hi], self.greedy[lo:hi],
+            self.temperature[:n], self.top_p[:n], self.top_k[:n], self.greedy[:n],
             any_truncation=any(not s.params.greedy and (s.params.top_p < 1.0 or s.params.top_k > 0) for s in seqs),
             any_greedy=any(greedy), all_greedy=all(greedy),
         )
@@ -255,7 +256,7 @@ class TorchEngine:
     def _decode_step(self) -> list[Completion]:
         batch, slots = len(self.running), self.slots
         if self._decode_rows is None:
-            self._decode_rows = slots.settings(0, batch, self.running)
+            self._decode_rows = slots.settings(self.running)
         logits = self.runner.decode(slots.last_token[:batch], slots.position[:batch], self.cache)  # (B, V)
         u = slots.uniforms[:batch].gather(1, slots.generated[:batch, None]).squeeze(1)  # (B,)
         tokens, logprobs = sample_rows(logits, self._decode_rows, u)
