@@ -5,7 +5,8 @@ Measured side by side, configurations interleaved round by round (A B A B ...):
                 `generate` tokens/s; the engine's FLOP/s (2N per prefilled or decoded token, N =
                 parameters, attention excluded) against an fp32 matmul peak measured in each round
   heavy_tailed  1 in 8 sequences 8x longer (256 vs 32 forced tokens), 64 slots: continuous
-                batching against static batches of 64 (a batch starts when the previous ends)
+                batching against static batches of 64 (a batch starts when the previous ends),
+                with finished rows dropped ('static') or kept running as `generate` does ('padded')
   second_point  the engine at 4x the batch and on a 4x wider model: how utilisation moves when
                 per-step overhead is amortised over more work
 Each timed run also records the CPU other processes used meanwhile (/proc/stat minus our own
@@ -71,11 +72,14 @@ def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.15) -> None:
 CLEAN_CORES = 0.1  # a run is clean when other processes used less than this many cores meanwhile
 
 
-def clean_run(run, max_attempts: int, max_wait_s: float) -> dict:
-    """`run()` after waiting for a quiet machine, repeated until other tenants stayed quiet
-    during it (at most `max_attempts` times); the result says how many attempts it took."""
+def clean_run(run, warm, max_attempts: int, max_wait_s: float) -> dict:
+    """`run()` right after an untimed `warm()` (so it starts with warm caches and clocks, as in
+    a generator that never stops), repeated after waiting for a quiet machine until other
+    tenants stayed quiet during it (at most `max_attempts` times)."""
     for attempt in range(1, max_attempts + 1):
-        wait_for_quiet(max_wait_s)
+        if attempt > 1:
+            wait_for_quiet(max_wait_s)
+        warm()
         result = run()
         if result["outside_cores"] < CLEAN_CORES:
             break
@@ -137,14 +141,20 @@ def run_hf(model, rows: list[list[int]], pad_id: int, new_tokens: int) -> dict:
             "flop_tokens": sum(map(len, rows)) + len(rows) * new_tokens}
 
 
-def run_tailed(engine: TorchEngine, prompts: list[list[int]], n: int, short: int, long: int, static: bool) -> dict:
-    """Sample j of every group is long when (group * n + j) % 8 == 0; `static` admits 64 at a time."""
+def run_tailed(engine: TorchEngine, prompts: list[list[int]], n: int, short: int, mode: str) -> dict:
+    """Sample j of every group is 8x longer when (group * n + j) % 8 == 0. `mode`: 'continuous'
+    (all queued, slots refilled), 'static' (a batch of max_batch starts when the previous one has
+    finished; finished rows leave the batch), 'padded' (static, and every row runs to the batch's
+    longest length, as a fixed-shape batch or `generate` does; only the real tokens count)."""
     specs = [(p, short * 8 if (g * n + j) % 8 == 0 else short) for g, p in enumerate(prompts) for j in range(n)]
-    chunk = engine.max_batch if static else len(specs)
+    chunk = len(specs) if mode == "continuous" else engine.max_batch
     steps = 0
     with LoadMeter() as meter:
         for start in range(0, len(specs), chunk):
-            for k, (prompt, length) in enumerate(specs[start : start + chunk]):
+            batch = specs[start : start + chunk]
+            longest = max(length for _, length in batch)
+            for k, (prompt, length) in enumerate(batch):
+                length = longest if mode == "padded" else length
                 engine.add_request(prompt, SamplingParams(max_new_tokens=length, ignore_eos=True, seed=start + k))
             while engine.has_work:
                 engine.step()
@@ -193,17 +203,19 @@ def main() -> None:
     run_engine(engine, prompts, 8, params), run_hf(tiny.model, rows, tiny.pad_id, 32)
     run_engine(big_batch, big_prompts, 8, params), run_engine(wide_engine, prompts, 8, params)
 
-    res = {k: [] for k in ("peak", "engine", "hf", "continuous", "static", "big_batch", "wide")}
-    def measure(key: str, run) -> None:
-        res[key].append(clean_run(run, args.max_attempts, args.max_wait_s))
+    res = {k: [] for k in ("peak", "engine", "hf", "continuous", "static", "padded", "big_batch", "wide")}
+    def measure(key: str, run, warm=None) -> None:
+        res[key].append(clean_run(run, warm or run, args.max_attempts, args.max_wait_s))
 
     for r in range(args.rounds):
+        wait_for_quiet(args.max_wait_s)
         tput = SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True, seed=r)
+        warm_engine = lambda: run_engine(engine, prompts, 8, params)  # noqa: E731
         measure("peak", matmul_peak_gflops)
         measure("engine", lambda: run_engine(engine, prompts, 8, tput))
         measure("hf", lambda: run_hf(tiny.model, rows, tiny.pad_id, 32))
-        measure("continuous", lambda: run_tailed(engine, tail_prompts, 8, 32, 256, static=False))
-        measure("static", lambda: run_tailed(engine, tail_prompts, 8, 32, 256, static=True))
+        for mode in ("continuous", "static", "padded"):
+            measure(mode, lambda: run_tailed(engine, tail_prompts, 8, 32, mode), warm_engine)
         measure("big_batch", lambda: run_engine(big_batch, big_prompts, 8, params))
         measure("wide", lambda: run_engine(wide_engine, prompts, 8, params))
         e, h = res["engine"][-1], res["hf"][-1]
@@ -224,6 +236,7 @@ def main() -> None:
 
     ratios = [h["wall_s"] / e["wall_s"] for e, h in zip(res["engine"], res["hf"])]
     tail_ratios = [s["wall_s"] / c["wall_s"] for c, s in zip(res["continuous"], res["static"])]
+    padded_ratios = [s["wall_s"] / c["wall_s"] for c, s in zip(res["continuous"], res["padded"])]
     n_tiny, n_wide = n_params["tiny"], n_params["wide"]
     summary = {
         "threads": args.threads,
@@ -250,6 +263,9 @@ def main() -> None:
             "static_s": round(_median(res["static"], "wall_s"), 3),
             "speedup": round(_median(res["static"], "wall_s") / _median(res["continuous"], "wall_s"), 2),
             "speedup_iqr": _iqr(tail_ratios),
+            "padded_static_s": round(_median(res["padded"], "wall_s"), 3),
+            "speedup_vs_padded": round(_median(res["padded"], "wall_s") / _median(res["continuous"], "wall_s"), 2),
+            "speedup_vs_padded_iqr": _iqr(padded_ratios),
             "continuous_steps": res["continuous"][0]["steps"],
             "static_steps": res["static"][0]["steps"],
         },
