@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from gapless.config import ModelConfig
 from gapless.generate.engine import TorchEngine
-from gapless.generate.runner import DecoderRunner
+from gapless.generate.runner import DecoderRunner, attention_plan
 from gapless.models import build_tiny
 from gapless.trainer.batch import build_batch, token_logprobs
 from gapless.types import SamplingParams
@@ -65,25 +65,27 @@ def test_greedy_equals_transformers_generate(policy, problems):
     assert len({tuple(c.token_ids) for c in got}) > 1
 
 
-def test_cached_decode_logits_equal_full_recomputation(policy, problems):
-    """Runner level: right-padded prefill of prefixes of different lengths, then batched decode
-    steps with every row at its own position (the garbage keys of the padding stay masked)."""
-    seqs = [policy.encode(p.prompt + p.solution) for p in problems[:5]]
-    starts = torch.tensor([6, 9, 4, 7, 5])
+@pytest.mark.parametrize("starts", [[6, 9, 4, 7, 5], [40, 3, 4, 3, 5, 4, 3, 6]], ids=["mixed", "one-long"])
+def test_cached_decode_logits_equal_full_recomputation(policy, problems, starts):
+    """Runner level: prefill of prefixes of different lengths, then batched decode steps with
+    every row at its own position (with one long row, the split attention path runs)."""
+    seqs = [policy.encode(p.prompt + p.solution) * 3 for p in problems[: len(starts)]]  # any tokens will do
+    assert all(len(s) >= n + 8 for s, n in zip(seqs, starts))
     runner = DecoderRunner(policy.model, 128)
-    cache = runner.new_cache(5)
-    for layer, (k, v) in enumerate(runner.prefill([tuple(s[:n]) for s, n in zip(seqs, starts.tolist())])):
-        cache.write_prefix(layer, k, v, torch.arange(5), torch.arange(5))
+    cache = runner.new_cache(len(starts))
+    rows = range(len(starts))
+    for layer, (k, v) in enumerate(runner.prefill([tuple(s[:n]) for s, n in zip(seqs, starts)])):
+        cache.write_prefix(layer, k, v, torch.arange(len(starts)), torch.arange(len(starts)))
     with torch.no_grad():
         full = [_hf_forward(policy.model, s) for s in seqs]
-    rows = range(5)
-    positions = starts.clone()
+    positions = torch.tensor(starts)
     for _ in range(8):
         tokens = torch.tensor([seqs[r][int(positions[r])] for r in rows])
         step = runner.decode(tokens, positions, cache)
         want = torch.stack([full[r][int(positions[r])] for r in rows])
         assert torch.allclose(step, want, atol=1e-5), (step - want).abs().max()
         positions += 1
+    assert (attention_plan(starts)[1] != []) == (max(starts) > 20)
 
 
 def test_engine_tokens_and_logprobs_equal_full_recomputation(policy, problems):

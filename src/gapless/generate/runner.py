@@ -242,26 +242,60 @@ class DecoderRunner:
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One token for each of the slots 0..B-1 at `positions` (B,); returns logits (B, V)."""
         batch, heads, kv_heads, hd = tokens.shape[0], self.num_heads, self.kv_heads, self.head_dim
-        span = int(positions.max()) + 1
+        span, long_rows = attention_plan(positions.tolist())
         x = F.embedding(tokens, self.embed)  # (B, D)
         cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # (B, 1, hd)
-        hidden = torch.arange(span, device=self.device)[None] > positions[:, None]  # (B, span): not yet written
-        mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(hidden, float("-inf"))
-        mask = mask[:, None, None].expand(batch, kv_heads, self.group, span).reshape(batch * kv_heads, self.group, span)
+        mask = self._mask(positions, span)  # (B * KV, group, span)
+        if long_rows:  # the few long sequences attend separately over their full length
+            long_idx = torch.tensor(long_rows, device=self.device)
+            long_span = int(positions[long_idx].max()) + 1
+            long_mask = self._mask(positions[long_idx], long_span)
         # cache index of (slot b, kv head h, position of b), broadcast to (B, KV)
         at = (torch.arange(batch, device=self.device)[:, None], torch.arange(kv_heads, device=self.device)[None], positions[:, None])
         for i, layer in enumerate(self.layers):
-            h = self._norm(x)
-            qkv = layer.qkv(h).view(batch, heads + 2 * kv_heads, hd)
+            qkv = layer.qkv(self._norm(x)).view(batch, heads + 2 * kv_heads, hd)
             qk = self._rope(qkv[:, : heads + kv_heads], cos, sin)  # (B, H + KV, hd)
-            cache.keys[i][at] = qk[:, heads:]  # (B, KV, hd)
-            cache.values[i][at] = qkv[:, heads + kv_heads :]
+            keys, values = cache.keys[i], cache.values[i]
+            keys[at] = qk[:, heads:]  # (B, KV, hd)
+            values[at] = qkv[:, heads + kv_heads :]
             # the `group` query heads sharing a KV head are the query rows of one small attention
-            q = qk[:, :heads].reshape(batch * kv_heads, self.group, hd)
-            keys = cache.keys[i][:batch, :, :span].flatten(0, 1)  # (B * KV, span, hd), a view
-            values = cache.values[i][:batch, :, :span].flatten(0, 1)
-            scores = torch.baddbmm(mask, q, keys.transpose(1, 2), alpha=hd**-0.5)  # (B * KV, group, span)
-            att = torch.bmm(torch.softmax(scores, dim=-1), values)  # (B * KV, group, hd)
+            q = qk[:, :heads].reshape(batch, kv_heads, self.group, hd)
+            att = self._attend(q, keys[:batch, :, :span], values[:batch, :, :span], mask)  # (B, KV, group, hd); views, no copy
+            if long_rows:
+                att[long_idx] = self._attend(q[long_idx], keys[long_idx, :, :long_span], values[long_idx, :, :long_span], long_mask)
             x = layer.o.residual(x, att.view(batch, heads * hd))
             x = self._mlp_residual(x, layer)
         return self._logits(x)
+
+    def _mask(self, positions: torch.Tensor, span: int) -> torch.Tensor:
+        """Additive mask (rows * KV, group, span): -inf on the positions a row has not written yet."""
+        hidden = torch.arange(span, device=self.device)[None] > positions[:, None]  # (rows, span)
+        mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(hidden, float("-inf"))
+        return mask[:, None, None].expand(-1, self.kv_heads, self.group, span).reshape(-1, self.group, span)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q (R, KV, group, hd) against keys/values (R, KV, L, hd) -> (R, KV, group, hd)."""
+        rows, hd = q.shape[0], self.head_dim
+        scores = torch.baddbmm(mask, q.flatten(0, 1), keys.flatten(0, 1).transpose(1, 2), alpha=hd**-0.5)  # (R * KV, group, L)
+        att = torch.bmm(torch.softmax(scores, dim=-1), values.flatten(0, 1))
+        return att.view(rows, self.kv_heads, self.group, hd)
+
+
+def attention_plan(positions: list[int], overhead: int = 16) -> tuple[int, list[int]]:
+    """How far the batched decode attention reads: (span, long rows). Every row attends over
+    `span` cached positions; the rows listed (positions >= span) are recomputed over their full
+    length. Decode attention is bound by reading keys/values, so with one long sequence among
+    short ones, reading the long length for every row wastes most of the step; the split picks
+    the cut that minimises positions read (plus `overhead` per row of batch for the extra calls)."""
+    batch, longest = len(positions), max(positions) + 1
+    order = sorted(positions, reverse=True)
+    best_cost, best_k = batch * longest, 0
+    for k in range(1, batch // 4 + 1):  # k longest rows split off
+        if order[k] == order[k - 1]:
+            continue  # a cut must separate distinct positions
+        cost = batch * (order[k] + 1 + overhead) + k * longest
+        if cost < best_cost:
+            best_cost, best_k = cost, k
+    if best_k == 0:
+        return longest, []
+    return order[best_k] + 1, [b for b, p in enumerate(positions) if p > order[best_k]]
