@@ -80,7 +80,7 @@ class GeneratorConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    lr: float = Field(1e-3, gt=0, le=1)
+    lr: float = Field(3e-4, gt=0, le=1)
     """AdamW learning rate for the RL phase."""
     weight_decay: float = Field(0.0, ge=0, le=1)
     """AdamW decoupled weight decay."""
@@ -109,18 +109,22 @@ class WarmStartConfig(_Section):
     """Sequences per supervised step."""
     lr: float = Field(3e-3, gt=0, le=1)
     """AdamW learning rate of the warm start."""
+    overfit_frac: float = Field(0.5, ge=0, le=1)
+    """Fraction of demonstrations written by a teacher that checked only the visible examples
+    (e.g. `abs(x) + 3` for `x + 3`): right on them, wrong on hidden edge cases. Real warm-start
+    data is imperfect in this way; RL against the hidden tests has to unlearn it. 0 = clean."""
     cache_dir: str = ".cache/gapless"
     """Where warm-started checkpoints are cached (relative paths are relative to the cwd)."""
 
 
 class LoopConfig(_Section):
-    steps: int = Field(120, ge=0)
+    steps: int = Field(60, ge=0)
     """RL optimizer steps (each one policy version)."""
-    prompts_per_step: int = Field(8, ge=1)
+    prompts_per_step: int = Field(16, ge=1)
     """Groups per step; the batch is prompts_per_step * group_size rollouts."""
-    eval_every: int = Field(20, ge=1)
+    eval_every: int = Field(10, ge=1)
     """Held-out greedy pass@1 every this many steps (and at the start and the end)."""
-    checkpoint_every: int = Field(40, ge=1)
+    checkpoint_every: int = Field(20, ge=1)
     """Checkpoint (HF model + optimizer + step) every this many steps and at the end."""
 
 

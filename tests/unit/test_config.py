@@ -71,3 +71,12 @@ def test_shipped_configs_are_valid():
     for path in sorted((Path(__file__).parents[2] / "configs").glob("*.toml")):
         cfg = load_config(path)
         json.dumps(cfg.model_dump(mode="json"))
+
+
+def test_configuration_doc_is_in_sync():
+    from pathlib import Path
+
+    from gapless.config_doc import render
+
+    doc = Path(__file__).parents[2] / "docs" / "configuration.md"
+    assert doc.read_text() == render(), "run: python -m gapless.config_doc > docs/configuration.md"
