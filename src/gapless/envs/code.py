@@ -65,10 +65,18 @@ class CodeEnvironment:
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="sandbox")
 
     def score(self, problem: CodeProblem, completions: list[Completion]) -> list[Rollout]:
-        distinct = {c.text: None for c in completions}
-        futures = {text: self.pool.submit(self.score_text, problem, text) for text in distinct}
-        results = {text: fut.result() for text, fut in futures.items()}
-        return [Rollout(problem.uid, c, *results[c.text]) for c in completions]
+        return self.score_groups([problem], [completions])[0]
+
+    def score_groups(self, problems: list[CodeProblem], groups: list[list[Completion]]) -> list[list[Rollout]]:
+        """Score every group at once (all distinct programs in flight together), keeping order."""
+        futures = {}
+        for problem, completions in zip(problems, groups):
+            for c in completions:
+                key = (problem.uid, c.text)
+                if key not in futures:
+                    futures[key] = self.pool.submit(self.score_text, problem, c.text)
+        results = {key: fut.result() for key, fut in futures.items()}
+        return [[Rollout(p.uid, c, *results[(p.uid, c.text)]) for c in cs] for p, cs in zip(problems, groups)]
 
     def score_text(self, problem: CodeProblem, text: str) -> tuple[float, str, dict]:
         files = {

@@ -133,9 +133,9 @@ class SyncLoop:
         prompt_ids = [self.policy.encode(p.prompt) for p in problems for _ in range(n)]
         completions = self.sampler.generate(prompt_ids, params)
         t1 = time.perf_counter()
+        groups = self.env.score_groups(problems, [completions[g * n : (g + 1) * n] for g in range(len(problems))])
         rollouts, advantages, valid, zero_var = [], [], [], 0
-        for g, problem in enumerate(problems):
-            group = self.env.score(problem, completions[g * n : (g + 1) * n])
+        for group in groups:
             adv = group_advantages([r.reward for r in group], [not r.is_infra_failure for r in group])
             rollouts += group
             advantages += adv.advantages
