@@ -48,12 +48,26 @@ def live_processes_of_uid(uid: int) -> list[int]:
 
 
 def child_pids(pid: int) -> list[int]:
-    """Direct children of `pid` (empty if it has exited)."""
+    """Direct children of `pid`, over all its threads (empty if it has exited)."""
+    found: list[int] = []
     try:
-        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as children:
-            return [int(child) for child in children.read().split()]
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as children:
+                found.extend(int(child) for child in children.read().split())
     except OSError:
-        return []
+        pass
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid`, parents before children (a snapshot)."""
+    found: list[int] = []
+    frontier = [pid]
+    while frontier and len(found) < 100000:
+        children = child_pids(frontier.pop())
+        found.extend(children)
+        frontier.extend(children)
+    return found
 
 
 def kill_pids(pids: list[int]) -> None:

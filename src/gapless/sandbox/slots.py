@@ -13,7 +13,7 @@ stay in a small range (base .. base + peak concurrency). A slot released as dirt
 quarantined: this allocator never hands it out again and keeps its lock while it lives.
 
 NOT guaranteed: that the uid range is otherwise unused on the host (pick `uid_base` so it is),
-nor any bound on concurrency (the caller's thread pool is the admission control).
+nor any bound on concurrency (the pool's admission semaphore is the bound).
 
     run thread A --acquire()--> [lock: lowest free index whose flock we get] --> slot 0
     run thread B --acquire()--> [lock] --> slot 1   (or slot 2 if another process holds 1)
@@ -27,6 +27,7 @@ import heapq
 import os
 import threading
 from pathlib import Path
+from typing import Callable
 
 
 class SlotAllocator:
@@ -44,17 +45,45 @@ class SlotAllocator:
         self._held: dict[int, int | None] = {}  # index in use -> fd holding its flock
         self._quarantined: dict[int, int | None] = {}
 
-    def acquire(self) -> int:
+    def acquire(self, exclude: frozenset[int] = frozenset()) -> int:
+        """The lowest free index not in `exclude` (a retry asks for another slot)."""
         with self._lock:
-            held_elsewhere: list[int] = []
+            skipped: list[int] = []
             while True:
                 index = heapq.heappop(self._free) if self._free else self._mint()
-                if self._try_claim(index):
+                if index not in exclude and self._try_claim(index):
                     break
-                held_elsewhere.append(index)
-            for busy in held_elsewhere:  # another process may release it later
-                heapq.heappush(self._free, busy)
+                skipped.append(index)  # excluded, or held by another process for now
+            for index_ in skipped:
+                heapq.heappush(self._free, index_)
             return index
+
+    def sweep(self, indices: list[int], clean: Callable[[int], None]) -> list[int]:
+        """Call `clean(index)` for each index that no live process holds (its owner died),
+        holding its flock meanwhile; returns the indices cleaned."""
+        cleaned: list[int] = []
+        for index in indices:
+            with self._lock:
+                if index in self._held or index in self._quarantined or not self._try_claim(index):
+                    continue
+            try:
+                clean(index)
+                cleaned.append(index)
+            finally:
+                with self._lock:
+                    lock_fd = self._held.pop(index)
+                    if lock_fd is not None:
+                        os.close(lock_fd)
+        return cleaned
+
+    def close(self) -> None:
+        """Drop every flock, quarantined slots' included (the caller has emptied them)."""
+        with self._lock:
+            for lock_fd in [*self._held.values(), *self._quarantined.values()]:
+                if lock_fd is not None:
+                    os.close(lock_fd)
+            self._held.clear()
+            self._quarantined.clear()
 
     def release(self, index: int, *, is_clean: bool) -> None:
         with self._lock:
