@@ -3,16 +3,17 @@
 The host starts `python -I -B -c <this source> <spec: marshal, hex>` (in bubblewrap, or bare in
 reduced mode) and talks to it over a unix socket. Process tree of one slot, all under its uid:
 
-    server   pid 1 of the slot's pid namespace; keeps CAP_SYS_ADMIN of the slot's innermost user
-     |       namespace (nothing of the host's); never runs job code; serves jobs one at a time
-     |- spawner   (one per job, short-lived) unshares pid, mount and IPC namespaces, forks init
-     |            and exits; init re-parents to the server, which reaps it
-     `- init  pid 1 of the job's pid namespace: mounts /proc, a tmpfs with size AND inode caps
-         |    at /tmp (also seen at /dev/shm), a read-only tmpfs at /work/job holding the job's
-         |    files; reaps; when the program exits, reports its status and exits, and the
-         |    kernel kills whatever is left of the job's namespace
-         `- program  closes every other fd, sets rlimits, drops every capability and checks
-                     that none is left, compiles main, writes its start marker, runs main
+    waiter   bwrap's pid 1; unshares a pid namespace, forks the server into it, waits for it
+     `- server   pid 1 of that namespace; keeps CAP_SYS_ADMIN of the slot's innermost user
+         |       namespace (nothing of the host's); never runs job code; serves jobs one at a
+         |       time: unshares a pid namespace, forks init into it, `setns` back to its own
+         `- init  pid 1 of the job's pid namespace; unshares mount and IPC namespaces, mounts
+             |    /proc, a tmpfs with size AND inode caps
+             |    at /tmp (also seen at /dev/shm), a read-only tmpfs at /work/job holding the
+             |    job's files; reaps; when the program exits, reports its status and exits, and
+             |    the kernel kills whatever is left of the job's namespace
+             `- program  closes every other fd, sets rlimits, drops every capability, checks
+                         that none is left, compiles main, writes its start marker, runs main
 
 Channels, per job (the host makes them; the server only passes them on):
 - a memfd with the job's files, read by init after the fork, so the long-lived server never
@@ -91,6 +92,7 @@ def _receive(control):
 def serve(spec):
     """The slot's server: answer job requests on the control socket until EOF or max_jobs."""
     control = _socket.socket(fileno=spec["control_fd"])
+    own_pid_namespace = None
     if spec["isolate"]:
         _check(_libc.unshare(CLONE_NEWNS), "unshare mount namespace")  # one that we own
         _mount(None, "/", None, MS_REC | MS_PRIVATE)
@@ -98,6 +100,8 @@ def serve(spec):
             _mount_tmpfs("/work/session", spec["session"], mode="0700")
         for name in spec.get("preimport", ()):
             __import__(name)
+        _become_pid_namespace_owner(control)
+        own_pid_namespace = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     gc.freeze()  # jobs forked from here never scan (so never copy) the server's objects
     control.send(_line({"ready": os.getpid()}))
     for _ in range(spec["max_jobs"]):
@@ -105,7 +109,7 @@ def serve(spec):
         if request is None:
             break
         try:
-            pid = _fork_job(request, fds, spec, control)
+            pid = _fork_job(request, fds, spec, control, own_pid_namespace)
         except OSError as error:
             control.send(_line({"done": request["seq"], "error": str(error)}))
             continue
@@ -116,42 +120,40 @@ def serve(spec):
         control.send(_line({"done": request["seq"], "wait_status": wait_status}))
 
 
-def _fork_job(request, fds, spec, control):
-    """Fork the job; returns the pid of its init, which the server (pid 1 here) then reaps.
-    The spawner only exists because a process can unshare a pid namespace for its children
-    once: it forks init into the new namespaces, passes init's pid on and exits at once."""
-    if not spec["isolate"]:
-        pid = os.fork()
-        if pid == 0:
-            _in_child(fds, lambda: (control.close(), _subreaper(), _run_init(request, fds, spec)))
-        return pid
-    pid_read, pid_write = os.pipe()
-    spawner_pid = os.fork()
-    if spawner_pid == 0:
-        _in_child(fds, lambda: _spawn(request, fds, spec, control, pid_read, pid_write))
-    os.close(pid_write)
-    with os.fdopen(pid_read, "rb") as pid_pipe:
-        init_pid = pid_pipe.read()
-    os.waitpid(spawner_pid, 0)
-    if not init_pid:
-        raise OSError("the job's spawner failed (see its status pipe)")
-    return int(init_pid)
-
-
-def _spawn(request, fds, spec, control, pid_read, pid_write):
+def _become_pid_namespace_owner(control):
+    """Continue in a child that is pid 1 of a pid namespace owned by our user namespace. bwrap
+    made the slot's pid namespace from an outer user namespace, so we could not `setns` back
+    into it after unsharing one for a job; from our own we can, which saves a fork per job.
+    The parent stays as bwrap's pid 1 and only waits."""
+    _check(_libc.unshare(CLONE_NEWPID), "unshare the server's pid namespace")
+    server_pid = os.fork()
+    if server_pid == 0:
+        return
     control.close()
-    os.close(pid_read)
-    _check(_libc.unshare(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC), "unshare job namespaces")
-    init_pid = os.fork()
-    if init_pid == 0:
-        os.close(pid_write)
-        _run_init(request, fds, spec)
-    os.write(pid_write, str(init_pid).encode())
-    os._exit(0)  # init re-parents to the server, pid 1 of the slot
+    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
+    _, wait_status = os.waitpid(server_pid, 0)
+    os._exit(os.waitstatus_to_exitcode(wait_status) & 0xFF)
 
 
-def _subreaper():
-    _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "subreaper")
+def _fork_job(request, fds, spec, control, own_pid_namespace):
+    """Fork the job's init: pid 1 of a fresh pid namespace (isolate), or a child subreaper."""
+    if spec["isolate"]:
+        _check(_libc.unshare(CLONE_NEWPID), "unshare the job's pid namespace")
+    try:
+        pid = os.fork()
+    except OSError:
+        _restore_pid_namespace(own_pid_namespace)
+        raise
+    if pid == 0:
+        _in_child(fds, lambda: (control.close(), _run_init(request, fds, spec)))
+    _restore_pid_namespace(own_pid_namespace)
+    return pid
+
+
+def _restore_pid_namespace(own_pid_namespace):
+    """The server's next children (the next job's init) are not in this job's namespace."""
+    if own_pid_namespace is not None:
+        _check(_libc.setns(own_pid_namespace, CLONE_NEWPID), "restore the pid namespace")
 
 
 def _in_child(fds, body):
@@ -175,7 +177,11 @@ def _run_init(request, fds, spec):
     stdin, stdout, stderr, report, status, files = fds
     try:
         if spec["isolate"]:
+            _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWIPC), "unshare the job's namespaces")
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        else:
+            _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "subreaper")
+        if spec["isolate"]:
             _mount_tmpfs("/tmp", request["tmp"], mode="1777")
             _mount("/tmp", "/dev/shm", None, MS_BIND)
             _mount_tmpfs("/work/job", request["job"], mode="0755")
@@ -281,9 +287,7 @@ def _run_program(request, stdin, stdout, stderr, report, status):
         os.chdir(request["cwd"])
         for name, (soft, hard) in request["rlimits"].items():
             resource.setrlimit(getattr(resource, name), (soft, hard))
-        _drop_capabilities()
-        if "random" in sys.modules:
-            sys.modules["random"].seed()  # a fork would otherwise replay the server's sequence
+        _drop_capabilities()  # (`random` reseeds itself from os.urandom after every fork)
         path = request["main"]
         with open(path, "rb") as source_file:
             source = source_file.read()

@@ -191,7 +191,12 @@ class BwrapSandbox:
         return SandboxSession(self._pool, limits or self.limits, idle_timeout_s)
 
     def metrics(self) -> dict[str, float]:
+        """`sandbox/*` counters (`*_total`) and recent queue and run latency percentiles."""
         return self._pool.metrics()
+
+    def leftovers(self) -> list[str]:
+        """What finished runs left behind (empty when clean); see `SlotPool.leftovers`."""
+        return self._pool.leftovers()
 
     def close(self) -> None:
         """Stop every slot's server and remove its cgroup. Also runs at interpreter exit."""

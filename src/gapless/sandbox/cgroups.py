@@ -50,6 +50,15 @@ class SlotCgroup:
     def __init__(self, dirs: dict[str, Path], version: int) -> None:
         self.dirs = dirs  # controller -> directory; v2: every controller -> the same one
         self.version = version
+        self._procs_file = str(dirs["pids"] / "cgroup.procs")
+        self._pids_events_file = str(dirs["pids"] / "pids.events")
+        if version == 1:
+            self._oom_file = str(dirs["memory"] / "memory.oom_control")
+            cpuacct = dirs.get("cpuacct")
+            self._cpu_file = str(cpuacct / "cpuacct.usage") if cpuacct else None
+        else:
+            self._oom_file = str(dirs["memory"] / "memory.events")
+            self._cpu_file = str(dirs["memory"] / "cpu.stat")
 
     def set_limits(self, max_tasks: int, memory_bytes: int) -> None:
         if self.version == 1:
@@ -64,30 +73,37 @@ class SlotCgroup:
             if (self.dirs["memory"] / "memory.swap.max").exists():
                 _write(self.dirs["memory"] / "memory.swap.max", 0)
 
+    def ensure(self) -> bool:
+        """Make the directories if they are missing; True if any was."""
+        made = False
+        for directory in set(self.dirs.values()):
+            if not directory.is_dir():
+                directory.mkdir(parents=True, exist_ok=True)
+                made = True
+        return made
+
     def attach(self, pid: int) -> None:
         """Move `pid` into every controller of the slot (its later children follow it)."""
         for directory in set(self.dirs.values()):
             _write(directory / "cgroup.procs", pid)
 
     def pids(self) -> set[int]:
-        found: set[int] = set()
-        for directory in set(self.dirs.values()):
-            try:
-                found.update(int(line) for line in (directory / "cgroup.procs").read_text().split())
-            except FileNotFoundError:
-                pass
-        return found
+        """Processes of the slot (the pids hierarchy's view: every process is attached to all
+        of the slot's directories at once, and its children follow it in each)."""
+        try:
+            return {int(line) for line in _read(self._procs_file).split()}
+        except FileNotFoundError:
+            return set()
 
     def counters(self) -> CgroupCounters:
-        if self.version == 1:
-            oom = _keyed(self.dirs["memory"] / "memory.oom_control").get("oom_kill", 0)
-            cpuacct = self.dirs.get("cpuacct")
-            cpu_ns = int((cpuacct / "cpuacct.usage").read_text()) if cpuacct else None
-        else:
-            oom = _keyed(self.dirs["memory"] / "memory.events").get("oom_kill", 0)
-            usage_us = _keyed(self.dirs["memory"] / "cpu.stat").get("usage_usec")
-            cpu_ns = usage_us * 1000 if usage_us is not None else None
-        hits = _keyed(self.dirs["pids"] / "pids.events").get("max", 0)
+        """Read on every run, twice: plain os.read on precomputed paths (pathlib costs more
+        than the reads themselves)."""
+        oom = _keyed(_read(self._oom_file)).get("oom_kill", 0)
+        hits = _keyed(_read(self._pids_events_file)).get("max", 0)
+        cpu_ns = None
+        if self._cpu_file is not None:
+            text = _read(self._cpu_file)
+            cpu_ns = int(text) if self.version == 1 else _keyed(text).get("usage_usec", 0) * 1000
         return CgroupCounters(oom_kills=oom, pids_max_hits=hits, cpu_ns=cpu_ns)
 
     def kill_all(self, keep: frozenset[int] = frozenset(), timeout_s: float = WAIT_S) -> bool:
@@ -152,7 +168,7 @@ class CgroupRoot:
 
     @classmethod
     def _detect_v2(cls, own_dir: Path) -> tuple[CgroupRoot | None, str]:
-        available = set((own_dir / "cgroup.controllers").read_text().split())
+        available = set(_read(str(own_dir / "cgroup.controllers")).split())
         if not {"pids", "memory"} <= available:
             return None, f"cgroup v2 at {own_dir} lacks pids/memory; limits are rlimits only"
         parent = own_dir / PARENT_NAME
@@ -206,10 +222,18 @@ def _write(path: Path, value: object) -> None:
         handle.write(str(value))
 
 
-def _keyed(path: Path) -> dict[str, int]:
+def _read(path: str) -> str:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 1 << 16).decode()
+    finally:
+        os.close(fd)
+
+
+def _keyed(text: str) -> dict[str, int]:
     """'key value' lines -> {key: int(value)} (non-integer values are skipped)."""
     result: dict[str, int] = {}
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         key, _, value = line.partition(" ")
         if value.strip().lstrip("-").isdigit():
             result[key] = int(value)

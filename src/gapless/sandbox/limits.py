@@ -103,7 +103,7 @@ class SandboxLimits:
     def rlimits(self, slot_tasks: int = 0) -> dict[str, tuple[int, int]]:
         """`resource` constant name -> (soft, hard), as the bootstrap applies them.
         `slot_tasks`: processes of the slot uid in the run's user namespace that are not the
-        program's (server, spawner, init); RLIMIT_NPROC counts them too."""
+        program's (bwrap's pid 1, the server, init); RLIMIT_NPROC counts them too."""
         nproc = self.max_processes + slot_tasks + 8  # the pids cgroup, with its counter, first
         return {
             "RLIMIT_CPU": (self.cpu_limit_s, self.cpu_limit_s + 1),

@@ -138,10 +138,44 @@ class SlotPool:
         slot.worker = None
         self._allocator.release(slot.index, is_clean=self._empty(slot) and is_clean)
 
+    def leftovers(self) -> list[str]:
+        """Settle every slot and describe whatever of a finished run is still there (a process
+        that is not a slot's server, a slot that cannot be emptied). Waits for in-flight runs;
+        empty means clean."""
+        found: list[str] = []
+        for _ in range(self.max_concurrency):
+            self._admission.acquire()
+        try:
+            for slot in list(self._slots.values()):
+                if slot not in self._leases:
+                    found += self._inspect(slot)
+                    if not self._settle(slot):
+                        found.append(f"slot {slot.index} (uid {slot.uid}) could not be emptied")
+        finally:
+            for _ in range(self.max_concurrency):
+                self._admission.release()
+        return found
+
+    def _inspect(self, slot: Slot) -> list[str]:
+        """What of a finished run is still in `slot`, without cleaning it (but a warm server
+        that fails its check is stopped)."""
+        where = f"slot {slot.index} (uid {slot.uid})"
+        if slot.worker is not None and slot.worker.is_running:
+            if slot.worker.settle():
+                return []
+            return [f"{where}: a finished run left processes or its server broke"]
+        if slot.cgroup is not None:
+            left = slot.cgroup.pids()
+        elif slot.uid is not None:
+            left = set(procs.live_processes_of_uid(slot.uid))
+        else:
+            left = set()
+        return [f"{where}: processes left: {sorted(left)}"] if left else []
+
     def metrics(self) -> dict[str, float]:
         """`sandbox/*` counters since start and latency percentiles of the recent runs."""
         with self._lock:
-            metrics = {f"sandbox/{name}": float(value) for name, value in self._counts.items()}
+            metrics = {f"sandbox/{name}_total": float(v) for name, v in self._counts.items()}
             queue_s, run_s = sorted(self._queue_s), sorted(self._run_s)
         metrics["sandbox/quarantined"] = float(len(self.quarantined))
         for name, values in (("queue_s", queue_s), ("run_s", run_s)):

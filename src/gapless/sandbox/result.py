@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 import signal
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from enum import Enum
 
 
@@ -66,7 +66,6 @@ class SandboxResult:
     slot: int | None = None  # slot index that ran it (the last one, after a retry)
     attempts: int = 1  # 2 when an infrastructure failure was retried on another slot
     path: str = "cold"  # warm (forked from a pre-started server), cold, or reduced
-    notes: list[str] = field(default_factory=list)  # e.g. "network: own namespace"
 
     def to_json(self) -> dict[str, object]:
         """JSON-serialisable dict; the report is text with undecodable bytes as \\xNN escapes."""

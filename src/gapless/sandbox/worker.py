@@ -5,7 +5,7 @@ starts a server for a single job and stops it after. Both run the very same code
 
 Who waits for whom (one job, all in the calling thread):
 
-    caller --send request + fds--> server --fork--> spawner --fork--> init --fork--> program
+    caller --send request + fds--> server --fork--> init --fork--> program
       |-- pump(stdout, stderr, report, status) until EOF or the deadline
       |-- at the deadline: SIGKILL every process of the slot that is not the server or its bwrap
       |   monitor (cgroup.procs, or the server's descendants); the kernel also kills the whole
@@ -45,7 +45,7 @@ PREIMPORT = (
     "json", "re", "math", "collections", "itertools", "functools", "heapq", "bisect", "string",
     "random", "typing", "dataclasses", "copy", "operator", "fractions", "decimal", "statistics",
 )  # fmt: skip
-SLOT_TASKS = 3  # server, spawner, init: in the slot cgroup besides the program's tasks
+SLOT_TASKS = 3  # tasks of the slot uid besides the program's: bwrap's pid 1, server, init
 MAX_JOBS_PER_SERVER = 1000  # then a fresh server: fresh hash seed, no slow memory creep
 REPORT_CAP_BYTES = 1 << 20
 GRACE_S = 2.0
@@ -133,11 +133,21 @@ class SlotWorker:
             detail = launch.read_tail(self._errors) or "no message"
             self.stop()
             raise SlotFailure(f"sandbox did not start within {timeout_s:.1f}s: {detail}")
-        servers = procs.child_pids(self._process.pid) if self.bwrap else [self._process.pid]
+        if self.bwrap:  # bwrap monitor -> bwrap's pid 1 (a waiter) -> the server
+            waiters = procs.child_pids(self._process.pid)
+            servers = [pid for waiter in waiters for pid in procs.child_pids(waiter)]
+        else:
+            waiters, servers = [], [self._process.pid]
+        self._infra = frozenset({self._process.pid, *waiters, *servers})
         if self.cgroup is not None:
-            for pid in servers:  # nothing forks before the first job: no race
-                self.cgroup.attach(pid)
-        self._infra = frozenset({self._process.pid, *servers})
+            try:
+                if self.cgroup.ensure():
+                    self._cgroup_limits = None  # made afresh: its limits are the defaults
+                for pid in servers:  # nothing forks before the first job: no race
+                    self.cgroup.attach(pid)
+            except OSError as error:
+                self.stop()
+                raise SlotFailure(f"could not move the sandbox into its cgroup: {error}")
 
     def run(self, job: Job, limits: SandboxLimits, start_s: float) -> RunOutput:
         """Run `job` to its end or to `start_s + limits.timeout_s`, whichever comes first.
@@ -224,7 +234,7 @@ class SlotWorker:
             time.sleep(procs.POLL_INTERVAL_S)
 
     def await_done(self) -> int | None:
-        """The server's answer for the current job (the spawner's wait status), or None if the
+        """The server's answer for the current job (init's wait status), or None if the
         server is gone or mute, in which case it is stopped and must be restarted."""
         message = self._receive(time.monotonic() + GRACE_S)
         if message is None or message.get("done") != self._seq or "error" in message:
