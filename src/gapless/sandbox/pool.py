@@ -39,6 +39,7 @@ from gapless.sandbox.slots import SlotAllocator
 from gapless.sandbox.worker import RunOutput, SlotFailure, SlotWorker
 
 WARM_START_TIMEOUT_S = 15.0
+LAUNCHER_THREADS = 2
 SETTLE_TRIES = 3
 UID_SWEEP_SPAN = 4096  # slot uids checked for leftovers of a crashed service at start
 WINDOW = 8192  # recent runs kept for latency percentiles
@@ -68,6 +69,10 @@ class SlotPool:
         self._leases: list[Slot] = []  # slots held by sessions
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="sandbox")
+        # Warm servers are started from these long-lived threads, never from a caller's: bwrap's
+        # --die-with-parent is a parent-death signal, which the kernel sends when the *thread*
+        # that forked it exits (measured: a caller's short-lived pool killed every warm server).
+        self._launcher = ThreadPoolExecutor(LAUNCHER_THREADS, thread_name_prefix="sandbox-launch")
         self._counts = {"runs": 0, "infra_errors": 0, "infra_retries": 0, "slot_restarts": 0}
         self._queue_s: deque[float] = deque(maxlen=WINDOW)
         self._run_s: deque[float] = deque(maxlen=WINDOW)
@@ -120,7 +125,7 @@ class SlotPool:
                 raise SlotFailure(f"slot {index} could not be emptied")
             slot.worker = SlotWorker(uid=slot.uid, cgroup=slot.cgroup, python=self.python,
                                      bwrap=self.bwrap, warm=True, session_limits=session_limits)
-            slot.worker.start(WARM_START_TIMEOUT_S)
+            self._start_warm(slot.worker)
         except BaseException:
             self._allocator.release(index, is_clean=self._empty(self._slots.get(index)))
             raise
@@ -199,6 +204,7 @@ class SlotPool:
                 slot.cgroup.remove()
         self._slots.clear()
         self._leases.clear()
+        self._launcher.shutdown(wait=True)
         self._allocator.close()
         if self.cgroups is not None:
             self.cgroups.remove_parents()
@@ -224,6 +230,10 @@ class SlotPool:
             return result
         return _infra_result(f"no clean slot after {SETTLE_TRIES} tries", time.monotonic(), self.path)
 
+    def _start_warm(self, worker: SlotWorker) -> None:
+        """Start a long-lived server from a launcher thread (see `__init__`)."""
+        self._launcher.submit(worker.start, WARM_START_TIMEOUT_S).result()
+
     def _settle(self, slot: Slot) -> bool:
         """Before a run: True if nothing of the slot's previous run is left. A warm server
         that is broken or not alone in its slot is stopped (and restarted by the run); False
@@ -232,7 +242,6 @@ class SlotPool:
         if worker is not None and worker.is_running:
             if worker.settle():
                 return True
-            self._count("slot_restarts")
             worker.stop()
         return self._empty(slot)
 
@@ -242,9 +251,11 @@ class SlotPool:
                 slot.worker = self._worker(slot, warm=True)
             worker = slot.worker
             if worker.needs_restart:
+                if worker.starts:
+                    self._count("slot_restarts")  # broken, dirty, or at its job limit
                 worker.stop()
                 try:
-                    worker.start(WARM_START_TIMEOUT_S)
+                    self._start_warm(worker)
                 except SlotFailure as failure:
                     return _infra_result(str(failure), time.monotonic(), self.path)
             start_s = time.monotonic()

@@ -43,7 +43,6 @@ class SlotAllocator:
         self._lock_dir = lock_dir
         self._lock = threading.Lock()
         self._free: list[int] = []  # heap of owned, idle indices
-        self._next_index = 0
         self._owned: dict[int, int | None] = {}  # index -> fd holding its flock
         self._busy: set[int] = set()
         self._quarantined: set[int] = set()
@@ -109,16 +108,16 @@ class SlotAllocator:
             self._busy.clear()
 
     def _mint(self, exclude: frozenset[int]) -> int:
-        """The next index whose flock we get (another process may own some)."""
+        """The lowest index we do not own yet and whose flock we get (other processes own
+        some; one that was theirs may be free again)."""
+        index = 0
         while True:
-            index = self._next_index
-            self._next_index += 1
-            if index in exclude:
-                continue  # never owned by us: an excluded index is another allocator's
-            lock_fd = self._try_lock(index)
-            if lock_fd is not False:
-                self._owned[index] = lock_fd
-                return index
+            if index not in self._owned and index not in exclude:
+                lock_fd = self._try_lock(index)
+                if lock_fd is not False:
+                    self._owned[index] = lock_fd
+                    return index
+            index += 1
 
     def _try_lock(self, index: int) -> int | None | bool:
         """The fd holding index's flock, None without a lock dir, False if another owns it."""

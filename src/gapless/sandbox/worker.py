@@ -45,7 +45,8 @@ PREIMPORT = (
     "json", "re", "math", "collections", "itertools", "functools", "heapq", "bisect", "string",
     "random", "typing", "dataclasses", "copy", "operator", "fractions", "decimal", "statistics",
 )  # fmt: skip
-SLOT_TASKS = 3  # tasks of the slot uid besides the program's: bwrap's pid 1, server, init
+CGROUP_SLOT_TASKS = 2  # tasks in the slot cgroup besides the program's: the server, init
+NPROC_SLOT_TASKS = 3  # tasks of the slot uid in its user namespace: also bwrap's pid 1
 MAX_JOBS_PER_SERVER = 1000  # then a fresh server: fresh hash seed, no slow memory creep
 REPORT_CAP_BYTES = 1 << 20
 GRACE_S = 2.0
@@ -67,14 +68,14 @@ class RunOutput:
 
 @dataclass
 class JobPipes:
-    """Read ends of one job's pipes (stdin: write end, sessions only), and its start time."""
+    """Host ends of one job's pipes (read ends; stdin: the write end, sessions only), and the
+    slot's cgroup counters when it was sent."""
 
     stdout: int
     stderr: int
     report: int
     status: int
     stdin: int | None
-    started_s: float
     before: CgroupCounters | None
 
 
@@ -95,6 +96,7 @@ class SlotWorker:
         self._jobs = 0
         self._seq = 0
         self._cgroup_limits: tuple[int, int] | None = None
+        self.starts = 0  # servers started so far
         self._pending = False  # a job was sent and its `done` not yet read
         self._scratch: list[Path] = []  # reduced mode: host directories of the current job
 
@@ -128,6 +130,7 @@ class SlotWorker:
             child_end.close()
         self._control = host_end
         self._jobs = 0
+        self.starts += 1
         message = self._receive(time.monotonic() + timeout_s)
         if message is None or "ready" not in message:
             detail = launch.read_tail(self._errors) or "no message"
@@ -219,7 +222,7 @@ class SlotWorker:
         self._pending = True
         self._scratch = scratch
         reads = [read for read, _ in ends]
-        return JobPipes(*reads, stdin=stdin_write, started_s=start_s, before=before)
+        return JobPipes(*reads, stdin=stdin_write, before=before)
 
     def kill_job(self) -> None:
         """SIGKILL every process of the current job (the server and its monitor survive)."""
@@ -312,13 +315,13 @@ class SlotWorker:
             "args": list(job.args),
             "cwd": cwd,
             "job_dir": job_dir,
-            "rlimits": limits.rlimits(slot_tasks=SLOT_TASKS),
+            "rlimits": limits.rlimits(slot_tasks=NPROC_SLOT_TASKS),
             "tmp": {**_tmpfs_caps(limits), "slack_bytes": FS_SLACK_BYTES},
             "job": job.tmpfs_caps(),
         }
 
     def _apply_cgroup_limits(self, limits: SandboxLimits) -> None:
-        wanted = (limits.cgroup_tasks(SLOT_TASKS), limits.cgroup_memory_bytes)
+        wanted = (limits.cgroup_tasks(CGROUP_SLOT_TASKS), limits.cgroup_memory_bytes)
         if self.cgroup is not None and wanted != self._cgroup_limits:
             try:
                 self.cgroup.set_limits(*wanted)
