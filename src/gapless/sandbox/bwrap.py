@@ -28,26 +28,32 @@ sandbox's own processes or fake its results. Each defence, outermost first:
   pids only) and /dev (read-only); the job's files on a read-only tmpfs at /work/job; one
   tmpfs with size AND inode caps at /tmp (also /dev/shm), fresh for every job and gone with its
   mount namespace. The root is read-only. No /etc, /home, /root, host /tmp or repository.
-- Resources: per-slot cgroup (pids.max, memory limit for the run as a whole, freezer, CPU
-  accounting) where root and a pids+memory hierarchy exist; rlimits always: CPU, AS, FSIZE,
+- Resources: per-slot cgroup (pids.max, a memory limit for the run as a whole, CPU accounting)
+  where root and a pids+memory hierarchy exist (cgroups.py); rlimits always: CPU, AS, FSIZE,
   NOFILE, NPROC, CORE=0, set in the program before its first line.
 - Time and cleanup: the host owns the wall deadline. At it, every process of the slot except
-  the server and its bwrap monitor is killed (frozen first, then SIGKILL; cgroup.procs, or the
-  server's descendants without a cgroup); a job's init dying takes its whole pid namespace with
-  it, daemons included. After every run the slot must hold nothing but its server, or the server
-  is restarted; a slot that cannot be emptied is quarantined.
+  the server, bwrap's pid 1 and the bwrap monitor gets SIGKILL (cgroup.procs, or the server's
+  descendants without a cgroup); a job's init dying takes its whole pid namespace with it,
+  daemons included. Before a slot's next job it must hold nothing but its server, or the server
+  is restarted; a slot that cannot be emptied is quarantined. `--die-with-parent` takes every
+  sandbox down with this process; servers are started from the pool's long-lived threads,
+  because the kernel sends that parent-death signal when the forking *thread* exits.
 - Output: stdout and stderr capped at `max_output_bytes`, the report fd at 1 MiB, the rest
   drained. The environment is cleared; stdin is /dev/null.
 - Results: fd 3 (report) is a pipe only the host reads, and tests are judged on the host
   (envs/code.py), so faking output or exiting early passes nothing. INFRA_ERROR needs the start
   line on the status pipe, which the program cannot write (result.py).
 
-Warm path vs cold path, precisely: the warm job is forked from a server that imported a fixed
-list of standard modules (worker.PREIMPORT), so (1) `str` hashes use one seed for all jobs of a
-server (a new server every 1000 jobs), (2) those modules are already in `sys.modules`, and
-(3) the `random` module is reseeded from os.urandom per job. Job data never passes through the
-server (it reaches init in a memfd after the fork), so a job cannot find an earlier job's files
-in its inherited memory. Everything else above holds for both.
+Warm path vs cold path, precisely. A warm job is forked from a server that imported a fixed list
+of standard modules (worker.PREIMPORT), so: (1) `str` hashes use one seed for all jobs of a
+server (a new server every 1000 jobs); (2) those modules are already in `sys.modules` (`random`
+reseeds itself from os.urandom in every fork); (3) the jobs of a slot run one after another in
+the slot's network namespace, where nothing of a finished job survives (its sockets die with
+it) except TCP TIME_WAIT entries, which may refuse a later job's bind to the same port without
+SO_REUSEADDR; (4) the run shares its memory cgroup with the idle server (a few MiB). Job
+data never passes through the server (it reaches init in a memfd after the fork), so a job
+cannot find an earlier job's files in memory it inherited. Everything else above holds for
+both paths, including a fresh pid, mount and IPC namespace and a fresh /tmp per job.
 
 NOT guaranteed:
 - No seccomp filter: every syscall of the shared host kernel is reachable from the program; a

@@ -123,6 +123,8 @@ class SlotPool:
             slot = self._slot(index)
             if not self._settle(slot):
                 raise SlotFailure(f"slot {index} could not be emptied")
+            if slot.worker is not None:
+                slot.worker.stop()  # a warm job server: the session brings its own
             slot.worker = SlotWorker(uid=slot.uid, cgroup=slot.cgroup, python=self.python,
                                      bwrap=self.bwrap, warm=True, session_limits=session_limits)
             self._start_warm(slot.worker)

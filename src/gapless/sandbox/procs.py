@@ -1,8 +1,10 @@
-"""Host-side process bookkeeping: find, kill and wait out the processes of one uid.
+"""Host-side process bookkeeping from /proc: the processes of a uid, the descendants of a pid,
+and killing them.
 
-A slot's uid is used by exactly one run at a time, so "every process of the slot uid" is the
-run's whole process tree, whatever it did (double fork, setsid, new process group). These
-helpers read /proc directly; they need no third-party package.
+The slot cgroup (cgroups.py) is the first choice for finding a slot's processes; these are the
+fallback without one: every process of a slot's uid is its server's or its current job's,
+whatever the job did (double fork, setsid, new process group), and without root the server's
+descendants are the job. They need no third-party package.
 
 Guaranteed: every function is bounded in time; the real uid (first field of `Uid:` in
 /proc/PID/status) is used, which a process without capabilities cannot change.

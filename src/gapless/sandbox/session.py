@@ -124,7 +124,7 @@ class SandboxSession:
         worker = self._worker()
         if not worker.settle():
             raise SlotFailure("the session's slot could not be emptied; its files are lost")
-        self._pipes = worker.submit(REPL, self._live_limits, time.monotonic(), with_stdin=True)
+        self._pipes = worker.submit(REPL, self._live_limits, with_stdin=True)
         self._status = CappedSink(1 << 16)
         is_restart, self._has_started = self._has_started, True
         return is_restart

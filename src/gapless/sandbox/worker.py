@@ -156,7 +156,7 @@ class SlotWorker:
         """Run `job` to its end or to `start_s + limits.timeout_s`, whichever comes first.
         Returns once its pipes are closed; `settle` later confirms that nothing of it is left
         (off the caller's critical path: the pool settles a slot before its next job)."""
-        pipes = self.submit(job, limits, start_s)
+        pipes = self.submit(job, limits)
         sinks = {
             pipes.stdout: CappedSink(limits.max_output_bytes),
             pipes.stderr: CappedSink(limits.max_output_bytes),
@@ -187,7 +187,7 @@ class SlotWorker:
             _remove(self._scratch)
         return self.is_running and self.is_clean()
 
-    def submit(self, job: Job, limits: SandboxLimits, start_s: float, *, with_stdin: bool = False
+    def submit(self, job: Job, limits: SandboxLimits, *, with_stdin: bool = False
                ) -> JobPipes:  # fmt: skip
         """Send `job` to the server; returns the host's ends of its pipes."""
         if self._control is None:
