@@ -1,6 +1,6 @@
 """Sandbox speed: the fastest path against a cold sandbox per job and against a bare subprocess.
 
-    python bench/sandbox.py [--rounds 8] [--batch 48] [--concurrency 4]
+    python bench/sandbox.py [--rounds 6] [--batch 96] [--concurrency 4 x cpus]
 
 Three ways to run the trivial program `print(1)`, measured side by side in one run:
 - warm: `BwrapSandbox(warm=True)`, each job forked from a pre-started server in its slot;
@@ -100,8 +100,8 @@ def breakdown(samples: int) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=4 * (os.cpu_count() or 1))
     parser.add_argument("--breakdown-samples", type=int, default=20)
     args = parser.parse_args()
