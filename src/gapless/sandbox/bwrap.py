@@ -131,6 +131,11 @@ class BwrapSandbox:
         return shutil.which("bwrap")
 
     @property
+    def has_cgroups(self) -> bool:
+        """Whether each slot has its own cgroup (run-wide pids and memory limits)."""
+        return self._pool.cgroups is not None
+
+    @property
     def path(self) -> str:
         """The path jobs take: warm, cold or reduced."""
         return self._pool.path

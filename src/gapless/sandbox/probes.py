@@ -44,13 +44,14 @@ class Probe:
     limits: SandboxLimits = QUICK
     check: Callable[[str], bool] = field(default=lambda stdout: True)  # on its stdout
     is_harness: bool = False
+    needs_cgroup: bool = False  # only a run-wide limit (the slot's cgroup) can stop it
 
 
 def _probe(name: str, code: str, *expect: str, limits: SandboxLimits = QUICK,
-           check: Callable[[str], bool] = lambda stdout: True, uses_bait: bool = False
-           ) -> Probe:  # fmt: skip
+           check: Callable[[str], bool] = lambda stdout: True, uses_bait: bool = False,
+           needs_cgroup: bool = False) -> Probe:  # fmt: skip
     code = (BAIT if uses_bait else "") + textwrap.dedent(code)
-    return Probe(name, code, frozenset(expect), limits, check)
+    return Probe(name, code, frozenset(expect), limits, check, needs_cgroup=needs_cgroup)
 
 
 def _harness(name: str, completion: str, *expect: str, check=lambda stdout: True) -> Probe:
@@ -86,7 +87,7 @@ PROBES: tuple[Probe, ...] = (
                 os._exit(0)
         for _ in range(4):
             os.wait()
-    """, "memory_limit", limits=SandboxLimits(timeout_s=5.0, memory_mb=128)),
+    """, "memory_limit", limits=SandboxLimits(timeout_s=5.0, memory_mb=128), needs_cgroup=True),
     _probe("fork bomb", "import os\nwhile True:\n    os.fork()\n", "process_limit"),
     _probe("a million small files", """
         for i in range(1_000_000):

@@ -205,7 +205,7 @@ def _frame(data: bytearray) -> dict[str, object] | None:
         return None
     try:
         value = json.loads(bytes(data[8:8 + size]))
-    except ValueError:
+    except (ValueError, RecursionError):  # garbage, or nesting built to break the parser
         return {"ok": False, "error": "malformed reply from the live process"}
     return value if isinstance(value, dict) else {"ok": False, "error": "malformed reply"}
 
