@@ -12,7 +12,9 @@ them. The host is clean after a probe when nothing reached a trap, the sandbox r
 leftover (`leftovers()`: no process of a finished run), the host's mounts are unchanged and no
 job file is left in the host's temp dir.
 
-Guaranteed: every probe is bounded in time by its limits and in size by construction.
+Guaranteed: every probe is bounded in time by its limits and in size by construction, and writes
+only relative to its cwd (the job's tmpfs; in reduced mode a host scratch directory that is
+removed after the run), so even a host without isolation is not littered by the check itself.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def _all_failed(stdout: str) -> bool:
     return bool(stdout.strip()) and "REACHED" not in stdout
 
 
-BAIT = "import json; bait = json.load(open('/work/job/bait.json'))\n"
+# beside main: /work/job in bwrap mode, a host directory in reduced mode
+BAIT = "import json, os; bait = json.load(open(os.path.join(os.path.dirname(__file__), 'bait.json')))\n"
 PROBES: tuple[Probe, ...] = (
     _probe("infinite loop", "while True:\n    pass\n", "timeout", limits=SandboxLimits(timeout_s=1.0)),
     _probe("busy threads", """
@@ -91,18 +94,18 @@ PROBES: tuple[Probe, ...] = (
     _probe("fork bomb", "import os\nwhile True:\n    os.fork()\n", "process_limit"),
     _probe("a million small files", """
         for i in range(1_000_000):
-            open(f"/tmp/f{i}", "w").close()
+            open(f"f{i}", "w").close()  # relative: cwd is /tmp (a scratch dir in reduced mode)
     """, "inode_limit"),
     _probe("a 10 GB file", """
         chunk = b"x" * (1 << 20)
-        with open("/tmp/big", "wb") as big:
+        with open("big", "wb") as big:
             for _ in range(10 << 10):
                 big.write(chunk)
     """, "disk_limit"),
-    _probe("a 10 GB sparse file", "open('/tmp/sparse', 'wb').truncate(10 << 30)\n", "disk_limit"),
+    _probe("a 10 GB sparse file", "open('sparse', 'wb').truncate(10 << 30)\n", "disk_limit"),
     _probe("tmpfs filled with 1 MB files", """
         for i in range(1000):
-            open(f"/tmp/m{i}", "wb").write(b"x" * (1 << 20))
+            open(f"m{i}", "wb").write(b"x" * (1 << 20))
     """, "disk_limit"),
     _probe("output flood", "import sys\nfor _ in range(100):\n    sys.stdout.write('x' * (1 << 20))\n",
            "output_limit"),
