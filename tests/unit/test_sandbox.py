@@ -249,3 +249,12 @@ def test_a_warm_server_is_replaced_after_its_job_quota(clean_host, monkeypatch):
         results = [box.run_python({"m.py": f"print({i})"}, "m.py") for i in range(7)]
         assert [r.stdout for r in results] == [f"{i}\n" for i in range(7)]
         assert box.metrics()["sandbox/slot_restarts_total"] == 2
+
+
+def test_without_bwrap_runs_fail_instead_of_running_bare(clean_host, monkeypatch):
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with BwrapSandbox(slot_uid_base=SLOT_UID_BASE, max_concurrency=1) as box:
+        result = box.run_python({"m.py": "print(1)"}, "m.py")
+        assert result.status is Status.INFRA_ERROR and "bwrap not found" in result.stderr
+        with pytest.raises(SandboxError, match="bwrap not found"):
+            box.check()

@@ -78,12 +78,11 @@ from typing import Sequence
 from gapless.sandbox.cgroups import CgroupRoot
 from gapless.sandbox.job import Job
 from gapless.sandbox.limits import SandboxLimits
-from gapless.sandbox.pool import SlotPool
+from gapless.sandbox.pool import BWRAP_MISSING, SlotPool
 from gapless.sandbox.result import SandboxError, SandboxResult, Status
 
 logger = logging.getLogger(__name__)
 
-BWRAP_MISSING = "bwrap not found on PATH: install bubblewrap (apt-get install bubblewrap)"
 SLOT_LOCK_DIR = Path("/run/gapless-sandbox")  # flock files that keep slot uids unique per host
 _CHECK_HINTS = (
     ("namespace", "user namespaces must be enabled: sysctl -w user.max_user_namespaces=15000"),
@@ -118,17 +117,15 @@ class BwrapSandbox:
             logger.warning("sandbox: no per-slot cgroup (%s)", self.cgroup_note)
         self._pool = SlotPool(
             python=python,
-            bwrap=self._bwrap_path(),
+            bwrap=shutil.which("bwrap"),
             warm=warm,
             max_concurrency=self.max_concurrency,
             uid_base=slot_uid_base if is_root else None,
             cgroups=cgroups,
             lock_dir=_slot_lock_dir() if is_root else None,
+            is_reduced=self.mode == "reduced",
         )
         self._finalizer = weakref.finalize(self, self._pool.close)
-
-    def _bwrap_path(self) -> str | None:
-        return shutil.which("bwrap")
 
     @property
     def has_cgroups(self) -> bool:

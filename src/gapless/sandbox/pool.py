@@ -38,6 +38,7 @@ from gapless.sandbox.result import SandboxResult, Status, classify
 from gapless.sandbox.slots import SlotAllocator
 from gapless.sandbox.worker import RunOutput, SlotFailure, SlotWorker
 
+BWRAP_MISSING = "bwrap not found on PATH: install bubblewrap (apt-get install bubblewrap)"
 WARM_START_TIMEOUT_S = 15.0
 LAUNCHER_THREADS = 2
 SETTLE_TRIES = 3
@@ -55,11 +56,12 @@ class Slot:
 
 class SlotPool:
     def __init__(self, *, python: str, bwrap: str | None, warm: bool, max_concurrency: int,
-                 uid_base: int | None, cgroups: CgroupRoot | None, lock_dir: Path | None
-                 ) -> None:  # fmt: skip
+                 uid_base: int | None, cgroups: CgroupRoot | None, lock_dir: Path | None,
+                 is_reduced: bool = False) -> None:  # fmt: skip
         self.python = python
-        self.bwrap = bwrap
-        self.warm = warm and bwrap is not None  # reduced mode is always cold (see boot.py)
+        self.bwrap = None if is_reduced else bwrap  # None and not reduced: bwrap is missing
+        self.is_reduced = is_reduced
+        self.warm = warm and not is_reduced  # reduced mode is always cold (see reduced.py)
         self.max_concurrency = max_concurrency
         self.uid_base = uid_base
         self.cgroups = cgroups
@@ -82,7 +84,7 @@ class SlotPool:
 
     @property
     def path(self) -> str:
-        return "warm" if self.warm else ("cold" if self.bwrap else "reduced")
+        return "reduced" if self.is_reduced else ("warm" if self.warm else "cold")
 
     @property
     def quarantined(self) -> frozenset[int]:
@@ -248,6 +250,8 @@ class SlotPool:
         return self._empty(slot)
 
     def _run_on(self, slot: Slot, job: Job, limits: SandboxLimits) -> SandboxResult:
+        if self.bwrap is None and not self.is_reduced:  # never run bare without being asked
+            return _infra_result(BWRAP_MISSING, time.monotonic(), self.path)
         if self.warm:
             if slot.worker is None:
                 slot.worker = self._worker(slot, warm=True)

@@ -49,9 +49,6 @@ class ReducedSandbox(BwrapSandbox):
         print(f"gapless: WARNING: {message}", file=sys.stderr)
         super().__init__(limits, python, slot_uid_base, warm=False, max_concurrency=max_concurrency)
 
-    def _bwrap_path(self) -> str | None:
-        return None
-
 
 def open_sandbox(limits: SandboxLimits = SandboxLimits(), python: str = "/usr/bin/python3", *,
                  mode: str = "auto", warm: bool = True, max_concurrency: int | None = None,
