@@ -83,3 +83,9 @@ def test_idle_timeout_closes_the_session_and_frees_its_slot(box):
     assert session.is_closed
     with pytest.raises(SandboxError, match="closed"):
         session.run("print(2)")
+
+
+def test_a_long_call_is_not_idle_time(box):
+    with box.open_session(SandboxLimits(timeout_s=3.0), idle_timeout_s=0.5) as session:
+        assert session.run("import time\ntime.sleep(1.0)\nprint('slept')").stdout == "slept\n"
+        assert not session.is_closed and session.run("print('still here')").stdout == "still here\n"

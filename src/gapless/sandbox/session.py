@@ -103,11 +103,11 @@ class SandboxSession:
         with self._lock:
             if self._slot is None:
                 raise SandboxError("the session is closed (idle timeout, close, or sandbox closed)")
-            self._touch()
+            self._disarm()  # a call is not idle time, however long it runs
             start_s = time.monotonic()
             deadline = start_s + (timeout_s or self.limits.timeout_s)
             try:
-                restarted = self._ensure_live(deadline)
+                restarted = self._ensure_live()
                 result = self._exchange(marshal.dumps(request), deadline)
             except SlotFailure as failure:
                 self._close_locked()
@@ -117,7 +117,7 @@ class SandboxSession:
             self._touch()
             return result
 
-    def _ensure_live(self, deadline: float) -> bool:
+    def _ensure_live(self) -> bool:
         """Start the live process if there is none; True if an earlier one had ended."""
         if self._pipes is not None:
             return False
@@ -177,9 +177,7 @@ class SandboxSession:
         return self._slot.worker
 
     def _close_locked(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._disarm()
         if self._slot is None:
             return
         if self._pipes is not None and self._slot.worker is not None:
@@ -189,11 +187,21 @@ class SandboxSession:
 
     def _touch(self) -> None:
         """(Re)arm the idle timer."""
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = threading.Timer(self.idle_timeout_s, self.close)
+        self._disarm()
+        self._timer = threading.Timer(self.idle_timeout_s, self._expire)
         self._timer.daemon = True
         self._timer.start()
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self) -> None:
+        """The idle timer fired: close, unless a call came (and re-armed it) meanwhile."""
+        with self._lock:
+            if threading.current_thread() is self._timer:
+                self._close_locked()
 
 
 def _frame(data: bytearray) -> dict[str, object] | None:
