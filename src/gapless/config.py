@@ -63,9 +63,16 @@ class SandboxConfig(_Section):
     max_processes: int = Field(32, ge=1, le=4096)
     """Processes one program may run at once (its slot has its own host uid)."""
     concurrency: int = Field(4, ge=1, le=1024)
-    """Programs scored at once. Throughput saturates near 2x the cores; more only adds latency."""
+    """Programs scored at once (the sandbox's admission limit and slot count). Throughput
+    saturates near 2-4x the cores; more only adds latency."""
     python: str = "/usr/bin/python3"
     """Interpreter run inside the sandbox; it must live under /usr (the only system bind)."""
+    mode: Literal["auto", "bwrap", "reduced"] = "auto"
+    """bwrap: fail unless bubblewrap works here; reduced: rlimits and process groups only
+    (unsafe for untrusted code; warns loudly); auto: bwrap, else reduced with that warning."""
+    warm: bool = True
+    """Fork each program from a pre-started server per slot (about 5x the throughput of a
+    fresh bwrap and interpreter per program, same isolation; see docs/sandbox.md)."""
 
 
 class GeneratorConfig(_Section):

@@ -30,7 +30,7 @@ from gapless.metrics import JsonlSink, ProgressLine, Sinks
 from gapless.models import Policy, load_local
 from gapless.orchestrate.evaluate import greedy_pass_at_1
 from gapless.orchestrate.policy_setup import prepare_policy
-from gapless.sandbox import BwrapSandbox, SandboxLimits
+from gapless.sandbox import SandboxLimits, open_sandbox
 from gapless.trainer.advantages import group_advantages
 from gapless.trainer.batch import build_batch
 from gapless.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
@@ -40,8 +40,8 @@ from gapless.types import Rollout, SamplingParams
 
 def make_environment(cfg: Config) -> CodeEnvironment:
     limits = SandboxLimits(timeout_s=cfg.sandbox.timeout_s, memory_mb=cfg.sandbox.memory_mb, max_processes=cfg.sandbox.max_processes)
-    sandbox = BwrapSandbox(limits, python=cfg.sandbox.python)
-    sandbox.check()
+    sandbox = open_sandbox(limits, cfg.sandbox.python, mode=cfg.sandbox.mode, warm=cfg.sandbox.warm,
+                           max_concurrency=cfg.sandbox.concurrency)
     return CodeEnvironment(sandbox, limits, concurrency=cfg.sandbox.concurrency)
 
 
@@ -153,6 +153,7 @@ class SyncLoop:
         gen_tokens = sum(len(c.token_ids) for c in completions)
         return {
             **rollout_metrics(rollouts, zero_var, len(problems)),
+            **self.env.sandbox.metrics(),  # cumulative counters and recent latency percentiles
             "sandbox/infra_errors": float(infra_errors),
             "train/loss": stats.loss,
             "train/grad_norm": stats.grad_norm,
