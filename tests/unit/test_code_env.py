@@ -31,11 +31,11 @@ def int_problem():
         ("{solution}", "ok", 1.0),
         ("{overfit}", "wrong_answer", None),  # right on visible examples, wrong on some hidden ones
         ("0", "wrong_answer", 0.0),
-        ("x +* 2", "syntax_error", 0.0),
+        ("x +* 2", "compile_error", 0.0),
         ("1/0", "wrong_answer", 0.0),  # raises on every test: each test fails
-        ("exit(0)", "crashed", 0.0),  # exits before any result is reported
-        ("__import__('os')._exit(0)", "crashed", 0.0),
-        ("0\nimport sys; sys.exit(0)", "crashed", 0.0),  # module-level exit before the tests run
+        ("exit(0)", "harness_incomplete", 0.0),  # exits before any result is reported
+        ("__import__('os')._exit(0)", "harness_incomplete", 0.0),
+        ("0\nimport sys; sys.exit(0)", "harness_incomplete", 0.0),  # module-level exit before the tests run
         ("0\nprint('{{\"i\": 0, \"out\": 1}}')", "wrong_answer", 0.0),  # fake results on stdout count for nothing
         ("0\nimport os; os.write(3, b'{{\"i\": 0, \"out\": 123456}}\\n')", "wrong_answer", 0.0),  # forged report, wrong value
         ("0\nbomb = [0] * 10**10", "memory_limit", 0.0),  # allocated at import: the program dies of it
