@@ -12,7 +12,7 @@ from gapless.sandbox import BwrapSandbox, SandboxLimits, SandboxResult, Status
 from gapless.trainer.advantages import group_advantages
 from gapless.types import Completion
 
-PROBLEM = CodeProblem(uid="p", level=1, prompt="def f(x):\n    return ", solution="x + 1",
+PROBLEM = CodeProblem(uid="p", level=1, prompt="def f(x):\n    return ", solution="x + 1", overfit_solution="abs(x) + 1",
                       entry_point="f", test_inputs=("[1]", "[2]"), test_outputs=("2", "3"))  # fmt: skip
 
 

@@ -312,7 +312,7 @@ def _run_harness_probe(sandbox: BwrapSandbox, probe: Probe) -> tuple[str, str]:
     from gapless.envs.code import CodeEnvironment
     from gapless.envs.problems import CodeProblem
 
-    problem = CodeProblem(uid="probe", level=1, prompt="def f(x):\n    return ", solution="x + 1",
+    problem = CodeProblem(uid="probe", level=1, prompt="def f(x):\n    return ", solution="x + 1", overfit_solution="abs(x) + 1",
                           entry_point="f", test_inputs=("[1]", "[2]"), test_outputs=("2", "3"))  # fmt: skip
     env = CodeEnvironment(sandbox, probe.limits, concurrency=1)
     try:
