@@ -76,3 +76,22 @@ def test_warm_start_is_cached_and_deterministic(tmp_path):
     for (k, a), b in zip(first.policy.model.state_dict().items(), second.policy.model.state_dict().values()):
         assert torch.equal(a, b), k
     first.env.close(), second.env.close()
+
+
+def test_non_default_algorithm_runs_end_to_end(tmp_path):
+    """The wiring of the option families at once: estimator, loss, correction, KL in the reward,
+    entropy, overlong shaping and two epochs (no warm start: only the plumbing is under test)."""
+    cfg = smoke(tmp_path, **{
+        "loop.steps": "2", "warmstart.steps": "0", "trainer.advantage": "rloo", "trainer.loss": "gspo", "trainer.old_logprobs": "'trainer'",
+        "trainer.correction": "mis", "trainer.correction_level": "sequence", "trainer.kl_coef": "0.05",
+        "trainer.kl_placement": "reward", "trainer.entropy_coef": "0.01", "trainer.overlong": "penalty",
+        "trainer.epochs": "2",
+    })
+    train(cfg, log=lambda *_: None)
+    lines = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "train/loss" in line]
+    assert len(steps) == 2
+    for key in ("offpolicy/ratio_mean", "offpolicy/masked_frac", "offpolicy/behaviour_kl", "train/entropy",
+                "rollout/kl_ref_mean", "rollout/shaped_reward_mean"):
+        assert all(key in line for line in steps), key
+    assert all(abs(line["offpolicy/ratio_mean"] - 1.0) < 1e-4 for line in steps)  # staleness 0
