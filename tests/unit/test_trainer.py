@@ -127,3 +127,8 @@ def test_a_step_without_loss_tokens_publishes_unchanged_weights(sampled):
     stats = trainer.step(sampled[1].select([]))  # every group dropped
     assert stats.num_tokens == 0 and trainer.version == 2
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_drgrpo_needs_the_generation_cap(sampled):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        GRPOTrainer(sampled[0], TrainerConfig(loss="drgrpo"))

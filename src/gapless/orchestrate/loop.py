@@ -7,7 +7,9 @@ Who waits for whom (one process, strictly in turn):
           └─────────────────────────────── next step ───────────────────────────────┘
 
 Every rollout of a step is sampled by the current policy version (staleness 0, asserted), so
-the behaviour log-probs recorded by the generator are the trainer's old log-probs. Held-out
+the behaviour log-probs recorded by the generator are the trainer's old log-probs. `make_batch`
+turns the scored groups into the step's batch (reward shaping, advantages, masks and dropped
+groups as configured; trainer/groups.py), so the trainer sees advantages, never rewards. Held-out
 greedy pass@1 runs at the start, every `loop.eval_every` steps and at the end; checkpoints every
 `loop.checkpoint_every` steps and at the end. `resume=True` continues from the last checkpoint.
 """

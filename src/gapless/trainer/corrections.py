@@ -57,7 +57,7 @@ def importance_weights(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch
 
 def _diagnostics(token_log_rho, log_rho, unit_mask, mask, cut) -> dict[str, float]:
     rho = torch.exp(log_rho.clamp(-_LOG_CLAMP, _LOG_CLAMP))  # (B, T)
-    token_rho = torch.exp(token_log_rho)
+    k3 = torch.expm1(token_log_rho) - token_log_rho  # rho - 1 - log rho, without cancellation near rho = 1
     units = unit_mask > 0
     return {
         "units": float(units.sum()),
@@ -65,7 +65,7 @@ def _diagnostics(token_log_rho, log_rho, unit_mask, mask, cut) -> dict[str, floa
         "rho_max": float(rho[units].max()) if bool(units.any()) else 0.0,
         "cut": float((cut & units).sum()),
         "tokens": float(mask.sum()),
-        "kl_sum": float(((token_rho - 1.0 - token_log_rho) * mask).sum()),
+        "kl_sum": float((k3 * mask).sum()),
     }
 
 

@@ -47,11 +47,13 @@ class StepStats:
 
 
 class GRPOTrainer:
-    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, temperature: float = 1.0, max_new_tokens: int = 24):
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, temperature: float = 1.0, max_new_tokens: int | None = None):
+        if cfg.loss == "drgrpo" and max_new_tokens is None:
+            raise ValueError("trainer.loss = 'drgrpo' divides by generator.max_new_tokens; pass max_new_tokens")
         self.model = model
         self.cfg = cfg
         self.temperature = temperature
-        self.max_new_tokens = max_new_tokens  # Dr. GRPO's constant normaliser
+        self.max_new_tokens = max_new_tokens or 0  # only Dr. GRPO's constant normaliser uses it
         self.loss_fn = LOSSES[cfg.loss]
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.reference = None
