@@ -54,6 +54,13 @@ def test_every_field_is_documented():
     assert missing == []
 
 
+def test_default_algorithm_is_token_level_grpo():
+    t = Config().trainer
+    assert (t.advantage, t.loss, t.clip_eps, t.clip_high, t.old_logprobs, t.correction) == ("grpo", "dapo", 0.2, 0.2, "behaviour", "none")
+    assert (t.kl_coef, t.entropy_coef, t.overlong, t.drop_zero_variance) == (0.0, 0.0, "keep", False)
+    assert load_config(None, {"trainer.clip_eps_high": "0.28"}).trainer.clip_high == 0.28
+
+
 @pytest.mark.parametrize(
     "argv, fragment",
     [
@@ -77,10 +84,3 @@ def test_shipped_configs_are_valid():
     for path in sorted((Path(__file__).parents[2] / "configs").glob("*.toml")):
         cfg = load_config(path)
         json.dumps(cfg.model_dump(mode="json"))
-
-
-def test_default_algorithm_is_token_level_grpo():
-    t = Config().trainer
-    assert (t.advantage, t.loss, t.clip_eps, t.clip_high, t.old_logprobs, t.correction) == ("grpo", "dapo", 0.2, 0.2, "behaviour", "none")
-    assert (t.kl_coef, t.entropy_coef, t.overlong, t.drop_zero_variance) == (0.0, 0.0, "keep", False)
-    assert load_config(None, {"trainer.clip_eps_high": "0.28"}).trainer.clip_high == 0.28
