@@ -100,11 +100,11 @@ class TrainerConfig(_Section):
     length-normalised ratio; 'cispo' a clipped stop-gradient IS weight on the log-prob."""
     clip_eps: float = Field(0.2, gt=0, lt=1)
     """PPO clip range (lower side, and upper side unless `clip_eps_high` is set): ratios outside
-    [1 - eps, 1 + eps] stop contributing gradient. GSPO's paper uses 3e-4 (its ratio is a
-    per-token geometric mean, much closer to 1)."""
+    [1 - eps, 1 + eps] stop contributing gradient (for 'cispo': the bounds of its IS weight).
+    GSPO's paper uses 3e-4 (its ratio is a per-token geometric mean, much closer to 1)."""
     clip_eps_high: float | None = Field(None, gt=0)
-    """Upper clip range (DAPO's clip-higher; the paper uses 0.28, GSPO 4e-4, CISPO runs use large
-    values such as 5). None means the same as `clip_eps`."""
+    """Upper clip range (DAPO's clip-higher; the paper uses 0.28, GSPO 4e-4; CISPO is run with a
+    large one). None means the same as `clip_eps`."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL penalty to the frozen reference (the warm-started model). 0 disables it
     and skips the reference forward pass."""
