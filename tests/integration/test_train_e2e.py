@@ -105,3 +105,22 @@ def test_killed_run_leaves_a_loadable_checkpoint_and_resumes(tmp_path, warm_cach
     resumed = SyncLoop(smoke(tmp_path, warm_cache, **{"run_dir": json.dumps(str(run)), "loop.steps": str(step + 1)}), resume=True, log=lambda *_: None)
     assert resumed.start_step == step
     assert resumed.run()["trained_samples"] == (step + 1) * 2 * 4
+
+
+def test_non_default_algorithm_runs_end_to_end(tmp_path, warm_cache):
+    """The wiring of the option families at once: estimator, loss, correction, KL in the reward,
+    entropy, overlong shaping and two epochs (no warm start: only the plumbing is under test)."""
+    cfg = smoke(tmp_path, warm_cache, **{
+        "loop.steps": "2", "warmstart.steps": "0", "trainer.advantage": "rloo", "trainer.loss": "gspo", "trainer.old_logprobs": "'trainer'",
+        "trainer.correction": "mis", "trainer.correction_level": "sequence", "trainer.kl_coef": "0.05",
+        "trainer.kl_placement": "reward", "trainer.entropy_coef": "0.01", "trainer.overlong": "penalty",
+        "trainer.epochs": "2",
+    })
+    train(cfg, log=lambda *_: None)
+    lines = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "train/loss" in line]
+    assert len(steps) == 2
+    for key in ("offpolicy/ratio_mean", "offpolicy/masked_frac", "offpolicy/behaviour_kl", "train/entropy",
+                "rollout/kl_ref_mean", "rollout/shaped_reward_mean"):
+        assert all(key in line for line in steps), key
+    assert all(abs(line["offpolicy/ratio_mean"] - 1.0) < 1e-4 for line in steps)  # staleness 0

@@ -7,7 +7,9 @@ Who waits for whom (one process, strictly in turn):
           └─────────────────────────────── next step ───────────────────────────────┘
 
 Every rollout of a step is sampled by the current policy version (staleness 0, asserted), so
-the behaviour log-probs recorded by the generator are the trainer's old log-probs. Held-out
+the behaviour log-probs recorded by the generator are the trainer's old log-probs. `make_batch`
+turns the scored groups into the step's batch (reward shaping, advantages, masks and dropped
+groups as configured; trainer/groups.py), so the trainer sees advantages, never rewards. Held-out
 greedy pass@1 runs at the start, every `loop.eval_every` steps and at the end; checkpoints every
 `loop.checkpoint_every` steps and at the end. `resume=True` continues from the last checkpoint.
 """
@@ -31,9 +33,9 @@ from gapless.models import Policy, load_local
 from gapless.orchestrate.evaluate import greedy_pass_at_1
 from gapless.orchestrate.policy_setup import prepare_policy
 from gapless.sandbox import SandboxLimits, open_sandbox
-from gapless.trainer.advantages import group_advantages
-from gapless.trainer.batch import build_batch
+from gapless.trainer.batch import Batch, build_batch
 from gapless.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from gapless.trainer.groups import StepTargets, step_targets
 from gapless.trainer.trainer import GRPOTrainer
 from gapless.types import Rollout, SamplingParams
 
@@ -79,7 +81,7 @@ class SyncLoop:
         checkpoint = latest_checkpoint(self.run_dir) if resume else None
         if checkpoint is not None:
             self.policy = load_local(checkpoint)
-        self.trainer = GRPOTrainer(self.policy.model, cfg.trainer, cfg.generator.temperature)
+        self.trainer = GRPOTrainer(self.policy.model, cfg.trainer, cfg.generator.temperature, cfg.generator.max_new_tokens)
         if checkpoint is not None:
             self.state = load_trainer_state(checkpoint, self.trainer.optimizer)
             self.start_step = self.trainer.version = self.state["step"]
@@ -134,25 +136,20 @@ class SyncLoop:
         completions = self.sampler.generate(prompt_ids, params)
         t1 = time.perf_counter()
         groups = self.env.score_groups(problems, [completions[g * n : (g + 1) * n] for g in range(len(problems))])
-        rollouts, advantages, valid, zero_var = [], [], [], 0
-        for group in groups:
-            adv = group_advantages([r.reward for r in group], [not r.is_infra_failure for r in group])
-            rollouts += group
-            advantages += adv.advantages
-            valid += adv.valid
-            zero_var += adv.is_zero_variance
+        rollouts = [rollout for group in groups for rollout in group]
         infra_errors = self.env.check_infra(rollouts)
         t2 = time.perf_counter()
         staleness = self.trainer.version - min(r.completion.oldest_version for r in rollouts)
         assert staleness == 0, f"synchronous loop trained on stale rollouts (staleness {staleness})"
-        batch = build_batch([r.completion for r in rollouts], advantages, valid, self.policy.pad_id)
+        batch, targets = self.make_batch(rollouts)
         stats = self.trainer.step(batch)
         t3 = time.perf_counter()
         self.sampler.update_weights(self.trainer.state_for_push(), self.trainer.version)
         t4 = time.perf_counter()
         gen_tokens = sum(len(c.token_ids) for c in completions)
         return {
-            **rollout_metrics(rollouts, zero_var, len(problems)),
+            **rollout_metrics(rollouts, targets.zero_variance_groups, len(problems)),
+            **targets.metrics,
             **self.env.sandbox.metrics(),  # cumulative counters and recent latency percentiles
             "sandbox/infra_errors": float(infra_errors),
             "train/loss": stats.loss,
@@ -160,6 +157,8 @@ class SyncLoop:
             "train/clip_frac": stats.clip_frac,
             "train/ratio_mean": stats.ratio_mean,
             "train/kl_ref": stats.kl_mean,
+            "train/entropy": stats.entropy_mean,
+            **stats.offpolicy,
             "train/tokens": float(stats.num_tokens),
             "staleness/max": float(staleness),
             "perf/generate_s": t1 - t0,
@@ -170,6 +169,18 @@ class SyncLoop:
             "perf/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
             "perf/trainer_idle_frac": 1.0 - (t3 - t2) / max(t4 - t0, 1e-9),
         }
+
+    def make_batch(self, rollouts: list[Rollout]) -> tuple[Batch, StepTargets]:
+        """Scored rollouts (group after group) -> the step's batch: advantages, masks, drops."""
+        cfg, n = self.cfg, self.cfg.generator.group_size
+        valid = [not r.is_infra_failure for r in rollouts]
+        group_ids = [i // n for i in range(len(rollouts))]
+        batch = build_batch([r.completion for r in rollouts], [0.0] * len(rollouts), valid, self.policy.pad_id, group_ids)
+        ref_kl = None
+        if cfg.trainer.kl_coef > 0 and cfg.trainer.kl_placement == "reward":
+            ref_kl = self.trainer.reference_kl(batch)
+        targets = step_targets(rollouts, n, cfg.trainer, cfg.generator.max_new_tokens, ref_kl)
+        return batch.with_targets(targets.advantages, targets.is_trainable).select(targets.keep), targets
 
     def checkpoint(self, step: int, pass_start: float, trained_samples: int) -> None:
         save_checkpoint(self.run_dir, self.policy, self.trainer.optimizer, step,
