@@ -37,3 +37,15 @@ def test_probe(sandbox, probe):
     assert outcome.is_expected, outcome.detail
     assert outcome.is_host_clean, outcome.detail
     assert outcome.wall_s < probe.limits.timeout_s + KILL_GRACE_S
+
+
+def test_signal_to_init_at_first_instruction_is_ignored(sandbox):
+    """Regression: the job's init once reset its SIGINT handler only after forking the
+    program, so a program signalling pid 1 at once could win the race and turn the run into
+    infra_error. Repeat it so the race window is hit if it still exists."""
+    code = "import os, signal\nos.kill(1, signal.SIGINT)\nos.kill(1, signal.SIGTERM)\nprint('alive')\n"
+    statuses = [sandbox.run_python({"main.py": code}, "main.py").status.value for _ in range(20)]
+    assert statuses == ["ok"] * 20
+    code = "import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n"  # as in a plain `python`
+    result = sandbox.run_python({"main.py": code}, "main.py")
+    assert result.status.value == "nonzero_exit" and "KeyboardInterrupt" in result.stderr

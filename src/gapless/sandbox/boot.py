@@ -194,6 +194,9 @@ def _report_infra(status_fd, error):
 def _run_init(request, fds, spec):
     """Init of one job: prepare the filesystem, run the program, report how it ended."""
     stdin, stdout, stderr, report, status, files = fds
+    # Before the program exists: as pid 1 we ignore default-action signals, but Python's own
+    # SIGINT handler would raise KeyboardInterrupt here if the program signalled us early.
+    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
     try:
         if spec["isolate"]:
             _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWIPC), "unshare the job's namespaces")
@@ -219,7 +222,6 @@ def _run_init(request, fds, spec):
         _run_program(request, stdin, stdout, stderr, report, status)
     for fd in (stdin, stdout, stderr, report):
         os.close(fd)
-    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)  # pid 1 ignores default-action signals
     wait_status = _reap_until(program_pid)
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     final = {
@@ -304,6 +306,7 @@ def _run_program(request, stdin, stdout, stderr, report, status):
             os.dup2(target + 100, target)
         os.closerange(FD_STATUS + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         os.chdir(request["cwd"])
+        _signal.signal(_signal.SIGINT, _signal.default_int_handler)  # as in a plain `python`
         for name, (soft, hard) in request["rlimits"].items():
             resource.setrlimit(getattr(resource, name), (soft, hard))
         _drop_capabilities()  # (`random` reseeds itself from os.urandom after every fork)
