@@ -17,3 +17,9 @@ def tiny_policy(problems):
     torch.manual_seed(0)
     cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=300)
     return build_tiny(cfg, [p.prompt + p.solution for p in problems], seed=0)
+
+
+@pytest.fixture(scope="session")
+def warm_cache(tmp_path_factory):
+    """One warm-start cache for the whole session: each smoke warm start is built once."""
+    return tmp_path_factory.mktemp("warmstart-cache")

@@ -1,5 +1,8 @@
-"""Command line: `gapless train [CONFIG] [--run-dir DIR] [--resume] [--dotted.key value ...]` and
-`gapless sandbox run FILE --json [--timeout-s S] [--memory-mb M]`.
+"""Command line: `gapless train [CONFIG] [--run-dir DIR] [--resume] [--dotted.key value ...]`,
+`gapless sandbox run FILE --json [--timeout-s S] [--memory-mb M]` and
+`gapless sandbox check [--path warm|cold|both] [--mode auto|bwrap|reduced] [--json]`, which runs
+the hostile probes (gapless.sandbox.probes) on this host and prints probe, status and whether
+the host stayed clean; it exits 0 only if every probe ended as expected with a clean host.
 
 User errors (bad config, missing model path, malformed TOML) print one line `gapless: error: ...`
 and exit with code 2; infrastructure failures (sandbox cannot start) exit with code 3 and say
@@ -51,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print one JSON object")
     run.add_argument("--timeout-s", type=float, default=5.0)
     run.add_argument("--memory-mb", type=int, default=512)
+    check = sandbox_sub.add_parser("check", help="run the hostile probes on this host")
+    check.add_argument("--path", choices=["warm", "cold", "both"], default="both",
+                       help="warm: jobs forked from a pre-started server; cold: fresh bwrap per job")
+    check.add_argument("--mode", choices=["auto", "bwrap", "reduced"], default="auto")
+    check.add_argument("--json", action="store_true", help="one JSON object per probe")
     return parser
 
 
@@ -74,7 +82,8 @@ def _cmd_sandbox_run(args: argparse.Namespace) -> int:
     from gapless.sandbox import BwrapSandbox, SandboxLimits
 
     limits = SandboxLimits(timeout_s=args.timeout_s, memory_mb=args.memory_mb)
-    result = BwrapSandbox(limits).run_file(args.file, limits)
+    with BwrapSandbox(limits, warm=False) as sandbox:  # one program: a warm server would not pay
+        result = sandbox.run_file(args.file, limits)
     if args.json:
         print(json.dumps(result.to_json()))
     else:
@@ -84,13 +93,49 @@ def _cmd_sandbox_run(args: argparse.Namespace) -> int:
     return 0 if result.status.value == "ok" else 1
 
 
+def _cmd_sandbox_check(args: argparse.Namespace) -> int:
+    from gapless.sandbox import SandboxError, open_sandbox
+    from gapless.sandbox.probes import PROBES, run_probe
+
+    paths = ["warm", "cold"] if args.path == "both" else [args.path]
+    outcomes = []
+    for path in paths:
+        try:
+            sandbox = open_sandbox(mode=args.mode, warm=path == "warm")
+        except SandboxError as exc:
+            print(f"gapless: sandbox unavailable: {exc}", file=sys.stderr)
+            return 3
+        with sandbox:
+            if not args.json:
+                print(f"# {sandbox.mode}, {sandbox.path} path; {sandbox.cgroup_note}")
+                print(f"{'probe':<46}{'expected':<32}{'status':<20}{'ok':<5}host clean")
+            for probe in PROBES:
+                outcome = run_probe(sandbox, probe)
+                outcomes.append(outcome)
+                if args.json:
+                    print(json.dumps({**vars(outcome), "expected": sorted(probe.expect)}))
+                    continue
+                print(f"{probe.name:<46}{'/'.join(sorted(probe.expect)):<32}{outcome.status:<20}"
+                      f"{'yes' if outcome.is_expected else 'NO':<5}"
+                      f"{'yes' if outcome.is_host_clean else 'NO'}"
+                      + (f"  ({outcome.detail})" if outcome.detail else ""))
+    failed = [o for o in outcomes if not (o.is_expected and o.is_host_clean)]
+    if not args.json:
+        print(f"{len(outcomes) - len(failed)}/{len(outcomes)} probes ended as expected "
+              "with a clean host" + ("" if not failed else "; see the rows marked NO"))
+    return 0 if not failed else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv[:1] == ["train"] and not {"-h", "--help"} & set(argv):
             return _cmd_train(argv[1:])  # free-form dotted overrides: parsed by hand, not argparse
-        return _cmd_sandbox_run(parser.parse_args(argv))
+        args = parser.parse_args(argv)
+        if args.sandbox_command == "check":
+            return _cmd_sandbox_check(args)
+        return _cmd_sandbox_run(args)
     except (ConfigError, _Usage) as exc:
         print(f"gapless: error: {exc}", file=sys.stderr)
         return 2

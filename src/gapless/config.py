@@ -63,9 +63,16 @@ class SandboxConfig(_Section):
     max_processes: int = Field(32, ge=1, le=4096)
     """Processes one program may run at once (its slot has its own host uid)."""
     concurrency: int = Field(4, ge=1, le=1024)
-    """Programs scored at once. Throughput saturates near 2x the cores; more only adds latency."""
+    """Programs scored at once (the sandbox's admission limit and slot count). Throughput
+    saturates near 2-4x the cores; more only adds latency."""
     python: str = "/usr/bin/python3"
     """Interpreter run inside the sandbox; it must live under /usr (the only system bind)."""
+    mode: Literal["auto", "bwrap", "reduced"] = "auto"
+    """bwrap: fail unless bubblewrap works here; reduced: rlimits and process groups only
+    (unsafe for untrusted code; warns loudly); auto: bwrap, else reduced with that warning."""
+    warm: bool = True
+    """Fork each program from a pre-started server per slot (about 5x the throughput of a
+    fresh bwrap and interpreter per program, same isolation; see docs/sandbox.md)."""
 
 
 class GeneratorConfig(_Section):
@@ -88,17 +95,69 @@ class GeneratorConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    lr: float = Field(1e-3, gt=0, le=1)
+    lr: float = Field(3e-4, gt=0, le=1)
     """AdamW learning rate for the RL phase."""
     weight_decay: float = Field(0.0, ge=0, le=1)
     """AdamW decoupled weight decay."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient clipping threshold (global L2 norm)."""
+    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    """Group baseline (docs/algorithms.md): 'grpo' (reward - group mean) / group std; 'drgrpo' the
+    same without the std (no difficulty bias); 'rloo' reward - mean of the other rollouts."""
+    drop_zero_variance: bool = False
+    """Leave groups whose rewards are all equal out of the batch (DAPO's dynamic-sampling filter,
+    without refilling). They carry no policy gradient; dropping them makes the normalisers count
+    informative rollouts only and saves their forward/backward."""
+    loss: Literal["grpo", "dapo", "drgrpo", "gspo", "cispo"] = "dapo"
+    """Policy loss (docs/algorithms.md): 'dapo' PPO-clip with a token mean over the step (the
+    default; with clip_eps_high unset it is plain token-level GRPO); 'grpo' the GRPO paper's
+    per-sequence then per-group mean; 'drgrpo' a constant normaliser; 'gspo' a sequence-level,
+    length-normalised ratio; 'cispo' a clipped stop-gradient IS weight on the log-prob."""
     clip_eps: float = Field(0.2, gt=0, lt=1)
-    """PPO clip range: ratios outside [1 - eps, 1 + eps] stop contributing gradient."""
+    """PPO clip range (lower side, and upper side unless `clip_eps_high` is set): ratios outside
+    [1 - eps, 1 + eps] stop contributing gradient (for 'cispo': the bounds of its IS weight).
+    GSPO's paper uses 3e-4 (its ratio is a per-token geometric mean, much closer to 1)."""
+    clip_eps_high: float | None = Field(None, gt=0)
+    """Upper clip range (DAPO's clip-higher; the paper uses 0.28, GSPO 4e-4; CISPO is run with a
+    large one). None means the same as `clip_eps`."""
     kl_coef: float = Field(0.0, ge=0)
-    """Weight of the k3 KL penalty to the frozen reference (the warm-started model). 0 disables it
+    """Weight of the KL penalty to the frozen reference (the warm-started model). 0 disables it
     and skips the reference forward pass."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """Per-token KL estimator (Schulman 2020): 'k1' = log p - log p_ref; 'k3' = r - log r - 1 with
+    r = p_ref / p, non-negative and of lower variance."""
+    kl_placement: Literal["loss", "reward"] = "loss"
+    """Where the KL penalty acts: 'loss' adds kl_coef * KL per token to the loss; 'reward' subtracts
+    kl_coef * (KL summed over the completion, under the behaviour log-probs) from each reward
+    before the group baseline."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus (the loss subtracts entropy_coef * token entropy at the
+    sampling temperature). 0 skips computing it."""
+    old_logprobs: Literal["behaviour", "trainer"] = "behaviour"
+    """Denominator of the PPO ratio. 'behaviour': the generator's sampling log-probs, so clipping
+    also absorbs off-policy drift (PipelineRL; verl's bypass mode). 'trainer': the trainer's own
+    log-probs at the start of the step (verl's default, TRL), with the generator/trainer gap left
+    to `correction`. Identical up to float tolerance when staleness is 0."""
+    correction: Literal["none", "tis", "mis"] = "none"
+    """Off-policy correction weight rho = p_trainer / p_behaviour (trainer at the start of the
+    step), applied to the policy term: 'tis' truncates it at `tis_cap`; 'mis' zeroes tokens or
+    sequences whose rho leaves [mis_low, mis_high]. Needs old_logprobs = 'trainer'."""
+    correction_level: Literal["token", "sequence"] = "token"
+    """Whether rho is per token, or the product over the completion applied to all its tokens."""
+    tis_cap: float = Field(2.0, ge=1)
+    """C of truncated importance sampling: weights are min(rho, C)."""
+    mis_low: float = Field(0.5, gt=0, le=1)
+    """Lower bound of the masked importance sampling band."""
+    mis_high: float = Field(2.0, ge=1)
+    """Upper bound of the masked importance sampling band."""
+    overlong: Literal["keep", "mask", "penalty"] = "keep"
+    """Completions cut at generator.max_new_tokens: 'keep' trains on them as scored; 'mask' gives
+    them no loss (their rewards still form the group baseline); 'penalty' is DAPO's soft overlong
+    punishment, a reward penalty growing linearly over the last `overlong_buffer` tokens."""
+    overlong_buffer: int = Field(4, ge=1)
+    """Length of DAPO's buffer zone, in tokens before generator.max_new_tokens (overlong='penalty')."""
+    overlong_penalty: float = Field(1.0, gt=0)
+    """Reward penalty at the maximum length (overlong='penalty'); rewards here lie in [0, 1]."""
     epochs: int = Field(1, ge=1, le=32)
     """Optimizer updates per batch (GRPO's mu; TRL `num_iterations`, verl `ppo_epochs`). Above 1
     the later updates are off-policy and the clipped ratio bounds how far each batch moves the
@@ -107,6 +166,10 @@ class TrainerConfig(_Section):
     """Sequences per forward/backward pass; gradients accumulate to the whole step."""
     threads: int = Field(0, ge=0, le=512)
     """torch intra-op threads; 0 uses every core given to the process."""
+
+    @property
+    def clip_high(self) -> float:
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
 
 
 class WarmStartConfig(_Section):
@@ -117,18 +180,22 @@ class WarmStartConfig(_Section):
     """Sequences per supervised step."""
     lr: float = Field(3e-3, gt=0, le=1)
     """AdamW learning rate of the warm start."""
+    overfit_frac: float = Field(0.5, ge=0, le=1)
+    """Fraction of demonstrations written by a teacher that checked only the visible examples
+    (e.g. `abs(x) + 3` for `x + 3`): right on them, wrong on hidden edge cases. Real warm-start
+    data is imperfect in this way; RL against the hidden tests has to unlearn it. 0 = clean."""
     cache_dir: str = ".cache/gapless"
     """Where warm-started checkpoints are cached (relative paths are relative to the cwd)."""
 
 
 class LoopConfig(_Section):
-    steps: int = Field(120, ge=0)
+    steps: int = Field(60, ge=0)
     """RL optimizer steps (each one policy version)."""
-    prompts_per_step: int = Field(8, ge=1)
+    prompts_per_step: int = Field(16, ge=1)
     """Groups per step; the batch is prompts_per_step * group_size rollouts."""
-    eval_every: int = Field(20, ge=1)
+    eval_every: int = Field(10, ge=1)
     """Held-out greedy pass@1 every this many steps (and at the start and the end)."""
-    checkpoint_every: int = Field(40, ge=1)
+    checkpoint_every: int = Field(20, ge=1)
     """Checkpoint (HF model + optimizer + step) every this many steps and at the end."""
 
 
@@ -223,6 +290,17 @@ def _check_cross_field(cfg: Config) -> None:
         raise ConfigError(f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads ({m.num_kv_heads})")
     if m.path is not None and not Path(m.path).is_dir():
         raise ConfigError(f"model.path: directory {m.path!r} does not exist; give a local Hugging Face checkpoint directory or leave it unset for the embedded tiny model")
+    _check_trainer(cfg)
     bad_levels = [lv for lv in cfg.task.levels if lv not in (1, 2, 3)]
     if bad_levels or not cfg.task.levels:
         raise ConfigError(f"task.levels: {cfg.task.levels} must be a non-empty list drawn from 1, 2, 3")
+
+
+def _check_trainer(cfg: Config) -> None:
+    t = cfg.trainer
+    if t.correction != "none" and t.old_logprobs != "trainer":
+        raise ConfigError(f"trainer.correction = '{t.correction}' reweights behaviour against trainer log-probs; "
+                          "it needs trainer.old_logprobs = 'trainer' (with 'behaviour' the PPO ratio already divides by them)")
+    if t.overlong == "penalty" and t.overlong_buffer > cfg.generator.max_new_tokens:
+        raise ConfigError(f"trainer.overlong_buffer ({t.overlong_buffer}) must not exceed generator.max_new_tokens "
+                          f"({cfg.generator.max_new_tokens})")

@@ -26,6 +26,12 @@ def test_precedence_defaults_file_cli(tmp_path):
         ({"generator.group_size": "1"}, "generator.group_size"),
         ({"model.hidden_size": "102"}, "model.hidden_size (102) must be divisible by model.num_heads"),
         ({"model.path": "'/no/such/dir'"}, "model.path: directory '/no/such/dir' does not exist"),
+        ({"trainer.loss": "ppo"}, "trainer.loss: Input should be 'grpo', 'dapo', 'drgrpo', 'gspo' or 'cispo'"),
+        ({"trainer.advantage": "gae"}, "trainer.advantage"),
+        ({"trainer.correction": "tis"}, "it needs trainer.old_logprobs = 'trainer'"),
+        ({"trainer.overlong": "penalty", "trainer.overlong_buffer": "30"},
+         "trainer.overlong_buffer (30) must not exceed generator.max_new_tokens (24)"),
+        ({"trainer.tis_cap": "0.5"}, "trainer.tis_cap"),
     ],
 )
 def test_bad_values_name_the_key(overrides, fragment):
@@ -46,6 +52,13 @@ def test_every_field_is_documented():
 
     missing = [name for name, doc in walk(Config) if not doc]
     assert missing == []
+
+
+def test_default_algorithm_is_token_level_grpo():
+    t = Config().trainer
+    assert (t.advantage, t.loss, t.clip_eps, t.clip_high, t.old_logprobs, t.correction) == ("grpo", "dapo", 0.2, 0.2, "behaviour", "none")
+    assert (t.kl_coef, t.entropy_coef, t.overlong, t.drop_zero_variance) == (0.0, 0.0, "keep", False)
+    assert load_config(None, {"trainer.clip_eps_high": "0.28"}).trainer.clip_high == 0.28
 
 
 @pytest.mark.parametrize(
@@ -71,3 +84,12 @@ def test_shipped_configs_are_valid():
     for path in sorted((Path(__file__).parents[2] / "configs").glob("*.toml")):
         cfg = load_config(path)
         json.dumps(cfg.model_dump(mode="json"))
+
+
+def test_configuration_doc_is_in_sync():
+    from pathlib import Path
+
+    from gapless.config_doc import render
+
+    doc = Path(__file__).parents[2] / "docs" / "configuration.md"
+    assert doc.read_text() == render(), "run: python -m gapless.config_doc > docs/configuration.md"

@@ -46,7 +46,7 @@ def test_sampling_logprobs_equal_trainer_logprobs(make, tiny_policy, problems):
     batch = build_batch(completions, [1.0] * len(completions), [True] * len(completions), tiny_policy.pad_id)
     with torch.no_grad():
         trainer_lp = token_logprobs(tiny_policy.model, batch.input_ids, batch.attention_mask, temperature=0.7)
-    diff = ((trainer_lp - batch.old_logprobs) * batch.loss_mask).abs().max()
+    diff = ((trainer_lp - batch.behaviour_logprobs) * batch.loss_mask).abs().max()
     assert diff < 1e-5
     assert batch.num_tokens == sum(len(c.token_ids) for c in completions)
 

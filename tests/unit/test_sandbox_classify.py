@@ -11,10 +11,14 @@ from gapless.sandbox.streams import CappedSink
 
 
 def observe(returncode: int | None, stderr: str = "", **overrides: object) -> Observation:
-    fields = dict(has_started=True, returncode=returncode, is_deadline_hit=returncode is None,
-                  stderr=stderr.encode(), is_truncated=False)  # fmt: skip
+    fields = dict(has_started=True, returncode=returncode, is_deadline_hit=False,
+                  stderr=stderr.encode(), is_truncated=False, oom_kills=0, pids_max_hits=0,
+                  cpu_s=0.1, cpu_limit_s=6)  # fmt: skip
     fields.update(overrides)
     return Observation(**fields)  # type: ignore[arg-type]
+
+
+KILLED = -signal.SIGKILL
 
 
 @pytest.mark.parametrize(
@@ -22,31 +26,42 @@ def observe(returncode: int | None, stderr: str = "", **overrides: object) -> Ob
     [
         (observe(0), (Status.OK, None, 0, None)),
         (observe(3, "ValueError: x"), (Status.NONZERO_EXIT, None, 3, None)),
-        (observe(None), (Status.TIMEOUT, "wall", None, signal.SIGKILL)),
-        (observe(128 + signal.SIGXCPU), (Status.TIMEOUT, "cpu", None, signal.SIGXCPU)),
-        (observe(128 + signal.SIGKILL), (Status.MEMORY_LIMIT, "memory", None, signal.SIGKILL)),
-        (observe(128 + signal.SIGSEGV), (Status.NONZERO_EXIT, None, None, signal.SIGSEGV)),
+        (observe(None, is_deadline_hit=True), (Status.TIMEOUT, "wall", None, signal.SIGKILL)),
+        (observe(-signal.SIGXCPU), (Status.TIMEOUT, "cpu", None, signal.SIGXCPU)),
+        (observe(-signal.SIGXFSZ), (Status.DISK_LIMIT, "disk", None, signal.SIGXFSZ)),
+        (observe(KILLED, oom_kills=1), (Status.MEMORY_LIMIT, "memory", None, signal.SIGKILL)),
+        (observe(KILLED, cpu_s=7.0), (Status.TIMEOUT, "cpu", None, signal.SIGKILL)),
+        (observe(KILLED), (Status.NONZERO_EXIT, None, None, signal.SIGKILL)),  # it killed itself
+        (observe(KILLED, oom_kills=None), (Status.MEMORY_LIMIT, "memory", None, signal.SIGKILL)),
+        (observe(-signal.SIGSEGV), (Status.NONZERO_EXIT, None, None, signal.SIGSEGV)),
+        (observe(1, full_filesystem="inodes"), (Status.INODE_LIMIT, "inodes", 1, None)),
+        (observe(1, full_filesystem="bytes"), (Status.DISK_LIMIT, "disk", 1, None)),
+        (observe(0, full_filesystem="inodes"), (Status.OK, None, 0, None)),  # it coped
+        (observe(1, pids_max_hits=3), (Status.PROCESS_LIMIT, "processes", 1, None)),
         (observe(1, "x\nMemoryError\n"), (Status.MEMORY_LIMIT, "memory", 1, None)),
         (observe(1, "BlockingIOError: [Errno 11] Resource temporarily unavailable"),
          (Status.PROCESS_LIMIT, "processes", 1, None)),
         (observe(1, "RuntimeError: can't start new thread"),
          (Status.PROCESS_LIMIT, "processes", 1, None)),
         (observe(1, "OSError: [Errno 27] File too large"), (Status.DISK_LIMIT, "disk", 1, None)),
-        (observe(1, "OSError: [Errno 28] No space left on device"),
-         (Status.DISK_LIMIT, "disk", 1, None)),
         (observe(0, is_truncated=True), (Status.OUTPUT_LIMIT, "output", 0, None)),
         (observe(1, "MemoryError", is_truncated=True), (Status.OUTPUT_LIMIT, "output", 1, None)),
+        (observe(None, is_deadline_hit=True, oom_kills=2),
+         (Status.MEMORY_LIMIT, "memory", None, signal.SIGKILL)),  # the cause, not the clock
+        (observe(1, compile_error="SyntaxError: x", has_started=False),
+         (Status.COMPILE_ERROR, None, 1, None)),
     ],
 )
 def test_classify(seen: Observation, expected: tuple) -> None:
     assert classify(seen) == expected
 
 
-def test_only_a_missing_start_marker_is_an_infra_error() -> None:
+def test_only_a_missing_start_line_is_an_infra_error() -> None:
     assert classify(observe(1, "bwrap: oops"))[0] is Status.NONZERO_EXIT
     not_started = observe(1, "bwrap: execvp /x: No such file", has_started=False)
     assert classify(not_started)[0] is Status.INFRA_ERROR
-    assert classify(observe(None, has_started=False))[0] is Status.INFRA_ERROR
+    assert classify(observe(None, has_started=False, is_deadline_hit=True))[0] is Status.INFRA_ERROR
+    assert classify(observe(None))[0] is Status.INFRA_ERROR  # init vanished, no limit explains it
 
 
 def test_memory_error_earlier_in_stderr_does_not_decide() -> None:

@@ -1,17 +1,20 @@
 """Code environment: a completion passes the hidden tests of its problem inside the sandbox.
 
 reward = fraction of hidden tests whose output equals the expected output (canonical JSON, so
-`True` is not `1`). Every rollout gets one status:
-    ok             all tests pass
-    wrong_answer   the program ran; some tests failed or raised
-    syntax_error   the program does not compile
-    crashed        the program died before reporting (exception at import, exit(), os._exit())
-    timeout        wall or CPU deadline            memory_limit  address-space limit
-    output_limit   printed past the capture cap    infra_error   the sandbox itself failed
-Model output is untrusted: it only ever becomes a reward and a status. `infra_error` rollouts
-(after one retry) are excluded from group statistics by the advantage function, and
-`check_infra` raises `SandboxUnavailable` when a whole step failed that way, instead of training on
-fake zeros.
+`True` is not `1`). Every rollout gets one status, named as the sandbox's `Status` where one fits:
+    ok                  all tests pass
+    wrong_answer        the program ran and reported every test; some failed or raised
+    compile_error       the completion does not compile
+    harness_incomplete  the program ended before reporting every test (an exception at import,
+                        exit(0), os._exit(0), printed fake results: the host compares outputs
+                        itself, so none of these passes a test it did not solve)
+    timeout, memory_limit, process_limit, disk_limit, inode_limit, output_limit: that limit
+    infra_error         the sandbox failed (after its own retry on another slot)
+Model output is untrusted: it only ever becomes a reward and a status. `infra_error` rollouts are
+excluded from group statistics by the advantage function (never scored 0), and `check_infra`
+raises `SandboxUnavailable` when a whole step failed that way, instead of training on fake
+zeros. The record (`Rollout.info`) keeps the sandbox status, the limit hit, wall and CPU time,
+the slot, the attempts and the tail of stdout.
 Identical completions of one prompt are executed once (the result is deterministic input/output).
 """
 
@@ -22,15 +25,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from gapless.envs.problems import CodeProblem
-from gapless.sandbox import BwrapSandbox, SandboxLimits, Status
+from gapless.sandbox import BwrapSandbox, SandboxLimits, SandboxResult, Status
 from gapless.types import Completion, Rollout
 
 HARNESS = (Path(__file__).parent / "code_harness.py").read_text()
-_SANDBOX_STATUS = {
-    Status.TIMEOUT: "timeout",
-    Status.MEMORY_LIMIT: "memory_limit",
-    Status.OUTPUT_LIMIT: "output_limit",
-}
+_LIMIT_STATUSES = {
+    Status.TIMEOUT, Status.MEMORY_LIMIT, Status.PROCESS_LIMIT, Status.DISK_LIMIT,
+    Status.INODE_LIMIT, Status.OUTPUT_LIMIT, Status.COMPILE_ERROR,
+}  # fmt: skip
 
 
 class SandboxUnavailable(RuntimeError):
@@ -58,17 +60,28 @@ def parse_report(report: bytes, expected: tuple[str, ...]) -> tuple[int, bool, s
 
 
 class CodeEnvironment:
-    def __init__(self, sandbox: BwrapSandbox, limits: SandboxLimits, concurrency: int = 4, retries: int = 1):
+    """`retries`: extra attempts after an infra_error, on top of the sandbox's own retry on
+    another slot (so 0 already means two attempts on two slots)."""
+
+    def __init__(self, sandbox: BwrapSandbox, limits: SandboxLimits, concurrency: int = 4, retries: int = 0):
         self.sandbox = sandbox
         self.limits = limits
         self.retries = retries
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="sandbox")
 
     def score(self, problem: CodeProblem, completions: list[Completion]) -> list[Rollout]:
-        distinct = {c.text: None for c in completions}
-        futures = {text: self.pool.submit(self.score_text, problem, text) for text in distinct}
-        results = {text: fut.result() for text, fut in futures.items()}
-        return [Rollout(problem.uid, c, *results[c.text]) for c in completions]
+        return self.score_groups([problem], [completions])[0]
+
+    def score_groups(self, problems: list[CodeProblem], groups: list[list[Completion]]) -> list[list[Rollout]]:
+        """Score every group at once (all distinct programs in flight together), keeping order."""
+        futures = {}
+        for problem, completions in zip(problems, groups):
+            for c in completions:
+                key = (problem.uid, c.text)
+                if key not in futures:
+                    futures[key] = self.pool.submit(self.score_text, problem, c.text)
+        results = {key: fut.result() for key, fut in futures.items()}
+        return [[Rollout(p.uid, c, *results[(p.uid, c.text)]) for c in cs] for p, cs in zip(problems, groups)]
 
     def score_text(self, problem: CodeProblem, text: str) -> tuple[float, str, dict]:
         files = {
@@ -78,19 +91,20 @@ class CodeEnvironment:
         }
         for _attempt in range(self.retries + 1):
             result = self.sandbox.run_python(files, "harness.py", [problem.entry_point], self.limits)
-            if result.status != Status.INFRA_ERROR:
+            if result.status is not Status.INFRA_ERROR:
                 break
-        else:
-            return 0.0, "infra_error", {"error": result.stderr.strip()[:300]}
+        info = _record(result)
+        if result.status is Status.INFRA_ERROR:  # no reward at all: masked from the group
+            return 0.0, Status.INFRA_ERROR.value, {**info, "error": result.stderr.strip()[:300]}
         passed, complete, compile_error = parse_report(result.report, problem.test_outputs)
         reward = passed / len(problem.test_outputs)
-        info = {"passed": passed, "wall_s": result.wall_s}
+        info["passed"] = passed
         if compile_error is not None:
-            return 0.0, "syntax_error", info
-        if result.status in _SANDBOX_STATUS:
-            return reward, _SANDBOX_STATUS[result.status], info
+            return 0.0, Status.COMPILE_ERROR.value, info
+        if result.status in _LIMIT_STATUSES:
+            return reward, result.status.value, info
         if not complete:
-            return reward, "crashed", info
+            return reward, Status.HARNESS_INCOMPLETE.value, info
         return reward, "ok" if passed == len(problem.test_outputs) else "wrong_answer", info
 
     @staticmethod
@@ -103,4 +117,18 @@ class CodeEnvironment:
         return failures
 
     def close(self) -> None:
+        """Stop scoring and close the sandbox (its servers and cgroups)."""
         self.pool.shutdown(wait=True)
+        self.sandbox.close()
+
+
+def _record(result: SandboxResult) -> dict:
+    return {
+        "sandbox_status": result.status.value,
+        "limit": result.limit,
+        "wall_s": result.wall_s,
+        "cpu_s": result.cpu_s,
+        "slot": result.slot,
+        "attempts": result.attempts,
+        "stdout_tail": result.stdout[-500:],  # what the program printed (tests report on fd 3)
+    }

@@ -6,6 +6,12 @@ Three levels: 1 = one operation (`x + 3`, `s.upper()`, `max(xs)`), 2 = an operat
 parameter or two (`x * 4 + 1`, `s[:2]`, `[v + 3 for v in xs]`), 3 = compositions
 (`s[::-1].upper()`, `sorted(xs)[:2]`, `(x + 2) * 3`).
 
+Visible examples use non-negative numbers and lower-case strings; hidden tests also use negative
+numbers and upper-case letters. `overfit_solution` is what a solver that checks only the visible
+examples may write (the input normalised as they look, e.g. `abs(x) + 3`): right on every visible
+example, wrong on hidden edge cases. The warm start mixes such demonstrations in (see
+`trainer/warmstart.py`), so RL has a realistic habit to unlearn.
+
 Guarantees: generation is deterministic in (seed, split, index); the 'train' and 'eval' splits
 are disjoint by prompt text (a problem's split is decided by a hash of its prompt); expected
 outputs come from evaluating the reference expression here, on trusted code we generated.
@@ -18,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -73,6 +80,9 @@ FAMILIES: list[tuple[int, str, str, _Sampler]] = [
 ]
 
 _ARG_NAME = {"int": "x", "str": "s", "list": "xs"}
+# How a solver that only checks the visible examples (non-negative, lower case) may normalise
+# the input: harmless on those examples, wrong on the hidden edge cases.
+_NORMALISED = {"int": "abs(x)", "str": "s.lower()", "list": "[abs(v) for v in xs]"}
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -84,6 +94,7 @@ class CodeProblem:
     level: int
     prompt: str
     solution: str  # reference completion (a `return` expression)
+    overfit_solution: str  # agrees with `solution` on the visible examples, not on edge cases
     entry_point: str
     test_inputs: tuple[str, ...]  # JSON-encoded argument lists, one per hidden test
     test_outputs: tuple[str, ...]  # canonical JSON of the expected result
@@ -94,12 +105,15 @@ class CodeProblem:
         return self.prompt[code_start:] + completion + "\n"
 
 
-def _sample_input(kind: str, rng: random.Random) -> Any:
+def _sample_input(kind: str, rng: random.Random, wide: bool) -> Any:
+    """Visible inputs are narrow (non-negative, lower case); hidden tests also probe the edge
+    cases the visible examples never show (negative numbers, upper-case letters)."""
     if kind == "int":
-        return rng.randint(0, 12)
+        return rng.randint(-9 if wide else 0, 12)
     if kind == "str":
-        return "".join(rng.choice(_LETTERS[:8]) for _ in range(rng.randint(2, 4)))
-    return [rng.randint(0, 9) for _ in range(rng.randint(2, 4))]
+        letters = _LETTERS[:8] + (_LETTERS[:8].upper() if wide else "")
+        return "".join(rng.choice(letters) for _ in range(rng.randint(2, 4)))
+    return [rng.randint(-9 if wide else 0, 9) for _ in range(rng.randint(2, 4))]
 
 
 def _anchor_inputs(kind: str, rng: random.Random) -> list[Any]:
@@ -112,10 +126,10 @@ def _anchor_inputs(kind: str, rng: random.Random) -> list[Any]:
     return []
 
 
-def _distinct_inputs(kind: str, rng: random.Random, n: int) -> list[Any]:
+def _distinct_inputs(kind: str, rng: random.Random, num_visible: int, num_hidden: int) -> list[Any]:
     seen: list[Any] = _anchor_inputs(kind, rng)
-    while len(seen) < n:
-        value = _sample_input(kind, rng)
+    while len(seen) < num_visible + num_hidden:
+        value = _sample_input(kind, rng, wide=len(seen) >= num_visible)
         if value not in seen:
             seen.append(value)
     return seen
@@ -132,9 +146,8 @@ def make_problem(rng: random.Random, levels: list[int], num_visible: int = 3, nu
     solution = template.format(**sampler(rng))
     arg = _ARG_NAME[kind]
     fn = eval(f"lambda {arg}: {solution}")  # our own reference expression, trusted
-    inputs = _distinct_inputs(kind, rng, num_visible + num_hidden)
+    inputs = _distinct_inputs(kind, rng, num_visible, num_hidden)
     visible, hidden = inputs[:num_visible], inputs[num_visible:]
-    rng.shuffle(visible)
     shown = "; ".join(f"f({v!r}) -> {fn(v)!r}" for v in visible)
     prompt = f"# {shown}\ndef f({arg}):\n    return "
     uid = hashlib.sha256(prompt.encode()).hexdigest()[:16]
@@ -143,6 +156,7 @@ def make_problem(rng: random.Random, levels: list[int], num_visible: int = 3, nu
         level=level,
         prompt=prompt,
         solution=solution,
+        overfit_solution=re.sub(rf"\b{arg}\b", _NORMALISED[kind], solution),
         entry_point="f",
         test_inputs=tuple(json.dumps([v]) for v in hidden),
         test_outputs=tuple(canonical(fn(v)) for v in hidden),

@@ -16,6 +16,6 @@ def greedy_pass_at_1(sampler: Generator, env: CodeEnvironment, problems: list[Co
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
         completions = sampler.generate([encode(p.prompt) for p in chunk], params)
-        futures = [env.pool.submit(env.score_text, p, c.text) for p, c in zip(chunk, completions)]
-        solved += sum(1 for fut in futures if fut.result()[1] == "ok")
+        groups = env.score_groups(chunk, [[c] for c in completions])
+        solved += sum(1 for (rollout,) in groups if rollout.status == "ok")
     return solved / len(problems)

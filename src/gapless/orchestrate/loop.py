@@ -7,7 +7,9 @@ Who waits for whom (one process, strictly in turn):
           └─────────────────────────────── next step ───────────────────────────────┘
 
 Every rollout of a step is sampled by the current policy version (staleness 0, asserted), so
-the behaviour log-probs recorded by the generator are the trainer's old log-probs. Held-out
+the behaviour log-probs recorded by the generator are the trainer's old log-probs. `make_batch`
+turns the scored groups into the step's batch (reward shaping, advantages, masks and dropped
+groups as configured; trainer/groups.py), so the trainer sees advantages, never rewards. Held-out
 greedy pass@1 runs at the start, every `loop.eval_every` steps and at the end; checkpoints every
 `loop.checkpoint_every` steps and at the end. `resume=True` continues from the last checkpoint.
 """
@@ -29,18 +31,18 @@ from gapless.metrics import JsonlSink, ProgressLine, Sinks
 from gapless.models import Policy, load_local
 from gapless.orchestrate.evaluate import greedy_pass_at_1
 from gapless.orchestrate.policy_setup import prepare_policy
-from gapless.sandbox import BwrapSandbox, SandboxLimits
-from gapless.trainer.advantages import group_advantages
-from gapless.trainer.batch import build_batch
+from gapless.sandbox import SandboxLimits, open_sandbox
+from gapless.trainer.batch import Batch, build_batch
 from gapless.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from gapless.trainer.groups import StepTargets, step_targets
 from gapless.trainer.trainer import GRPOTrainer
 from gapless.types import Rollout, SamplingParams
 
 
 def make_environment(cfg: Config) -> CodeEnvironment:
     limits = SandboxLimits(timeout_s=cfg.sandbox.timeout_s, memory_mb=cfg.sandbox.memory_mb, max_processes=cfg.sandbox.max_processes)
-    sandbox = BwrapSandbox(limits, python=cfg.sandbox.python)
-    sandbox.check()
+    sandbox = open_sandbox(limits, cfg.sandbox.python, mode=cfg.sandbox.mode, warm=cfg.sandbox.warm,
+                           max_concurrency=cfg.sandbox.concurrency)
     return CodeEnvironment(sandbox, limits, concurrency=cfg.sandbox.concurrency)
 
 
@@ -78,7 +80,7 @@ class SyncLoop:
         checkpoint = latest_checkpoint(self.run_dir) if resume else None
         if checkpoint is not None:
             self.policy = load_local(checkpoint)
-        self.trainer = GRPOTrainer(self.policy.model, cfg.trainer, cfg.generator.temperature)
+        self.trainer = GRPOTrainer(self.policy.model, cfg.trainer, cfg.generator.temperature, cfg.generator.max_new_tokens)
         if checkpoint is not None:
             self.state = load_trainer_state(checkpoint, self.trainer.optimizer)
             self.start_step = self.trainer.version = self.state["step"]
@@ -137,32 +139,30 @@ class SyncLoop:
         prompt_ids = [self.policy.encode(p.prompt) for p in problems for _ in range(n)]
         completions = self.sampler.generate(prompt_ids, params)
         t1 = time.perf_counter()
-        rollouts, advantages, valid, zero_var = [], [], [], 0
-        for g, problem in enumerate(problems):
-            group = self.env.score(problem, completions[g * n : (g + 1) * n])
-            adv = group_advantages([r.reward for r in group], [not r.is_infra_failure for r in group])
-            rollouts += group
-            advantages += adv.advantages
-            valid += adv.valid
-            zero_var += adv.is_zero_variance
+        groups = self.env.score_groups(problems, [completions[g * n : (g + 1) * n] for g in range(len(problems))])
+        rollouts = [rollout for group in groups for rollout in group]
         infra_errors = self.env.check_infra(rollouts)
         t2 = time.perf_counter()
         staleness = self.trainer.version - min(r.completion.oldest_version for r in rollouts)
         assert staleness == 0, f"synchronous loop trained on stale rollouts (staleness {staleness})"
-        batch = build_batch([r.completion for r in rollouts], advantages, valid, self.policy.pad_id)
+        batch, targets = self.make_batch(rollouts)
         stats = self.trainer.step(batch)
         t3 = time.perf_counter()
         self.sampler.update_weights(self.trainer.state_for_push(), self.trainer.version)
         t4 = time.perf_counter()
         gen_tokens = sum(len(c.token_ids) for c in completions)
         return {
-            **rollout_metrics(rollouts, zero_var, len(problems)),
+            **rollout_metrics(rollouts, targets.zero_variance_groups, len(problems)),
+            **targets.metrics,
+            **self.env.sandbox.metrics(),  # cumulative counters and recent latency percentiles
             "sandbox/infra_errors": float(infra_errors),
             "train/loss": stats.loss,
             "train/grad_norm": stats.grad_norm,
             "train/clip_frac": stats.clip_frac,
             "train/ratio_mean": stats.ratio_mean,
             "train/kl_ref": stats.kl_mean,
+            "train/entropy": stats.entropy_mean,
+            **stats.offpolicy,
             "train/tokens": float(stats.num_tokens),
             "staleness/max": float(staleness),
             "perf/generate_s": t1 - t0,
@@ -173,6 +173,18 @@ class SyncLoop:
             "perf/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
             "perf/trainer_idle_frac": 1.0 - (t3 - t2) / max(t4 - t0, 1e-9),
         }
+
+    def make_batch(self, rollouts: list[Rollout]) -> tuple[Batch, StepTargets]:
+        """Scored rollouts (group after group) -> the step's batch: advantages, masks, drops."""
+        cfg, n = self.cfg, self.cfg.generator.group_size
+        valid = [not r.is_infra_failure for r in rollouts]
+        group_ids = [i // n for i in range(len(rollouts))]
+        batch = build_batch([r.completion for r in rollouts], [0.0] * len(rollouts), valid, self.policy.pad_id, group_ids)
+        ref_kl = None
+        if cfg.trainer.kl_coef > 0 and cfg.trainer.kl_placement == "reward":
+            ref_kl = self.trainer.reference_kl(batch)
+        targets = step_targets(rollouts, n, cfg.trainer, cfg.generator.max_new_tokens, ref_kl)
+        return batch.with_targets(targets.advantages, targets.is_trainable).select(targets.keep), targets
 
     def checkpoint(self, step: int, pass_start: float, trained_samples: int) -> None:
         save_checkpoint(self.run_dir, self.policy, self.trainer.optimizer, step,

@@ -1,12 +1,26 @@
 """Sandboxed execution of untrusted Python programs for reward environments.
 
-`BwrapSandbox` runs a program in a fresh bubblewrap sandbox under `SandboxLimits` and returns a
-`SandboxResult` whose `Status` says whether the program or the infrastructure failed. What is
-and is not guaranteed is listed in `gapless.sandbox.bwrap`.
+`open_sandbox` returns a checked `BwrapSandbox` (a pool of bubblewrap slots; warm by default:
+each job forked from a pre-started server) or, where bubblewrap cannot work and only with a loud
+warning, a `ReducedSandbox`. `run_python` returns a `SandboxResult` whose `Status` says whether
+the program or the infrastructure failed; `open_session` gives a stateful sandbox for multi-turn
+tool use. What is and is not guaranteed is listed in `gapless.sandbox.bwrap`.
 """
 
 from gapless.sandbox.bwrap import BwrapSandbox
 from gapless.sandbox.limits import SandboxLimits
+from gapless.sandbox.reduced import ReducedSandbox, open_sandbox
 from gapless.sandbox.result import SandboxError, SandboxResult, Status
+from gapless.sandbox.session import SandboxSession, SessionResult
 
-__all__ = ["BwrapSandbox", "SandboxError", "SandboxLimits", "SandboxResult", "Status"]
+__all__ = [
+    "BwrapSandbox",
+    "ReducedSandbox",
+    "SandboxError",
+    "SandboxLimits",
+    "SandboxResult",
+    "SandboxSession",
+    "SessionResult",
+    "Status",
+    "open_sandbox",
+]

@@ -1,49 +1,69 @@
-"""Run untrusted Python programs in a fresh bubblewrap sandbox, one run per call.
+"""Run untrusted Python programs in bubblewrap sandboxes, from a pool of prepared slots.
 
-`BwrapSandbox.run_python(files, main)` writes `files` into a host temp dir, binds it read-only
-at /work/job, runs `/work/job/<main>` under the limits of `SandboxLimits` with cwd /tmp, and
-returns a `SandboxResult`. It is thread-safe and never raises for anything the program does;
-a sandbox that fails to start gives `Status.INFRA_ERROR` (`check()` raises instead).
+`BwrapSandbox.run_python(files, main)` runs `/work/job/<main>` over read-only `files`, with cwd
+/tmp, under `SandboxLimits`, and returns a `SandboxResult`. It is thread-safe, never raises for
+anything the program does, retries an infrastructure failure once on another slot and reports
+`Status.INFRA_ERROR` if that fails too (`check()` raises instead). `arun_python` is the same for
+coroutines, spawning on the pool's threads. `warm=True` (the default) forks each job from a
+pre-started server in the slot; `warm=False` starts bwrap and a fresh interpreter per job. Both
+run the same code inside the sandbox (boot.py) and give the same guarantees, except as listed.
 
 Threat model: the program is hostile model output that may loop, allocate, fork, flood output,
-write files, open sockets, read secrets, spawn daemons or fake its results. Each defence:
-- Privilege: as root, bwrap runs as the slot's own unprivileged host uid/gid with no
-  supplementary groups. bwrap started by root keeps every capability in its namespace (measured:
-  it remounted a read-only bind read-write and wrote to the host), and `--uid` maps to host root.
-- Namespaces: `--unshare-all --unshare-user --disable-userns` (own user, pid, net, ipc, uts and
-  cgroup namespaces; no nested user namespace, which could mount an unlimited tmpfs),
-  `--cap-drop ALL`, `--new-session` (no TIOCSTI into our terminal), `--die-with-parent`.
-- Filesystem: read-only /usr plus the /bin, /lib, /lib64, /sbin links, the job read-only at
-  /work/job, fresh /proc and /dev. Writable: /tmp and /dev/shm, two tmpfs of `tmp_size_mb`
-  each; `/` and `/dev` are remounted read-only (bwrap leaves both as unbounded writable tmpfs).
-  No /etc, /home, /root, /work of the host or the repository.
-- Network: a private network namespace with only loopback; host loopback is unreachable.
-- Limits: rlimits CPU, AS, FSIZE, NOFILE, NPROC and CORE=0 are set by the bootstrap (boot.py)
-  before the program runs, so they bind it and its children but not bwrap. Set inside the
-  run's user namespace, NPROC counts that run only (kernel >= 5.14; measured on 6.18); the
-  per-run slot uid (slots.py) keeps it per run on older kernels too.
-- Time and cleanup: the bootstrap stays pid 1 of the run's pid namespace and reaps; when the
-  program exits, or the wall deadline SIGKILLs that pid 1, the kernel kills the whole namespace
-  (daemons included). Afterwards the host scans /proc for the slot uid, kills anything left,
-  and quarantines that slot for good.
-- Output: stdout and stderr are capped (`max_output_bytes`) and the report fd at 1 MiB; the rest
-  is drained. Environment variables are cleared; stdin is /dev/null.
-- Attribution: INFRA_ERROR only if the bootstrap's start marker is missing (result.py).
-- The interpreter must live under /usr (the only host tree inside); it starts with `-I -B`,
-  so no environment variable, user site or job file runs before the limits are set.
+fill the disk with bytes or files, open sockets, read secrets, spawn daemons, attack the
+sandbox's own processes or fake its results. Each defence, outermost first:
+- Privilege: as root, each slot runs as its own unprivileged host uid/gid with no supplementary
+  groups (slots.py). bwrap started by root keeps every capability in its namespace (measured: it
+  remounted a read-only bind read-write and wrote to the host), and `--uid` maps to host root.
+- Namespaces: user (nested inside bwrap's, with user namespaces disabled: no further one, which
+  could mount a tmpfs without limits), pid, network (loopback only; host loopback unreachable),
+  IPC, UTS and cgroup; `--new-session` (no TIOCSTI), `--die-with-parent`. Each job then gets its
+  own pid, mount and IPC namespaces, so it can neither see nor signal the slot's server, and
+  SysV IPC objects do not outlive it.
+- Capabilities: bwrap drops all but CAP_SYS_ADMIN of the slot's innermost user namespace, which
+  only the server and each job's init keep (to make namespaces and mount tmpfs). The program
+  drops it (and every other set) before its first line, and start-up aborts unless /proc shows
+  none left. Holding capabilities the program lacks also stops it from ptracing init or the
+  server or opening their fds through /proc.
+- Filesystem: read-only /usr with the /bin, /lib, /lib64, /sbin links, fresh /proc (the job's
+  pids only) and /dev (read-only); the job's files on a read-only tmpfs at /work/job; one
+  tmpfs with size AND inode caps at /tmp (also /dev/shm), fresh for every job and gone with its
+  mount namespace. The root is read-only. No /etc, /home, /root, host /tmp or repository.
+- Resources: per-slot cgroup (pids.max, a memory limit for the run as a whole, CPU accounting)
+  where root and a pids+memory hierarchy exist (cgroups.py); rlimits always: CPU, AS, FSIZE,
+  NOFILE, NPROC, CORE=0, set in the program before its first line.
+- Time and cleanup: the host owns the wall deadline. At it, every process of the slot except
+  the server, bwrap's pid 1 and the bwrap monitor gets SIGKILL (cgroup.procs, or the server's
+  descendants without a cgroup); a job's init dying takes its whole pid namespace with it,
+  daemons included. Before a slot's next job it must hold nothing but its server, or the server
+  is restarted; a slot that cannot be emptied is quarantined. `--die-with-parent` takes every
+  sandbox down with this process; servers are started from the pool's long-lived threads,
+  because the kernel sends that parent-death signal when the forking *thread* exits.
+- Output: stdout and stderr capped at `max_output_bytes`, the report fd at 1 MiB, the rest
+  drained. The environment is cleared; stdin is /dev/null.
+- Results: fd 3 (report) is a pipe only the host reads, and tests are judged on the host
+  (envs/code.py), so faking output or exiting early passes nothing. INFRA_ERROR needs the start
+  line on the status pipe, which the program cannot write (result.py).
 
-NOT guaranteed (a later issue adds cgroups, seccomp, slot pools):
-- No seccomp filter: every syscall of the shared host kernel is reachable; a kernel bug escapes.
-- No cgroup: memory is capped per process only (a run can hold max_processes * memory_mb) and
-  CPU is not shared fairly between runs.
-- No inode cap: the tmpfs caps bytes, not file count (millions of empty files are possible).
-- /proc shows host-wide facts (cpuinfo, meminfo, uptime), not other processes.
-- Timing side channels and CPU contention between runs.
-- ptrace between the run's own processes (no Yama on this kernel), the pid-1 reaper included;
-  it holds nothing the program does not have.
-- Without root there is no per-run uid: runs share the caller's uid, so leftover processes are
-  contained by the pid namespace only, not verified by a uid scan (and on kernels before 5.14
-  RLIMIT_NPROC would count all of the caller's processes).
+Warm path vs cold path, precisely. A warm job is forked from a server that imported a fixed list
+of standard modules (worker.PREIMPORT), so: (1) `str` hashes use one seed for all jobs of a
+server (a new server every 1000 jobs); (2) those modules are already in `sys.modules` (`random`
+reseeds itself from os.urandom in every fork); (3) the jobs of a slot run one after another in
+the slot's network namespace, where nothing of a finished job survives (its sockets die with
+it) except TCP TIME_WAIT entries, which may refuse a later job's bind to the same port without
+SO_REUSEADDR; (4) the run shares its memory cgroup with the idle server (a few MiB). Job
+data never passes through the server (it reaches init in a memfd after the fork), so a job
+cannot find an earlier job's files in memory it inherited. Everything else above holds for
+both paths, including a fresh pid, mount and IPC namespace and a fresh /tmp per job.
+
+NOT guaranteed:
+- No seccomp filter: every syscall of the shared host kernel is reachable from the program; a
+  kernel bug escapes. Namespaces, no capabilities and NoNewPrivs are the wall.
+- /proc shows host-wide facts (cpuinfo, meminfo, uptime, loadavg), not other processes.
+- Timing side channels and CPU contention between runs; CPU is accounted, not shared fairly.
+- Without root: no slot uid and no cgroup, so memory is per process only and leftovers are
+  contained by the pid namespace alone (logged at start).
+- Files written but not closed by the program are not flushed at its exit (os._exit), unlike
+  a normal interpreter exit; they live in its tmpfs, which dies with it anyway.
 """
 
 from __future__ import annotations
@@ -51,54 +71,82 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
-from pathlib import Path, PurePosixPath
+import weakref
+from pathlib import Path
 from typing import Sequence
 
-from gapless.sandbox import launch, procs
+from gapless.sandbox.cgroups import CgroupRoot
+from gapless.sandbox.job import Job
 from gapless.sandbox.limits import SandboxLimits
-from gapless.sandbox.result import SandboxError, SandboxResult, Status, classify
-from gapless.sandbox.slots import SlotAllocator
+from gapless.sandbox.pool import BWRAP_MISSING, SlotPool
+from gapless.sandbox.result import SandboxError, SandboxResult, Status
 
 logger = logging.getLogger(__name__)
 
-BWRAP_MISSING = "bwrap not found on PATH: install bubblewrap (apt-get install bubblewrap)"
 SLOT_LOCK_DIR = Path("/run/gapless-sandbox")  # flock files that keep slot uids unique per host
-CLEANUP_GRACE_S = 1.0
 _CHECK_HINTS = (
     ("namespace", "user namespaces must be enabled: sysctl -w user.max_user_namespaces=15000"),
     ("uid map", "user namespaces must be enabled: sysctl -w user.max_user_namespaces=15000"),
     ("execvp", "the interpreter must exist inside the sandbox, where only /usr is visible"),
-    ("source path", "slot uids must be able to reach tempfile.gettempdir(): set TMPDIR=/tmp"),
-)
+    ("Operation not permitted", "the kernel refused a namespace or mount: is bwrap setuid, or "
+                                "are unprivileged user namespaces restricted (AppArmor)?"),
+)  # fmt: skip
 
 
 class BwrapSandbox:
-    """Runs Python programs in bubblewrap; one fresh sandbox and one slot uid per run."""
+    """Runs Python programs in bubblewrap, one job per slot at a time (see module docstring)."""
+
+    mode = "bwrap"
 
     def __init__(
         self,
         limits: SandboxLimits = SandboxLimits(),
         python: str = "/usr/bin/python3",
         slot_uid_base: int = 200000,
+        *,
+        warm: bool = True,
+        max_concurrency: int | None = None,
     ) -> None:
         self.limits = limits
         self.python = python
         self.slot_uid_base = slot_uid_base
-        self._bwrap = shutil.which("bwrap")
-        self._is_root = os.geteuid() == 0
-        self._slots = SlotAllocator(slot_uid_base, _slot_lock_dir() if self._is_root else None)
+        self.max_concurrency = max_concurrency or 4 * (os.cpu_count() or 1)
+        is_root = os.geteuid() == 0
+        cgroups, self.cgroup_note = CgroupRoot.detect() if is_root else (None, "not root")
+        if cgroups is None:
+            logger.warning("sandbox: no per-slot cgroup (%s)", self.cgroup_note)
+        self._pool = SlotPool(
+            python=python,
+            bwrap=shutil.which("bwrap"),
+            warm=warm,
+            max_concurrency=self.max_concurrency,
+            uid_base=slot_uid_base if is_root else None,
+            cgroups=cgroups,
+            lock_dir=_slot_lock_dir() if is_root else None,
+            is_reduced=self.mode == "reduced",
+        )
+        self._finalizer = weakref.finalize(self, self._pool.close)
+
+    @property
+    def has_cgroups(self) -> bool:
+        """Whether each slot has its own cgroup (run-wide pids and memory limits)."""
+        return self._pool.cgroups is not None
+
+    @property
+    def path(self) -> str:
+        """The path jobs take: warm, cold or reduced."""
+        return self._pool.path
 
     @property
     def quarantined_uids(self) -> frozenset[int]:
-        """Slot uids that had processes left after a run; they are never used again."""
-        return frozenset(self.slot_uid_base + index for index in self._slots.quarantined)
+        """Slot uids that could not be emptied after a run; they are never used again."""
+        return frozenset(self.slot_uid_base + index for index in self._pool.quarantined)
 
     def check(self) -> None:
         """Raise `SandboxError` saying what to fix unless a trivial program runs correctly."""
-        if self._bwrap is None:
+        if self.mode == "bwrap" and self._pool.bwrap is None:
             raise SandboxError(BWRAP_MISSING)
-        if not _is_python_usable(self.python):
+        if not (os.access(self.python, os.X_OK) and Path(self.python).resolve().is_relative_to("/usr")):
             raise SandboxError(
                 f"python {self.python!r} is not an executable under /usr, the only host tree "
                 "visible in the sandbox: install python3 (apt-get install python3) or pass "
@@ -125,83 +173,48 @@ class BwrapSandbox:
         args: Sequence[str] = (),
         limits: SandboxLimits | None = None,
     ) -> SandboxResult:
-        """Run /work/job/<main> with `args` as `python -I -B` would (through boot.py), over
-        `files` (relative path -> content), with cwd /tmp.
+        """Run /work/job/<main> with `args` as `python -I -B` would, over `files` (relative
+        path -> content), with cwd /tmp. Blocks while `max_concurrency` runs are in flight.
 
         Raises ValueError only for a malformed call (bad file names, `main` not in `files`).
         """
-        _check_job(files, main)
-        limits = limits or self.limits
-        slot = self._slots.acquire()
-        uid = self.slot_uid_base + slot if self._is_root else None
-        is_clean = False
-        try:
-            result = self._run_job(files, main, list(args), limits, uid)
-            is_clean = uid is None or _is_uid_clean(uid)
-        finally:
-            self._slots.release(slot, is_clean=is_clean)
-        return result
+        return self._pool.run(Job.of(files, main, list(args)), limits or self.limits)
 
-    def _run_job(
+    async def arun_python(
         self,
         files: dict[str, str | bytes],
         main: str,
-        args: list[str],
-        limits: SandboxLimits,
-        uid: int | None,
+        args: Sequence[str] = (),
+        limits: SandboxLimits | None = None,
     ) -> SandboxResult:
-        if self._bwrap is None:
-            return _infra_result(BWRAP_MISSING)
-        try:
-            job_dir = _write_job_dir(files, owner_uid=uid)
-        except OSError as error:
-            return _infra_result(f"could not write the job directory: {error}")
-        try:
-            output = launch.execute(
-                launch.bwrap_argv(self._bwrap, job_dir, limits),
-                self.python,
-                [f"{launch.JOB_DIR_INSIDE}/{main}", *args],
-                limits,
-                launch_uid=uid,
-            )
-        finally:
-            _remove_job_dir(job_dir)
-        return _to_result(output, limits)
+        """`run_python` for coroutines: queued for the pool's threads, never blocking the loop."""
+        return await self._pool.arun(Job.of(files, main, list(args)), limits or self.limits)
 
+    def open_session(self, limits: SandboxLimits | None = None, idle_timeout_s: float = 300.0):
+        """A stateful sandbox for multi-turn tool use (session.py); close it when done."""
+        from gapless.sandbox.session import SandboxSession
 
-def _to_result(output: launch.RunOutput, limits: SandboxLimits) -> SandboxResult:
-    status, limit, exit_code, signum = classify(output.seen)
-    stderr = output.seen.stderr.decode("utf-8", errors="replace")
-    if status is Status.INFRA_ERROR and not stderr.strip():
-        stderr = (
-            f"sandbox did not start the program within timeout_s={limits.timeout_s}"
-            if output.seen.is_deadline_hit
-            else f"bwrap exited with code {output.seen.returncode} before the program started"
-        )
-    return SandboxResult(
-        status=status,
-        exit_code=exit_code,
-        signal=signum,
-        stdout=output.stdout.decode("utf-8", errors="replace"),
-        stderr=stderr,
-        wall_s=output.wall_s,
-        truncated=output.seen.is_truncated,
-        limit=limit,
-        report=output.report if status is not Status.INFRA_ERROR else b"",
-    )
+        if self.mode != "bwrap":
+            raise SandboxError("sessions need bubblewrap; reduced mode has no private filesystem")
+        return SandboxSession(self._pool, limits or self.limits, idle_timeout_s)
 
+    def metrics(self) -> dict[str, float]:
+        """`sandbox/*` counters (`*_total`) and recent queue and run latency percentiles."""
+        return self._pool.metrics()
 
-def _infra_result(message: str) -> SandboxResult:
-    return SandboxResult(Status.INFRA_ERROR, None, None, "", message, 0.0, False, None, b"")
+    def leftovers(self) -> list[str]:
+        """What finished runs left behind (empty when clean); see `SlotPool.leftovers`."""
+        return self._pool.leftovers()
 
+    def close(self) -> None:
+        """Stop every slot's server and remove its cgroup. Also runs at interpreter exit."""
+        self._finalizer()
 
-def _check_job(files: dict[str, str | bytes], main: str) -> None:
-    for name in files:
-        parts = PurePosixPath(name).parts
-        if not parts or name.startswith("/") or ".." in parts or str(PurePosixPath(name)) != name:
-            raise ValueError(f"file name {name!r} must be a normalised relative path")
-    if main not in files:
-        raise ValueError(f"main {main!r} is not one of the files {sorted(files)}")
+    def __enter__(self) -> BwrapSandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _slot_lock_dir() -> Path:
@@ -210,43 +223,3 @@ def _slot_lock_dir() -> Path:
     except OSError as error:
         raise SandboxError(f"cannot create {SLOT_LOCK_DIR} for slot locks: {error}") from error
     return SLOT_LOCK_DIR
-
-
-def _is_python_usable(python: str) -> bool:
-    return os.access(python, os.X_OK) and Path(python).resolve().is_relative_to("/usr")
-
-
-def _write_job_dir(files: dict[str, str | bytes], owner_uid: int | None) -> Path:
-    """Fresh host dir holding `files`; owned by the slot uid (mode 0500) when running as root,
-    so only that run can enter it. Modes inside are explicit, whatever our umask."""
-    job_dir = Path(tempfile.mkdtemp(prefix="gapless-job-"))
-    for name, content in files.items():
-        path = job_dir / name
-        for parent in reversed(path.relative_to(job_dir).parents[:-1]):
-            (job_dir / parent).mkdir(exist_ok=True)
-            (job_dir / parent).chmod(0o755)
-        path.write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
-        path.chmod(0o444)
-    if owner_uid is not None:
-        os.chown(job_dir, owner_uid, owner_uid)
-        job_dir.chmod(0o500)
-    return job_dir
-
-
-def _is_uid_clean(uid: int) -> bool:
-    """After a run: no process of the slot uid may be left. Kill and report any that are."""
-    live = procs.live_processes_of_uid(uid)
-    if live:
-        logger.warning("sandbox uid %d: killing %d leftover processes %s", uid, len(live), live)
-        procs.kill_uid(uid)
-    left = procs.wait_uid_gone(uid, CLEANUP_GRACE_S)
-    if left:
-        logger.warning("sandbox uid %d: processes remain after cleanup: %s", uid, left)
-    return not live and not left
-
-
-def _remove_job_dir(job_dir: Path) -> None:
-    try:
-        shutil.rmtree(job_dir)
-    except OSError as error:  # the result stays valid; the leak is logged, not fatal
-        logger.warning("sandbox: could not remove job dir %s: %s", job_dir, error)

@@ -1,47 +1,32 @@
-"""Mechanics of one run: the bwrap command line, spawning it, reading it, killing it.
+"""Starting a slot's server process: the bwrap command line, or the bare one of reduced mode.
 
-`execute` spawns bwrap (as the slot uid when a uid is given), reads stdout, stderr, the report
-pipe and the start-marker pipe concurrently under their caps, enforces the wall deadline and
-returns what it saw. It never raises for anything the program does, and turns a failure to
-spawn into an `Observation` with `has_started=False`.
+`spawn_server` starts `python -I -B -c <boot.py> <spec>` as the slot's host uid (when we are
+root), inside bubblewrap when `isolate` is true, and returns without waiting; the caller then
+waits for the server's `ready` message on the control socket.
 
-Who waits for whom (one run, all in the caller's thread):
-
-    caller --Popen--> bwrap monitor --clone--> boot.py as pid 1 of the run's pid namespace
-      |                                           `--fork--> program --> its children ...
-      |-- pump(pipes) until EOF or deadline
-      |-- wait(monitor) until deadline; the monitor exits once it has reaped pid 1, and pid 1
-      |   exits only after the kernel has killed and reaped the rest of the namespace
-      `-- at the deadline: SIGKILL pid 1 (the kernel then kills the whole namespace) and the
-          slot uid's processes, keeping the monitor alive to reap pid 1; then reap the monitor
-
-Killing the monitor first would orphan pid 1, whose zombie then waits for the host's pid 1
-(measured: about a second here) while it counts against the slot's RLIMIT_NPROC.
-
-NOT guaranteed: the deadline is checked by this thread, so a run ends within `timeout_s` plus
-the kill grace (normally a few milliseconds), not exactly at it.
+The bwrap options, and why each is there, are listed in bwrap.py's docstring. In short: every
+namespace unshared (the network one leaves loopback only), a nested user namespace forbidden,
+every capability dropped except CAP_SYS_ADMIN *of the slot's own user namespace*, which the
+server needs to give each job fresh pid, mount and IPC namespaces and capped tmpfs mounts (the
+program drops it before its first line). Read-only /usr and its links, fresh /proc and /dev, a
+read-only root with empty mount points; no /etc, no home, no host /tmp, no repository.
 """
 
 from __future__ import annotations
 
-import json
+import marshal
 import os
-import signal
+import shutil
 import subprocess
-import time
-from dataclasses import dataclass
+import tempfile
 from pathlib import Path
-from typing import Sequence
 
-from gapless.sandbox import procs
-from gapless.sandbox.limits import MIB, SandboxLimits
-from gapless.sandbox.result import Observation
-from gapless.sandbox.streams import CappedSink, pump
-
-JOB_DIR_INSIDE = "/work/job"
-REPORT_CAP_BYTES = 1 << 20
-KILL_GRACE_S = 2.0
 BOOT_SOURCE = Path(__file__).with_name("boot.py").read_text(encoding="utf-8")
+# Dropping to the slot uid through setpriv lets Popen use vfork: a fork of a large host process
+# (a trainer holding a model) costs milliseconds of page-table copying per job.
+SETPRIV = shutil.which("setpriv")
+JOB_DIR_INSIDE = "/work/job"
+SESSION_DIR_INSIDE = "/work/session"
 
 
 def _root_link_args() -> list[str]:
@@ -60,137 +45,65 @@ def _root_link_args() -> list[str]:
 ROOT_LINK_ARGS = _root_link_args()
 
 
-def bwrap_argv(bwrap: str, job_dir: Path, limits: SandboxLimits) -> list[str]:
-    """bwrap and its options, up to and including `--`; the reasons are in bwrap.py."""
-    tmpfs_bytes = str(limits.tmp_size_mb * MIB)
+def bwrap_argv(bwrap: str) -> list[str]:
     return [
         bwrap,
         "--unshare-all", "--unshare-user", "--disable-userns",
-        "--die-with-parent", "--as-pid-1", "--new-session", "--cap-drop", "ALL",
+        "--die-with-parent", "--as-pid-1", "--new-session",
+        "--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN",
         "--clearenv", "--setenv", "PATH", "/usr/bin", "--setenv", "HOME", "/tmp",
         "--hostname", "sandbox",
         "--ro-bind", "/usr", "/usr", *ROOT_LINK_ARGS,
-        "--proc", "/proc", "--dev", "/dev",
-        "--size", tmpfs_bytes, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-        "--size", tmpfs_bytes, "--tmpfs", "/tmp",
-        "--ro-bind", str(job_dir), JOB_DIR_INSIDE,
+        "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
+        "--dir", "/tmp", "--dir", JOB_DIR_INSIDE, "--dir", SESSION_DIR_INSIDE,
         "--remount-ro", "/",
-        "--chdir", "/tmp",
+        "--chdir", "/",
         "--",
     ]  # fmt: skip
 
 
-@dataclass(frozen=True)
-class RunOutput:
-    seen: Observation
-    stdout: bytes
-    report: bytes
-    wall_s: float
-
-
-def execute(
-    sandbox_args: list[str],
+def spawn_server(
+    spec: dict[str, object],
+    control_fd: int,
     python: str,
-    program_args: Sequence[str],
-    limits: SandboxLimits,
-    launch_uid: int | None,
-) -> RunOutput:
-    """Run `sandbox_args + [python, -I, -B, -c, bootstrap, spec] + program_args`, where
-    `program_args` is the program's path inside the sandbox, then its arguments.
-
-    `launch_uid`: host uid and gid to run bwrap as (needs root), or None for the caller's own.
-    """
-    names = ("stdout", "stderr", "report", "started")
-    pipes = {name: os.pipe() for name in names}
-    caps = (limits.max_output_bytes, limits.max_output_bytes, REPORT_CAP_BYTES, 1)
-    sinks = {name: CappedSink(cap) for name, cap in zip(names, caps)}
-    spec = {
-        "rlimits": limits.rlimits(),
-        "report_fd": pipes["report"][1],
-        "started_fd": pipes["started"][1],
-    }
-    argv = [*sandbox_args, python, "-I", "-B", "-c", BOOT_SOURCE, json.dumps(spec), *program_args]
-    reading = {read_fd: sinks[name] for name, (read_fd, _) in pipes.items()}
-    start_s = time.monotonic()
-    try:
-        proc = _spawn(argv, pipes, launch_uid)
-    except (OSError, subprocess.SubprocessError) as error:
-        for read_fd in reading:
-            os.close(read_fd)
-        message = f"could not start bwrap: {type(error).__name__}: {error}"
-        seen = Observation(has_started=False, returncode=None, is_deadline_hit=False,
-                           stderr=message.encode(), is_truncated=False)  # fmt: skip
-        return RunOutput(seen, b"", b"", time.monotonic() - start_s)
-    finally:
-        for _, write_fd in pipes.values():
-            os.close(write_fd)
-    try:
-        returncode = _collect(proc, reading, start_s + limits.timeout_s)
-        if returncode is None:
-            _kill_run(proc, launch_uid)
-            pump(reading, time.monotonic() + KILL_GRACE_S)
-        wall_s = time.monotonic() - start_s
-    finally:
-        for read_fd in reading:
-            os.close(read_fd)
-        if proc.poll() is None:  # only reached if this thread was interrupted
-            _kill_run(proc, launch_uid)
-    seen = Observation(
-        has_started=bytes(sinks["started"].data) == b"1",
-        returncode=returncode,
-        is_deadline_hit=returncode is None,
-        stderr=bytes(sinks["stderr"].data),
-        is_truncated=any(sinks[name].is_truncated for name in ("stdout", "stderr", "report")),
-    )
-    return RunOutput(seen, bytes(sinks["stdout"].data), bytes(sinks["report"].data), wall_s)
-
-
-def _spawn(
-    argv: list[str], pipes: dict[str, tuple[int, int]], launch_uid: int | None
-) -> subprocess.Popen[bytes]:
+    bwrap: str | None,
+    uid: int | None,
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen[bytes], object]:
+    """Start the server; returns (process, its stderr file). `bwrap` None: reduced mode."""
+    spec = {**spec, "control_fd": control_fd}
+    command = [python, "-I", "-B", "-c", BOOT_SOURCE, marshal.dumps(spec).hex()]
+    argv = [*bwrap_argv(bwrap), *command] if bwrap else command
     identity: dict[str, object] = {}
-    if launch_uid is not None:  # never run bwrap as root: it would keep root's power
-        identity = {"user": launch_uid, "group": launch_uid, "extra_groups": []}
-    return subprocess.Popen(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=pipes["stdout"][1],
-        stderr=pipes["stderr"][1],
-        pass_fds=(pipes["report"][1], pipes["started"][1]),
-        close_fds=True,
-        cwd="/",
-        env={},
-        start_new_session=True,  # its own process group, away from our terminal's signals
-        **identity,  # type: ignore[arg-type]
-    )
+    if uid is not None and SETPRIV:  # never run bwrap as root: it would keep root's power
+        argv = [SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
+    elif uid is not None:
+        identity = {"user": uid, "group": uid, "extra_groups": []}
+    errors = tempfile.TemporaryFile()  # a file, not a pipe: a chatty failure never blocks it
+    try:
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=errors,
+            pass_fds=(control_fd,),
+            close_fds=True,
+            cwd="/",
+            env=env or {},
+            start_new_session=True,  # its own process group, away from our terminal's signals
+            **identity,  # type: ignore[arg-type]
+        )
+    except BaseException:
+        errors.close()
+        raise
+    return process, errors
 
 
-def _collect(proc: subprocess.Popen[bytes], reading: dict[int, CappedSink], deadline: float
-             ) -> int | None:  # fmt: skip
-    """Read until EOF, then reap; returns bwrap's exit code, or None at the deadline."""
-    if not pump(reading, deadline):
-        return None
+def read_tail(errors: object, limit: int = 2000) -> str:
+    """The last `limit` characters a server wrote to its stderr file."""
+    handle = errors  # a TemporaryFile
     try:
-        return proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
-    except subprocess.TimeoutExpired:
-        return None
-
-
-def _kill_run(proc: subprocess.Popen[bytes], launch_uid: int | None) -> None:
-    """Kill the run's namespace, then reap the monitor (see the module docstring for order)."""
-    procs.kill_pids(procs.child_pids(proc.pid))
-    if launch_uid is not None:
-        procs.kill_uid(launch_uid, spare_pid=proc.pid)
-    try:
-        proc.wait(timeout=KILL_GRACE_S)
-        return
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=KILL_GRACE_S)
-    except subprocess.TimeoutExpired:  # left to the caller's slot check, which quarantines
-        pass
+        handle.seek(0)  # type: ignore[attr-defined]
+        return handle.read().decode("utf-8", errors="replace")[-limit:].strip()  # type: ignore[attr-defined]
+    except (OSError, ValueError):
+        return ""

@@ -2,13 +2,15 @@
 
 `SandboxLimits` is the only knob a caller turns. Each field says which mechanism enforces it;
 `rlimits()` turns the fields into the `setrlimit` calls that the in-sandbox bootstrap makes
-before the program's first line runs.
+before the program's first line runs, and `cgroup_tasks` / `cgroup_memory_bytes` into the
+limits of the slot's cgroup (cgroups.py), which bind the run as a whole.
 
 Guaranteed: every limit is validated on construction (a bad value raises `ValueError` naming
 the field), and soft == hard for every rlimit except CPU, so the program cannot raise them.
 
-NOT guaranteed (no cgroup yet): `memory_mb` and `max_file_mb` are per process, so a run may hold
-up to `max_processes * memory_mb` of address space; tmpfs pages are not counted in `memory_mb`.
+NOT guaranteed: without a cgroup (not root, or no pids/memory hierarchy) `memory_mb` binds each
+process alone, so a run may hold up to `max_processes * memory_mb`; with one, the run as a whole
+is held to `cgroup_memory_bytes`, which also counts its tmpfs pages.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 MIB = 1 << 20
+SERVER_MEMORY_MB = 64  # the slot's own processes (server, init) and page cache, per run
 
 
 @dataclass(frozen=True)
@@ -37,13 +40,17 @@ class SandboxLimits:
     MemoryError instead of pushing the host into swap or the OOM killer."""
 
     max_processes: int = 64
-    """RLIMIT_NPROC: tasks (processes and threads) of the run, its pid-1 reaper included (so
-    the program may fork max_processes - 2 times). Counted inside the run's user namespace,
-    so runs do not starve each other (and each has its own slot uid besides)."""
+    """Tasks (processes and threads) of the program, itself included: the slot's pids cgroup
+    (pids.max, plus the slot's own few processes) and RLIMIT_NPROC, counted in the run's user
+    namespace and slot uid, so runs do not starve each other."""
 
     tmp_size_mb: int = 64
-    """Size of the private writable tmpfs at /tmp (bwrap --size), MiB. /dev/shm gets its own
-    tmpfs of the same size; nothing else is writable."""
+    """Size of the run's private tmpfs at /tmp (the same one is seen at /dev/shm), MiB; the
+    only writable place. Its pages count against the run's memory cgroup."""
+
+    max_files: int = 10000
+    """Inodes of that tmpfs (nr_inodes): files, directories and links the program may create.
+    A million-file flood stops here with ENOSPC (status inode_limit)."""
 
     max_file_mb: int = 16
     """RLIMIT_FSIZE: largest file the program may write, MiB (EFBIG beyond it)."""
@@ -63,6 +70,7 @@ class SandboxLimits:
             "max_file_mb": self.max_file_mb,
             "max_output_bytes": self.max_output_bytes,
             "max_open_files": self.max_open_files,
+            "max_files": self.max_files,
         }
         if self.cpu_s is not None:
             positive["cpu_s"] = self.cpu_s
@@ -81,9 +89,22 @@ class SandboxLimits:
         cpu_s = self.cpu_s if self.cpu_s is not None else math.ceil(self.timeout_s) + 1
         return max(1, math.ceil(cpu_s))
 
-    def rlimits(self) -> dict[str, tuple[int, int]]:
-        """`resource` constant name -> (soft, hard), as the bootstrap applies them."""
-        nproc = self.max_processes
+    @property
+    def cgroup_memory_bytes(self) -> int:
+        """Memory cgroup limit of the run as a whole: one process's address space, the tmpfs
+        it may fill, and the slot's own processes. A bomb split over many processes stops here
+        (SIGKILL by the kernel, status memory_limit)."""
+        return (self.memory_mb + self.tmp_size_mb + SERVER_MEMORY_MB) * MIB
+
+    def cgroup_tasks(self, slot_tasks: int) -> int:
+        """pids.max of the slot: the program's tasks plus the slot's own `slot_tasks`."""
+        return self.max_processes + slot_tasks
+
+    def rlimits(self, slot_tasks: int = 0) -> dict[str, tuple[int, int]]:
+        """`resource` constant name -> (soft, hard), as the bootstrap applies them.
+        `slot_tasks`: processes of the slot uid in the run's user namespace that are not the
+        program's (bwrap's pid 1, the server, init); RLIMIT_NPROC counts them too."""
+        nproc = self.max_processes + slot_tasks + 8  # the pids cgroup, with its counter, first
         return {
             "RLIMIT_CPU": (self.cpu_limit_s, self.cpu_limit_s + 1),
             "RLIMIT_AS": (self.memory_mb * MIB, self.memory_mb * MIB),

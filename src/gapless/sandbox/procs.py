@@ -1,8 +1,10 @@
-"""Host-side process bookkeeping: find, kill and wait out the processes of one uid.
+"""Host-side process bookkeeping from /proc: the processes of a uid, the descendants of a pid,
+and killing them.
 
-A slot's uid is used by exactly one run at a time, so "every process of the slot uid" is the
-run's whole process tree, whatever it did (double fork, setsid, new process group). These
-helpers read /proc directly; they need no third-party package.
+The slot cgroup (cgroups.py) is the first choice for finding a slot's processes; these are the
+fallback without one: every process of a slot's uid is its server's or its current job's,
+whatever the job did (double fork, setsid, new process group), and without root the server's
+descendants are the job. They need no third-party package.
 
 Guaranteed: every function is bounded in time; the real uid (first field of `Uid:` in
 /proc/PID/status) is used, which a process without capabilities cannot change.
@@ -48,12 +50,26 @@ def live_processes_of_uid(uid: int) -> list[int]:
 
 
 def child_pids(pid: int) -> list[int]:
-    """Direct children of `pid` (empty if it has exited)."""
+    """Direct children of `pid`, over all its threads (empty if it has exited)."""
+    found: list[int] = []
     try:
-        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as children:
-            return [int(child) for child in children.read().split()]
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as children:
+                found.extend(int(child) for child in children.read().split())
     except OSError:
-        return []
+        pass
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid`, parents before children (a snapshot)."""
+    found: list[int] = []
+    frontier = [pid]
+    while frontier and len(found) < 100000:
+        children = child_pids(frontier.pop())
+        found.extend(children)
+        frontier.extend(children)
+    return found
 
 
 def kill_pids(pids: list[int]) -> None:

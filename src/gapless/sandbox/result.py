@@ -2,16 +2,22 @@
 
 `classify` is a pure function from what the host observed (`Observation`) to a `Status` and the
 limit that was hit. Its main invariant: `INFRA_ERROR` is returned only when the program provably
-never started (the bootstrap's start marker is missing), so a program cannot make its own
-failure look like an infrastructure fault by printing "bwrap: ..." and exiting 1.
+never started (its start-up line on the status pipe is missing, or init reported a start-up
+failure), or when the run's init vanished without a report and no limit explains it. The status
+pipe is written only by code that runs before the program's first line (boot.py), so a program
+cannot make its own failure look like an infrastructure fault, nor its crash look like success.
 
-NOT guaranteed, and why (all documented heuristics, each in favour of blaming the program):
-- bwrap reports a signal death as exit code 128 + signal, so `sys.exit(152)` reads as SIGXCPU.
-- A SIGKILL we did not send is reported as `MEMORY_LIMIT`: without a cgroup its sources are the
-  kernel OOM killer and the RLIMIT_CPU hard limit (only reached by a program ignoring SIGXCPU).
-- `MEMORY_LIMIT`, `PROCESS_LIMIT` and `DISK_LIMIT` on a nonzero exit are read from the last line
-  of stderr (Python's uncaught-exception line), e.g. `BlockingIOError: [Errno 11] ...` from a
-  refused fork; a program that prints such a line itself gets that status.
+Evidence, strongest first: the wall deadline (host clock); the program's wait status reported by
+init; the slot cgroup's counters (an OOM kill, a refused fork); which tmpfs resource ran out
+(init's statvfs after the program exited); the capture caps; last, Python's final stderr line.
+
+NOT guaranteed, and why (documented heuristics, each in favour of blaming the program):
+- Without a cgroup there is no OOM counter, so a SIGKILL we did not send reads as MEMORY_LIMIT.
+- A SIGKILL with the run's CPU time at RLIMIT_CPU reads as the CPU limit (its hard stop).
+- The stderr heuristics read the last line (e.g. `BlockingIOError: [Errno 11] ...` from a
+  refused fork); a program that prints such a line itself gets that status.
+- HARNESS_INCOMPLETE is the caller's verdict (e.g. envs/code.py): the sandbox cannot know how
+  many results a harness owes.
 """
 
 from __future__ import annotations
@@ -27,12 +33,15 @@ class Status(str, Enum):
 
     OK = "ok"  # exited 0
     NONZERO_EXIT = "nonzero_exit"  # exited nonzero (e.g. uncaught exception) or died by a signal
+    COMPILE_ERROR = "compile_error"  # main does not compile (SyntaxError before it ran)
     TIMEOUT = "timeout"  # wall deadline (limit "wall") or RLIMIT_CPU / SIGXCPU (limit "cpu")
-    MEMORY_LIMIT = "memory_limit"  # MemoryError / ENOMEM as the final error, or killed by SIGKILL
-    PROCESS_LIMIT = "process_limit"  # fork or thread creation refused (RLIMIT_NPROC)
-    DISK_LIMIT = "disk_limit"  # EFBIG (RLIMIT_FSIZE), ENOSPC (tmpfs full) or SIGXFSZ
+    MEMORY_LIMIT = "memory_limit"  # MemoryError (RLIMIT_AS) or killed by the memory cgroup
+    PROCESS_LIMIT = "process_limit"  # fork or thread creation refused (pids cgroup, NPROC)
+    DISK_LIMIT = "disk_limit"  # EFBIG (RLIMIT_FSIZE), tmpfs bytes full, or SIGXFSZ
+    INODE_LIMIT = "inode_limit"  # tmpfs out of inodes (too many files)
     OUTPUT_LIMIT = "output_limit"  # stdout, stderr or the report exceeded its cap (truncated)
-    INFRA_ERROR = "infra_error"  # the sandbox failed before the program started
+    HARNESS_INCOMPLETE = "harness_incomplete"  # the program exited before reporting every test
+    INFRA_ERROR = "infra_error"  # the sandbox failed; retried once on another slot, never scored
 
 
 class SandboxError(RuntimeError):
@@ -48,10 +57,15 @@ class SandboxResult:
     signal: int | None  # the signal that ended it, if any (SIGKILL when we hit the deadline)
     stdout: str
     stderr: str  # for INFRA_ERROR: the sandbox's own message
-    wall_s: float  # from spawning bwrap to reaping it
+    wall_s: float  # from sending the job (cold path: from spawning bwrap) to its end
     truncated: bool  # stdout, stderr or report exceeded its cap
-    limit: str | None  # which limit was hit: wall, cpu, memory, processes, disk, output
+    limit: str | None  # limit hit: wall, cpu, memory, processes, disk, inodes, output
     report: bytes  # what the program wrote to fd 3, capped; untrusted data
+    cpu_s: float | None = None  # CPU time of every process of the run (None: unknown)
+    queue_s: float = 0.0  # time spent waiting for admission and a slot
+    slot: int | None = None  # slot index that ran it (the last one, after a retry)
+    attempts: int = 1  # 2 when an infrastructure failure was retried on another slot
+    path: str = "cold"  # warm (forked from a pre-started server), cold, or reduced
 
     def to_json(self) -> dict[str, object]:
         """JSON-serialisable dict; the report is text with undecodable bytes as \\xNN escapes."""
@@ -65,52 +79,75 @@ class SandboxResult:
 class Observation:
     """What the host saw of a run, before interpretation."""
 
-    has_started: bool  # the bootstrap wrote its start marker, so the program's code was reached
-    returncode: int | None  # bwrap's exit code; None if we killed it at the deadline
+    has_started: bool  # the program's start-up line said started (its code was reached)
+    returncode: int | None  # the program's exit code, -N for signal N; None: no final report
     is_deadline_hit: bool
     stderr: bytes
     is_truncated: bool
+    compile_error: str | None = None  # main did not compile (start-up line)
+    full_filesystem: str | None = None  # "inodes" or "bytes": what /tmp lacked at the end
+    oom_kills: int | None = None  # cgroup OOM kills during the run; None: no cgroup
+    pids_max_hits: int | None = None  # forks refused by pids.max during the run
+    cpu_s: float | None = None
+    cpu_limit_s: int | None = None  # RLIMIT_CPU soft limit of the run
 
 
 _MEMORY_LINE = re.compile(r"^MemoryError\b|\[Errno 12\]")
 _PROCESS_LINE = re.compile(r"\[Errno 11\] Resource temporarily unavailable|can't start new thread")
 _DISK_LINE = re.compile(r"\[Errno 2[78]\]")
-_SIGNAL_STATUS = {
-    signal.SIGXCPU: (Status.TIMEOUT, "cpu"),
-    signal.SIGKILL: (Status.MEMORY_LIMIT, "memory"),
-    signal.SIGXFSZ: (Status.DISK_LIMIT, "disk"),
-}
+
+Verdict = tuple[Status, "str | None", "int | None", "int | None"]  # status, limit, exit, signal
 
 
-def classify(seen: Observation) -> tuple[Status, str | None, int | None, int | None]:
-    """(status, limit, exit_code, signal) for one run; precedence follows the list below."""
+def classify(seen: Observation) -> Verdict:
+    """(status, limit, exit_code, signal) for one run; precedence follows the code below."""
+    if seen.compile_error is not None:
+        return Status.COMPILE_ERROR, None, 1, None
     if not seen.has_started:
-        return Status.INFRA_ERROR, None, seen.returncode, None
-    if seen.is_deadline_hit or seen.returncode is None:
+        return Status.INFRA_ERROR, None, None, None
+    if seen.oom_kills:  # the kernel killed for memory: the cause, even if the clock ran out
+        return Status.MEMORY_LIMIT, "memory", None, int(signal.SIGKILL)
+    if seen.is_deadline_hit:
         return Status.TIMEOUT, "wall", None, int(signal.SIGKILL)
-    exit_code, signum = _split_returncode(seen.returncode)
-    if signum is not None and signum in _SIGNAL_STATUS:
-        status, limit = _SIGNAL_STATUS[signum]
+    if seen.returncode is None:  # init died without reporting: only the kernel could do that
+        return Status.INFRA_ERROR, None, None, None
+    exit_code, signum = (None, -seen.returncode) if seen.returncode < 0 else (seen.returncode, None)
+    if signum is not None:
+        status, limit = _status_from_signal(signum, seen)
         return status, limit, None, signum
     if seen.is_truncated:
-        return Status.OUTPUT_LIMIT, "output", exit_code, signum
+        return Status.OUTPUT_LIMIT, "output", exit_code, None
     if exit_code == 0:
         return Status.OK, None, 0, None
-    status, limit = _status_from_stderr(seen.stderr) if signum is None else (None, None)
-    return status or Status.NONZERO_EXIT, limit, exit_code, signum
+    status, limit = _status_from_evidence(seen)
+    return status, limit, exit_code, None
 
 
-def _split_returncode(returncode: int) -> tuple[int | None, int | None]:
-    """bwrap exits with 128 + N when the program died by signal N (see module docstring)."""
-    if 128 < returncode < 128 + signal.NSIG:
-        return None, returncode - 128
-    if returncode < 0:  # bwrap itself died by a signal we did not send
-        return None, -returncode
-    return returncode, None
+def _status_from_signal(signum: int, seen: Observation) -> tuple[Status, str | None]:
+    if signum == signal.SIGXCPU:
+        return Status.TIMEOUT, "cpu"
+    if signum == signal.SIGXFSZ:
+        return Status.DISK_LIMIT, "disk"
+    if signum == signal.SIGKILL:
+        if seen.oom_kills or seen.oom_kills is None:  # None: no cgroup, see module docstring
+            return Status.MEMORY_LIMIT, "memory"
+        if seen.cpu_s is not None and seen.cpu_limit_s and seen.cpu_s >= seen.cpu_limit_s:
+            return Status.TIMEOUT, "cpu"
+    if seen.is_truncated:
+        return Status.OUTPUT_LIMIT, "output"
+    return Status.NONZERO_EXIT, None
 
 
-def _status_from_stderr(stderr: bytes) -> tuple[Status | None, str | None]:
-    lines = stderr.decode("utf-8", errors="replace").strip().splitlines()
+def _status_from_evidence(seen: Observation) -> tuple[Status, str | None]:
+    if seen.full_filesystem == "inodes":
+        return Status.INODE_LIMIT, "inodes"
+    if seen.full_filesystem == "bytes":
+        return Status.DISK_LIMIT, "disk"
+    if seen.oom_kills:
+        return Status.MEMORY_LIMIT, "memory"
+    if seen.pids_max_hits:
+        return Status.PROCESS_LIMIT, "processes"
+    lines = seen.stderr.decode("utf-8", errors="replace").strip().splitlines()
     last_line = lines[-1] if lines else ""
     if _MEMORY_LINE.search(last_line):
         return Status.MEMORY_LIMIT, "memory"
@@ -118,4 +155,4 @@ def _status_from_stderr(stderr: bytes) -> tuple[Status | None, str | None]:
         return Status.PROCESS_LIMIT, "processes"
     if _DISK_LINE.search(last_line):
         return Status.DISK_LIMIT, "disk"
-    return None, None
+    return Status.NONZERO_EXIT, None

@@ -1,23 +1,25 @@
-"""Thread- and process-safe free-list of slots; a slot is a host uid owned by one run at a time.
+"""Thread- and process-safe slot allocator; a slot is a host uid used by one run at a time.
 
-Why slots: a uid used by one run only lets the host find and kill that run's whole process
-tree by uid, and check that nothing of it is left (procs.py). It also keeps RLIMIT_NPROC per
-run where the kernel counts it per host uid: before 5.14, or when the limit is set outside the
-run's user namespace (measured: 40 runs sharing one uid that way, 26 failed to start).
+Why slots: a uid of its own per slot keeps bwrap unprivileged (bwrap started by root keeps
+root's power), makes RLIMIT_NPROC per slot (measured: 40 runs sharing one uid, 26 failed to
+start), and names the slot's cgroup. A warm slot also keeps a server running under its uid
+between runs.
 
-Invariants: a slot is held by at most one run on the host. Within a process a lock guards the
-free-list; across processes (environment workers are separate processes, all defaulting to the
-same uid base) each held slot also holds an exclusive `flock` on `<lock_dir>/uid-<uid>.lock`,
-which the kernel releases if the holder dies. The lowest free slot is handed out first, so uids
-stay in a small range (base .. base + peak concurrency). A slot released as dirty is
-quarantined: this allocator never hands it out again and keeps its lock while it lives.
+Invariants: an allocator owns each slot it has ever handed out until `close`: it holds an
+exclusive `flock` on `<lock_dir>/uid-<uid>.lock` from the first `acquire` of that index on, so
+no other process (environment workers are separate processes, all defaulting to the same uid
+base) uses that uid, its cgroup or its server meanwhile; the kernel drops the lock if the owner
+dies. Within the allocator a lock guards the free list, and a slot is held by at most one run.
+The lowest free index is handed out first, so uids stay in a small range (base .. base + peak
+concurrency + slots owned by other processes). A slot released as dirty is quarantined: never
+handed out again.
 
 NOT guaranteed: that the uid range is otherwise unused on the host (pick `uid_base` so it is),
-nor any bound on concurrency (the caller's thread pool is the admission control).
+nor any bound on concurrency (the pool's admission semaphore is the bound).
 
-    run thread A --acquire()--> [lock: lowest free index whose flock we get] --> slot 0
-    run thread B --acquire()--> [lock] --> slot 1   (or slot 2 if another process holds 1)
-    run thread A --release(0, is_clean=True)--> [lock: unlock the file, push 0 back]
+    run thread A --acquire()--> [lock: lowest free owned index, else mint one and flock it] --> 0
+    run thread B --acquire()--> [lock] --> 1   (or 2 if another process owns uid base + 1)
+    run thread A --release(0, is_clean=True)--> [lock: push 0 back; its flock stays held]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import heapq
 import os
 import threading
 from pathlib import Path
+from typing import Callable
 
 
 class SlotAllocator:
@@ -39,34 +42,35 @@ class SlotAllocator:
         self._uid_base = uid_base
         self._lock_dir = lock_dir
         self._lock = threading.Lock()
-        self._free: list[int] = []  # heap of released clean indices
-        self._next_index = 0
-        self._held: dict[int, int | None] = {}  # index in use -> fd holding its flock
-        self._quarantined: dict[int, int | None] = {}
+        self._free: list[int] = []  # heap of owned, idle indices
+        self._owned: dict[int, int | None] = {}  # index -> fd holding its flock
+        self._busy: set[int] = set()
+        self._quarantined: set[int] = set()
 
-    def acquire(self) -> int:
+    def acquire(self, exclude: frozenset[int] = frozenset()) -> int:
+        """The lowest free index not in `exclude` (a retry asks for another slot)."""
         with self._lock:
-            held_elsewhere: list[int] = []
-            while True:
-                index = heapq.heappop(self._free) if self._free else self._mint()
-                if self._try_claim(index):
-                    break
-                held_elsewhere.append(index)
-            for busy in held_elsewhere:  # another process may release it later
-                heapq.heappush(self._free, busy)
+            skipped: list[int] = []
+            while self._free and self._free[0] in exclude:
+                skipped.append(heapq.heappop(self._free))
+            if self._free:
+                index = heapq.heappop(self._free)
+            else:
+                index = self._mint(exclude)
+            for other in skipped:
+                heapq.heappush(self._free, other)
+            self._busy.add(index)
             return index
 
     def release(self, index: int, *, is_clean: bool) -> None:
         with self._lock:
-            if index not in self._held:
+            if index not in self._busy:
                 raise ValueError(f"slot {index} is not in use")
-            lock_fd = self._held.pop(index)
-            if not is_clean:
-                self._quarantined[index] = lock_fd
-                return
-            if lock_fd is not None:
-                os.close(lock_fd)  # closing the only fd of the open file drops its flock
-            heapq.heappush(self._free, index)
+            self._busy.remove(index)
+            if is_clean:
+                heapq.heappush(self._free, index)
+            else:
+                self._quarantined.add(index)
 
     @property
     def quarantined(self) -> frozenset[int]:
@@ -74,22 +78,56 @@ class SlotAllocator:
         with self._lock:
             return frozenset(self._quarantined)
 
-    def _mint(self) -> int:
-        index = self._next_index
-        self._next_index += 1
-        return index
-
-    def _try_claim(self, index: int) -> bool:
-        """Mark `index` held, with its flock when there is a lock dir; False if another
-        process holds that flock."""
-        lock_fd = None
-        if self._lock_dir is not None:
-            path = self._lock_dir / f"uid-{self._uid_base + index}.lock"
-            lock_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    def sweep(self, indices: list[int], clean: Callable[[int], None]) -> list[int]:
+        """Call `clean(index)` for each index that no live process owns (its owner died),
+        holding its flock meanwhile; returns the indices cleaned."""
+        cleaned: list[int] = []
+        for index in indices:
+            with self._lock:
+                if index in self._owned:
+                    continue
+                lock_fd = self._try_lock(index)
+                if lock_fd is False:
+                    continue
             try:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(lock_fd)
-                return False
-        self._held[index] = lock_fd
-        return True
+                clean(index)
+                cleaned.append(index)
+            finally:
+                if isinstance(lock_fd, int):
+                    os.close(lock_fd)
+        return cleaned
+
+    def close(self) -> None:
+        """Drop every flock (the caller has emptied the slots)."""
+        with self._lock:
+            for lock_fd in self._owned.values():
+                if lock_fd is not None:
+                    os.close(lock_fd)
+            self._owned.clear()
+            self._free.clear()
+            self._busy.clear()
+
+    def _mint(self, exclude: frozenset[int]) -> int:
+        """The lowest index we do not own yet and whose flock we get (other processes own
+        some; one that was theirs may be free again)."""
+        index = 0
+        while True:
+            if index not in self._owned and index not in exclude:
+                lock_fd = self._try_lock(index)
+                if lock_fd is not False:
+                    self._owned[index] = lock_fd
+                    return index
+            index += 1
+
+    def _try_lock(self, index: int) -> int | None | bool:
+        """The fd holding index's flock, None without a lock dir, False if another owns it."""
+        if self._lock_dir is None:
+            return None
+        path = self._lock_dir / f"uid-{self._uid_base + index}.lock"
+        lock_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock_fd)
+            return False
+        return lock_fd

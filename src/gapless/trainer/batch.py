@@ -1,14 +1,16 @@
 """Pack rollouts into the padded tensors one trainer step consumes.
 
 Each row is prompt + completion, right-padded. Position t of every (B, T) tensor refers to
-predicting token t + 1 (T = L - 1), so `loss_mask` is 1 exactly on completion tokens; prompt
-and padding positions are 0. Behaviour log-probs and per-token policy versions are copied from
-the completion records, aligned on the same positions.
+predicting token t + 1 (T = L - 1), so `loss_mask` is 1 exactly on the completion tokens of rows
+that train; prompt and padding positions are 0. The generator's behaviour log-probs are copied
+from the completion records onto the same positions. `group_ids` say which rows are one prompt's
+group: the per-group normalisers and the zero-variance filter need them. A batch is always the
+whole step; micro-batches are slices of its rows (`rows`), never of its groups' statistics.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -19,41 +21,67 @@ from gapless.types import Completion
 class Batch:
     input_ids: torch.Tensor  # (B, L)
     attention_mask: torch.Tensor  # (B, L)
-    loss_mask: torch.Tensor  # (B, L-1)
-    old_logprobs: torch.Tensor  # (B, L-1)
+    loss_mask: torch.Tensor  # (B, L-1) 1 on completion tokens that train
+    behaviour_logprobs: torch.Tensor  # (B, L-1) generator's sampling log-probs
     advantages: torch.Tensor  # (B,)
+    group_ids: torch.Tensor  # (B,) long
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def rows(self, start: int, stop: int) -> "Batch":
-        return Batch(*(t[start:stop] for t in (self.input_ids, self.attention_mask, self.loss_mask, self.old_logprobs, self.advantages)))
+        return Batch(*(getattr(self, f.name)[start:stop] for f in fields(self)))
+
+    def select(self, index: list[int]) -> "Batch":
+        keep = torch.tensor(index, dtype=torch.long)
+        return Batch(*(getattr(self, f.name).index_select(0, keep) for f in fields(self)))
+
+    def with_targets(self, advantages: list[float], is_trainable: list[bool]) -> "Batch":
+        """Set advantages and drop the loss of rows that must not train (mask, not removal)."""
+        trainable = torch.tensor(is_trainable, dtype=self.loss_mask.dtype)[:, None]  # (B, 1)
+        return replace(self, advantages=torch.tensor(advantages, dtype=torch.float32), loss_mask=self.loss_mask * trainable)
 
     @property
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
 
-def build_batch(completions: list[Completion], advantages: list[float], valid: list[bool], pad_id: int) -> Batch:
+def build_batch(completions: list[Completion], advantages: list[float], valid: list[bool], pad_id: int,
+                group_ids: list[int] | None = None) -> Batch:
     width = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
     n = len(completions)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((n, width), dtype=torch.long)
     loss_mask = torch.zeros((n, width - 1), dtype=torch.float32)
-    old_logprobs = torch.zeros((n, width - 1), dtype=torch.float32)
+    behaviour_logprobs = torch.zeros((n, width - 1), dtype=torch.float32)
     for row, (c, ok) in enumerate(zip(completions, valid)):
         seq = c.prompt_ids + c.token_ids
         input_ids[row, : len(seq)] = torch.tensor(seq)
         attention_mask[row, : len(seq)] = 1
         start, stop = len(c.prompt_ids) - 1, len(seq) - 1
-        old_logprobs[row, start:stop] = torch.tensor(c.logprobs, dtype=torch.float32)
+        behaviour_logprobs[row, start:stop] = torch.tensor(c.logprobs, dtype=torch.float32)
         if ok:
             loss_mask[row, start:stop] = 1.0
-    return Batch(input_ids, attention_mask, loss_mask, old_logprobs, torch.tensor(advantages, dtype=torch.float32))
+    groups = torch.tensor(group_ids if group_ids is not None else [0] * n, dtype=torch.long)
+    return Batch(input_ids, attention_mask, loss_mask, behaviour_logprobs, torch.tensor(advantages, dtype=torch.float32), groups)
+
+
+def _logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]  # (B, L-1, V)
+    return logits.float() / temperature
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p(input_ids[:, t+1] | prefix) for every t, shape (B, L-1), at the sampling temperature."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]  # (B, L-1, V)
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = torch.log_softmax(_logits(model, input_ids, attention_mask, temperature), dim=-1)  # (B, L-1, V)
     return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def token_logprobs_and_entropy(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                               temperature: float = 1.0, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` plus the entropy of each next-token distribution, both (B, L-1). The
+    entropy carries gradient only with `entropy_grad` (an entropy bonus); otherwise it is a metric."""
+    logp = torch.log_softmax(_logits(model, input_ids, attention_mask, temperature), dim=-1)  # (B, L-1, V)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(logp.exp() * logp).sum(-1)  # (B, L-1)
+    return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1), entropy

@@ -1,9 +1,12 @@
 """Supervised warm start: teach a randomly initialised model the task's format before RL.
 
 A random model never writes valid code, so RL alone would see only zero-reward groups. The warm
-start trains on (prompt, reference solution + EOS) pairs of the train split, loss on completion
-tokens only, for a deliberately short schedule: it leaves the model able to write code but far
-from solving every problem, which is the room RL is measured in. Deterministic in the seed.
+start trains on (prompt, demonstration + EOS) pairs of the train split, loss on completion tokens
+only, for a short schedule. Like real warm-start data, the demonstrations are imperfect: a
+fraction `overfit_frac` comes from a teacher that only checked the visible examples (see
+`CodeProblem.overfit_solution`). The warm-started model therefore writes code that runs, often
+fits the visible examples, and fails hidden edge cases: the room RL is measured in.
+Deterministic in the seed.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ def warm_start(policy: Policy, problems: list[CodeProblem], cfg: WarmStartConfig
     model.train()
     for step in range(cfg.steps):
         chosen = rng.sample(problems, min(cfg.batch_size, len(problems)))
-        ids, attn, mask = supervised_batch(policy, [(p.prompt, p.solution) for p in chosen])
+        pairs = [(p.prompt, p.overfit_solution if rng.random() < cfg.overfit_frac else p.solution) for p in chosen]
+        ids, attn, mask = supervised_batch(policy, pairs)
         logp = token_logprobs(model, ids, attn)
         loss = -(logp * mask).sum() / mask.sum()
         optimizer.zero_grad(set_to_none=True)

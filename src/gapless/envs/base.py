@@ -1,0 +1,57 @@
+"""The environment protocol: tasks in, scored rollouts out.
+
+An environment owns its tasks (a train and an eval split) and scores completions of them:
+
+    env.tasks("train") -> [Task]        the loop samples prompts from these
+    generator.generate(...)             N completions per task (the loop's job, not the env's)
+    env.score_groups(tasks, groups)     -> one Rollout per completion: reward, status, info
+
+Guarantees every environment gives:
+- Model output is untrusted data. Scoring never raises because of what the model wrote; it
+  returns a reward and a status (a string from the environment's documented set, "ok" when the
+  rollout is fully correct). Malformed output is a status, not an exception.
+- Infrastructure failures (sandbox down, judge unreachable after its retries) have status
+  "infra_error": they carry no reward signal and are excluded from group statistics.
+- `score_groups` returns groups in the order given, each with one rollout per completion in order.
+
+A multi-turn environment additionally drives generation itself (`MultiTurnEnvironment.rollout`),
+because the model's next turn depends on what the environment answered; its completions carry a
+`loss_mask` so that only the model's own tokens are trained on.
+
+Not guaranteed: that scoring is deterministic (an LLM judge may not be), or that tasks fit any
+particular tokenizer's context (the loop truncates nothing; over-long prompts are the user's to fix).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol, Sequence, runtime_checkable
+
+from gapless.types import Completion, Rollout
+
+Split = Literal["train", "eval"]
+
+
+@runtime_checkable
+class Task(Protocol):
+    """One prompt of an environment. Environments add their own fields (tests, answer, rubric)."""
+
+    @property
+    def uid(self) -> str: ...
+
+    @property
+    def prompt(self) -> str: ...
+
+
+@runtime_checkable
+class Environment(Protocol):
+    name: str
+
+    def tasks(self, split: Split) -> Sequence[Task]:
+        """The split's tasks, in a fixed order (deterministic from the config's seed)."""
+        ...
+
+    def score_groups(self, tasks: Sequence[Task], groups: Sequence[Sequence[Completion]]) -> list[list[Rollout]]:
+        """One list of rollouts per task, one rollout per completion, in order."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,42 @@
+"""Reduced mode (no bwrap): rlimits and process groups only, loud at start, and honest about it."""
+
+from __future__ import annotations
+
+import logging
+
+from sandbox_host import SLOT_UID_BASE
+
+from gapless.sandbox import ReducedSandbox, SandboxError, SandboxLimits, Status, open_sandbox
+
+
+def test_reduced_mode_warns_loudly_and_still_limits(clean_host, caplog, capsys):
+    with caplog.at_level(logging.WARNING):
+        box = open_sandbox(mode="reduced", slot_uid_base=SLOT_UID_BASE, max_concurrency=2)
+    try:
+        assert isinstance(box, ReducedSandbox) and box.path == "reduced"
+        assert "REDUCED MODE" in caplog.text and "REDUCED MODE" in capsys.readouterr().err
+        fast = SandboxLimits(timeout_s=1.0)
+        assert box.run_python({"m.py": "while True: pass"}, "m.py", limits=fast).status is Status.TIMEOUT
+        bomb = box.run_python({"m.py": "x = bytearray(8 << 30)"}, "m.py")
+        assert bomb.status is Status.MEMORY_LIMIT
+        daemon = box.run_python({"m.py": (
+            "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            "        time.sleep(60)\n    os._exit(0)\nprint('done')")}, "m.py")
+        assert daemon.status is Status.OK and daemon.stdout == "done\n"
+        assert box.leftovers() == []  # the subreaper took the daemon down with the run
+    finally:
+        box.close()
+
+
+def test_auto_mode_without_bwrap_falls_back_loudly(clean_host, monkeypatch, capsys):
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    box = open_sandbox(mode="auto", slot_uid_base=SLOT_UID_BASE, max_concurrency=1)
+    try:
+        assert box.mode == "reduced" and "bwrap not found" in capsys.readouterr().err
+    finally:
+        box.close()
+    try:
+        open_sandbox(mode="bwrap", slot_uid_base=SLOT_UID_BASE)
+        raise AssertionError("mode=bwrap must not fall back")
+    except SandboxError as error:
+        assert "bwrap not found" in str(error)
