@@ -108,7 +108,7 @@ def test_sampling_logprobs_equal_trainer_logprobs(policy, problems, temperature)
     batch = build_batch(completions, [1.0] * len(completions), [True] * len(completions), policy.pad_id)
     with torch.no_grad():
         trainer_lp = token_logprobs(policy.model, batch.input_ids, batch.attention_mask, temperature=temperature)
-    assert ((trainer_lp - batch.old_logprobs) * batch.loss_mask).abs().max() < 1e-5
+    assert ((trainer_lp - batch.behaviour_logprobs) * batch.loss_mask).abs().max() < 1e-5
     assert batch.num_tokens == sum(len(c.token_ids) for c in completions)
 
 
