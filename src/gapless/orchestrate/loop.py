@@ -17,7 +17,6 @@ greedy pass@1 runs at the start, every `loop.eval_every` steps and at the end; c
 from __future__ import annotations
 
 import json
-import random
 import time
 from pathlib import Path
 
@@ -25,10 +24,13 @@ import torch
 
 from gapless.config import Config
 from gapless.envs.code import CodeEnvironment
+from gapless.envs.delayed import DelayedEnvironment
 from gapless.envs.problems import CodeProblem, generate_problems
 from gapless.generate import make_generator
+from gapless.generate.groups import generate_groups
 from gapless.metrics import JsonlSink, ProgressLine, Sinks
 from gapless.models import Policy, load_local
+from gapless.orchestrate.admission import sample_step_tasks, sampling_params
 from gapless.orchestrate.evaluate import greedy_pass_at_1
 from gapless.orchestrate.policy_setup import prepare_policy
 from gapless.sandbox import SandboxLimits, open_sandbox
@@ -43,7 +45,10 @@ def make_environment(cfg: Config) -> CodeEnvironment:
     limits = SandboxLimits(timeout_s=cfg.sandbox.timeout_s, memory_mb=cfg.sandbox.memory_mb, max_processes=cfg.sandbox.max_processes)
     sandbox = open_sandbox(limits, cfg.sandbox.python, mode=cfg.sandbox.mode, warm=cfg.sandbox.warm,
                            max_concurrency=cfg.sandbox.concurrency)
-    return CodeEnvironment(sandbox, limits, concurrency=cfg.sandbox.concurrency)
+    env = CodeEnvironment(sandbox, limits, concurrency=cfg.sandbox.concurrency)
+    if cfg.task.score_delay_s > 0:
+        return DelayedEnvironment(env, cfg.task.score_delay_s, cfg.sandbox.concurrency)
+    return env
 
 
 def rollout_metrics(rollouts: list[Rollout], zero_variance_groups: int, num_groups: int) -> dict[str, float]:
@@ -98,8 +103,8 @@ class SyncLoop:
         return greedy_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens)
 
     def sample_prompts(self, step: int) -> list[CodeProblem]:
-        rng = random.Random(f"{self.cfg.seed}-prompts-{step}")
-        return rng.sample(self.train, self.cfg.loop.prompts_per_step)
+        picks = sample_step_tasks(self.cfg.seed, step, len(self.train), self.cfg.loop.prompts_per_step)
+        return [self.train[i] for i in picks]
 
     def run(self) -> dict:
         cfg, started = self.cfg, time.perf_counter()
@@ -135,11 +140,12 @@ class SyncLoop:
         cfg, t0 = self.cfg, time.perf_counter()
         problems = self.sample_prompts(step)
         n = cfg.generator.group_size
-        params = SamplingParams(cfg.generator.temperature, cfg.generator.top_p, cfg.generator.max_new_tokens, seed=cfg.seed * 1_000_003 + step)
-        prompt_ids = [self.policy.encode(p.prompt) for p in problems for _ in range(n)]
-        completions = self.sampler.generate(prompt_ids, params)
+        first = step * len(problems)  # group indices as the pipeline numbers them
+        params = [sampling_params(cfg, first + g) for g in range(len(problems))]
+        sampled = generate_groups(self.sampler, [self.policy.encode(p.prompt) for p in problems], n, params)
+        completions = [c for group in sampled for c in group]
         t1 = time.perf_counter()
-        groups = self.env.score_groups(problems, [completions[g * n : (g + 1) * n] for g in range(len(problems))])
+        groups = self.env.score_groups(problems, sampled)
         rollouts = [rollout for group in groups for rollout in group]
         infra_errors = self.env.check_infra(rollouts)
         t2 = time.perf_counter()
@@ -156,14 +162,7 @@ class SyncLoop:
             **targets.metrics,
             **self.env.sandbox.metrics(),  # cumulative counters and recent latency percentiles
             "sandbox/infra_errors": float(infra_errors),
-            "train/loss": stats.loss,
-            "train/grad_norm": stats.grad_norm,
-            "train/clip_frac": stats.clip_frac,
-            "train/ratio_mean": stats.ratio_mean,
-            "train/kl_ref": stats.kl_mean,
-            "train/entropy": stats.entropy_mean,
-            **stats.offpolicy,
-            "train/tokens": float(stats.num_tokens),
+            **self.train_metrics(stats),
             "staleness/max": float(staleness),
             "perf/generate_s": t1 - t0,
             "perf/score_s": t2 - t1,
@@ -172,6 +171,19 @@ class SyncLoop:
             "perf/step_s": t4 - t0,
             "perf/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
             "perf/trainer_idle_frac": 1.0 - (t3 - t2) / max(t4 - t0, 1e-9),
+        }
+
+    @staticmethod
+    def train_metrics(stats) -> dict[str, float]:
+        return {
+            "train/loss": stats.loss,
+            "train/grad_norm": stats.grad_norm,
+            "train/clip_frac": stats.clip_frac,
+            "train/ratio_mean": stats.ratio_mean,
+            "train/kl_ref": stats.kl_mean,
+            "train/entropy": stats.entropy_mean,
+            **stats.offpolicy,
+            "train/tokens": float(stats.num_tokens),
         }
 
     def make_batch(self, rollouts: list[Rollout]) -> tuple[Batch, StepTargets]:
@@ -192,4 +204,11 @@ class SyncLoop:
 
 
 def train(cfg: Config, resume: bool = False, log=print) -> dict:
-    return SyncLoop(cfg, resume, log).run()
+    """Run a training job: the pipeline (asynchronous up to `pipeline.max_staleness`; 0 is
+    synchronous), or this reference loop when `generator.engine = 'reference'`, whose simple
+    sampler cannot be driven step by step."""
+    if cfg.generator.engine == "reference":
+        return SyncLoop(cfg, resume, log).run()
+    from gapless.orchestrate.pipeline import Pipeline
+
+    return Pipeline(cfg, resume, log).run()
