@@ -102,6 +102,12 @@ class Pipeline(SyncLoop):
             (self.run_dir / "staleness.json").write_text(json.dumps(
                 {"counts": {str(k): v for k, v in sorted(self.staleness_counts.items())}, "drops": self.buffer.drops}, indent=2))
 
+    def evaluate(self) -> float:
+        """Greedy pass@1 on the trainer's current weights (the in-process engine copy)."""
+        if self.sampler.version != self.trainer.version:
+            self.sampler.update_weights(self.trainer.state_for_push(), self.trainer.version)
+        return super().evaluate()
+
     # ---- one step ------------------------------------------------------------------------
     def _receive(self, timeout: float) -> None:
         try:
