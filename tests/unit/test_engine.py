@@ -238,3 +238,32 @@ def test_update_weights_rejects_a_mismatched_state(policy):
         engine.update_weights(state, 1)
     with pytest.raises(ValueError, match="max_seq_len"):
         engine.add_request([1] * 500, SamplingParams(max_new_tokens=24))
+
+
+def test_partial_rollouts_resume_under_new_weights_with_versions(policy, problems):
+    """The pipeline's partial-rollout lever: cut at 3 tokens while another group waits, swap
+    weights, resume. Tokens before the cut keep version 0, tokens after it carry version 1 and
+    are what the new weights produce from that context (greedy, KV recomputed)."""
+    from gapless.orchestrate.actors import cut_partial_rollouts
+
+    prompts = _prompts(policy, problems, 3)
+    params = SamplingParams(greedy=True, max_new_tokens=6, ignore_eos=True)
+    engine = _engine(policy, max_batch=2)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, 1, request_id=str(i))
+    for _ in range(3):
+        engine.step()
+    assert cut_partial_rollouts(engine, 3, lambda _: params) == ["0", "1"]
+    assert [seq.request_id for seq in engine.waiting] == ["2", "0", "1"]  # cut groups go to the back
+    new_model = _peaked(policy.model, seed=7)
+    engine.update_weights(new_model.state_dict(), version=1)
+    done = {}
+    while engine.has_work:
+        done.update((c.request_id, c) for c in engine.step())
+    reference = TorchEngine(new_model, policy.eos_id, max_batch=4)
+    for i in ("0", "1"):
+        c = done[i]
+        assert c.versions == [0, 0, 0, 1, 1, 1]
+        cont = reference.generate([c.prompt_ids + c.token_ids[:3]], SamplingParams(greedy=True, max_new_tokens=3, ignore_eos=True))[0]
+        assert c.token_ids[3:] == cont.token_ids
+    assert done["2"].versions == [1] * 6  # started after the swap

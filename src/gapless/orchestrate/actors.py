@@ -173,14 +173,8 @@ class _GeneratorActor:
                 self.clock["blocked_s"] += _put(self.spec.to_env, ("group", index, task, born, group), self.spec.stop)
 
     def _cut_partial(self) -> None:
-        """Partial rollouts: cut sequences at every K-th token while others wait, resume them later."""
-        k = self.cfg.pipeline.partial_rollout_tokens
-        if not k or not self.engine.num_waiting:
-            return
-        ids = {seq.request_id for seq in self.engine.running if seq.tokens and len(seq.tokens) % k == 0}
-        for request_id in ids:
-            partials = self.engine.abort([request_id])
-            self.engine.resume(partials, sampling_params(self.cfg, int(request_id)), request_id)
+        cut_partial_rollouts(self.engine, self.cfg.pipeline.partial_rollout_tokens,
+                             lambda request_id: sampling_params(self.cfg, int(request_id)))
 
     def _report(self) -> None:
         now = time.perf_counter()
@@ -189,6 +183,20 @@ class _GeneratorActor:
         self.spec.to_trainer.put(("gen_stats", stats))
         self.clock = dict.fromkeys(self.clock, 0.0)
         self.last_report = now
+
+
+def cut_partial_rollouts(engine, every_tokens: int, params_for) -> list[str]:
+    """Partial rollouts: while sequences wait for a slot, cut each running group whose sequence
+    has just reached a multiple of `every_tokens` tokens and resume it at the back of the queue
+    (its context is re-prefilled by whichever weights are current when it gets a slot again; its
+    tokens keep the versions that sampled them). Returns the request ids cut."""
+    if not every_tokens or not engine.num_waiting:
+        return []
+    ids = list(dict.fromkeys(seq.request_id for seq in engine.running
+                             if seq.tokens and len(seq.tokens) % every_tokens == 0))
+    for request_id in ids:
+        engine.resume(engine.abort([request_id]), params_for(request_id), request_id)
+    return ids
 
 
 def environment_main(spec: ActorSpec) -> None:
