@@ -155,7 +155,7 @@ class _GeneratorActor:
             self.engine.add_request(self.prompts[task], sampling_params(self.cfg, index), self.cfg.generator.group_size,
                                     request_id=str(index))
             self.groups[index], self.meta[index] = [], (task, self.engine.version)
-            self.spec.to_trainer.put(("admitted", index, self.engine.version))
+            self.clock["blocked_s"] += _put(self.spec.to_trainer, ("admitted", index, self.engine.version), self.spec.stop)
 
     def _collect(self, finished: list[Completion]) -> None:
         n = self.cfg.generator.group_size
@@ -180,7 +180,7 @@ class _GeneratorActor:
         now = time.perf_counter()
         stats = dict(self.clock, wall_s=now - self.last_report, version=self.engine.version,
                      running=self.engine.num_running, waiting=self.engine.num_waiting)
-        self.spec.to_trainer.put(("gen_stats", stats))
+        _put(self.spec.to_trainer, ("gen_stats", stats), self.spec.stop)
         self.clock = dict.fromkeys(self.clock, 0.0)
         self.last_report = now
 

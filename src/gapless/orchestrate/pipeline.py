@@ -41,6 +41,7 @@ from gapless.orchestrate.loop import SyncLoop, rollout_metrics
 from gapless.orchestrate.weights import SharedWeights
 
 SHUTDOWN_S = 10.0
+INBOX_MESSAGES = 4096  # bound of the trainer's inbound queue (records, scored groups, stats)
 
 
 class ActorFailed(RuntimeError):
@@ -71,9 +72,9 @@ class Pipeline(SyncLoop):
         policy_dir = self.run_dir / "generator_policy"
         self.policy.save(policy_dir)  # architecture and tokenizer; the weights come through shared memory
         self.weights = SharedWeights(self.trainer.state_for_push(), self.trainer.version, self.ctx)
-        bound = 2 * self.cfg.loop.prompts_per_step
+        bound = 2 * self.cfg.loop.prompts_per_step  # groups waiting to be scored
         self.spec = ActorSpec(self.cfg, policy_dir, self.start_step, self.weights, self.ctx.Queue(bound),
-                              self.ctx.Queue(), self.ctx.Queue(), self.ctx.Event())
+                              self.ctx.Queue(INBOX_MESSAGES), self.ctx.Queue(), self.ctx.Event())
         for name, target in (("generator", generator_main), ("environment", environment_main)):
             process = self.ctx.Process(target=target, args=(self.spec,), name=f"gapless-{name}", daemon=True)
             process.start()
