@@ -28,16 +28,20 @@ from gapless.config import Config
 from gapless.envs.code import CodeEnvironment
 from gapless.envs.problems import CodeProblem, generate_problems
 from gapless.generate.sampler import TorchSampler
-from gapless.metrics import JsonlSink, ProgressLine, Sinks
+from gapless.metrics import open_sinks
 from gapless.models import Policy, load_local
 from gapless.orchestrate.evaluate import greedy_pass_at_1
 from gapless.orchestrate.policy_setup import prepare_policy
 from gapless.sandbox import SandboxLimits, open_sandbox
+from gapless.timeline import export_chrome_trace, open_timeline
 from gapless.trainer.batch import Batch, build_batch
 from gapless.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from gapless.trainer.groups import StepTargets, step_targets
 from gapless.trainer.trainer import GRPOTrainer
 from gapless.types import Rollout, SamplingParams
+
+
+ACTORS = ("generator", "env", "trainer")  # timeline rows; in this loop all three share one process
 
 
 def make_environment(cfg: Config) -> CodeEnvironment:
@@ -58,8 +62,20 @@ def rollout_metrics(rollouts: list[Rollout], zero_variance_groups: int, num_grou
         "rollout/zero_variance_frac": zero_variance_groups / num_groups,
         "sandbox/infra_errors": float(sum(r.is_infra_failure for r in rollouts)),
     }
+    run_s = [r.info["wall_s"] for r in rollouts if "wall_s" in r.info]
+    if run_s:  # wall time of each rollout's sandbox run, as the environment recorded it
+        metrics["sandbox/run_s_mean"] = sum(run_s) / len(run_s)
+        metrics["sandbox/run_s_max"] = max(run_s)
     for status in sorted({r.status for r in rollouts}):
         metrics[f"rollout/status_{status}"] = float(sum(r.status == status for r in rollouts))
+    return metrics
+
+
+def staleness_metrics(staleness: list[int]) -> dict[str, float]:
+    """`staleness/mean`, `staleness/max` and `staleness/count_<k>` (rollouts consumed at staleness k)."""
+    metrics = {"staleness/mean": sum(staleness) / len(staleness), "staleness/max": float(max(staleness))}
+    for k in sorted(set(staleness)):
+        metrics[f"staleness/count_{k}"] = float(staleness.count(k))
     return metrics
 
 
@@ -88,10 +104,12 @@ class SyncLoop:
             log(f"resumed from {checkpoint} at step {self.start_step}")
         self.sampler = TorchSampler(copy.deepcopy(self.policy.model), self.policy.eos_id, self.policy.pad_id, self.policy.decode)
         self.sampler.version = self.trainer.version
-        self.sinks = Sinks([JsonlSink(self.run_dir / "metrics.jsonl", append=checkpoint is not None), ProgressLine(cfg.loop.steps)])
+        self.sinks = open_sinks(cfg, cfg.loop.steps, append=checkpoint is not None)
+        self.timelines = {actor: open_timeline(self.run_dir, actor, cfg.metrics.timeline) for actor in ACTORS}
 
     def evaluate(self) -> float:
-        return greedy_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens)
+        with self.timelines["generator"].span("eval", version=self.trainer.version):
+            return greedy_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens)
 
     def sample_prompts(self, step: int) -> list[CodeProblem]:
         rng = random.Random(f"{self.cfg.seed}-prompts-{step}")
@@ -124,6 +142,10 @@ class SyncLoop:
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.sinks.close()
+        for timeline in self.timelines.values():
+            timeline.close()
+        if cfg.metrics.timeline:
+            export_chrome_trace(self.run_dir)
         self.env.close()
         return summary
 
@@ -133,18 +155,23 @@ class SyncLoop:
         n = cfg.generator.group_size
         params = SamplingParams(cfg.generator.temperature, cfg.generator.top_p, cfg.generator.max_new_tokens, seed=cfg.seed * 1_000_003 + step)
         prompt_ids = [self.policy.encode(p.prompt) for p in problems for _ in range(n)]
-        completions = self.sampler.generate(prompt_ids, params)
+        timeline = self.timelines
+        with timeline["generator"].span("generate", step=step, version=self.sampler.version):
+            completions = self.sampler.generate(prompt_ids, params)
         t1 = time.perf_counter()
-        groups = self.env.score_groups(problems, [completions[g * n : (g + 1) * n] for g in range(len(problems))])
-        rollouts = [rollout for group in groups for rollout in group]
-        infra_errors = self.env.check_infra(rollouts)
+        with timeline["env"].span("score", step=step):
+            groups = self.env.score_groups(problems, [completions[g * n : (g + 1) * n] for g in range(len(problems))])
+            rollouts = [rollout for group in groups for rollout in group]
+            infra_errors = self.env.check_infra(rollouts)
         t2 = time.perf_counter()
-        staleness = self.trainer.version - min(r.completion.oldest_version for r in rollouts)
-        assert staleness == 0, f"synchronous loop trained on stale rollouts (staleness {staleness})"
-        batch, targets = self.make_batch(rollouts)
-        stats = self.trainer.step(batch)
+        staleness = [self.trainer.version - r.completion.oldest_version for r in rollouts]
+        assert max(staleness) == 0, f"synchronous loop trained on stale rollouts (staleness {max(staleness)})"
+        with timeline["trainer"].span("train", step=step, version=self.trainer.version):
+            batch, targets = self.make_batch(rollouts)
+            stats = self.trainer.step(batch)
         t3 = time.perf_counter()
-        self.sampler.update_weights(self.trainer.state_for_push(), self.trainer.version)
+        with timeline["trainer"].span("weight_push", version=self.trainer.version):
+            self.sampler.update_weights(self.trainer.state_for_push(), self.trainer.version)
         t4 = time.perf_counter()
         gen_tokens = sum(len(c.token_ids) for c in completions)
         return {
@@ -160,14 +187,16 @@ class SyncLoop:
             "train/entropy": stats.entropy_mean,
             **stats.offpolicy,
             "train/tokens": float(stats.num_tokens),
-            "staleness/max": float(staleness),
+            **staleness_metrics(staleness),
             "perf/generate_s": t1 - t0,
             "perf/score_s": t2 - t1,
             "perf/train_s": t3 - t2,
             "perf/weight_push_s": t4 - t3,
             "perf/step_s": t4 - t0,
             "perf/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
+            # idle = share of the step's wall time an actor spent not doing its own work
             "perf/trainer_idle_frac": 1.0 - (t3 - t2) / max(t4 - t0, 1e-9),
+            "perf/generator_idle_frac": 1.0 - (t1 - t0) / max(t4 - t0, 1e-9),
         }
 
     def make_batch(self, rollouts: list[Rollout]) -> tuple[Batch, StepTargets]:
