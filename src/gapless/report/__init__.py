@@ -79,7 +79,8 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     traces = []
     for run in runs:
         if run.spans:
-            traces.append(f"<li><code>{html.escape(str(export_chrome_trace(run.path)))}</code></li>")
+            trace = export_chrome_trace(run.path)
+            traces.append(f"<li>{html.escape(run.name)}: <code>{html.escape(trace.name)}</code> in its run directory</li>")
     sections = []
     for chart in CHARTS:
         fig = chart.draw(runs)
