@@ -12,6 +12,11 @@ turns the scored groups into the step's batch (reward shaping, advantages, masks
 groups as configured; trainer/groups.py), so the trainer sees advantages, never rewards. Held-out
 greedy pass@1 runs at the start, every `loop.eval_every` steps and at the end; checkpoints every
 `loop.checkpoint_every` steps and at the end. `resume=True` continues from the last checkpoint.
+
+Observability: each step logs `perf/trainer_idle_frac` and `perf/generator_idle_frac` (share of
+the step's wall time the actor was not doing its own work), `staleness/*` (0 here) and sandbox
+latency; the three actors write `generate`/`eval`, `score` and `train`/`weight_push` spans to the
+run's timeline (timeline.py), whose gaps are the waits.
 """
 
 from __future__ import annotations
@@ -116,6 +121,14 @@ class SyncLoop:
         return rng.sample(self.train, self.cfg.loop.prompts_per_step)
 
     def run(self) -> dict:
+        try:
+            return self._run()
+        finally:  # also on error or Ctrl-C: the live view restores the terminal, files are flushed
+            self.sinks.close()
+            for timeline in self.timelines.values():
+                timeline.close()
+
+    def _run(self) -> dict:
         cfg, started = self.cfg, time.perf_counter()
         pass_start = self.state.get("pass@1_start")
         if pass_start is None:
@@ -141,9 +154,6 @@ class SyncLoop:
             **self.setup_info,
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        self.sinks.close()
-        for timeline in self.timelines.values():
-            timeline.close()
         if cfg.metrics.timeline:
             export_chrome_trace(self.run_dir)
         self.env.close()
