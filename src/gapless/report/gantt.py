@@ -70,7 +70,7 @@ def draw_run(ax, run: Run) -> set[str]:
             ax.plot([s["start"] - origin] * 2, [i - 0.45, i + 0.45], color="black", linewidth=0.8)
     ax.set_yticks(range(len(lanes)), _lane_labels(lanes))
     ax.set_ylim(len(lanes) - 0.5, -0.5)
-    ax.set_xlim(0, max(s["end"] for s in spans) - origin)
+    ax.set_xlim(0, max(s["end"] for s in run.spans) - origin)
     ax.set_xlabel("wall time since first span (s)")
     ax.grid(alpha=0.3, axis="x")
     return names
