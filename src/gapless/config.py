@@ -240,6 +240,24 @@ class PipelineConfig(_Section):
         return self.trainer_threads or max(1, (os.cpu_count() or 2) - self.generator_threads_resolved)
 
 
+class MetricsConfig(_Section):
+    live: Literal["auto", "rich", "plain"] = "auto"
+    """Live view during training: 'rich' redraws a panel in place (step, ETA, reward, pass@1,
+    tokens/s, idle fractions, staleness, sandbox queue); 'plain' prints one line per step (for
+    logs and CI); 'auto' picks 'rich' when stdout is a terminal and 'plain' otherwise."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files to RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`)."""
+    timeline: bool = True
+    """Record each actor's busy spans to RUN_DIR/timeline/ (the report's Gantt chart and
+    RUN_DIR/trace.json for ui.perfetto.dev). Costs one short file write per span."""
+    wandb_project: str | None = None
+    """Weights & Biases project to log to; None disables it. Needs the `wandb` package
+    (not a dependency of gapless: `pip install wandb`)."""
+    wandb_mode: Literal["online", "offline"] = "offline"
+    """'offline' writes the W&B run under RUN_DIR/wandb without network (upload later with
+    `wandb sync`); 'online' streams to the W&B server and needs a login."""
+
+
 class Config(_Section):
     seed: int = 0
     """Seeds the task split, the model init, sampling and data order."""
@@ -253,6 +271,9 @@ class Config(_Section):
     warmstart: WarmStartConfig = WarmStartConfig()
     loop: LoopConfig = LoopConfig()
     pipeline: PipelineConfig = PipelineConfig()
+
+
+    metrics: MetricsConfig = MetricsConfig()
 
 
 class ConfigError(ValueError):

@@ -36,6 +36,7 @@ from gapless.config import Config
 from gapless.orchestrate.admission import Admission, PromptSource, sampling_params
 from gapless.orchestrate.buffer import ScoredGroup
 from gapless.orchestrate.weights import SharedWeights
+from gapless.timeline import MergedSpans, open_timeline
 from gapless.types import Completion
 
 POLL_S = 0.002
@@ -105,17 +106,29 @@ class _GeneratorActor:
         self.cut: set[int] = set()
         self.clock = {"busy_s": 0.0, "idle_s": 0.0, "stall_s": 0.0, "blocked_s": 0.0, "tokens": 0, "groups": 0, "swaps": 0}
         self.last_report = time.perf_counter()
+        self.timeline = open_timeline(cfg.run_dir, "generator", cfg.metrics.timeline)
+        self.spans = MergedSpans(self.timeline)
 
     def run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self.spans.close()
+            self.timeline.close()
+
+    def _loop(self) -> None:
         spec = self.spec
         while not spec.stop.is_set():
             start = time.perf_counter()
             if spec.weights.fetch_into(self.engine.update_weights, self.engine.version) is not None:
                 self.clock["stall_s"] += time.perf_counter() - start
                 self.clock["swaps"] += 1
+                self.spans.mark("weight_load")
+                self.timeline.instant("weights", version=self.engine.version)
             self._apply_control()
             self._admit()
             if self.engine.has_work:
+                self.spans.mark("generate")
                 start = time.perf_counter()
                 finished = self.engine.step()
                 self.clock["busy_s"] += time.perf_counter() - start
@@ -123,6 +136,7 @@ class _GeneratorActor:
                 self._collect(finished)
                 self._cut_partial()
             else:
+                self.spans.mark("wait_weights")  # admission holds until a newer policy arrives
                 start = time.perf_counter()
                 self._apply_control(timeout=POLL_S)
                 self.clock["idle_s"] += time.perf_counter() - start
@@ -170,6 +184,7 @@ class _GeneratorActor:
                 del self.groups[index]
                 group.sort(key=lambda c: c.index)
                 self.clock["groups"] += 1
+                self.spans.mark("wait_env_queue")
                 self.clock["blocked_s"] += _put(self.spec.to_env, ("group", index, task, born, group), self.spec.stop)
 
     def _cut_partial(self) -> None:
@@ -214,13 +229,15 @@ def _environment_loop(spec: ActorSpec) -> None:
     torch.set_num_threads(1)
     tasks = load_train_tasks(cfg)
     env = make_environment(cfg)
+    timeline = open_timeline(cfg.run_dir, "env", cfg.metrics.timeline)
     workers = cfg.pipeline.env_workers
     slots = threading.Semaphore(workers)  # back-pressure: take a group only when a worker is free
     failures: list[str] = []
 
     def score(index: int, task_index: int, born: int, completions: list[Completion]) -> None:
         try:
-            rollouts = env.score_groups([tasks[task_index]], [completions])[0]
+            with timeline.span("score", group=index):
+                rollouts = env.score_groups([tasks[task_index]], [completions])[0]
             _put(spec.to_trainer, ("scored", ScoredGroup(index, task_index, born, rollouts)), spec.stop)
             spec.to_generator.put(("feedback", tasks[task_index].uid, [r.reward for r in rollouts if not r.is_infra_failure]))
         except BaseException:
@@ -243,3 +260,4 @@ def _environment_loop(spec: ActorSpec) -> None:
                 spec.to_trainer.put(("error", "environment", failures[0]))
         finally:
             env.close()
+            timeline.close()

@@ -12,6 +12,11 @@ turns the scored groups into the step's batch (reward shaping, advantages, masks
 groups as configured; trainer/groups.py), so the trainer sees advantages, never rewards. Held-out
 greedy pass@1 runs at the start, every `loop.eval_every` steps and at the end; checkpoints every
 `loop.checkpoint_every` steps and at the end. `resume=True` continues from the last checkpoint.
+
+Observability: each step logs `perf/trainer_idle_frac` and `perf/generator_idle_frac` (share of
+the step's wall time the actor was not doing its own work), `staleness/*` (0 here) and sandbox
+latency; the three actors write `generate`/`eval`, `score` and `train`/`weight_push` spans to the
+run's timeline (timeline.py), whose gaps are the waits.
 """
 
 from __future__ import annotations
@@ -28,17 +33,21 @@ from gapless.envs.delayed import DelayedEnvironment
 from gapless.envs.problems import CodeProblem, generate_problems
 from gapless.generate import make_generator
 from gapless.generate.groups import generate_groups
-from gapless.metrics import JsonlSink, ProgressLine, Sinks
+from gapless.metrics import open_sinks
 from gapless.models import Policy, load_local
 from gapless.orchestrate.admission import sample_step_tasks, sampling_params
 from gapless.orchestrate.evaluate import greedy_pass_at_1
 from gapless.orchestrate.policy_setup import prepare_policy
 from gapless.sandbox import SandboxLimits, open_sandbox
+from gapless.timeline import export_chrome_trace, open_timeline
 from gapless.trainer.batch import Batch, build_batch
 from gapless.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from gapless.trainer.groups import StepTargets, step_targets
 from gapless.trainer.trainer import GRPOTrainer
 from gapless.types import Rollout, SamplingParams
+
+
+ACTORS = ("generator", "env", "trainer")  # timeline rows; in this loop all three share one process
 
 
 def make_environment(cfg: Config) -> CodeEnvironment:
@@ -62,8 +71,20 @@ def rollout_metrics(rollouts: list[Rollout], zero_variance_groups: int, num_grou
         "rollout/zero_variance_frac": zero_variance_groups / num_groups,
         "sandbox/infra_errors": float(sum(r.is_infra_failure for r in rollouts)),
     }
+    run_s = [r.info["wall_s"] for r in rollouts if "wall_s" in r.info]
+    if run_s:  # wall time of each rollout's sandbox run, as the environment recorded it
+        metrics["sandbox/run_s_mean"] = sum(run_s) / len(run_s)
+        metrics["sandbox/run_s_max"] = max(run_s)
     for status in sorted({r.status for r in rollouts}):
         metrics[f"rollout/status_{status}"] = float(sum(r.status == status for r in rollouts))
+    return metrics
+
+
+def staleness_metrics(staleness: list[int]) -> dict[str, float]:
+    """`staleness/mean`, `staleness/max` and `staleness/count_<k>` (rollouts consumed at staleness k)."""
+    metrics = {"staleness/mean": sum(staleness) / len(staleness), "staleness/max": float(max(staleness))}
+    for k in sorted(set(staleness)):
+        metrics[f"staleness/count_{k}"] = float(staleness.count(k))
     return metrics
 
 
@@ -92,7 +113,8 @@ class SyncLoop:
             log(f"resumed from {checkpoint} at step {self.start_step}")
         self.sampler = make_generator(cfg.generator, self.policy, self.max_seq_len(), self.run_dir)
         self.sampler.version = self.trainer.version
-        self.sinks = Sinks([JsonlSink(self.run_dir / "metrics.jsonl", append=checkpoint is not None), ProgressLine(cfg.loop.steps)])
+        self.sinks = open_sinks(cfg, cfg.loop.steps, append=checkpoint is not None)
+        self.timelines = {actor: open_timeline(self.run_dir, actor, cfg.metrics.timeline) for actor in ACTORS}
 
     def max_seq_len(self) -> int:
         """Longest context the generator must hold: the longest prompt plus the completion cap."""
@@ -100,13 +122,22 @@ class SyncLoop:
         return longest + self.cfg.generator.max_new_tokens
 
     def evaluate(self) -> float:
-        return greedy_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens)
+        with self.timelines["generator"].span("eval", version=self.trainer.version):
+            return greedy_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens)
 
     def sample_prompts(self, step: int) -> list[CodeProblem]:
         picks = sample_step_tasks(self.cfg.seed, step, len(self.train), self.cfg.loop.prompts_per_step)
         return [self.train[i] for i in picks]
 
     def run(self) -> dict:
+        try:
+            return self._run()
+        finally:  # also on error or Ctrl-C: the live view restores the terminal, files are flushed
+            self.sinks.close()
+            for timeline in self.timelines.values():
+                timeline.close()
+
+    def _run(self) -> dict:
         cfg, started = self.cfg, time.perf_counter()
         pass_start = self.state.get("pass@1_start")
         if pass_start is None:
@@ -132,7 +163,8 @@ class SyncLoop:
             **self.setup_info,
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        self.sinks.close()
+        if cfg.metrics.timeline:
+            export_chrome_trace(self.run_dir)
         self.env.close()
         return summary
 
@@ -142,19 +174,24 @@ class SyncLoop:
         n = cfg.generator.group_size
         first = step * len(problems)  # group indices as the pipeline numbers them
         params = [sampling_params(cfg, first + g) for g in range(len(problems))]
-        sampled = generate_groups(self.sampler, [self.policy.encode(p.prompt) for p in problems], n, params)
+        timeline = self.timelines
+        with timeline["generator"].span("generate", step=step, version=self.sampler.version):
+            sampled = generate_groups(self.sampler, [self.policy.encode(p.prompt) for p in problems], n, params)
         completions = [c for group in sampled for c in group]
         t1 = time.perf_counter()
-        groups = self.env.score_groups(problems, sampled)
-        rollouts = [rollout for group in groups for rollout in group]
-        infra_errors = self.env.check_infra(rollouts)
+        with timeline["env"].span("score", step=step):
+            groups = self.env.score_groups(problems, sampled)
+            rollouts = [rollout for group in groups for rollout in group]
+            infra_errors = self.env.check_infra(rollouts)
         t2 = time.perf_counter()
-        staleness = self.trainer.version - min(r.completion.oldest_version for r in rollouts)
-        assert staleness == 0, f"synchronous loop trained on stale rollouts (staleness {staleness})"
-        batch, targets = self.make_batch(rollouts)
-        stats = self.trainer.step(batch)
+        staleness = [self.trainer.version - r.completion.oldest_version for r in rollouts]
+        assert max(staleness) == 0, f"synchronous loop trained on stale rollouts (staleness {max(staleness)})"
+        with timeline["trainer"].span("train", step=step, version=self.trainer.version):
+            batch, targets = self.make_batch(rollouts)
+            stats = self.trainer.step(batch)
         t3 = time.perf_counter()
-        self.sampler.update_weights(self.trainer.state_for_push(), self.trainer.version)
+        with timeline["trainer"].span("weight_push", version=self.trainer.version):
+            self.sampler.update_weights(self.trainer.state_for_push(), self.trainer.version)
         t4 = time.perf_counter()
         gen_tokens = sum(len(c.token_ids) for c in completions)
         return {
@@ -163,14 +200,16 @@ class SyncLoop:
             **self.env.sandbox.metrics(),  # cumulative counters and recent latency percentiles
             "sandbox/infra_errors": float(infra_errors),
             **self.train_metrics(stats),
-            "staleness/max": float(staleness),
+            **staleness_metrics(staleness),
             "perf/generate_s": t1 - t0,
             "perf/score_s": t2 - t1,
             "perf/train_s": t3 - t2,
             "perf/weight_push_s": t4 - t3,
             "perf/step_s": t4 - t0,
             "perf/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
+            # idle = share of the step's wall time an actor spent not doing its own work
             "perf/trainer_idle_frac": 1.0 - (t3 - t2) / max(t4 - t0, 1e-9),
+            "perf/generator_idle_frac": 1.0 - (t1 - t0) / max(t4 - t0, 1e-9),
         }
 
     @staticmethod

@@ -37,8 +37,10 @@ from gapless.config import Config, ConfigError
 from gapless.generate.protocol import SteppedGenerator
 from gapless.orchestrate.actors import ActorSpec, environment_main, generator_main
 from gapless.orchestrate.buffer import GroupLedger, ScoredGroup, StalenessBuffer
-from gapless.orchestrate.loop import SyncLoop, rollout_metrics
+from gapless.orchestrate.evaluate import greedy_pass_at_1
+from gapless.orchestrate.loop import SyncLoop, rollout_metrics, staleness_metrics
 from gapless.orchestrate.weights import SharedWeights
+from gapless.timeline import export_chrome_trace
 
 SHUTDOWN_S = 10.0
 INBOX_MESSAGES = 4096  # bound of the trainer's inbound queue (records, scored groups, stats)
@@ -102,12 +104,15 @@ class Pipeline(SyncLoop):
             self.stop_actors()
             (self.run_dir / "staleness.json").write_text(json.dumps(
                 {"counts": {str(k): v for k, v in sorted(self.staleness_counts.items())}, "drops": self.buffer.drops}, indent=2))
+            if self.cfg.metrics.timeline:
+                export_chrome_trace(self.run_dir)  # again, now that the actors' files are complete
 
     def evaluate(self) -> float:
-        """Greedy pass@1 on the trainer's current weights (the in-process engine copy)."""
-        if self.sampler.version != self.trainer.version:
-            self.sampler.update_weights(self.trainer.state_for_push(), self.trainer.version)
-        return super().evaluate()
+        """Greedy pass@1 on the trainer's current weights (the trainer process's own engine copy)."""
+        with self.timelines["trainer"].span("eval", version=self.trainer.version):
+            if self.sampler.version != self.trainer.version:
+                self.sampler.update_weights(self.trainer.state_for_push(), self.trainer.version)
+            return greedy_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens)
 
     # ---- one step ------------------------------------------------------------------------
     def _receive(self, timeout: float) -> None:
@@ -137,8 +142,9 @@ class Pipeline(SyncLoop):
     def train_step(self, step: int) -> dict[str, float]:
         t0 = self._last_step_end or time.perf_counter()
         wait_start = time.perf_counter()
-        while not self.buffer.is_batch_ready(step):
-            self._receive(timeout=0.05)
+        with self.timelines["trainer"].span("wait_rollouts", step=step):
+            while not self.buffer.is_batch_ready(step):
+                self._receive(timeout=0.05)
         waited = time.perf_counter() - wait_start
         drops_before = self.buffer.num_dropped
         groups, cut = self.buffer.take(step)
@@ -149,13 +155,15 @@ class Pipeline(SyncLoop):
         rollouts = [r for g in groups for r in g.rollouts]
         infra_errors = self.env.check_infra(rollouts)
         t1 = time.perf_counter()
-        batch, targets = self.make_batch(rollouts)
-        stats = self.trainer.step(batch)
+        with self.timelines["trainer"].span("train", step=step, version=self.trainer.version):
+            batch, targets = self.make_batch(rollouts)
+            stats = self.trainer.step(batch)
         t2 = time.perf_counter()
-        push_wait = self.weights.publish(self.trainer.state_for_push(), self.trainer.version)
+        with self.timelines["trainer"].span("weight_push", version=self.trainer.version):
+            push_wait = self.weights.publish(self.trainer.state_for_push(), self.trainer.version)
         t3 = time.perf_counter()
         self._last_step_end = t3
-        staleness = [step - g.oldest_version for g in groups]
+        staleness = [step - r.completion.oldest_version for r in rollouts]
         self.staleness_counts.update(staleness)
         return {
             **rollout_metrics(rollouts, targets.zero_variance_groups, len(groups)),
@@ -176,8 +184,7 @@ class Pipeline(SyncLoop):
             "perf/weight_push_s": push_s,
             "perf/weight_push_wait_s": push_wait_s,
             "perf/trainer_idle_frac": waited_s / max(step_s, 1e-9),
-            "staleness/mean": sum(staleness) / len(staleness),
-            "staleness/max": float(max(staleness)),
+            **staleness_metrics(staleness),
             "perf/trained_tokens_per_s": trained_tokens / max(train_s, 1e-9),
         }
         if gen_wall > 0:
