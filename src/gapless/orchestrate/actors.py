@@ -78,7 +78,9 @@ def _report_crash(spec: ActorSpec, actor: str) -> None:
 
 def generator_main(spec: ActorSpec) -> None:
     try:
-        _GeneratorActor(spec).run()
+        actor = _GeneratorActor(spec)
+        spec.to_trainer.put(("ready", "generator"))
+        actor.run()
     except BaseException:
         _report_crash(spec, "generator")
 
@@ -230,6 +232,7 @@ def _environment_loop(spec: ActorSpec) -> None:
     tasks = load_train_tasks(cfg)
     env = make_environment(cfg)
     timeline = open_timeline(cfg.run_dir, "env", cfg.metrics.timeline)
+    spec.to_trainer.put(("ready", "environment"))
     workers = cfg.pipeline.env_workers
     slots = threading.Semaphore(workers)  # back-pressure: take a group only when a worker is free
     failures: list[str] = []

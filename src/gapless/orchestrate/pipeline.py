@@ -67,6 +67,7 @@ class Pipeline(SyncLoop):
         self.staleness_counts: Counter[int] = Counter()
         self.gen_stats: list[dict] = []
         self.processes: list = []
+        self.ready_actors: set[str] = set()
         self._last_step_end = None
 
     # ---- actors ---------------------------------------------------------------------------
@@ -128,6 +129,8 @@ class Pipeline(SyncLoop):
             group: ScoredGroup = message[1]
             if self.buffer.arrived(group) is not None:
                 self.spec.to_generator.put(("dropped", 1))
+        elif kind == "ready":
+            self.ready_actors.add(message[1])
         elif kind == "gen_stats":
             self.gen_stats.append(message[1])
         elif kind == "error":
@@ -141,6 +144,11 @@ class Pipeline(SyncLoop):
 
     def train_step(self, step: int) -> dict[str, float]:
         t0 = self._last_step_end or time.perf_counter()
+        if len(self.ready_actors) < len(self.processes):
+            with self.timelines["trainer"].span("wait_actors_start"):  # spawn, imports, engine, sandbox
+                while len(self.ready_actors) < len(self.processes):
+                    self._receive(timeout=0.05)
+            t0 = time.perf_counter()
         wait_start = time.perf_counter()
         with self.timelines["trainer"].span("wait_rollouts", step=step):
             while not self.buffer.is_batch_ready(step):
@@ -179,7 +187,7 @@ class Pipeline(SyncLoop):
         gen_wall = sum(s["wall_s"] for s in gen)
         swaps = sum(s["swaps"] for s in gen)
         metrics = {
-            "perf/step_s": step_s,
+            "perf/step_s": step_s,  # from the end of the previous step (the first: from the actors' start)
             "perf/train_s": train_s,
             "perf/weight_push_s": push_s,
             "perf/weight_push_wait_s": push_wait_s,
