@@ -2,7 +2,7 @@
 
 Who waits for whom (one process, strictly in turn):
 
-    generator.generate ──> env.score (sandbox threads) ──> trainer.step ──> generator.update_weights
+    generator.generate ──> env.score_groups ──> trainer.step ──> generator.update_weights
           ^                                                                         │
           └─────────────────────────────── next step ───────────────────────────────┘
 
@@ -12,6 +12,8 @@ turns the scored groups into the step's batch (reward shaping, advantages, masks
 groups as configured; trainer/groups.py), so the trainer sees advantages, never rewards. Held-out
 greedy pass@1 runs at the start, every `loop.eval_every` steps and at the end; checkpoints every
 `loop.checkpoint_every` steps and at the end. `resume=True` continues from the last checkpoint.
+The loop knows environments only through their protocol (envs/base.py): `tasks(split)` and
+`score_groups`; `make_environment` (envs/registry.py) picks the one `task.name` names.
 """
 
 from __future__ import annotations
@@ -24,15 +26,14 @@ from pathlib import Path
 
 import torch
 
-from gapless.config import Config
-from gapless.envs.code import CodeEnvironment
-from gapless.envs.problems import CodeProblem, generate_problems
+from gapless.config import Config, ConfigError
+from gapless.envs.base import Environment, Task, check_infra
+from gapless.envs.registry import make_environment
 from gapless.generate.sampler import TorchSampler
 from gapless.metrics import JsonlSink, ProgressLine, Sinks
 from gapless.models import Policy, load_local
 from gapless.orchestrate.evaluate import greedy_pass_at_1
 from gapless.orchestrate.policy_setup import prepare_policy
-from gapless.sandbox import SandboxLimits, open_sandbox
 from gapless.trainer.batch import Batch, build_batch
 from gapless.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from gapless.trainer.groups import StepTargets, step_targets
@@ -40,11 +41,11 @@ from gapless.trainer.trainer import GRPOTrainer
 from gapless.types import Rollout, SamplingParams
 
 
-def make_environment(cfg: Config) -> CodeEnvironment:
-    limits = SandboxLimits(timeout_s=cfg.sandbox.timeout_s, memory_mb=cfg.sandbox.memory_mb, max_processes=cfg.sandbox.max_processes)
-    sandbox = open_sandbox(limits, cfg.sandbox.python, mode=cfg.sandbox.mode, warm=cfg.sandbox.warm,
-                           max_concurrency=cfg.sandbox.concurrency)
-    return CodeEnvironment(sandbox, limits, concurrency=cfg.sandbox.concurrency)
+def env_metrics(env: Environment) -> dict[str, float]:
+    """An environment's own counters (the sandbox's: cumulative counts and recent latency
+    percentiles), for those that keep any."""
+    metrics = getattr(env, "metrics", None)
+    return metrics() if callable(metrics) else {}
 
 
 def rollout_metrics(rollouts: list[Rollout], zero_variance_groups: int, num_groups: int) -> dict[str, float]:
@@ -72,11 +73,13 @@ class SyncLoop:
         (self.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
         if cfg.trainer.threads:
             torch.set_num_threads(cfg.trainer.threads)
-        levels = cfg.task.levels
-        self.train = generate_problems(cfg.seed, "train", cfg.task.num_train_prompts, levels, cfg.task.num_hidden_tests)
-        self.eval = generate_problems(cfg.seed, "eval", cfg.task.num_eval_prompts, levels, cfg.task.num_hidden_tests)
-        self.env = make_environment(cfg)
-        self.policy, self.setup_info = prepare_policy(cfg, self.train, log)
+        self.env: Environment = make_environment(cfg)
+        self.train, self.eval = list(self.env.tasks("train")), list(self.env.tasks("eval"))
+        if len(self.train) < cfg.loop.prompts_per_step and cfg.loop.steps > 0:
+            self.env.close()
+            raise ConfigError(f"task {self.env.name!r} has {len(self.train)} train tasks, fewer than loop.prompts_per_step "
+                             f"({cfg.loop.prompts_per_step}); an eval-only set (humaneval) is for `gapless eval`")
+        self.policy, self.setup_info = prepare_policy(cfg, self.env, log)
         self.start_step, self.state = 0, {}
         checkpoint = latest_checkpoint(self.run_dir) if resume else None
         if checkpoint is not None:
@@ -93,7 +96,7 @@ class SyncLoop:
     def evaluate(self) -> float:
         return greedy_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens)
 
-    def sample_prompts(self, step: int) -> list[CodeProblem]:
+    def sample_prompts(self, step: int) -> list[Task]:
         rng = random.Random(f"{self.cfg.seed}-prompts-{step}")
         return rng.sample(self.train, self.cfg.loop.prompts_per_step)
 
@@ -137,7 +140,7 @@ class SyncLoop:
         t1 = time.perf_counter()
         groups = self.env.score_groups(problems, [completions[g * n : (g + 1) * n] for g in range(len(problems))])
         rollouts = [rollout for group in groups for rollout in group]
-        infra_errors = self.env.check_infra(rollouts)
+        infra_errors = check_infra(rollouts, hint=f" in environment {self.env.name!r}")
         t2 = time.perf_counter()
         staleness = self.trainer.version - min(r.completion.oldest_version for r in rollouts)
         assert staleness == 0, f"synchronous loop trained on stale rollouts (staleness {staleness})"
@@ -150,7 +153,7 @@ class SyncLoop:
         return {
             **rollout_metrics(rollouts, targets.zero_variance_groups, len(problems)),
             **targets.metrics,
-            **self.env.sandbox.metrics(),  # cumulative counters and recent latency percentiles
+            **env_metrics(self.env),
             "sandbox/infra_errors": float(infra_errors),
             "train/loss": stats.loss,
             "train/grad_norm": stats.grad_norm,
