@@ -16,14 +16,14 @@ def make_environment(cfg: Config) -> Environment:
     if task.name in ("procedural_code", "code_dataset", "humaneval"):
         return _code_environment(cfg)
     if task.name == "math":
-        from gapless.envs.math import MathEnvironment, load_math_dataset
+        from gapless.envs.math import MathEnvironment, ProceduralMathEnvironment, load_math_dataset
         from gapless.envs.math_problems import generate_math_problems
 
         if task.path is not None:
             return MathEnvironment(load_math_dataset(task.path))
         splits = {split: generate_math_problems(cfg.seed, split, count, task.levels)
                   for split, count in (("train", task.num_train_prompts), ("eval", task.num_eval_prompts))}
-        return MathEnvironment(splits, teacher_error_frac=cfg.warmstart.overfit_frac)
+        return ProceduralMathEnvironment(splits, teacher_error_frac=cfg.warmstart.overfit_frac)
     if task.name == "reasoning_gym":
         from gapless.envs.reasoning_gym import ReasoningGymEnvironment
 
