@@ -3,7 +3,7 @@
 A prompt asks for the value of a short expression over single digits and ends with "Answer: ":
     level 1   a + b, a - b                  "Compute 3+4.\\nAnswer: "  -> "7"
     level 2   a * b, a + b + c, a - b + c
-    level 3   a + b * c, a - b * c, (a + b) * c, a * b - c   (precedence matters)
+    level 3   a + b * c, a - b * c, a * (b + c), (a + b) * c, a * b - c   (precedence matters)
 The teacher used by the warm start has one habit: it evaluates strictly left to right, ignoring
 precedence and parentheses (`mistake`). That is right for levels 1-2 and for some level-3 forms,
 wrong for others (3+4*2 -> 14): the warm-started model learns both answers and RL against the
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 FORMS: dict[int, list[str]] = {
     1: ["{a}+{b}", "{a}-{b}"],
     2: ["{a}*{b}", "{a}+{b}+{c}", "{a}-{b}+{c}"],
-    3: ["{a}+{b}*{c}", "{a}-{b}*{c}", "({a}+{b})*{c}", "{a}*{b}-{c}"],
+    3: ["{a}+{b}*{c}", "{a}-{b}*{c}", "{a}*({b}+{c})", "({a}+{b})*{c}", "{a}*{b}-{c}"],
 }
 
 
