@@ -65,7 +65,9 @@ def rollout_metrics(rollouts: list[Rollout], zero_variance_groups: int, num_grou
 
 
 class SyncLoop:
-    def __init__(self, cfg: Config, resume: bool = False, log=print):
+    def __init__(self, cfg: Config, resume: bool = False, log=print, env: Environment | None = None):
+        """`env`: an environment object to train on instead of the one `task.name` names (a
+        custom environment, examples/reverse_env.py); the loop closes it at the end."""
         self.cfg = cfg
         self.log = log
         self.run_dir = Path(cfg.run_dir)
@@ -73,7 +75,7 @@ class SyncLoop:
         (self.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
         if cfg.trainer.threads:
             torch.set_num_threads(cfg.trainer.threads)
-        self.env: Environment = make_environment(cfg)
+        self.env: Environment = env if env is not None else make_environment(cfg)
         self.train, self.eval = list(self.env.tasks("train")), list(self.env.tasks("eval"))
         if len(self.train) < cfg.loop.prompts_per_step and cfg.loop.steps > 0:
             self.env.close()

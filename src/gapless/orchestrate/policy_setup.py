@@ -24,7 +24,7 @@ from gapless.models import Policy, build_tiny, load_local
 from gapless.trainer.warmstart import warm_start
 
 
-def warmstart_key(cfg: Config) -> str:
+def warmstart_key(cfg: Config, env_name: str | None = None) -> str:
     material = {
         "model": cfg.model.model_dump(mode="json"),
         "task": cfg.task.model_dump(mode="json"),
@@ -32,6 +32,8 @@ def warmstart_key(cfg: Config) -> str:
         "seed": cfg.seed,
         "format": 1,
     }
+    if env_name is not None and env_name != cfg.task.name:  # a custom environment object
+        material["environment"] = env_name
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -42,7 +44,7 @@ def prepare_policy(cfg: Config, env: Environment, log=print) -> tuple[Policy, di
         log(f"warm start: skipped (environment {env.name!r} has no teacher to write demonstrations)")
     if cfg.warmstart.steps == 0 or teacher is None:
         return _initial_policy(cfg, train, teacher), {"warmstart_s": 0.0, "warmstart_cached": False}
-    cached = Path(cfg.warmstart.cache_dir) / warmstart_key(cfg)
+    cached = Path(cfg.warmstart.cache_dir) / warmstart_key(cfg, env.name)
     if (cached / "config.json").is_file():
         log(f"warm start: cached at {cached}")
         return load_local(cached), {"warmstart_s": 0.0, "warmstart_cached": True}
