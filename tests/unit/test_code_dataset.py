@@ -58,6 +58,12 @@ def test_malformed_records_are_named_by_file_and_line_and_nothing_is_dropped(tmp
         assert fragment in message
     with pytest.raises(DatasetError, match="no records"):
         load_code_dataset(write_jsonl(tmp_path / "empty.jsonl", []))
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(DatasetError, match="broken.parquet: not a readable Parquet file"):
+        load_code_dataset(tmp_path / "broken.parquet")
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DatasetError, match="not UTF-8"):
+        load_code_dataset(tmp_path / "latin1.jsonl")
 
 
 @pytest.fixture(scope="module")

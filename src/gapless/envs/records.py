@@ -28,7 +28,11 @@ def iter_records(path: Path) -> Iterator[tuple[str, Any]]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        for row, record in enumerate(pq.read_table(path).to_pylist(), start=1):
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as exc:  # noqa: BLE001 -- pyarrow's errors have no common base worth naming
+            raise DatasetError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {exc})") from None
+        for row, record in enumerate(rows, start=1):
             yield f"{path.name}:row {row}", record
         return
     with path.open(encoding="utf-8", errors="strict") as fh:
