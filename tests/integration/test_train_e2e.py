@@ -95,16 +95,29 @@ def test_killed_run_leaves_a_loadable_checkpoint_and_resumes(tmp_path, warm_cach
         while latest_checkpoint(run) is None or latest_checkpoint(run).name == "step_1":
             assert proc.poll() is None and time.monotonic() < deadline, "run ended or never checkpointed"
             time.sleep(0.2)
+        actors = _children(proc.pid)  # the pipeline's generator and environment processes
+        assert len(actors) >= 2
         proc.send_signal(signal.SIGKILL)  # no chance to clean up: whatever is on disk must be consistent
     finally:
         proc.kill()
         proc.wait()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in actors) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in actors if Path(f"/proc/{pid}").exists()], "actor processes outlived the killed trainer"
     checkpoint = latest_checkpoint(run)
     AutoModelForCausalLM.from_pretrained(checkpoint)
     step = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
     resumed = SyncLoop(smoke(tmp_path, warm_cache, **{"run_dir": json.dumps(str(run)), "loop.steps": str(step + 1)}), resume=True, log=lambda *_: None)
     assert resumed.start_step == step
     assert resumed.run()["trained_samples"] == (step + 1) * 2 * 4
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return children
 
 
 def test_non_default_algorithm_runs_end_to_end(tmp_path, warm_cache):

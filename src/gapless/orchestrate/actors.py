@@ -15,13 +15,18 @@ Environment: scores groups on `env_workers` threads (the sandbox runs the progra
 processes) and forwards them; rewards also go back to the generator for the curriculum.
 
 Both actors send ('error', actor, traceback) to the trainer and exit if anything raises, so a
-crash is an error in the trainer's process, never a silent hang. Neither actor holds state worth
-keeping: the trainer's checkpoint is the run's state.
+crash is an error in the trainer's process, never a silent hang (the trainer also notices an
+actor that died without a word). Both die with the trainer, even when it is SIGKILLed (the
+kernel's parent-death signal). Neither actor holds state worth keeping: the trainer's checkpoint
+is the run's state.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -56,6 +61,7 @@ class ActorSpec:
     to_trainer: Any  # queue of ('admitted' | 'scored' | 'gen_stats' | 'error', ...)
     to_generator: Any  # queue of ('dropped', n) | ('abort', [index]) | ('feedback', uid, rewards)
     stop: Any  # event
+    trainer_pid: int
 
 
 def _put(q, item, stop) -> float:
@@ -70,6 +76,15 @@ def _put(q, item, stop) -> float:
     return time.perf_counter() - start
 
 
+def _die_with_trainer(spec: ActorSpec) -> None:
+    """A killed trainer must not leave actors behind (they are not its threads): ask the kernel
+    to SIGKILL this process when its parent dies, and exit if that already happened."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != spec.trainer_pid:
+        os._exit(1)
+
+
 def _report_crash(spec: ActorSpec, actor: str) -> None:
     try:
         spec.to_trainer.put(("error", actor, traceback.format_exc()), timeout=5)
@@ -78,6 +93,7 @@ def _report_crash(spec: ActorSpec, actor: str) -> None:
 
 
 def generator_main(spec: ActorSpec) -> None:
+    _die_with_trainer(spec)
     try:
         actor = _GeneratorActor(spec)
         spec.to_trainer.put(("ready", "generator"))
@@ -216,6 +232,7 @@ def cut_partial_rollouts(engine, every_tokens: int, params_for) -> list[str]:
 
 
 def environment_main(spec: ActorSpec) -> None:
+    _die_with_trainer(spec)
     try:
         _environment_loop(spec)
     except BaseException:

@@ -80,7 +80,7 @@ class Pipeline(SyncLoop):
         bound = 2 * self.cfg.loop.prompts_per_step  # groups waiting to be scored
         prompts = [(task.uid, task.prompt) for task in self.train]
         self.spec = ActorSpec(self.cfg, prompts, policy_dir, self.start_step, self.weights, self.ctx.Queue(bound),
-                              self.ctx.Queue(INBOX_MESSAGES), self.ctx.Queue(), self.ctx.Event())
+                              self.ctx.Queue(INBOX_MESSAGES), self.ctx.Queue(), self.ctx.Event(), os.getpid())
         for name, target in (("generator", generator_main), ("environment", environment_main)):
             process = self.ctx.Process(target=target, args=(self.spec,), name=f"gapless-{name}", daemon=True)
             process.start()
