@@ -32,6 +32,9 @@ class Completion:
     versions: list[int]  # policy version that sampled each token
     finish_reason: FinishReason
     text: str
+    loss_mask: list[int] | None = None  # per token: 1 = sampled by the model (trained), 0 = written
+    # by the environment into a multi-turn context (tool output: masked, its logprob 0.0 and its
+    # version that of the turn it answered). None: every token is the model's.
 
     @property
     def oldest_version(self) -> int:
