@@ -1,4 +1,6 @@
 """Command line: `gapless train [CONFIG] [--run-dir DIR] [--resume] [--dotted.key value ...]`,
+`gapless serve --model.path DIR [--host H] [--port P]` (an OpenAI-compatible completions server
+over a local checkpoint, e.g. as a judge; gapless.serve.openai_server),
 `gapless sandbox run FILE --json [--timeout-s S] [--memory-mb M]` and
 `gapless sandbox check [--path warm|cold|both] [--mode auto|bwrap|reduced] [--json]`, which runs
 the hostile probes (gapless.sandbox.probes) on this host and prints probe, status and whether
@@ -47,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("args", nargs=argparse.REMAINDER,
                        help="[CONFIG] [--run-dir DIR] [--resume] [--section.key VALUE ...]; "
                             "CONFIG is a TOML run file such as configs/default.toml")
+    serve = sub.add_parser("serve", help="serve a local checkpoint over an OpenAI-compatible HTTP API")
+    serve.add_argument("--model.path", dest="model_path", required=True, help="local Hugging Face checkpoint directory")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one")
+    serve.add_argument("--model-name", default=None, help="name reported by /v1/models (default: the path)")
     sandbox = sub.add_parser("sandbox", help="run programs in the sandbox")
     sandbox_sub = sandbox.add_subparsers(dest="sandbox_command", required=True)
     run = sandbox_sub.add_parser("run", help="run a Python file in the sandbox")
@@ -133,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["train"] and not {"-h", "--help"} & set(argv):
             return _cmd_train(argv[1:])  # free-form dotted overrides: parsed by hand, not argparse
         args = parser.parse_args(argv)
+        if args.command == "serve":
+            from gapless.serve.openai_server import serve
+
+            serve(args.model_path, args.host, args.port, args.model_name)
+            return 0
         if args.sandbox_command == "check":
             return _cmd_sandbox_check(args)
         return _cmd_sandbox_run(args)
