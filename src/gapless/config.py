@@ -42,9 +42,10 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["procedural_code"] = "procedural_code"
+    name: Literal["procedural_code", "tool_use"] = "procedural_code"
     """Which environment scores the rollouts. The embedded default is procedurally generated
-    code synthesis with hidden unit tests."""
+    code synthesis with hidden unit tests; 'tool_use' is the multi-turn arithmetic task in which
+    the model calls Python in a sandbox session ([tools], docs/environments_judge_tools.md)."""
     levels: list[int] = [1, 2, 3]
     """Difficulty levels to draw problems from (1 = one operation, 3 = compositions)."""
     num_train_prompts: int = Field(4000, ge=1)
@@ -191,6 +192,69 @@ class LoopConfig(_Section):
     """Checkpoint (HF model + optimizer + step) every this many steps and at the end."""
 
 
+class ToolsConfig(_Section):
+    max_turns: int = Field(3, ge=1, le=64)
+    """Model turns per tool-use episode (tool calls plus the final answer); an episode that has
+    not answered by then ends with status 'turn_limit'."""
+    timeout_s: float = Field(2.0, gt=0, le=600)
+    """Wall-clock deadline of one tool call; past it the call is killed (status 'tool_error')."""
+    max_output_chars: int = Field(64, ge=1, le=65536)
+    """Characters of a tool call's output shown to the model (the rest is cut, '...' marks it)."""
+    sessions: int = Field(8, ge=1, le=1024)
+    """Sandbox sessions held at once; episodes run in waves of this many (each session is a
+    sandbox slot with a live Python process)."""
+    skip_frac: float = Field(0.3, ge=0, le=1)
+    """Fraction of warm-start demonstrations that answer without calling the tool (a near-miss
+    guess): the imperfect teacher RL has to improve on."""
+    typo_frac: float = Field(0.2, ge=0, le=1)
+    """Fraction of warm-start demonstrations whose tool call mistypes one operand (and then
+    faithfully reports the wrong result)."""
+    num_train_prompts: int = Field(2000, ge=1)
+    """Distinct training expressions (split 'train')."""
+    num_eval_prompts: int = Field(100, ge=1)
+    """Held-out expressions (split 'eval', disjoint from 'train') for greedy pass@1."""
+
+
+class JudgeConfig(_Section):
+    base_url: str | None = None
+    """OpenAI-compatible endpoint of the judge, e.g. 'http://127.0.0.1:8000/v1' (vLLM, SGLang,
+    `gapless serve`). None judges with the local checkpoint at `model_path` in-process."""
+    model_path: str | None = None
+    """Local Hugging Face checkpoint of the judge, run through gapless's own generator (used only
+    when `base_url` is None)."""
+    api: Literal["completions", "chat"] = "completions"
+    """'completions' sends the rubric as a raw prompt to /v1/completions; 'chat' sends it as one
+    user message to /v1/chat/completions (for instruction-tuned judges)."""
+    model: str = "judge"
+    """Model name sent in each request (the endpoint's served model name)."""
+    max_tokens: int = Field(16, ge=1, le=32768)
+    """Verdict length cap in tokens. The default rubric ends with 'Score:', so a few suffice;
+    raise it for judges that reason before scoring."""
+    temperature: float = Field(0.0, ge=0, le=10)
+    """Judge sampling temperature; 0 is greedy (reproducible verdicts where the server is)."""
+    timeout_s: float = Field(30.0, gt=0, le=3600)
+    """Deadline of one HTTP request, connection included; past it the request is retried."""
+    max_retries: int = Field(4, ge=0, le=100)
+    """Retries after a connection error, timeout, HTTP 5xx or 429; then the rollout is
+    'infra_error' (excluded from its group's statistics)."""
+    backoff_s: float = Field(0.5, ge=0)
+    """Backoff before the first retry; it doubles per retry, capped at `max_backoff_s`, and each
+    wait is jittered down to half of it."""
+    max_backoff_s: float = Field(8.0, ge=0)
+    """Cap of the exponential backoff."""
+    concurrency: int = Field(8, ge=1, le=4096)
+    """Judge requests in flight at once (size it to the judge server's batch capacity)."""
+    max_score: float = Field(10.0, gt=0)
+    """Top of the rubric's scale; reward = score / max_score. Scores outside [0, max_score]
+    are unparsable."""
+    rubric: str | None = None
+    """Rubric template with {prompt}, {reference}, {response} and {max_score}; None uses the
+    built-in one (envs/judge.py), which ends with 'Score:'."""
+    tasks_path: str | None = None
+    """JSONL file of tasks ({"prompt", "reference"?, "uid"?, "split"?}); None uses a small
+    embedded task set."""
+
+
 class Config(_Section):
     seed: int = 0
     """Seeds the task split, the model init, sampling and data order."""
@@ -203,6 +267,8 @@ class Config(_Section):
     trainer: TrainerConfig = TrainerConfig()
     warmstart: WarmStartConfig = WarmStartConfig()
     loop: LoopConfig = LoopConfig()
+    tools: ToolsConfig = ToolsConfig()
+    judge: JudgeConfig = JudgeConfig()
 
 
 class ConfigError(ValueError):

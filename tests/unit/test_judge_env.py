@@ -116,3 +116,18 @@ def test_tasks_from_jsonl(tmp_path):
     path.write_text('{"prompt": "a", "reference": "b", "split": "eval"}\n\n{"prompt": "c", "uid": "u1"}\n')
     splits = load_judge_tasks(path, eval_frac=0.0)
     assert splits["eval"] == [JudgeTask("judge-0", "a", "b")] and splits["train"] == [JudgeTask("u1", "c", "")]
+
+
+def test_made_from_the_config(tmp_path):
+    from gapless.config import load_config
+    from gapless.envs.judge import make_judge_environment
+
+    cfg = load_config(overrides={"judge.base_url": '"http://127.0.0.1:9/v1"', "judge.api": "chat", "judge.max_retries": "0",
+                                 "judge.timeout_s": "0.5"})
+    env = make_judge_environment(cfg)
+    assert env.name == "judge" and env.client.url == "http://127.0.0.1:9/v1/chat/completions"
+    (rollout,) = env.score_groups([env.tasks("train")[0]], [[completion("x")]])[0]
+    assert rollout.status == "infra_error" and "judge.base_url" in rollout.info["error"]  # nothing listens on port 9
+    env.close()
+    with pytest.raises(ValueError, match="judge.base_url"):
+        make_judge_environment(load_config())

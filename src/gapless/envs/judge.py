@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from gapless.config import Config
 from gapless.envs.base import Split
-from gapless.envs.judge_client import JudgeClient
+from gapless.envs.judge_client import HttpJudgeClient, JudgeClient, LocalJudgeClient
 from gapless.envs.judge_parse import parse_score
 from gapless.types import Completion, Rollout
 
@@ -134,3 +135,27 @@ def embedded_judge_tasks(seed: int, num_train: int, num_eval: int) -> dict[str, 
 
 def _plain(number: float) -> str:
     return str(int(number)) if float(number).is_integer() else str(number)
+
+
+def make_judge_environment(cfg: Config) -> JudgeEnvironment:
+    """The environment of `task.name = "judge"`: tasks from `judge.tasks_path` (or the embedded
+    set), judged over HTTP at `judge.base_url`, else in-process by the checkpoint at
+    `judge.model_path` through gapless's own generator."""
+    j = cfg.judge
+    if j.tasks_path is not None:
+        tasks = load_judge_tasks(j.tasks_path, seed=cfg.seed)
+    else:
+        tasks = embedded_judge_tasks(cfg.seed, cfg.task.num_train_prompts, cfg.task.num_eval_prompts)
+    if j.base_url is not None:
+        client = HttpJudgeClient(j.base_url, j.model, j.api, j.max_tokens, j.temperature, j.timeout_s, j.max_retries,
+                                 j.backoff_s, j.max_backoff_s, j.concurrency, seed=cfg.seed)
+    elif j.model_path is not None:
+        from gapless.generate.sampler import TorchSampler
+        from gapless.models import load_local
+
+        judge = load_local(j.model_path)
+        sampler = TorchSampler(judge.model, judge.eos_id, judge.pad_id, judge.decode)
+        client = LocalJudgeClient(sampler, judge.encode, j.max_tokens, j.temperature)
+    else:
+        raise ValueError("task.name = 'judge' needs judge.base_url (an OpenAI-compatible server) or judge.model_path")
+    return JudgeEnvironment(tasks, client, j.rubric or DEFAULT_RUBRIC, j.max_score)

@@ -35,6 +35,11 @@ class ToolTask:
     expression: str
     answer: str  # str(value of the expression)
 
+    @property
+    def solution(self) -> str:
+        """The ideal transcript as plain text (what a tokenizer for this task is trained on)."""
+        return "".join(text for text, _ in ideal_transcript(self))
+
 
 def generate_tool_tasks(seed: int, split: str, count: int) -> list[ToolTask]:
     """`count` distinct tasks; train and eval draw from disjoint halves of the expression space."""
@@ -59,6 +64,11 @@ def tool_output_text(output: str) -> str:
 
 
 Segment = tuple[str, bool]  # (text, written by the model); a model segment ends its turn (EOS)
+
+
+def ideal_transcript(task: ToolTask) -> list[Segment]:
+    return [(f"{CALL_OPEN}{task.expression}{CALL_CLOSE}", True), (tool_output_text(task.answer), False),
+            (f"{ANSWER} {task.answer}", True)]
 
 
 def demonstration(task: ToolTask, rng: random.Random, skip_frac: float, typo_frac: float) -> list[Segment]:

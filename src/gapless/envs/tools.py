@@ -41,11 +41,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable, Sequence
 
+from gapless.config import Config
 from gapless.envs.base import Generator, Split
 from gapless.envs.code import SandboxUnavailable
 from gapless.envs.episode import Episode
-from gapless.envs.tool_task import ToolTask, Turn, parse_turn, tool_output_text
-from gapless.sandbox import SandboxError, SandboxLimits, Status
+from gapless.envs.tool_task import ToolTask, Turn, generate_tool_tasks, parse_turn, tool_output_text
+from gapless.sandbox import SandboxError, SandboxLimits, Status, open_sandbox
 from gapless.sandbox.worker import SlotFailure
 from gapless.types import Completion, Rollout, SamplingParams
 
@@ -215,3 +216,14 @@ class ToolUseEnvironment:
         self.pool.shutdown(wait=True)
         self.sandbox.close()
 
+
+
+def make_tool_environment(cfg: Config) -> ToolUseEnvironment:
+    """The environment of `task.name = "tool_use"`: embedded tasks, [tools] settings, sessions in
+    a bubblewrap sandbox (sessions need it: reduced mode has no private filesystem)."""
+    limits = SandboxLimits(timeout_s=cfg.tools.timeout_s, memory_mb=cfg.sandbox.memory_mb,
+                           max_processes=cfg.sandbox.max_processes)
+    sandbox = open_sandbox(limits, cfg.sandbox.python, mode="bwrap", max_concurrency=cfg.tools.sessions)
+    tasks = {"train": generate_tool_tasks(cfg.seed, "train", cfg.tools.num_train_prompts),
+             "eval": generate_tool_tasks(cfg.seed, "eval", cfg.tools.num_eval_prompts)}
+    return ToolUseEnvironment(sandbox, tasks, limits, cfg.tools.max_turns, cfg.tools.max_output_chars, cfg.tools.sessions)

@@ -19,3 +19,9 @@ def greedy_pass_at_1(sampler: TorchSampler, env: CodeEnvironment, problems: list
         groups = env.score_groups(chunk, [[c] for c in completions])
         solved += sum(1 for (rollout,) in groups if rollout.status == "ok")
     return solved / len(problems)
+
+
+def multi_turn_pass_at_1(sampler: TorchSampler, env, tasks: list, encode, max_new_tokens: int) -> float:
+    """Fraction of tasks whose greedy multi-turn episode ends with status 'ok'."""
+    groups = env.rollout_groups(sampler, tasks, 1, SamplingParams(greedy=True, max_new_tokens=max_new_tokens), encode)
+    return sum(1 for (rollout,) in groups if rollout.status == "ok") / len(tasks)

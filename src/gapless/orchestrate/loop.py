@@ -6,6 +6,10 @@ Who waits for whom (one process, strictly in turn):
           ^                                                                         │
           └─────────────────────────────── next step ───────────────────────────────┘
 
+A multi-turn environment (envs/base.py MultiTurnEnvironment, e.g. task.name = 'tool_use') drives
+generation itself: `env.rollout_groups` replaces generate + score, and its completions' loss
+masks keep the environment's tokens out of the loss.
+
 Every rollout of a step is sampled by the current policy version (staleness 0, asserted), so
 the behaviour log-probs recorded by the generator are the trainer's old log-probs. `make_batch`
 turns the scored groups into the step's batch (reward shaping, advantages, masks and dropped
@@ -25,12 +29,13 @@ from pathlib import Path
 import torch
 
 from gapless.config import Config
+from gapless.envs.base import MultiTurnEnvironment
 from gapless.envs.code import CodeEnvironment
 from gapless.envs.problems import CodeProblem, generate_problems
 from gapless.generate.sampler import TorchSampler
 from gapless.metrics import JsonlSink, ProgressLine, Sinks
 from gapless.models import Policy, load_local
-from gapless.orchestrate.evaluate import greedy_pass_at_1
+from gapless.orchestrate.evaluate import greedy_pass_at_1, multi_turn_pass_at_1
 from gapless.orchestrate.policy_setup import prepare_policy
 from gapless.sandbox import SandboxLimits, open_sandbox
 from gapless.trainer.batch import Batch, build_batch
@@ -41,6 +46,10 @@ from gapless.types import Rollout, SamplingParams
 
 
 def make_environment(cfg: Config) -> CodeEnvironment:
+    if cfg.task.name == "tool_use":
+        from gapless.envs.tools import make_tool_environment
+
+        return make_tool_environment(cfg)
     limits = SandboxLimits(timeout_s=cfg.sandbox.timeout_s, memory_mb=cfg.sandbox.memory_mb, max_processes=cfg.sandbox.max_processes)
     sandbox = open_sandbox(limits, cfg.sandbox.python, mode=cfg.sandbox.mode, warm=cfg.sandbox.warm,
                            max_concurrency=cfg.sandbox.concurrency)
@@ -73,9 +82,13 @@ class SyncLoop:
         if cfg.trainer.threads:
             torch.set_num_threads(cfg.trainer.threads)
         levels = cfg.task.levels
-        self.train = generate_problems(cfg.seed, "train", cfg.task.num_train_prompts, levels, cfg.task.num_hidden_tests)
-        self.eval = generate_problems(cfg.seed, "eval", cfg.task.num_eval_prompts, levels, cfg.task.num_hidden_tests)
         self.env = make_environment(cfg)
+        self.is_multi_turn = isinstance(self.env, MultiTurnEnvironment)
+        if self.is_multi_turn:
+            self.train, self.eval = list(self.env.tasks("train")), list(self.env.tasks("eval"))
+        else:
+            self.train = generate_problems(cfg.seed, "train", cfg.task.num_train_prompts, levels, cfg.task.num_hidden_tests)
+            self.eval = generate_problems(cfg.seed, "eval", cfg.task.num_eval_prompts, levels, cfg.task.num_hidden_tests)
         self.policy, self.setup_info = prepare_policy(cfg, self.train, log)
         self.start_step, self.state = 0, {}
         checkpoint = latest_checkpoint(self.run_dir) if resume else None
@@ -91,6 +104,8 @@ class SyncLoop:
         self.sinks = Sinks([JsonlSink(self.run_dir / "metrics.jsonl", append=checkpoint is not None), ProgressLine(cfg.loop.steps)])
 
     def evaluate(self) -> float:
+        if self.is_multi_turn:
+            return multi_turn_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens)
         return greedy_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens)
 
     def sample_prompts(self, step: int) -> list[CodeProblem]:
@@ -132,10 +147,15 @@ class SyncLoop:
         problems = self.sample_prompts(step)
         n = cfg.generator.group_size
         params = SamplingParams(cfg.generator.temperature, cfg.generator.top_p, cfg.generator.max_new_tokens, seed=cfg.seed * 1_000_003 + step)
-        prompt_ids = [self.policy.encode(p.prompt) for p in problems for _ in range(n)]
-        completions = self.sampler.generate(prompt_ids, params)
-        t1 = time.perf_counter()
-        groups = self.env.score_groups(problems, [completions[g * n : (g + 1) * n] for g in range(len(problems))])
+        if self.is_multi_turn:  # generation and scoring interleave, turn by turn
+            groups = self.env.rollout_groups(self.sampler, problems, n, params, self.policy.encode)
+            completions = [r.completion for group in groups for r in group]
+            t1 = time.perf_counter()
+        else:
+            prompt_ids = [self.policy.encode(p.prompt) for p in problems for _ in range(n)]
+            completions = self.sampler.generate(prompt_ids, params)
+            t1 = time.perf_counter()
+            groups = self.env.score_groups(problems, [completions[g * n : (g + 1) * n] for g in range(len(problems))])
         rollouts = [rollout for group in groups for rollout in group]
         infra_errors = self.env.check_infra(rollouts)
         t2 = time.perf_counter()
@@ -146,7 +166,7 @@ class SyncLoop:
         t3 = time.perf_counter()
         self.sampler.update_weights(self.trainer.state_for_push(), self.trainer.version)
         t4 = time.perf_counter()
-        gen_tokens = sum(len(c.token_ids) for c in completions)
+        gen_tokens = sum(len(c.token_ids) if c.loss_mask is None else sum(c.loss_mask) for c in completions)
         return {
             **rollout_metrics(rollouts, targets.zero_variance_groups, len(problems)),
             **targets.metrics,

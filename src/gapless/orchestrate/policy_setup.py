@@ -18,6 +18,7 @@ from gapless.config import Config
 from gapless.envs.problems import CodeProblem
 from gapless.models import Policy, build_tiny, load_local
 from gapless.trainer.warmstart import warm_start
+from gapless.trainer.warmstart_turns import warm_start_transcripts
 
 
 def warmstart_key(cfg: Config) -> str:
@@ -28,6 +29,8 @@ def warmstart_key(cfg: Config) -> str:
         "seed": cfg.seed,
         "format": 1,
     }
+    if cfg.task.name == "tool_use":  # only here, so the code task's cache keys stay as they were
+        material["tools"] = cfg.tools.model_dump(mode="json")
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -45,7 +48,7 @@ def prepare_policy(cfg: Config, train: list[CodeProblem], log=print) -> tuple[Po
         if step % 50 == 0 or step == cfg.warmstart.steps - 1:
             log(f"warm start {step + 1:>4}/{cfg.warmstart.steps}  loss {loss:.3f}")
 
-    losses = warm_start(policy, train, cfg.warmstart, cfg.seed, report)
+    losses = _warm_start(cfg, policy, train, report)
     elapsed = time.perf_counter() - started
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -53,6 +56,18 @@ def prepare_policy(cfg: Config, train: list[CodeProblem], log=print) -> tuple[Po
     shutil.rmtree(cached, ignore_errors=True)
     os.replace(tmp, cached)
     return policy, {"warmstart_s": elapsed, "warmstart_cached": False, "warmstart_final_loss": losses[-1]}
+
+
+def _warm_start(cfg: Config, policy: Policy, train: list, report) -> list[float]:
+    if cfg.task.name == "tool_use":  # multi-turn transcripts from the task's imperfect teacher
+        from gapless.envs.tool_task import demonstration
+
+        def sample(rng):
+            task = rng.choice(train)
+            return task.prompt, demonstration(task, rng, cfg.tools.skip_frac, cfg.tools.typo_frac)
+
+        return warm_start_transcripts(policy, sample, cfg.warmstart, cfg.seed, report)
+    return warm_start(policy, train, cfg.warmstart, cfg.seed, report)
 
 
 def _initial_policy(cfg: Config, train: list[CodeProblem]) -> Policy:
