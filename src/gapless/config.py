@@ -359,6 +359,9 @@ def _check_trainer(cfg: Config) -> None:
     if t.correction != "none" and t.old_logprobs != "trainer":
         raise ConfigError(f"trainer.correction = '{t.correction}' reweights behaviour against trainer log-probs; "
                           "it needs trainer.old_logprobs = 'trainer' (with 'behaviour' the PPO ratio already divides by them)")
+    if cfg.task.name == "tool_use" and t.overlong == "penalty":
+        raise ConfigError("trainer.overlong = 'penalty' counts a completion's length against generator.max_new_tokens, "
+                          "which bounds one turn of task 'tool_use', not the episode; use 'keep' or 'mask'")
     if t.overlong == "penalty" and t.overlong_buffer > cfg.generator.max_new_tokens:
         raise ConfigError(f"trainer.overlong_buffer ({t.overlong_buffer}) must not exceed generator.max_new_tokens "
                           f"({cfg.generator.max_new_tokens})")

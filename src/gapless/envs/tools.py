@@ -104,11 +104,11 @@ class ToolUseEnvironment:
                 encode: Callable[[str], list[int]], turns: int | None = None) -> None:
         """Take up to `turns` more turns (None: until every episode is over) of the unfinished
         episodes, all of them in one `generate` call per turn."""
-        for round_ in range(self.max_turns if turns is None else turns):
+        for _ in range(self.max_turns if turns is None else turns):
             active = [e for e in episodes if not e.is_done]
             if not active:
-                return
-            turn_params = replace(params, seed=params.seed + 7_919 * (round_ + max(e.turns for e in active)))
+                break
+            turn_params = replace(params, seed=params.seed + 7_919 * max(e.turns for e in active))  # new per turn
             calls = []
             for episode, completion in zip(active, generator.generate([e.context for e in active], turn_params)):
                 episode.add_model_turn(completion)
@@ -149,7 +149,7 @@ class ToolUseEnvironment:
                     episode.info.update(env_state_version=episode.state_version, resumed_by_version=version)
                     episode.snapshot = None
             result = episode.session.run(CELL.format(source=code))
-        except (SandboxError, SlotFailure, RuntimeError) as exc:
+        except (SandboxError, SlotFailure) as exc:
             episode.finish("infra_error", error=str(exc)[:300])
             return None
         episode.info["tool_calls"] = episode.info.get("tool_calls", 0) + 1
