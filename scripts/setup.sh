@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up everything gapless needs on a fresh Linux machine: bubblewrap, a virtualenv in .venv,
-# PyTorch (the CPU build unless an NVIDIA GPU is present), and gapless itself with its test extras.
+# Set up everything gapless needs on a fresh Linux machine: bubblewrap, chromium (optional: the
+# report test renders in it), a virtualenv in .venv, PyTorch (the CPU build unless an NVIDIA GPU
+# is present), and gapless itself with its test extras.
 # Idempotent: a second run with unchanged pyproject.toml returns in well under a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,15 @@ if ! command -v bwrap >/dev/null 2>&1; then
   $SUDO apt-get install -y -qq bubblewrap >/dev/null 2>&1 || {
     $SUDO apt-get update -qq >/dev/null && $SUDO apt-get install -y -qq bubblewrap >/dev/null;
   } || { echo "setup: could not install bubblewrap; install it with your package manager (package 'bubblewrap')" >&2; exit 1; }
+fi
+
+if ! command -v chromium >/dev/null 2>&1; then
+  # Only the report test needs it (it renders the HTML report headless); it skips without it.
+  echo "setup: installing chromium (headless browser for the report test)"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get install -y -qq chromium >/dev/null 2>&1 || {
+    $SUDO apt-get update -qq >/dev/null && $SUDO apt-get install -y -qq chromium >/dev/null;
+  } || echo "setup: could not install chromium; the report browser test will be skipped (package 'chromium')" >&2
 fi
 
 stamp=".venv/.gapless-setup-$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"

@@ -5,6 +5,8 @@ over a local checkpoint, e.g. as a judge; gapless.serve.openai_server),
 `gapless sandbox check [--path warm|cold|both] [--mode auto|bwrap|reduced] [--json]`, which runs
 the hostile probes (gapless.sandbox.probes) on this host and prints probe, status and whether
 the host stayed clean; it exits 0 only if every probe ended as expected with a clean host.
+`gapless report RUN_DIR [RUN_DIR ...] [--out DIR]` writes one self-contained HTML page (and a
+PNG per chart) comparing the runs (gapless.report); default DIR is FIRST_RUN_DIR/report.
 
 User errors (bad config, missing model path, malformed TOML) print one line `gapless: error: ...`
 and exit with code 2; infrastructure failures (sandbox cannot start) exit with code 3 and say
@@ -54,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one")
     serve.add_argument("--model-name", default=None, help="name reported by /v1/models (default: the path)")
+    report = sub.add_parser("report", help="compare runs in one self-contained HTML page")
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    report.add_argument("--out", default=None, help="output directory (default: FIRST_RUN_DIR/report)")
     sandbox = sub.add_parser("sandbox", help="run programs in the sandbox")
     sandbox_sub = sandbox.add_subparsers(dest="sandbox_command", required=True)
     run = sandbox_sub.add_parser("run", help="run a Python file in the sandbox")
@@ -82,6 +87,13 @@ def _cmd_train(argv: list[str]) -> int:
 
     summary = train(cfg, resume=resume)
     print(json.dumps(summary))
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from gapless.report import build_report
+
+    print(build_report(args.run_dirs, args.out))
     return 0
 
 
@@ -145,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
 
             serve(args.model_path, args.host, args.port, args.model_name)
             return 0
+        if args.command == "report":
+            return _cmd_report(args)
         if args.sandbox_command == "check":
             return _cmd_sandbox_check(args)
         return _cmd_sandbox_run(args)

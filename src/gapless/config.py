@@ -10,6 +10,7 @@ and is written into the run directory by the loop.
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -54,6 +55,9 @@ class TaskConfig(_Section):
     """Number of held-out problems used for pass@1 (split 'eval', disjoint from 'train')."""
     num_hidden_tests: int = Field(5, ge=1, le=50)
     """Unit tests per problem that the model never sees in its prompt."""
+    score_delay_s: float = Field(0.0, ge=0, le=600)
+    """Latency added to scoring each group, without CPU use (at most sandbox.concurrency groups wait
+    at once): simulates a remote judge or slow sandbox start in benchmarks. 0 = off."""
 
 
 class SandboxConfig(_Section):
@@ -85,6 +89,17 @@ class GeneratorConfig(_Section):
     """Nucleus sampling mass; 1.0 disables it."""
     max_new_tokens: int = Field(24, ge=1, le=32768)
     """Completion length cap; a completion cut here has finish reason 'length'."""
+    force_long_every: int = Field(0, ge=0)
+    """Synthetic heavy tail for benchmarks: every k-th group ignores EOS and runs to max_new_tokens.
+    0 = off (the default; never use it for real training)."""
+    engine: Literal["torch", "reference", "vllm"] = "torch"
+    """Which generator samples rollouts: 'torch' (the project's engine: continuous batching, exact
+    log-probs, in-flight weight swaps; Llama/Qwen2 models), 'reference' (the simple sampler over the
+    HF model's forward that the engine is tested against; any HF causal LM), 'vllm' (GPU, needs
+    vLLM installed)."""
+    max_batch: int = Field(128, ge=1, le=65536)
+    """Sequences decoded together (KV-cache slots). Larger batches raise throughput until the
+    matmuls are compute-bound; KV memory grows with max_batch x (longest prompt + max_new_tokens)."""
 
 
 class TrainerConfig(_Section):
@@ -253,6 +268,56 @@ class JudgeConfig(_Section):
     tasks_path: str | None = None
     """JSONL file of tasks ({"prompt", "reference"?, "uid"?, "split"?}); None uses a small
     embedded task set."""
+class PipelineConfig(_Section):
+    max_staleness: int = Field(0, ge=0, le=64)
+    """Staleness budget: how many policy versions older than the trainer's a trained rollout's oldest
+    token may be. 0 is synchronous (the generator waits for each step's weights); 1-4 lets the
+    generator run ahead while the trainer trains (PipelineRL-style asynchrony)."""
+    oversample: float = Field(0.0, ge=0, le=4)
+    """Start this fraction more groups than a step needs; a step trains on the first ready ones and
+    cuts the stragglers that would otherwise go stale (dropped as 'straggler')."""
+    partial_rollout_tokens: int = Field(0, ge=0)
+    """Cut a sequence every this many generated tokens while other sequences wait for a slot and
+    resume it at the back of the queue, under the weights current then (KV recomputed). 0 = off.
+    Torch engine only."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (no GRPO signal) as they arrive and backfill them,
+    so every step trains on a full batch of groups with signal (DAPO's dynamic sampling)."""
+    curriculum: Literal["uniform", "pass_rate"] = "uniform"
+    """Prompt choice: 'uniform' (the synchronous loop's order) or 'pass_rate' (prefer prompts whose
+    running pass rate is neither 0 nor 1; see orchestrate/curriculum.py)."""
+    generator_threads: int = Field(0, ge=0, le=512)
+    """Torch threads of the generator process; 0 = half the cores (at least 1)."""
+    trainer_threads: int = Field(0, ge=0, le=512)
+    """Torch threads of the trainer process; 0 = the cores left by the generator (at least 1)."""
+    env_workers: int = Field(4, ge=1, le=1024)
+    """Groups scored concurrently by the environment process."""
+
+    @property
+    def generator_threads_resolved(self) -> int:
+        return self.generator_threads or max(1, (os.cpu_count() or 2) // 2)
+
+    @property
+    def trainer_threads_resolved(self) -> int:
+        return self.trainer_threads or max(1, (os.cpu_count() or 2) - self.generator_threads_resolved)
+
+
+class MetricsConfig(_Section):
+    live: Literal["auto", "rich", "plain"] = "auto"
+    """Live view during training: 'rich' redraws a panel in place (step, ETA, reward, pass@1,
+    tokens/s, idle fractions, staleness, sandbox queue); 'plain' prints one line per step (for
+    logs and CI); 'auto' picks 'rich' when stdout is a terminal and 'plain' otherwise."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files to RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`)."""
+    timeline: bool = True
+    """Record each actor's busy spans to RUN_DIR/timeline/ (the report's Gantt chart and
+    RUN_DIR/trace.json for ui.perfetto.dev). Costs one short file write per span."""
+    wandb_project: str | None = None
+    """Weights & Biases project to log to; None disables it. Needs the `wandb` package
+    (not a dependency of gapless: `pip install wandb`)."""
+    wandb_mode: Literal["online", "offline"] = "offline"
+    """'offline' writes the W&B run under RUN_DIR/wandb without network (upload later with
+    `wandb sync`); 'online' streams to the W&B server and needs a login."""
 
 
 class Config(_Section):
@@ -267,6 +332,8 @@ class Config(_Section):
     trainer: TrainerConfig = TrainerConfig()
     warmstart: WarmStartConfig = WarmStartConfig()
     loop: LoopConfig = LoopConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    metrics: MetricsConfig = MetricsConfig()
     tools: ToolsConfig = ToolsConfig()
     judge: JudgeConfig = JudgeConfig()
 

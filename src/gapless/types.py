@@ -10,16 +10,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
+    """Softmax temperature; the recorded log-probs are taken at this temperature."""
     top_p: float = 1.0
+    """Nucleus mass kept before sampling; 1.0 disables it."""
     max_new_tokens: int = 24
+    """Cap on generated tokens per completion, counting tokens generated before a resume."""
     greedy: bool = False
+    """Argmax decoding; temperature, top-p and top-k are ignored."""
     seed: int = 0
+    """Seeds the request's random streams: same seed and prompt, same tokens."""
+    top_k: int = 0
+    """Keep only the k most likely tokens before sampling; 0 disables it."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end a completion (finish reason 'stop'), besides EOS."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks that force a length)."""
 
 
 @dataclass
@@ -30,8 +41,11 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]  # log p(token) under the distribution it was sampled from
     versions: list[int]  # policy version that sampled each token
-    finish_reason: FinishReason
+    finish_reason: FinishReason  # "abort": a partial completion that the engine can resume
     text: str
+    request_id: str = ""  # the engine request this completion belongs to
+    index: int = 0  # which of the request's samples
+    seed: int = 0  # seed of this sample's random stream; a resumed sample continues it
     loss_mask: list[int] | None = None  # per token: 1 = sampled by the model (trained), 0 = written
     # by the environment into a multi-turn context (tool output: masked, its logprob 0.0 and its
     # version that of the turn it answered). None: every token is the model's.

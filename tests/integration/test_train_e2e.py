@@ -32,7 +32,7 @@ def test_few_steps_change_parameters_and_write_metrics(tmp_path, warm_cache):
     after = loop.policy.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before), "no parameter changed"
     # the generator serves the trainer's weights after every push
-    for k, v in loop.sampler.model.state_dict().items():
+    for k, v in loop.sampler.state_dict().items():
         assert torch.equal(v, after[k])
     assert loop.sampler.version == loop.trainer.version == cfg.loop.steps
 

@@ -1,16 +1,30 @@
+"""The generator contract, run against every generator: the reference sampler and the torch engine."""
+
+import pytest
 import torch
 
+from gapless.generate.engine import TorchEngine
 from gapless.generate.sampler import TorchSampler
 from gapless.trainer.batch import build_batch, token_logprobs
 from gapless.types import SamplingParams
+
+GENERATORS = {
+    "reference": lambda policy: TorchSampler(policy.model, policy.eos_id, policy.pad_id),
+    "torch": lambda policy: TorchEngine(policy.model, policy.eos_id, max_batch=4),  # < prompts: refills
+}
+
+
+@pytest.fixture(params=sorted(GENERATORS))
+def make(request):
+    return GENERATORS[request.param]
 
 
 def _prompts(policy, problems, k=6):
     return [policy.encode(p.prompt) for p in problems[:k]]  # mixed lengths
 
 
-def test_kv_cache_decoding_equals_full_recomputation(tiny_policy, problems):
-    sampler = TorchSampler(tiny_policy.model, tiny_policy.eos_id, tiny_policy.pad_id)
+def test_kv_cache_decoding_equals_full_recomputation(make, tiny_policy, problems):
+    sampler = make(tiny_policy)
     prompts = _prompts(tiny_policy, problems)
     assert len({len(p) for p in prompts}) > 1
     completions = sampler.generate(prompts, SamplingParams(greedy=True, max_new_tokens=8))
@@ -24,9 +38,9 @@ def test_kv_cache_decoding_equals_full_recomputation(tiny_policy, problems):
         assert torch.allclose(full, torch.tensor(c.logprobs), atol=1e-5)
 
 
-def test_sampling_logprobs_equal_trainer_logprobs(tiny_policy, problems):
+def test_sampling_logprobs_equal_trainer_logprobs(make, tiny_policy, problems):
     """Invariant 5: at the same weights the importance ratio is exactly 1 (fp32 tolerance)."""
-    sampler = TorchSampler(tiny_policy.model, tiny_policy.eos_id, tiny_policy.pad_id)
+    sampler = make(tiny_policy)
     params = SamplingParams(temperature=0.7, max_new_tokens=10, seed=3)
     completions = sampler.generate(_prompts(tiny_policy, problems), params)
     batch = build_batch(completions, [1.0] * len(completions), [True] * len(completions), tiny_policy.pad_id)
@@ -37,8 +51,8 @@ def test_sampling_logprobs_equal_trainer_logprobs(tiny_policy, problems):
     assert batch.num_tokens == sum(len(c.token_ids) for c in completions)
 
 
-def test_sampling_is_reproducible_and_versions_recorded(tiny_policy, problems):
-    sampler = TorchSampler(tiny_policy.model, tiny_policy.eos_id, tiny_policy.pad_id)
+def test_sampling_is_reproducible_and_versions_recorded(make, tiny_policy, problems):
+    sampler = make(tiny_policy)
     sampler.version = 7
     params = SamplingParams(max_new_tokens=6, seed=11)
     a = sampler.generate(_prompts(tiny_policy, problems), params)

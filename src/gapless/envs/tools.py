@@ -86,6 +86,12 @@ class ToolUseEnvironment:
     def tasks(self, split: Split) -> Sequence[ToolTask]:
         return self._tasks[split]
 
+    def max_context_tokens(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """Upper bound of an episode's context: the prompt, every turn, every tool output between
+        (at most one token per byte of `<out>`, the shown output, `...</out>` and the newline)."""
+        output_tokens = len(tool_output_text("...").encode()) + 4 * self.max_output_chars
+        return prompt_tokens + self.max_turns * max_new_tokens + (self.max_turns - 1) * output_tokens
+
     # -- the multi-turn path -------------------------------------------------------------------
 
     def rollout_groups(self, generator: Generator, tasks: Sequence[ToolTask], group_size: int, params: SamplingParams,

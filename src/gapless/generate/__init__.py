@@ -1,0 +1,27 @@
+"""Generators: the torch engine (default), the simple reference sampler, and the vLLM backend."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from gapless.config import GeneratorConfig
+from gapless.generate.engine import TorchEngine
+from gapless.generate.protocol import Generator, SteppedGenerator
+from gapless.generate.sampler import TorchSampler
+from gapless.models import Policy
+
+__all__ = ["Generator", "SteppedGenerator", "TorchEngine", "TorchSampler", "make_generator"]
+
+
+def make_generator(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_dir: Path) -> Generator:
+    """A generator holding its own copy of `policy`'s weights, for contexts up to `max_seq_len` tokens."""
+    if cfg.engine == "torch":
+        return TorchEngine(policy.model, policy.eos_id, policy.decode, max_batch=cfg.max_batch, max_seq_len=max_seq_len)
+    if cfg.engine == "reference":
+        return TorchSampler(copy.deepcopy(policy.model), policy.eos_id, policy.pad_id, policy.decode)
+    from gapless.generate.vllm_engine import VLLMEngine
+
+    path = Path(work_dir) / "vllm_policy"
+    policy.save(path)  # vLLM builds its model from a directory
+    return VLLMEngine(str(path), policy.eos_id, policy.decode, max_batch=cfg.max_batch, max_seq_len=max_seq_len)

@@ -1,4 +1,4 @@
-"""Batched sampling with a KV cache over any Hugging Face causal LM (the skeleton generator).
+"""Batched sampling with a KV cache over any Hugging Face causal LM: the reference generator.
 
 Prompts are left-padded into one batch, prefilled once, then decoded one token per step reusing
 the cache; positions are derived from the attention mask so padding never shifts them. Each
@@ -6,7 +6,9 @@ token's log-prob is taken under the distribution actually sampled from (temperat
 with top-p < 1 the trainer, which does not truncate, sees a slightly different distribution).
 Guarantees: greedy decoding equals argmax of a full recomputation (tested); sequences stop at
 EOS or `max_new_tokens`; sampling is reproducible for a given `SamplingParams.seed`.
-Not here yet: continuous batching, shared-prefix prefill, in-flight weight swaps (issue 4).
+It is the simple implementation the torch engine (`engine.py`: continuous batching, shared
+prefill, in-flight weight swaps) is tested against, and the fallback for architectures the engine
+does not implement (`generator.engine = "reference"`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
         return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
     logprobs = torch.log_softmax(logits.float() / params.temperature, dim=-1)  # (B, V)
     probs = logprobs.exp()
+    if params.top_k > 0:
+        kth = probs.topk(min(params.top_k, probs.shape[-1]), dim=-1).values[:, -1:]
+        probs = probs.masked_fill(probs < kth, 0.0)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs > params.top_p
@@ -68,6 +73,9 @@ class TorchSampler:
             self.model.load_state_dict(state, strict=True)
         self.version = version
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         gen = torch.Generator().manual_seed(params.seed)
@@ -76,6 +84,7 @@ class TorchSampler:
         cache = DynamicCache()
         logits = self._forward(ids, mask, positions, cache)  # (B, V)
         batch = len(prompts)
+        stops = torch.tensor(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else {self.eos_id})), dtype=torch.long)
         tokens, logps = [], []
         done = torch.zeros(batch, dtype=torch.bool)
         for _ in range(params.max_new_tokens):
@@ -83,21 +92,22 @@ class TorchSampler:
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
             tokens.append(token)
             logps.append(logp)
-            done |= token == self.eos_id
+            done |= torch.isin(token, stops)
             if bool(done.all()):
                 break
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype)], dim=1)
             positions = positions[:, -1:] + 1
             logits = self._forward(token[:, None], mask, positions, cache)
-        return [self._completion(prompts[i], tokens, logps, i) for i in range(batch)]
+        stop_set = set(stops.tolist())
+        return [self._completion(prompts[i], tokens, logps, i, stop_set) for i in range(batch)]
 
-    def _completion(self, prompt: list[int], tokens: list[torch.Tensor], logps: list[torch.Tensor], row: int) -> Completion:
+    def _completion(self, prompt: list[int], tokens: list[torch.Tensor], logps: list[torch.Tensor], row: int, stops: set[int]) -> Completion:
         ids, lps, reason = [], [], "length"
         for tok, lp in zip(tokens, logps):
             t = int(tok[row])
             ids.append(t)
             lps.append(float(lp[row]))
-            if t == self.eos_id:
+            if t in stops:
                 reason = "stop"
                 break
         text_ids = ids[:-1] if reason == "stop" else ids

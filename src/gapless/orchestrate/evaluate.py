@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from gapless.envs.code import CodeEnvironment
 from gapless.envs.problems import CodeProblem
-from gapless.generate.sampler import TorchSampler
+from gapless.generate.protocol import Generator
 from gapless.types import SamplingParams
 
 
-def greedy_pass_at_1(sampler: TorchSampler, env: CodeEnvironment, problems: list[CodeProblem], encode,
+def greedy_pass_at_1(sampler: Generator, env: CodeEnvironment, problems: list[CodeProblem], encode,
                      max_new_tokens: int, batch_size: int = 256) -> float:
     params = SamplingParams(greedy=True, max_new_tokens=max_new_tokens)
     solved = 0

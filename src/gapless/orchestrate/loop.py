@@ -16,13 +16,16 @@ turns the scored groups into the step's batch (reward shaping, advantages, masks
 groups as configured; trainer/groups.py), so the trainer sees advantages, never rewards. Held-out
 greedy pass@1 runs at the start, every `loop.eval_every` steps and at the end; checkpoints every
 `loop.checkpoint_every` steps and at the end. `resume=True` continues from the last checkpoint.
+
+Observability: each step logs `perf/trainer_idle_frac` and `perf/generator_idle_frac` (share of
+the step's wall time the actor was not doing its own work), `staleness/*` (0 here) and sandbox
+latency; the three actors write `generate`/`eval`, `score` and `train`/`weight_push` spans to the
+run's timeline (timeline.py), whose gaps are the waits.
 """
 
 from __future__ import annotations
 
-import copy
 import json
-import random
 import time
 from pathlib import Path
 
@@ -31,18 +34,25 @@ import torch
 from gapless.config import Config
 from gapless.envs.base import MultiTurnEnvironment
 from gapless.envs.code import CodeEnvironment
+from gapless.envs.delayed import DelayedEnvironment
 from gapless.envs.problems import CodeProblem, generate_problems
-from gapless.generate.sampler import TorchSampler
-from gapless.metrics import JsonlSink, ProgressLine, Sinks
+from gapless.generate import make_generator
+from gapless.generate.groups import generate_groups
+from gapless.metrics import open_sinks
 from gapless.models import Policy, load_local
+from gapless.orchestrate.admission import sample_step_tasks, sampling_params
 from gapless.orchestrate.evaluate import greedy_pass_at_1, multi_turn_pass_at_1
 from gapless.orchestrate.policy_setup import prepare_policy
 from gapless.sandbox import SandboxLimits, open_sandbox
+from gapless.timeline import export_chrome_trace, open_timeline
 from gapless.trainer.batch import Batch, build_batch
 from gapless.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from gapless.trainer.groups import StepTargets, step_targets
 from gapless.trainer.trainer import GRPOTrainer
 from gapless.types import Rollout, SamplingParams
+
+
+ACTORS = ("generator", "env", "trainer")  # timeline rows; in this loop all three share one process
 
 
 def make_environment(cfg: Config) -> CodeEnvironment:
@@ -53,7 +63,10 @@ def make_environment(cfg: Config) -> CodeEnvironment:
     limits = SandboxLimits(timeout_s=cfg.sandbox.timeout_s, memory_mb=cfg.sandbox.memory_mb, max_processes=cfg.sandbox.max_processes)
     sandbox = open_sandbox(limits, cfg.sandbox.python, mode=cfg.sandbox.mode, warm=cfg.sandbox.warm,
                            max_concurrency=cfg.sandbox.concurrency)
-    return CodeEnvironment(sandbox, limits, concurrency=cfg.sandbox.concurrency)
+    env = CodeEnvironment(sandbox, limits, concurrency=cfg.sandbox.concurrency)
+    if cfg.task.score_delay_s > 0:
+        return DelayedEnvironment(env, cfg.task.score_delay_s, cfg.sandbox.concurrency)
+    return env
 
 
 def rollout_metrics(rollouts: list[Rollout], zero_variance_groups: int, num_groups: int) -> dict[str, float]:
@@ -67,8 +80,20 @@ def rollout_metrics(rollouts: list[Rollout], zero_variance_groups: int, num_grou
         "rollout/zero_variance_frac": zero_variance_groups / num_groups,
         "sandbox/infra_errors": float(sum(r.is_infra_failure for r in rollouts)),
     }
+    run_s = [r.info["wall_s"] for r in rollouts if "wall_s" in r.info]
+    if run_s:  # wall time of each rollout's sandbox run, as the environment recorded it
+        metrics["sandbox/run_s_mean"] = sum(run_s) / len(run_s)
+        metrics["sandbox/run_s_max"] = max(run_s)
     for status in sorted({r.status for r in rollouts}):
         metrics[f"rollout/status_{status}"] = float(sum(r.status == status for r in rollouts))
+    return metrics
+
+
+def staleness_metrics(staleness: list[int]) -> dict[str, float]:
+    """`staleness/mean`, `staleness/max` and `staleness/count_<k>` (rollouts consumed at staleness k)."""
+    metrics = {"staleness/mean": sum(staleness) / len(staleness), "staleness/max": float(max(staleness))}
+    for k in sorted(set(staleness)):
+        metrics[f"staleness/count_{k}"] = float(staleness.count(k))
     return metrics
 
 
@@ -99,20 +124,38 @@ class SyncLoop:
             self.state = load_trainer_state(checkpoint, self.trainer.optimizer)
             self.start_step = self.trainer.version = self.state["step"]
             log(f"resumed from {checkpoint} at step {self.start_step}")
-        self.sampler = TorchSampler(copy.deepcopy(self.policy.model), self.policy.eos_id, self.policy.pad_id, self.policy.decode)
+        self.sampler = make_generator(cfg.generator, self.policy, self.max_seq_len(), self.run_dir)
         self.sampler.version = self.trainer.version
-        self.sinks = Sinks([JsonlSink(self.run_dir / "metrics.jsonl", append=checkpoint is not None), ProgressLine(cfg.loop.steps)])
+        self.sinks = open_sinks(cfg, cfg.loop.steps, append=checkpoint is not None)
+        self.timelines = {actor: open_timeline(self.run_dir, actor, cfg.metrics.timeline) for actor in ACTORS}
+
+    def max_seq_len(self) -> int:
+        """Longest context the generator must hold: the longest prompt plus the completion cap."""
+        longest = max(len(self.policy.encode(p.prompt)) for p in self.train + self.eval)
+        if self.is_multi_turn:  # every turn and every tool output stays in the context
+            return self.env.max_context_tokens(longest, self.cfg.generator.max_new_tokens)
+        return longest + self.cfg.generator.max_new_tokens
 
     def evaluate(self) -> float:
-        if self.is_multi_turn:
-            return multi_turn_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens)
-        return greedy_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens)
+        with self.timelines["generator"].span("eval", version=self.trainer.version):
+            if self.is_multi_turn:
+                return multi_turn_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode,
+                                            self.cfg.generator.max_new_tokens)
+            return greedy_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens)
 
     def sample_prompts(self, step: int) -> list[CodeProblem]:
-        rng = random.Random(f"{self.cfg.seed}-prompts-{step}")
-        return rng.sample(self.train, self.cfg.loop.prompts_per_step)
+        picks = sample_step_tasks(self.cfg.seed, step, len(self.train), self.cfg.loop.prompts_per_step)
+        return [self.train[i] for i in picks]
 
     def run(self) -> dict:
+        try:
+            return self._run()
+        finally:  # also on error or Ctrl-C: the live view restores the terminal, files are flushed
+            self.sinks.close()
+            for timeline in self.timelines.values():
+                timeline.close()
+
+    def _run(self) -> dict:
         cfg, started = self.cfg, time.perf_counter()
         pass_start = self.state.get("pass@1_start")
         if pass_start is None:
@@ -138,7 +181,8 @@ class SyncLoop:
             **self.setup_info,
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        self.sinks.close()
+        if cfg.metrics.timeline:
+            export_chrome_trace(self.run_dir)
         self.env.close()
         return summary
 
@@ -146,25 +190,34 @@ class SyncLoop:
         cfg, t0 = self.cfg, time.perf_counter()
         problems = self.sample_prompts(step)
         n = cfg.generator.group_size
-        params = SamplingParams(cfg.generator.temperature, cfg.generator.top_p, cfg.generator.max_new_tokens, seed=cfg.seed * 1_000_003 + step)
-        if self.is_multi_turn:  # generation and scoring interleave, turn by turn
-            groups = self.env.rollout_groups(self.sampler, problems, n, params, self.policy.encode)
+        first = step * len(problems)  # group indices as the pipeline numbers them
+        params = [sampling_params(cfg, first + g) for g in range(len(problems))]
+        timeline = self.timelines
+        if self.is_multi_turn:  # generation and scoring interleave, turn by turn: one span
+            with timeline["generator"].span("generate", step=step, version=self.sampler.version):
+                groups = self.env.rollout_groups(self.sampler, problems, n, params[0], self.policy.encode)
             completions = [r.completion for group in groups for r in group]
             t1 = time.perf_counter()
+            rollouts = [rollout for group in groups for rollout in group]
+            infra_errors = self.env.check_infra(rollouts)
         else:
-            prompt_ids = [self.policy.encode(p.prompt) for p in problems for _ in range(n)]
-            completions = self.sampler.generate(prompt_ids, params)
+            with timeline["generator"].span("generate", step=step, version=self.sampler.version):
+                sampled = generate_groups(self.sampler, [self.policy.encode(p.prompt) for p in problems], n, params)
+            completions = [c for group in sampled for c in group]
             t1 = time.perf_counter()
-            groups = self.env.score_groups(problems, [completions[g * n : (g + 1) * n] for g in range(len(problems))])
-        rollouts = [rollout for group in groups for rollout in group]
-        infra_errors = self.env.check_infra(rollouts)
+            with timeline["env"].span("score", step=step):
+                groups = self.env.score_groups(problems, sampled)
+                rollouts = [rollout for group in groups for rollout in group]
+                infra_errors = self.env.check_infra(rollouts)
         t2 = time.perf_counter()
-        staleness = self.trainer.version - min(r.completion.oldest_version for r in rollouts)
-        assert staleness == 0, f"synchronous loop trained on stale rollouts (staleness {staleness})"
-        batch, targets = self.make_batch(rollouts)
-        stats = self.trainer.step(batch)
+        staleness = [self.trainer.version - r.completion.oldest_version for r in rollouts]
+        assert max(staleness) == 0, f"synchronous loop trained on stale rollouts (staleness {max(staleness)})"
+        with timeline["trainer"].span("train", step=step, version=self.trainer.version):
+            batch, targets = self.make_batch(rollouts)
+            stats = self.trainer.step(batch)
         t3 = time.perf_counter()
-        self.sampler.update_weights(self.trainer.state_for_push(), self.trainer.version)
+        with timeline["trainer"].span("weight_push", version=self.trainer.version):
+            self.sampler.update_weights(self.trainer.state_for_push(), self.trainer.version)
         t4 = time.perf_counter()
         gen_tokens = sum(len(c.token_ids) if c.loss_mask is None else sum(c.loss_mask) for c in completions)
         return {
@@ -172,6 +225,22 @@ class SyncLoop:
             **targets.metrics,
             **self.env.sandbox.metrics(),  # cumulative counters and recent latency percentiles
             "sandbox/infra_errors": float(infra_errors),
+            **self.train_metrics(stats),
+            **staleness_metrics(staleness),
+            "perf/generate_s": t1 - t0,
+            "perf/score_s": t2 - t1,
+            "perf/train_s": t3 - t2,
+            "perf/weight_push_s": t4 - t3,
+            "perf/step_s": t4 - t0,
+            "perf/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
+            # idle = share of the step's wall time an actor spent not doing its own work
+            "perf/trainer_idle_frac": 1.0 - (t3 - t2) / max(t4 - t0, 1e-9),
+            "perf/generator_idle_frac": 1.0 - (t1 - t0) / max(t4 - t0, 1e-9),
+        }
+
+    @staticmethod
+    def train_metrics(stats) -> dict[str, float]:
+        return {
             "train/loss": stats.loss,
             "train/grad_norm": stats.grad_norm,
             "train/clip_frac": stats.clip_frac,
@@ -180,14 +249,6 @@ class SyncLoop:
             "train/entropy": stats.entropy_mean,
             **stats.offpolicy,
             "train/tokens": float(stats.num_tokens),
-            "staleness/max": float(staleness),
-            "perf/generate_s": t1 - t0,
-            "perf/score_s": t2 - t1,
-            "perf/train_s": t3 - t2,
-            "perf/weight_push_s": t4 - t3,
-            "perf/step_s": t4 - t0,
-            "perf/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
-            "perf/trainer_idle_frac": 1.0 - (t3 - t2) / max(t4 - t0, 1e-9),
         }
 
     def make_batch(self, rollouts: list[Rollout]) -> tuple[Batch, StepTargets]:
@@ -208,4 +269,11 @@ class SyncLoop:
 
 
 def train(cfg: Config, resume: bool = False, log=print) -> dict:
-    return SyncLoop(cfg, resume, log).run()
+    """Run a training job: the pipeline (asynchronous up to `pipeline.max_staleness`; 0 is
+    synchronous), or this reference loop when `generator.engine = 'reference'`, whose simple
+    sampler cannot be driven step by step."""
+    if cfg.generator.engine == "reference" or cfg.task.name == "tool_use":  # the pipeline is single-turn
+        return SyncLoop(cfg, resume, log).run()
+    from gapless.orchestrate.pipeline import Pipeline
+
+    return Pipeline(cfg, resume, log).run()

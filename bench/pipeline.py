@@ -1,0 +1,172 @@
+"""Synchronous versus asynchronous pipeline at an equal number of trained samples.
+
+    PYTHONPATH=src python bench/pipeline.py [--steps 20] [--rounds 1] [--budgets 0,1,2,4]
+
+Workloads (each a set of config overrides on the default job):
+  default       the embedded code task as configured (compute-bound on this machine)
+  heavy_tail    every 8th group ignores EOS and runs to 8x the usual cap (192 tokens)
+  latency       100 ms added to scoring each group, without CPU (a remote judge, a slow start)
+Every (workload, budget) is one `gapless train` run in its own process with the same seed and
+cached warm start, interleaved round by round (workload-major, budgets rotating) so that other
+load on the machine hits every configuration alike. Budget 0 is the synchronous pipeline (its
+generator and trainer each get half the cores, as in every budget); 'ref' is the one-process
+reference loop, where generation and training take turns with every core -- the fastest
+synchronous baseline on a small machine, so async is compared with both.
+
+Per run: wall seconds per trained sample over steps 2..S (step 1 includes starting the actors),
+trainer idle and generator idle fractions (means over those steps), mean and max staleness, and
+held-out greedy pass@1 at the end. Ratios are async / sync (per baseline) of the same workload,
+medians over rounds.
+Latency hidden = 1 - (async latency-workload time - async default time) / (sync latency-workload
+time - sync default time), per trained sample. Also: a weight push (SharedWeights.publish)
+against a plain copy of the same weights into preallocated memory (median of 50).
+The last line printed is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOADS = {
+    "default": {},
+    "heavy_tail": {"generator.force_long_every": "8", "generator.max_new_tokens": "192"},
+    "latency": {"task.score_delay_s": "0.1"},
+}
+
+
+REFERENCE = """
+import sys
+from gapless.config import load_config
+from gapless.orchestrate.loop import SyncLoop
+overrides = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+SyncLoop(load_config(None, overrides), log=lambda *a: None).run()
+"""
+
+
+def run_job(workload: str, budget: str, steps: int, out: Path) -> dict:
+    """budget: a staleness budget for the pipeline, or 'ref' for the one-process reference loop
+    (generation and training take turns, each with every core)."""
+    run_dir = out / f"{workload}-b{budget}-{time.monotonic_ns()}"
+    overrides = {"run_dir": json.dumps(str(run_dir)), "loop.steps": str(steps), "loop.eval_every": "100000",
+                 "loop.checkpoint_every": "100000", "metrics.tensorboard": "false", **WORKLOADS[workload]}
+    if budget == "ref":
+        args = [sys.executable, "-c", REFERENCE]
+        overrides["trainer.threads"] = str(os.cpu_count())
+        for key, value in overrides.items():
+            args += [key, value]
+    else:
+        overrides["pipeline.max_staleness"] = budget
+        args = [sys.executable, "-m", "gapless.cli", "train", "--run-dir", str(run_dir)]
+        for key, value in overrides.items():
+            if key == "run_dir":
+                continue
+            args += [f"--{key}", value]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    subprocess.run(args, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps_m = [m for m in metrics if "perf/step_s" in m][1:]  # step 1 includes the actors' start
+    summary = json.loads((run_dir / "summary.json").read_text())
+    config = json.loads((run_dir / "config.json").read_text())
+    samples = len(steps_m) * config["loop"]["prompts_per_step"] * config["generator"]["group_size"]
+
+    def mean(key):
+        values = [m[key] for m in steps_m if key in m]
+        return sum(values) / len(values) if values else None
+
+    return {
+        "workload": workload, "budget": budget,
+        "s_per_sample": sum(m["perf/step_s"] for m in steps_m) / samples,
+        "trainer_idle_frac": mean("perf/trainer_idle_frac"),  # the reference loop: time not training
+        "generator_idle_frac": mean("perf/generator_idle_frac"),
+        "staleness_mean": mean("staleness/mean"),
+        "staleness_max": max(m["staleness/max"] for m in steps_m),
+        "pass_at_1_end": summary["eval/pass@1_end"],
+        "weight_push_s": mean("perf/weight_push_s"),
+    }  # fmt: skip
+
+
+def weight_push_vs_copy(repeats: int = 50) -> dict:
+    from gapless.config import ModelConfig
+    from gapless.models import build_tiny
+    from gapless.orchestrate.weights import SharedWeights
+
+    policy = build_tiny(ModelConfig(), ["def f(x): return x + 1"] * 10, seed=0)
+    state = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    shared = SharedWeights(state, 0)
+
+    def plain():
+        for k, v in state.items():
+            target[k].copy_(v)
+
+    copies, pushes = [], []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        plain()
+        t1 = time.perf_counter()
+        shared.publish(state, i + 1)
+        t2 = time.perf_counter()
+        copies.append(t1 - t0)
+        pushes.append(t2 - t1)
+    copy_s, push_s = statistics.median(copies), statistics.median(pushes)
+    return {"plain_copy_s": copy_s, "publish_s": push_s, "ratio": push_s / copy_s,
+            "bytes": sum(v.numel() * v.element_size() for v in state.values())}
+
+
+def summarise(runs: list[dict], workloads: list[str], budgets: list[int]) -> dict:
+    def med(workload, budget, key):
+        budget = str(budget)
+        values = [r[key] for r in runs if r["workload"] == workload and r["budget"] == budget and r[key] is not None]
+        return statistics.median(values) if values else None
+
+    table = {w: {b: {k: med(w, b, k) for k in runs[0] if k not in ("workload", "budget")} for b in budgets} for w in workloads}
+    ratios, hidden = {}, {}
+    for base in [b for b in ("0", "ref") if b in budgets]:
+        ratios[f"vs_{base}"] = {w: {b: med(w, b, "s_per_sample") / med(w, base, "s_per_sample")
+                                    for b in budgets if b not in ("0", "ref")} for w in workloads}
+        if {"default", "latency"} <= set(workloads):
+            added_sync = med("latency", base, "s_per_sample") - med("default", base, "s_per_sample")
+            hidden[f"vs_{base}"] = {b: 1 - (med("latency", b, "s_per_sample") - med("default", b, "s_per_sample")) / added_sync
+                                    for b in budgets if b not in ("0", "ref") and added_sync > 0}
+    return {"runs": table, "async_over_sync_time": ratios, "latency_hidden_frac": hidden}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--budgets", default="ref,0,1,2,4", help="staleness budgets; 'ref' = the one-process reference loop")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    args = parser.parse_args()
+    budgets = args.budgets.split(",")
+    workloads = args.workloads.split(",")
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="gapless-bench-") as tmp:
+        for rnd in range(args.rounds):
+            order = budgets[rnd % len(budgets):] + budgets[: rnd % len(budgets)]
+            for workload in workloads:
+                for budget in order:
+                    result = run_job(workload, budget, args.steps, Path(tmp))
+                    runs.append(result)
+                    print(f"round {rnd} {workload:<10} budget {budget:>3}: {result['s_per_sample'] * 1e3:6.2f} ms/sample  "
+                          f"trainer idle {result['trainer_idle_frac']:.2f}  generator idle {result['generator_idle_frac'] or 0:.2f}  "
+                          f"staleness {result['staleness_mean']:.2f} (max {result['staleness_max']:.0f})  "
+                          f"pass@1 {result['pass_at_1_end']:.3f}", flush=True)
+    figures = {"steps": args.steps, "rounds": args.rounds, "cores": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+               **summarise(runs, workloads, budgets), "weight_push": weight_push_vs_copy()}
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

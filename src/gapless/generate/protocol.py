@@ -1,0 +1,51 @@
+"""The generator seam: what the loop (and later the async pipeline) may ask of any engine.
+
+`Generator` is all the synchronous loop needs: run a batch of prompts to completion, take new
+weights, report the policy version it samples with. `SteppedGenerator` adds the step-level
+surface the asynchronous pipeline drives: queue groups, advance one decode step at a time, swap
+weights between steps, abort stragglers and resume them later. Implementations: `TorchSampler`
+(the simple reference, `Generator` only), `TorchEngine` and `VLLMEngine` (both stepped).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Protocol, runtime_checkable
+
+import torch
+
+from gapless.types import Completion, SamplingParams
+
+
+@runtime_checkable
+class Generator(Protocol):
+    version: int
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Completions in the order of `prompts`; every token records `version`."""
+        ...
+
+    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Load a full HF-named state dict; tokens sampled afterwards carry `version`."""
+        ...
+
+
+@runtime_checkable
+class SteppedGenerator(Generator, Protocol):
+    @property
+    def has_work(self) -> bool: ...
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None) -> str:
+        """Queue a group of `n` samples of one prompt; returns its request id."""
+        ...
+
+    def resume(self, partials: Iterable[Completion], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue aborted completions to continue where they stopped."""
+        ...
+
+    def step(self) -> list[Completion]:
+        """Advance every running sequence by one token; return those that finished."""
+        ...
+
+    def abort(self, request_ids: Iterable[str]) -> list[Completion]:
+        """Cancel the unfinished samples of these requests; return them as partial completions."""
+        ...

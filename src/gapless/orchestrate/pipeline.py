@@ -1,0 +1,218 @@
+"""The asynchronous pipeline: generator, environment and trainer as processes, bounded by a
+staleness budget. `pipeline.max_staleness = 0` is the synchronous loop on the same code path.
+
+    generator process ──groups──> environment process ──scored groups──> trainer (this process)
+          ^    (engine, admission)        (sandbox, env_workers threads)     (buffer, GRPO step)
+          └──────────── SharedWeights (version v+1) <──── publish after each step ─────┘
+
+The trainer process owns the run: the policy, the optimizer, evaluation (greedy pass@1 on its own
+engine copy), checkpoints and metrics. A step: drain the inbound queue until the
+`StalenessBuffer` says step t's batch is ready (this wait is the trainer's idle time), take it
+(asserting each group's staleness <= max_staleness), tell the generator what was dropped (so it
+backfills) and which stragglers to cut, build the batch exactly as the reference loop does, take
+the GRPO step and publish the weights (one memory copy; the generator swaps them in between two
+decode steps without dropping sequences in flight).
+
+Guaranteed (tested): staleness of every trained group <= max_staleness, counted from its oldest
+token's version; every admitted group is trained or dropped with a reason exactly once
+(`groups.jsonl`); with max_staleness = 0 and no oversampling, the batches, and so the weights,
+equal the reference synchronous loop's for the same seed and thread counts.
+Not guaranteed: bitwise reproducibility when max_staleness > 0 (which groups are ready at a step
+depends on timing); groups in flight when the run ends or is killed are dropped ('run_ended') or
+lost, and a resumed run starts its pipeline afresh from the checkpoint's version.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import queue
+import time
+from collections import Counter
+
+import torch
+
+from gapless.config import Config, ConfigError
+from gapless.generate.protocol import SteppedGenerator
+from gapless.orchestrate.actors import ActorSpec, environment_main, generator_main
+from gapless.orchestrate.buffer import GroupLedger, ScoredGroup, StalenessBuffer
+from gapless.orchestrate.evaluate import greedy_pass_at_1
+from gapless.orchestrate.loop import SyncLoop, rollout_metrics, staleness_metrics
+from gapless.orchestrate.weights import SharedWeights
+from gapless.timeline import export_chrome_trace
+
+SHUTDOWN_S = 10.0
+INBOX_MESSAGES = 4096  # bound of the trainer's inbound queue (records, scored groups, stats)
+
+
+class ActorFailed(RuntimeError):
+    """A pipeline actor process raised; the message carries its traceback."""
+
+
+class Pipeline(SyncLoop):
+    """Shares the reference loop's setup (policy, trainer, evaluation, checkpoints, summary) and
+    replaces its step: batches come from the actors instead of a blocking generate-score cycle."""
+
+    def __init__(self, cfg: Config, resume: bool = False, log=print):
+        _check_threads(cfg)
+        torch.set_num_threads(cfg.pipeline.trainer_threads_resolved)
+        super().__init__(cfg, resume, log)
+        if not isinstance(self.sampler, SteppedGenerator):
+            raise ConfigError(f"generator.engine = '{cfg.generator.engine}' cannot run the pipeline: use 'torch' or 'vllm'")
+        self.ctx = mp.get_context("spawn")
+        self.ledger = GroupLedger(self.run_dir / "groups.jsonl", append=resume)
+        self.buffer = StalenessBuffer(cfg.loop.prompts_per_step, cfg.pipeline.max_staleness, cfg.pipeline.oversample > 0,
+                                      self.ledger, cfg.pipeline.dynamic_sampling)
+        self.staleness_counts: Counter[int] = Counter()
+        self.gen_stats: list[dict] = []
+        self.processes: list = []
+        self.ready_actors: set[str] = set()
+        self._last_step_end = None
+
+    # ---- actors ---------------------------------------------------------------------------
+    def start_actors(self) -> None:
+        policy_dir = self.run_dir / "generator_policy"
+        self.policy.save(policy_dir)  # architecture and tokenizer; the weights come through shared memory
+        self.weights = SharedWeights(self.trainer.state_for_push(), self.trainer.version, self.ctx)
+        bound = 2 * self.cfg.loop.prompts_per_step  # groups waiting to be scored
+        self.spec = ActorSpec(self.cfg, policy_dir, self.start_step, self.weights, self.ctx.Queue(bound),
+                              self.ctx.Queue(INBOX_MESSAGES), self.ctx.Queue(), self.ctx.Event())
+        for name, target in (("generator", generator_main), ("environment", environment_main)):
+            process = self.ctx.Process(target=target, args=(self.spec,), name=f"gapless-{name}", daemon=True)
+            process.start()
+            self.processes.append(process)
+
+    def stop_actors(self) -> None:
+        if not self.processes:
+            return
+        self.spec.stop.set()
+        deadline = time.monotonic() + SHUTDOWN_S
+        for process in self.processes:
+            process.join(timeout=max(0.1, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self.processes = []
+
+    def run(self) -> dict:
+        self.start_actors()
+        try:
+            return super().run()
+        finally:
+            self.buffer.close(self.trainer.version)
+            self.ledger.close()
+            self.stop_actors()
+            (self.run_dir / "staleness.json").write_text(json.dumps(
+                {"counts": {str(k): v for k, v in sorted(self.staleness_counts.items())}, "drops": self.buffer.drops}, indent=2))
+            if self.cfg.metrics.timeline:
+                export_chrome_trace(self.run_dir)  # again, now that the actors' files are complete
+
+    def evaluate(self) -> float:
+        """Greedy pass@1 on the trainer's current weights (the trainer process's own engine copy)."""
+        with self.timelines["trainer"].span("eval", version=self.trainer.version):
+            if self.sampler.version != self.trainer.version:
+                self.sampler.update_weights(self.trainer.state_for_push(), self.trainer.version)
+            return greedy_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens)
+
+    # ---- one step ------------------------------------------------------------------------
+    def _receive(self, timeout: float) -> None:
+        try:
+            message = self.spec.to_trainer.get(timeout=timeout)
+        except queue.Empty:
+            self._check_alive()
+            return
+        kind = message[0]
+        if kind == "admitted":
+            self.buffer.admitted(message[1], message[2])
+        elif kind == "scored":
+            group: ScoredGroup = message[1]
+            if self.buffer.arrived(group) is not None:
+                self.spec.to_generator.put(("dropped", 1))
+        elif kind == "ready":
+            self.ready_actors.add(message[1])
+        elif kind == "gen_stats":
+            self.gen_stats.append(message[1])
+        elif kind == "error":
+            raise ActorFailed(f"the {message[1]} process failed:\n{message[2]}")
+
+    def _check_alive(self) -> None:
+        for process in self.processes:
+            if not process.is_alive():
+                raise ActorFailed(f"{process.name} exited with code {process.exitcode} without reporting an error "
+                                  "(killed by the OOM killer or a signal?); see the system log")
+
+    def train_step(self, step: int) -> dict[str, float]:
+        t0 = self._last_step_end or time.perf_counter()
+        if len(self.ready_actors) < len(self.processes):
+            with self.timelines["trainer"].span("wait_actors_start"):  # spawn, imports, engine, sandbox
+                while len(self.ready_actors) < len(self.processes):
+                    self._receive(timeout=0.05)
+            t0 = time.perf_counter()
+        wait_start = time.perf_counter()
+        with self.timelines["trainer"].span("wait_rollouts", step=step):
+            while not self.buffer.is_batch_ready(step):
+                self._receive(timeout=0.05)
+        waited = time.perf_counter() - wait_start
+        drops_before = self.buffer.num_dropped
+        groups, cut = self.buffer.take(step)
+        if cut:
+            self.spec.to_generator.put(("abort", cut))
+        if self.buffer.num_dropped > drops_before:  # stragglers and surplus free places to backfill
+            self.spec.to_generator.put(("dropped", self.buffer.num_dropped - drops_before))
+        rollouts = [r for g in groups for r in g.rollouts]
+        infra_errors = self.env.check_infra(rollouts)
+        t1 = time.perf_counter()
+        with self.timelines["trainer"].span("train", step=step, version=self.trainer.version):
+            batch, targets = self.make_batch(rollouts)
+            stats = self.trainer.step(batch)
+        t2 = time.perf_counter()
+        with self.timelines["trainer"].span("weight_push", version=self.trainer.version):
+            push_wait = self.weights.publish(self.trainer.state_for_push(), self.trainer.version)
+        t3 = time.perf_counter()
+        self._last_step_end = t3
+        staleness = [step - r.completion.oldest_version for r in rollouts]
+        self.staleness_counts.update(staleness)
+        return {
+            **rollout_metrics(rollouts, targets.zero_variance_groups, len(groups)),
+            **targets.metrics,
+            "sandbox/infra_errors": float(infra_errors),
+            **self.train_metrics(stats),
+            **self._pipeline_metrics(t3 - t0, waited, t2 - t1, t3 - t2, push_wait, staleness, stats.num_tokens),
+        }
+
+    def _pipeline_metrics(self, step_s, waited_s, train_s, push_s, push_wait_s, staleness, trained_tokens) -> dict[str, float]:
+        gen = self.gen_stats
+        self.gen_stats = []
+        gen_wall = sum(s["wall_s"] for s in gen)
+        swaps = sum(s["swaps"] for s in gen)
+        metrics = {
+            "perf/step_s": step_s,  # from the end of the previous step (the first: from the actors' start)
+            "perf/train_s": train_s,
+            "perf/weight_push_s": push_s,
+            "perf/weight_push_wait_s": push_wait_s,
+            "perf/trainer_idle_frac": waited_s / max(step_s, 1e-9),
+            **staleness_metrics(staleness),
+            "perf/trained_tokens_per_s": trained_tokens / max(train_s, 1e-9),
+        }
+        if gen_wall > 0:
+            metrics.update({
+                "perf/generator_idle_frac": sum(s["idle_s"] for s in gen) / gen_wall,
+                "perf/generator_blocked_frac": sum(s["blocked_s"] for s in gen) / gen_wall,
+                "perf/gen_tokens_per_s": sum(s["tokens"] for s in gen) / gen_wall,
+                "perf/generator_stall_s": sum(s["stall_s"] for s in gen) / max(swaps, 1),
+                "perf/production_consumption_ratio": sum(s["groups"] for s in gen) / gen_wall * step_s / self.cfg.loop.prompts_per_step,
+                "generator/running": float(gen[-1]["running"]),
+                "generator/waiting": float(gen[-1]["waiting"]),
+            })
+        for reason, count in self.buffer.drops.items():
+            metrics[f"drops/{reason}"] = float(count)
+        return metrics
+
+
+def _check_threads(cfg: Config) -> None:
+    cores = len(os.sched_getaffinity(0))
+    used = cfg.pipeline.generator_threads_resolved + cfg.pipeline.trainer_threads_resolved
+    if used > max(cores, 2):
+        raise ConfigError(f"pipeline.generator_threads + pipeline.trainer_threads = {used} exceeds the {cores} cores "
+                          "available; lower them (0 = split the cores automatically)")

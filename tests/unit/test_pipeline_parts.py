@@ -1,0 +1,147 @@
+"""The pipeline's pure parts: admission bound, the staleness buffer's rule and ledger, the
+curriculum, and shared-memory weights across a real process boundary."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from gapless.orchestrate.admission import Admission, PromptSource, sample_step_tasks
+from gapless.orchestrate.buffer import GroupLedger, ScoredGroup, StalenessBuffer
+from gapless.orchestrate.curriculum import PassRateCurriculum
+from gapless.orchestrate.weights import SharedWeights
+from gapless.types import Completion, Rollout
+
+
+def _group(index: int, born: int, rewards: list[float], versions: list[int] | None = None) -> ScoredGroup:
+    rollouts = [Rollout("t", Completion([1], [2, 3], [-0.1, -0.2], versions or [born, born], "stop", ""), r, "ok" if r == 1 else "wrong_answer")
+                for r in rewards]
+    return ScoredGroup(index, 0, born, rollouts)
+
+
+def _ledger_events(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("staleness,oversample", [(0, 0.0), (1, 0.0), (3, 0.0), (2, 0.5)])
+def test_admission_bound(staleness, oversample):
+    P = 4
+    adm = Admission(P, staleness, oversample)
+    for version in range(5):
+        while adm.may_admit(version):
+            adm.admit()
+        assert adm.admitted == (version + staleness + 1) * P + adm.extra
+    adm.dropped += 3  # each drop frees one place for a backfill
+    assert adm.may_admit(4) and adm.limit(4) - adm.admitted == 3
+
+
+def test_budget_zero_admits_exactly_one_step():
+    adm = Admission(3, 0, 0.0, start_step=5)
+    admitted = []
+    while adm.may_admit(5):
+        admitted.append(adm.admit())
+    assert admitted == [15, 16, 17]  # resumed at step 5: the indices of step 5's groups
+
+
+def test_uniform_prompt_source_matches_sync_order():
+    source = PromptSource(7, [f"u{i}" for i in range(50)], 4)
+    assert [source.task_for(k) for k in range(8)] == sample_step_tasks(7, 0, 50, 4) + sample_step_tasks(7, 1, 50, 4)
+
+
+def test_buffer_waits_for_due_groups_and_trains_them_first(tmp_path):
+    ledger = GroupLedger(tmp_path / "g.jsonl")
+    buf = StalenessBuffer(2, 1, cut_stragglers=False, ledger=ledger)
+    for index in range(4):  # budget 1: version 0 may start the groups of steps 0 and 1
+        buf.admitted(index, 0)
+    buf.arrived(_group(2, 0, [0, 1]))
+    assert not buf.is_batch_ready(0)
+    buf.arrived(_group(3, 0, [0, 1]))
+    assert buf.is_batch_ready(0)  # two ready; nothing is due at step 0 with budget 1
+    taken, cut = buf.take(0)
+    assert [g.index for g in taken] == [2, 3] and cut == []
+    buf.arrived(_group(1, 0, [1, 0]))
+    buf.admitted(4, 1)
+    buf.arrived(_group(4, 1, [1, 0]))
+    assert not buf.is_batch_ready(1)  # group 0 (born 0) is due at step 1 and still generating
+    buf.arrived(_group(0, 0, [1, 1, 0]))
+    assert buf.is_batch_ready(1)
+    taken, cut = buf.take(1)
+    assert sorted(g.index for g in taken) == [0, 1]  # the due ones, not the younger group 4
+    buf.close(2)
+    ledger.close()
+    events = _ledger_events(tmp_path / "g.jsonl")
+    ends = [e["group"] for e in events if e["event"] != "admitted"]
+    assert sorted(ends) == [0, 1, 2, 3, 4] and len(ends) == len(set(ends))  # exactly once
+    assert {e["group"]: e["reason"] for e in events if e["event"] == "dropped"} == {4: "run_ended"}
+
+
+def test_take_asserts_the_staleness_of_the_oldest_token(tmp_path):
+    buf = StalenessBuffer(1, 1, cut_stragglers=False, ledger=GroupLedger(tmp_path / "g.jsonl"))
+    buf.arrived(_group(0, 3, [0, 1], versions=[1, 3]))  # a resumed partial: its first token is from version 1
+    with pytest.raises(AssertionError, match="staleness 2 > max_staleness 1"):
+        buf.take(3)
+
+
+def test_oversampling_cuts_due_stragglers_exactly_once(tmp_path):
+    ledger = GroupLedger(tmp_path / "g.jsonl")
+    buf = StalenessBuffer(2, 0, cut_stragglers=True, ledger=ledger)
+    for index in range(4):
+        buf.admitted(index, 0)
+    buf.arrived(_group(1, 0, [0, 1]))
+    assert not buf.is_batch_ready(0)
+    buf.arrived(_group(3, 0, [1, 0]))
+    assert buf.is_batch_ready(0)
+    taken, cut = buf.take(0)
+    assert [g.index for g in taken] == [1, 3] and sorted(cut) == [0, 2]
+    assert buf.arrived(_group(0, 0, [1, 0])) is None and not buf.ready  # a cut group arriving late is ignored
+    ledger.close()
+    events = _ledger_events(tmp_path / "g.jsonl")
+    assert sorted((e["group"], e.get("reason")) for e in events if e["event"] == "dropped") == [(0, "straggler"), (2, "straggler")]
+
+
+def test_dynamic_sampling_drops_zero_variance_and_infra_groups(tmp_path):
+    buf = StalenessBuffer(2, 0, cut_stragglers=False, ledger=GroupLedger(tmp_path / "g.jsonl"), dynamic_sampling=True)
+    assert buf.arrived(_group(0, 0, [1, 1])) == "zero_variance"
+    assert buf.arrived(_group(1, 0, [0, 0])) == "zero_variance"
+    infra = _group(2, 0, [0, 0])
+    for r in infra.rollouts:
+        r.status = "infra_error"
+    assert buf.arrived(infra) == "infra_error"
+    assert buf.arrived(_group(3, 0, [0, 1])) is None
+    assert buf.drops == {"zero_variance": 2, "infra_error": 1} and list(buf.ready) == [3]
+
+
+def test_curriculum_prefers_prompts_with_signal():
+    cur = PassRateCurriculum(["solved", "hopeless", "mixed"], seed=0)
+    for _ in range(5):
+        cur.update("solved", [1.0] * 8)
+        cur.update("hopeless", [0.0] * 8)
+        cur.update("mixed", [1.0] * 4 + [0.0] * 4)
+    picks = [cur.uids[cur.pick()] for _ in range(2000)]
+    assert picks.count("mixed") > 0.8 * len(picks)
+    assert picks.count("solved") > 0 and picks.count("hopeless") > 0  # never excluded for good
+
+
+def _read_weights(weights: SharedWeights, out) -> None:
+    got = {}
+    version = weights.fetch_into(lambda state, v: got.update({k: t.clone() for k, t in state.items()}), -1)
+    out.put((version, {k: t.tolist() for k, t in got.items()}))
+
+
+def test_shared_weights_cross_a_process_boundary():
+    ctx = mp.get_context("spawn")
+    weights = SharedWeights({"w": torch.zeros(3), "b": torch.zeros(2)}, version=0, ctx=ctx)
+    weights.publish({"w": torch.tensor([1.0, 2.0, 3.0]), "b": torch.tensor([4.0, 5.0])}, 1)
+    weights.publish({"w": torch.tensor([7.0, 8.0, 9.0]), "b": torch.tensor([6.0, 6.0])}, 2)
+    out = ctx.Queue()
+    reader = ctx.Process(target=_read_weights, args=(weights, out))
+    reader.start()
+    version, state = out.get(timeout=60)
+    reader.join(timeout=30)
+    assert version == 2 and state == {"w": [7.0, 8.0, 9.0], "b": [6.0, 6.0]}
+    assert weights.fetch_into(lambda s, v: None, have_version=2) is None  # nothing newer
+    with pytest.raises(ValueError, match="not newer"):
+        weights.publish({"w": torch.zeros(3), "b": torch.zeros(2)}, 2)
