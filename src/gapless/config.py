@@ -219,8 +219,8 @@ class ToolsConfig(_Section):
     """Sandbox sessions held at once; episodes run in waves of this many (each session is a
     sandbox slot with a live Python process)."""
     skip_frac: float = Field(0.3, ge=0, le=1)
-    """Fraction of warm-start demonstrations that answer without calling the tool (a near-miss
-    guess): the imperfect teacher RL has to improve on."""
+    """Fraction of warm-start demonstrations that answer without calling the tool, from a wrong
+    mental estimate (the value rounded to hundreds): the imperfect teacher RL has to improve on."""
     typo_frac: float = Field(0.2, ge=0, le=1)
     """Fraction of warm-start demonstrations whose tool call mistypes one operand (and then
     faithfully reports the wrong result)."""

@@ -31,4 +31,6 @@ def test_tool_use_reward_rises(tmp_path, warm_cache):
     rewards = [line["rollout/reward_mean"] for line in lines if "rollout/reward_mean" in line]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.15, rewards
+    lengths = [line["rollout/completion_len_mean"] for line in lines if "rollout/completion_len_mean" in line]
+    assert min(lengths[-3:]) > 14, lengths  # the reward comes through the tool (a direct answer is ~7 tokens)
     assert all(line.get("staleness/max", 0.0) == 0.0 for line in lines)

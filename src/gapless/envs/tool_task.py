@@ -12,8 +12,9 @@ for a ~1M-parameter model, while computing 2-digit products itself is not. Turns
 (the end-of-turn token); the environment parses each model turn with `parse_turn`.
 
 Demonstrations for the warm start come from an imperfect teacher: with `skip_frac` it answers
-without the tool (a near-miss guess: one digit off), with `typo_frac` it mistypes one operand in
-its call and faithfully reports the wrong result. RL has to learn to always call the tool and
+without the tool, from a mental estimate (the value rounded to hundreds: always wrong, and the
+same for a task every time, so it cannot average out to the right answer), with `typo_frac` it
+mistypes one operand in its call and faithfully reports the wrong result. RL has to learn to always call the tool and
 copy exactly. Tasks and demonstrations are deterministic in the seed.
 """
 
@@ -75,10 +76,16 @@ def demonstration(task: ToolTask, rng: random.Random, skip_frac: float, typo_fra
     """One transcript after the prompt, from the imperfect teacher."""
     draw = rng.random()
     if draw < skip_frac:
-        return [(f"{ANSWER} {_near_miss(task.answer, rng)}", True)]
+        return [(f"{ANSWER} {_estimate(task.answer)}", True)]
     expression = _mistyped(task.expression, rng) if draw < skip_frac + typo_frac else task.expression
     result = str(eval(expression))
     return [(f"{CALL_OPEN}{expression}{CALL_CLOSE}", True), (tool_output_text(result), False), (f"{ANSWER} {result}", True)]
+
+
+def _estimate(answer: str) -> str:
+    value = int(answer)
+    rounded = round(value, -2)
+    return str(rounded if rounded != value else value + 100)
 
 
 def _near_miss(answer: str, rng: random.Random) -> str:

@@ -30,7 +30,7 @@ def warmstart_key(cfg: Config) -> str:
         "format": 1,
     }
     if cfg.task.name == "tool_use":  # only here, so the code task's cache keys stay as they were
-        material["tools"] = cfg.tools.model_dump(mode="json")
+        material["tools"] = {**cfg.tools.model_dump(mode="json"), "teacher": 2}  # bump when the teacher changes
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
 
 
