@@ -140,3 +140,13 @@ def test_score_groups_grades_finished_transcripts(env):
                                           c("<py>x</py><out>Answer: 1781</out>\n"), c("<py>37*48+5</py>")]])
     assert [(r.reward, r.status) for r in group] == [(1.0, "ok"), (0.0, "wrong_answer"), (0.0, "no_answer"),
                                                       (0.0, "no_answer")]
+
+
+def test_teacher_hooks_for_the_warm_start(env):
+    import random
+
+    task = env.tasks("train")[0]
+    assert env.reference(task) == f"<py>{task.expression}</py><out>{task.answer}</out>\nAnswer: {task.answer}"
+    turns = env.demonstration_turns(task, random.Random(0))
+    assert turns[-1][1] and turns[-1][0].startswith("Answer:")
+    assert set(env.metrics()) >= {"sandbox/runs_total"}

@@ -67,6 +67,13 @@ class JudgeEnvironment:
     def tasks(self, split: Split) -> Sequence[JudgeTask]:
         return self._tasks[split]
 
+    def reference(self, task: JudgeTask) -> str:
+        """What a good answer looks like (tokenizer text; the warm start's demonstration)."""
+        return task.reference
+
+    def demonstration(self, task: JudgeTask, rng: random.Random) -> str:
+        return task.reference
+
     def judge_prompt(self, task: JudgeTask, response: str) -> str:
         defused = response[: self.max_response_chars].replace("</response>", "</ response>")
         return self.rubric.format(max_score=_plain(self.max_score), prompt=task.prompt, reference=task.reference,

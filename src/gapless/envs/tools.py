@@ -37,6 +37,7 @@ last snapshot are lost), or live objects (sockets, generators) surviving a snaps
 
 from __future__ import annotations
 
+import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable, Sequence
@@ -45,7 +46,7 @@ from gapless.config import Config
 from gapless.envs.base import Generator, Split
 from gapless.envs.code import SandboxUnavailable
 from gapless.envs.episode import Episode
-from gapless.envs.tool_task import ToolTask, Turn, generate_tool_tasks, parse_turn, tool_output_text
+from gapless.envs.tool_task import ToolTask, Turn, demonstration, generate_tool_tasks, parse_turn, tool_output_text
 from gapless.sandbox import SandboxError, SandboxLimits, Status, open_sandbox
 from gapless.sandbox.worker import SlotFailure
 from gapless.types import Completion, Rollout, SamplingParams
@@ -73,8 +74,10 @@ class ToolUseEnvironment:
     name = "tool_use"
 
     def __init__(self, sandbox, tasks: dict[str, Sequence[ToolTask]], limits: SandboxLimits, max_turns: int = 3,
-                 max_output_chars: int = 64, sessions: int = 8, idle_timeout_s: float = 300.0):
+                 max_output_chars: int = 64, sessions: int = 8, idle_timeout_s: float = 300.0,
+                 skip_frac: float = 0.0, typo_frac: float = 0.0):
         self.sandbox = sandbox
+        self.skip_frac, self.typo_frac = skip_frac, typo_frac
         self._tasks = tasks
         self.limits = limits
         self.max_turns = max_turns
@@ -85,6 +88,18 @@ class ToolUseEnvironment:
 
     def tasks(self, split: Split) -> Sequence[ToolTask]:
         return self._tasks[split]
+
+    def reference(self, task: ToolTask) -> str:
+        """The ideal transcript as one text (for training a fresh tokenizer)."""
+        return task.solution
+
+    def demonstration_turns(self, task: ToolTask, rng: random.Random) -> list[tuple[str, bool]]:
+        """A warm-start transcript from the imperfect teacher (tool_task.demonstration)."""
+        return demonstration(task, rng, self.skip_frac, self.typo_frac)
+
+    def metrics(self) -> dict[str, float]:
+        """The sandbox's counters and latency percentiles (sessions included)."""
+        return self.sandbox.metrics()
 
     def max_context_tokens(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """Upper bound of an episode's context: the prompt, every turn, every tool output between
@@ -232,4 +247,5 @@ def make_tool_environment(cfg: Config) -> ToolUseEnvironment:
     sandbox = open_sandbox(limits, cfg.sandbox.python, mode="bwrap", max_concurrency=cfg.tools.sessions)
     tasks = {"train": generate_tool_tasks(cfg.seed, "train", cfg.tools.num_train_prompts),
              "eval": generate_tool_tasks(cfg.seed, "eval", cfg.tools.num_eval_prompts)}
-    return ToolUseEnvironment(sandbox, tasks, limits, cfg.tools.max_turns, cfg.tools.max_output_chars, cfg.tools.sessions)
+    return ToolUseEnvironment(sandbox, tasks, limits, cfg.tools.max_turns, cfg.tools.max_output_chars, cfg.tools.sessions,
+                              skip_frac=cfg.tools.skip_frac, typo_frac=cfg.tools.typo_frac)
