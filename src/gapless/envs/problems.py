@@ -98,6 +98,7 @@ class CodeProblem:
     entry_point: str
     test_inputs: tuple[str, ...]  # JSON-encoded argument lists, one per hidden test
     test_outputs: tuple[str, ...]  # canonical JSON of the expected result
+    harness: str = "io"  # how the sandbox runs the tests (envs/code.py)
 
     def program(self, completion: str) -> str:
         """The Python source the sandbox runs for `completion` (prompt code + completion)."""

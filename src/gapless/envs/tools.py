@@ -97,6 +97,11 @@ class ToolUseEnvironment:
         """A warm-start transcript from the imperfect teacher (tool_task.demonstration)."""
         return demonstration(task, rng, self.skip_frac, self.typo_frac)
 
+    def demonstration(self, task: ToolTask, rng: random.Random) -> str:
+        """The same transcript as one text (the Teacher protocol); the warm start uses
+        `demonstration_turns`, which keeps the turn boundaries."""
+        return "".join(text for text, _ in self.demonstration_turns(task, rng))
+
     def metrics(self) -> dict[str, float]:
         """The sandbox's counters and latency percentiles (sessions included)."""
         return self.sandbox.metrics()

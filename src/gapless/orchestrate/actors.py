@@ -48,6 +48,7 @@ class ActorSpec:
     """What every actor process needs; picklable."""
 
     cfg: Config
+    prompts: list[tuple[str, str]]  # (uid, prompt text) of the train tasks, in env.tasks("train") order
     policy_dir: Path
     start_step: int
     weights: SharedWeights
@@ -89,20 +90,18 @@ class _GeneratorActor:
     def __init__(self, spec: ActorSpec):
         from gapless.generate import make_generator
         from gapless.models import load_local
-        from gapless.orchestrate.tasks import load_train_tasks
 
         cfg = self.cfg = spec.cfg
         self.spec = spec
         torch.set_num_threads(cfg.pipeline.generator_threads_resolved)
         self.policy = load_local(spec.policy_dir)
-        self.tasks = load_train_tasks(cfg)
-        self.prompts = [self.policy.encode(t.prompt) for t in self.tasks]
+        self.prompts = [self.policy.encode(prompt) for _, prompt in spec.prompts]
         max_seq_len = max(map(len, self.prompts)) + cfg.generator.max_new_tokens
         self.engine = make_generator(cfg.generator, self.policy, max_seq_len, Path(cfg.run_dir))
         spec.weights.fetch_into(self.engine.update_weights, -1)
         P = cfg.loop.prompts_per_step
         self.admission = Admission(P, cfg.pipeline.max_staleness, cfg.pipeline.oversample, spec.start_step)
-        self.source = PromptSource(cfg.seed, [t.uid for t in self.tasks], P, cfg.pipeline.curriculum)
+        self.source = PromptSource(cfg.seed, [uid for uid, _ in spec.prompts], P, cfg.pipeline.curriculum)
         self.groups: dict[int, list[Completion]] = {}
         self.meta: dict[int, tuple[int, int]] = {}  # index -> (task index, birth version)
         self.cut: set[int] = set()
@@ -224,13 +223,15 @@ def environment_main(spec: ActorSpec) -> None:
 
 
 def _environment_loop(spec: ActorSpec) -> None:
-    from gapless.orchestrate.loop import make_environment
-    from gapless.orchestrate.tasks import load_train_tasks
+    from gapless.envs.registry import make_environment
 
     cfg = spec.cfg
     torch.set_num_threads(1)
-    tasks = load_train_tasks(cfg)
     env = make_environment(cfg)
+    tasks = list(env.tasks("train"))
+    if [t.uid for t in tasks] != [uid for uid, _ in spec.prompts]:
+        raise RuntimeError(f"environment {env.name!r} built different train tasks in the environment process; "
+                           "the pipeline needs env.tasks() to be deterministic in the config")
     timeline = open_timeline(cfg.run_dir, "env", cfg.metrics.timeline)
     spec.to_trainer.put(("ready", "environment"))
     workers = cfg.pipeline.env_workers

@@ -2,7 +2,7 @@
 
 Who waits for whom (one process, strictly in turn):
 
-    generator.generate ──> env.score (sandbox threads) ──> trainer.step ──> generator.update_weights
+    generator.generate ──> env.score_groups ──> trainer.step ──> generator.update_weights
           ^                                                                         │
           └─────────────────────────────── next step ───────────────────────────────┘
 
@@ -21,6 +21,9 @@ Observability: each step logs `perf/trainer_idle_frac` and `perf/generator_idle_
 the step's wall time the actor was not doing its own work), `staleness/*` (0 here) and sandbox
 latency; the three actors write `generate`/`eval`, `score` and `train`/`weight_push` spans to the
 run's timeline (timeline.py), whose gaps are the waits.
+
+The loop knows environments only through their protocol (envs/base.py): `tasks(split)` and
+`score_groups`; `make_environment` (envs/registry.py) picks the one `task.name` names.
 """
 
 from __future__ import annotations
@@ -31,11 +34,9 @@ from pathlib import Path
 
 import torch
 
-from gapless.config import Config
-from gapless.envs.base import MultiTurnEnvironment
-from gapless.envs.code import CodeEnvironment
-from gapless.envs.delayed import DelayedEnvironment
-from gapless.envs.problems import CodeProblem, generate_problems
+from gapless.config import Config, ConfigError
+from gapless.envs.base import Environment, MultiTurnEnvironment, Task, check_infra
+from gapless.envs.registry import make_environment
 from gapless.generate import make_generator
 from gapless.generate.groups import generate_groups
 from gapless.metrics import open_sinks
@@ -43,30 +44,22 @@ from gapless.models import Policy, load_local
 from gapless.orchestrate.admission import sample_step_tasks, sampling_params
 from gapless.orchestrate.evaluate import greedy_pass_at_1, multi_turn_pass_at_1
 from gapless.orchestrate.policy_setup import prepare_policy
-from gapless.sandbox import SandboxLimits, open_sandbox
 from gapless.timeline import export_chrome_trace, open_timeline
 from gapless.trainer.batch import Batch, build_batch
 from gapless.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from gapless.trainer.groups import StepTargets, step_targets
 from gapless.trainer.trainer import GRPOTrainer
-from gapless.types import Rollout, SamplingParams
+from gapless.types import Rollout
 
 
 ACTORS = ("generator", "env", "trainer")  # timeline rows; in this loop all three share one process
 
 
-def make_environment(cfg: Config) -> CodeEnvironment:
-    if cfg.task.name == "tool_use":
-        from gapless.envs.tools import make_tool_environment
-
-        return make_tool_environment(cfg)
-    limits = SandboxLimits(timeout_s=cfg.sandbox.timeout_s, memory_mb=cfg.sandbox.memory_mb, max_processes=cfg.sandbox.max_processes)
-    sandbox = open_sandbox(limits, cfg.sandbox.python, mode=cfg.sandbox.mode, warm=cfg.sandbox.warm,
-                           max_concurrency=cfg.sandbox.concurrency)
-    env = CodeEnvironment(sandbox, limits, concurrency=cfg.sandbox.concurrency)
-    if cfg.task.score_delay_s > 0:
-        return DelayedEnvironment(env, cfg.task.score_delay_s, cfg.sandbox.concurrency)
-    return env
+def env_metrics(env: Environment) -> dict[str, float]:
+    """An environment's own counters (the sandbox's: cumulative counts and recent latency
+    percentiles), for those that keep any."""
+    metrics = getattr(env, "metrics", None)
+    return metrics() if callable(metrics) else {}
 
 
 def rollout_metrics(rollouts: list[Rollout], zero_variance_groups: int, num_groups: int) -> dict[str, float]:
@@ -98,7 +91,9 @@ def staleness_metrics(staleness: list[int]) -> dict[str, float]:
 
 
 class SyncLoop:
-    def __init__(self, cfg: Config, resume: bool = False, log=print):
+    def __init__(self, cfg: Config, resume: bool = False, log=print, env: Environment | None = None):
+        """`env`: an environment object to train on instead of the one `task.name` names (a
+        custom environment, examples/reverse_env.py); the loop closes it at the end."""
         self.cfg = cfg
         self.log = log
         self.run_dir = Path(cfg.run_dir)
@@ -106,15 +101,14 @@ class SyncLoop:
         (self.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
         if cfg.trainer.threads:
             torch.set_num_threads(cfg.trainer.threads)
-        levels = cfg.task.levels
-        self.env = make_environment(cfg)
-        self.is_multi_turn = isinstance(self.env, MultiTurnEnvironment)
-        if self.is_multi_turn:
-            self.train, self.eval = list(self.env.tasks("train")), list(self.env.tasks("eval"))
-        else:
-            self.train = generate_problems(cfg.seed, "train", cfg.task.num_train_prompts, levels, cfg.task.num_hidden_tests)
-            self.eval = generate_problems(cfg.seed, "eval", cfg.task.num_eval_prompts, levels, cfg.task.num_hidden_tests)
-        self.policy, self.setup_info = prepare_policy(cfg, self.train, log)
+        self.env: Environment = env if env is not None else make_environment(cfg)
+        self.is_multi_turn = isinstance(self.env, MultiTurnEnvironment)  # drives generation itself
+        self.train, self.eval = list(self.env.tasks("train")), list(self.env.tasks("eval"))
+        if len(self.train) < cfg.loop.prompts_per_step and cfg.loop.steps > 0:
+            self.env.close()
+            raise ConfigError(f"task {self.env.name!r} has {len(self.train)} train tasks, fewer than loop.prompts_per_step "
+                             f"({cfg.loop.prompts_per_step}); an eval-only set (humaneval) is for `gapless eval`")
+        self.policy, self.setup_info = prepare_policy(cfg, self.env, log)
         self.start_step, self.state = 0, {}
         checkpoint = latest_checkpoint(self.run_dir) if resume else None
         if checkpoint is not None:
@@ -143,7 +137,7 @@ class SyncLoop:
                                             self.cfg.generator.max_new_tokens)
             return greedy_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens)
 
-    def sample_prompts(self, step: int) -> list[CodeProblem]:
+    def sample_prompts(self, step: int) -> list[Task]:
         picks = sample_step_tasks(self.cfg.seed, step, len(self.train), self.cfg.loop.prompts_per_step)
         return [self.train[i] for i in picks]
 
@@ -199,7 +193,6 @@ class SyncLoop:
             completions = [r.completion for group in groups for r in group]
             t1 = time.perf_counter()
             rollouts = [rollout for group in groups for rollout in group]
-            infra_errors = self.env.check_infra(rollouts)
         else:
             with timeline["generator"].span("generate", step=step, version=self.sampler.version):
                 sampled = generate_groups(self.sampler, [self.policy.encode(p.prompt) for p in problems], n, params)
@@ -208,7 +201,7 @@ class SyncLoop:
             with timeline["env"].span("score", step=step):
                 groups = self.env.score_groups(problems, sampled)
                 rollouts = [rollout for group in groups for rollout in group]
-                infra_errors = self.env.check_infra(rollouts)
+        infra_errors = check_infra(rollouts, hint=f" in environment {self.env.name!r}")
         t2 = time.perf_counter()
         staleness = [self.trainer.version - r.completion.oldest_version for r in rollouts]
         assert max(staleness) == 0, f"synchronous loop trained on stale rollouts (staleness {max(staleness)})"
@@ -223,7 +216,7 @@ class SyncLoop:
         return {
             **rollout_metrics(rollouts, targets.zero_variance_groups, len(problems)),
             **targets.metrics,
-            **self.env.sandbox.metrics(),  # cumulative counters and recent latency percentiles
+            **env_metrics(self.env),
             "sandbox/infra_errors": float(infra_errors),
             **self.train_metrics(stats),
             **staleness_metrics(staleness),

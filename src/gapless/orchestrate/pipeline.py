@@ -34,6 +34,7 @@ from collections import Counter
 import torch
 
 from gapless.config import Config, ConfigError
+from gapless.envs.base import InfraUnavailable, check_infra
 from gapless.generate.protocol import SteppedGenerator
 from gapless.orchestrate.actors import ActorSpec, environment_main, generator_main
 from gapless.orchestrate.buffer import GroupLedger, ScoredGroup, StalenessBuffer
@@ -68,6 +69,7 @@ class Pipeline(SyncLoop):
         self.gen_stats: list[dict] = []
         self.processes: list = []
         self.ready_actors: set[str] = set()
+        self.infra_streak = 0  # consecutive groups dropped for infrastructure failures
         self._last_step_end = None
 
     # ---- actors ---------------------------------------------------------------------------
@@ -76,7 +78,8 @@ class Pipeline(SyncLoop):
         self.policy.save(policy_dir)  # architecture and tokenizer; the weights come through shared memory
         self.weights = SharedWeights(self.trainer.state_for_push(), self.trainer.version, self.ctx)
         bound = 2 * self.cfg.loop.prompts_per_step  # groups waiting to be scored
-        self.spec = ActorSpec(self.cfg, policy_dir, self.start_step, self.weights, self.ctx.Queue(bound),
+        prompts = [(task.uid, task.prompt) for task in self.train]
+        self.spec = ActorSpec(self.cfg, prompts, policy_dir, self.start_step, self.weights, self.ctx.Queue(bound),
                               self.ctx.Queue(INBOX_MESSAGES), self.ctx.Queue(), self.ctx.Event())
         for name, target in (("generator", generator_main), ("environment", environment_main)):
             process = self.ctx.Process(target=target, args=(self.spec,), name=f"gapless-{name}", daemon=True)
@@ -127,8 +130,14 @@ class Pipeline(SyncLoop):
             self.buffer.admitted(message[1], message[2])
         elif kind == "scored":
             group: ScoredGroup = message[1]
-            if self.buffer.arrived(group) is not None:
+            reason = self.buffer.arrived(group)
+            if reason is not None:
                 self.spec.to_generator.put(("dropped", 1))
+            self.infra_streak = self.infra_streak + 1 if reason == "infra_error" else 0
+            if self.infra_streak >= self.cfg.loop.prompts_per_step:
+                detail = group.rollouts[0].info.get("error", "")
+                raise InfraUnavailable(f"the last {self.infra_streak} groups all failed to be scored ({detail}) "
+                                       f"in environment {self.env.name!r}; fix the environment's infrastructure")
         elif kind == "ready":
             self.ready_actors.add(message[1])
         elif kind == "gen_stats":
@@ -161,7 +170,7 @@ class Pipeline(SyncLoop):
         if self.buffer.num_dropped > drops_before:  # stragglers and surplus free places to backfill
             self.spec.to_generator.put(("dropped", self.buffer.num_dropped - drops_before))
         rollouts = [r for g in groups for r in g.rollouts]
-        infra_errors = self.env.check_infra(rollouts)
+        infra_errors = check_infra(rollouts, hint=f" in environment {self.env.name!r}")
         t1 = time.perf_counter()
         with self.timelines["trainer"].span("train", step=step, version=self.trainer.version):
             batch, targets = self.make_batch(rollouts)

@@ -3,6 +3,10 @@
 The warm-started policy is cached under `warmstart.cache_dir`, keyed by a hash of everything
 that determines it (model, task and warm-start settings, seed), and written atomically, so a
 second run with the same settings skips straight to RL and gets bit-identical weights.
+The warm start needs demonstrations, so it runs only for environments with a teacher
+(`envs.base.Teacher`: the procedural code and math tasks); for the others it is skipped with a
+log line and RL starts from the initial weights (a local checkpoint, or the random tiny model,
+whose tokenizer is then trained on the prompts alone).
 """
 
 from __future__ import annotations
@@ -15,13 +19,13 @@ import time
 from pathlib import Path
 
 from gapless.config import Config
-from gapless.envs.problems import CodeProblem
+from gapless.envs.base import Environment, Task, Teacher
 from gapless.models import Policy, build_tiny, load_local
 from gapless.trainer.warmstart import warm_start
 from gapless.trainer.warmstart_turns import warm_start_transcripts
 
 
-def warmstart_key(cfg: Config) -> str:
+def warmstart_key(cfg: Config, env_name: str | None = None) -> str:
     material = {
         "model": cfg.model.model_dump(mode="json"),
         "task": cfg.task.model_dump(mode="json"),
@@ -29,26 +33,32 @@ def warmstart_key(cfg: Config) -> str:
         "seed": cfg.seed,
         "format": 1,
     }
+    if env_name is not None and env_name != cfg.task.name:  # a custom environment object
+        material["environment"] = env_name
     if cfg.task.name == "tool_use":  # only here, so the code task's cache keys stay as they were
         material["tools"] = {**cfg.tools.model_dump(mode="json"), "teacher": 2}  # bump when the teacher changes
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def prepare_policy(cfg: Config, train: list[CodeProblem], log=print) -> tuple[Policy, dict]:
-    if cfg.warmstart.steps == 0:
-        return _initial_policy(cfg, train), {"warmstart_s": 0.0, "warmstart_cached": False}
-    cached = Path(cfg.warmstart.cache_dir) / warmstart_key(cfg)
+def prepare_policy(cfg: Config, env: Environment, log=print) -> tuple[Policy, dict]:
+    train = list(env.tasks("train")) or list(env.tasks("eval"))  # an eval-only set still trains a tokenizer
+    teacher = env if isinstance(env, Teacher) else None
+    if cfg.warmstart.steps > 0 and teacher is None:
+        log(f"warm start: skipped (environment {env.name!r} has no teacher to write demonstrations)")
+    if cfg.warmstart.steps == 0 or teacher is None:
+        return _initial_policy(cfg, train, teacher), {"warmstart_s": 0.0, "warmstart_cached": False}
+    cached = Path(cfg.warmstart.cache_dir) / warmstart_key(cfg, env.name)
     if (cached / "config.json").is_file():
         log(f"warm start: cached at {cached}")
         return load_local(cached), {"warmstart_s": 0.0, "warmstart_cached": True}
-    policy = _initial_policy(cfg, train)
+    policy = _initial_policy(cfg, train, teacher)
     started = time.perf_counter()
 
     def report(step: int, loss: float) -> None:
         if step % 50 == 0 or step == cfg.warmstart.steps - 1:
             log(f"warm start {step + 1:>4}/{cfg.warmstart.steps}  loss {loss:.3f}")
 
-    losses = _warm_start(cfg, policy, train, report)
+    losses = _warm_start(cfg, policy, env, train, teacher, report)
     elapsed = time.perf_counter() - started
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -58,20 +68,21 @@ def prepare_policy(cfg: Config, train: list[CodeProblem], log=print) -> tuple[Po
     return policy, {"warmstart_s": elapsed, "warmstart_cached": False, "warmstart_final_loss": losses[-1]}
 
 
-def _warm_start(cfg: Config, policy: Policy, train: list, report) -> list[float]:
-    if cfg.task.name == "tool_use":  # multi-turn transcripts from the task's imperfect teacher
-        from gapless.envs.tool_task import demonstration
+def _warm_start(cfg: Config, policy: Policy, env: Environment, train: list[Task], teacher: Teacher,
+                report) -> list[float]:
+    demonstration_turns = getattr(env, "demonstration_turns", None)
+    if callable(demonstration_turns):  # a multi-turn teacher: transcripts of (text, is_model) turns
 
         def sample(rng):
             task = rng.choice(train)
-            return task.prompt, demonstration(task, rng, cfg.tools.skip_frac, cfg.tools.typo_frac)
+            return task.prompt, demonstration_turns(task, rng)
 
         return warm_start_transcripts(policy, sample, cfg.warmstart, cfg.seed, report)
-    return warm_start(policy, train, cfg.warmstart, cfg.seed, report)
+    return warm_start(policy, train, teacher, cfg.warmstart, cfg.seed, report)
 
 
-def _initial_policy(cfg: Config, train: list[CodeProblem]) -> Policy:
+def _initial_policy(cfg: Config, train: list[Task], teacher: Teacher | None) -> Policy:
     if cfg.model.path is not None:
         return load_local(cfg.model.path)
-    texts = [p.prompt + p.solution for p in train]
+    texts = [t.prompt + (teacher.reference(t) if teacher is not None else "") for t in train]
     return build_tiny(cfg.model, texts, cfg.seed)

@@ -1,12 +1,12 @@
 """Supervised warm start: teach a randomly initialised model the task's format before RL.
 
-A random model never writes valid code, so RL alone would see only zero-reward groups. The warm
-start trains on (prompt, demonstration + EOS) pairs of the train split, loss on completion tokens
-only, for a short schedule. Like real warm-start data, the demonstrations are imperfect: a
-fraction `overfit_frac` comes from a teacher that only checked the visible examples (see
-`CodeProblem.overfit_solution`). The warm-started model therefore writes code that runs, often
-fits the visible examples, and fails hidden edge cases: the room RL is measured in.
-Deterministic in the seed.
+A random model never writes valid code (or a number after "Answer:"), so RL alone would see only
+zero-reward groups. The warm start trains on (prompt, demonstration + EOS) pairs of the train
+split, loss on completion tokens only, for a short schedule. The environment's teacher
+(`envs.base.Teacher`) writes the demonstrations and, like real warm-start data, they are
+imperfect: part of the time the teacher makes its typical mistake (for the code task a solution
+that only fits the visible examples). The warm-started model therefore has habits that the
+reward does not like: the room RL is measured in. Deterministic in the seed.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from gapless.config import WarmStartConfig
-from gapless.envs.problems import CodeProblem
+from gapless.envs.base import Task, Teacher
 from gapless.models import Policy
 from gapless.trainer.batch import token_logprobs
 
@@ -39,7 +39,7 @@ def supervised_batch(policy: Policy, pairs: list[tuple[str, str]]) -> tuple[torc
     return ids, attn, mask
 
 
-def warm_start(policy: Policy, problems: list[CodeProblem], cfg: WarmStartConfig, seed: int,
+def warm_start(policy: Policy, problems: list[Task], teacher: Teacher, cfg: WarmStartConfig, seed: int,
                log: Callable[[int, float], None] | None = None) -> list[float]:
     rng = random.Random(seed)
     model = policy.model
@@ -49,7 +49,7 @@ def warm_start(policy: Policy, problems: list[CodeProblem], cfg: WarmStartConfig
     model.train()
     for step in range(cfg.steps):
         chosen = rng.sample(problems, min(cfg.batch_size, len(problems)))
-        pairs = [(p.prompt, p.overfit_solution if rng.random() < cfg.overfit_frac else p.solution) for p in chosen]
+        pairs = [(p.prompt, teacher.demonstration(p, rng)) for p in chosen]
         ids, attn, mask = supervised_batch(policy, pairs)
         logp = token_logprobs(model, ids, attn)
         loss = -(logp * mask).sum() / mask.sum()
