@@ -105,6 +105,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from gapless.report import build_report
 
     print(build_report(args.run_dirs, args.out))
+    return 0
 
 def _cmd_eval(argv: list[str]) -> int:
     if "--resume" in argv:
