@@ -1,4 +1,6 @@
 """Command line: `gapless train [CONFIG] [--run-dir DIR] [--resume] [--dotted.key value ...]`,
+`gapless serve --model.path DIR [--host H] [--port P]` (an OpenAI-compatible completions server
+over a local checkpoint, e.g. as a judge; gapless.serve.openai_server),
 `gapless eval [CONFIG] [--run-dir DIR] [--dotted.key value ...]` (pass@1 of `model.path` on the
 eval split of `task.name`, written to RUN_DIR/eval.json),
 `gapless sandbox run FILE --json [--timeout-s S] [--memory-mb M]` and
@@ -51,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("args", nargs=argparse.REMAINDER,
                        help="[CONFIG] [--run-dir DIR] [--resume] [--section.key VALUE ...]; "
                             "CONFIG is a TOML run file such as configs/default.toml")
+    serve = sub.add_parser("serve", help="serve a local checkpoint over an OpenAI-compatible HTTP API")
+    serve.add_argument("--model.path", dest="model_path", required=True, help="local Hugging Face checkpoint directory")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one")
+    serve.add_argument("--model-name", default=None, help="name reported by /v1/models (default: the path)")
     report = sub.add_parser("report", help="compare runs in one self-contained HTML page")
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     report.add_argument("--out", default=None, help="output directory (default: FIRST_RUN_DIR/report)")
@@ -98,6 +105,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from gapless.report import build_report
 
     print(build_report(args.run_dirs, args.out))
+    return 0
 
 def _cmd_eval(argv: list[str]) -> int:
     if "--resume" in argv:
@@ -166,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
             command = _cmd_train if argv[0] == "train" else _cmd_eval
             return command(argv[1:])  # free-form dotted overrides: parsed by hand, not argparse
         args = parser.parse_args(argv)
+        if args.command == "serve":
+            from gapless.serve.openai_server import serve
+
+            serve(args.model_path, args.host, args.port, args.model_name)
+            return 0
         if args.command == "report":
             return _cmd_report(args)
         if args.sandbox_command == "check":

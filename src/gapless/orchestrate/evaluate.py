@@ -26,3 +26,9 @@ def greedy_pass_at_1(sampler: Generator, env: Environment, tasks: Sequence[Task]
                      max_new_tokens: int, batch_size: int = 256) -> float:
     rollouts = greedy_rollouts(sampler, env, tasks, encode, max_new_tokens, batch_size)
     return sum(r.status == "ok" for r in rollouts) / len(tasks)
+
+
+def multi_turn_pass_at_1(sampler: Generator, env, tasks: Sequence[Task], encode, max_new_tokens: int) -> float:
+    """Fraction of tasks whose greedy multi-turn episode ends with status 'ok'."""
+    groups = env.rollout_groups(sampler, tasks, 1, SamplingParams(greedy=True, max_new_tokens=max_new_tokens), encode)
+    return sum(1 for (rollout,) in groups if rollout.status == "ok") / len(tasks)

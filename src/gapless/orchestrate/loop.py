@@ -6,6 +6,10 @@ Who waits for whom (one process, strictly in turn):
           ^                                                                         │
           └─────────────────────────────── next step ───────────────────────────────┘
 
+A multi-turn environment (envs/base.py MultiTurnEnvironment, e.g. task.name = 'tool_use') drives
+generation itself: `env.rollout_groups` replaces generate + score, and its completions' loss
+masks keep the environment's tokens out of the loss.
+
 Every rollout of a step is sampled by the current policy version (staleness 0, asserted), so
 the behaviour log-probs recorded by the generator are the trainer's old log-probs. `make_batch`
 turns the scored groups into the step's batch (reward shaping, advantages, masks and dropped
@@ -31,14 +35,14 @@ from pathlib import Path
 import torch
 
 from gapless.config import Config, ConfigError
-from gapless.envs.base import Environment, Task, check_infra
+from gapless.envs.base import Environment, MultiTurnEnvironment, Task, check_infra
 from gapless.envs.registry import make_environment
 from gapless.generate import make_generator
 from gapless.generate.groups import generate_groups
 from gapless.metrics import open_sinks
 from gapless.models import Policy, load_local
 from gapless.orchestrate.admission import sample_step_tasks, sampling_params
-from gapless.orchestrate.evaluate import greedy_pass_at_1
+from gapless.orchestrate.evaluate import greedy_pass_at_1, multi_turn_pass_at_1
 from gapless.orchestrate.policy_setup import prepare_policy
 from gapless.timeline import export_chrome_trace, open_timeline
 from gapless.trainer.batch import Batch, build_batch
@@ -98,6 +102,7 @@ class SyncLoop:
         if cfg.trainer.threads:
             torch.set_num_threads(cfg.trainer.threads)
         self.env: Environment = env if env is not None else make_environment(cfg)
+        self.is_multi_turn = isinstance(self.env, MultiTurnEnvironment)  # drives generation itself
         self.train, self.eval = list(self.env.tasks("train")), list(self.env.tasks("eval"))
         if len(self.train) < cfg.loop.prompts_per_step and cfg.loop.steps > 0:
             self.env.close()
@@ -121,10 +126,15 @@ class SyncLoop:
     def max_seq_len(self) -> int:
         """Longest context the generator must hold: the longest prompt plus the completion cap."""
         longest = max(len(self.policy.encode(p.prompt)) for p in self.train + self.eval)
+        if self.is_multi_turn:  # every turn and every tool output stays in the context
+            return self.env.max_context_tokens(longest, self.cfg.generator.max_new_tokens)
         return longest + self.cfg.generator.max_new_tokens
 
     def evaluate(self) -> float:
         with self.timelines["generator"].span("eval", version=self.trainer.version):
+            if self.is_multi_turn:
+                return multi_turn_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode,
+                                            self.cfg.generator.max_new_tokens)
             return greedy_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens)
 
     def sample_prompts(self, step: int) -> list[Task]:
@@ -177,14 +187,21 @@ class SyncLoop:
         first = step * len(problems)  # group indices as the pipeline numbers them
         params = [sampling_params(cfg, first + g) for g in range(len(problems))]
         timeline = self.timelines
-        with timeline["generator"].span("generate", step=step, version=self.sampler.version):
-            sampled = generate_groups(self.sampler, [self.policy.encode(p.prompt) for p in problems], n, params)
-        completions = [c for group in sampled for c in group]
-        t1 = time.perf_counter()
-        with timeline["env"].span("score", step=step):
-            groups = self.env.score_groups(problems, sampled)
+        if self.is_multi_turn:  # generation and scoring interleave, turn by turn: one span
+            with timeline["generator"].span("generate", step=step, version=self.sampler.version):
+                groups = self.env.rollout_groups(self.sampler, problems, n, params[0], self.policy.encode)
+            completions = [r.completion for group in groups for r in group]
+            t1 = time.perf_counter()
             rollouts = [rollout for group in groups for rollout in group]
-            infra_errors = check_infra(rollouts, hint=f" in environment {self.env.name!r}")
+        else:
+            with timeline["generator"].span("generate", step=step, version=self.sampler.version):
+                sampled = generate_groups(self.sampler, [self.policy.encode(p.prompt) for p in problems], n, params)
+            completions = [c for group in sampled for c in group]
+            t1 = time.perf_counter()
+            with timeline["env"].span("score", step=step):
+                groups = self.env.score_groups(problems, sampled)
+                rollouts = [rollout for group in groups for rollout in group]
+        infra_errors = check_infra(rollouts, hint=f" in environment {self.env.name!r}")
         t2 = time.perf_counter()
         staleness = [self.trainer.version - r.completion.oldest_version for r in rollouts]
         assert max(staleness) == 0, f"synchronous loop trained on stale rollouts (staleness {max(staleness)})"
@@ -195,7 +212,7 @@ class SyncLoop:
         with timeline["trainer"].span("weight_push", version=self.trainer.version):
             self.sampler.update_weights(self.trainer.state_for_push(), self.trainer.version)
         t4 = time.perf_counter()
-        gen_tokens = sum(len(c.token_ids) for c in completions)
+        gen_tokens = sum(len(c.token_ids) if c.loss_mask is None else sum(c.loss_mask) for c in completions)
         return {
             **rollout_metrics(rollouts, targets.zero_variance_groups, len(problems)),
             **targets.metrics,
@@ -248,7 +265,7 @@ def train(cfg: Config, resume: bool = False, log=print) -> dict:
     """Run a training job: the pipeline (asynchronous up to `pipeline.max_staleness`; 0 is
     synchronous), or this reference loop when `generator.engine = 'reference'`, whose simple
     sampler cannot be driven step by step."""
-    if cfg.generator.engine == "reference":
+    if cfg.generator.engine == "reference" or cfg.task.name == "tool_use":  # the pipeline is single-turn
         return SyncLoop(cfg, resume, log).run()
     from gapless.orchestrate.pipeline import Pipeline
 

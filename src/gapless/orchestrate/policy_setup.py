@@ -22,6 +22,7 @@ from gapless.config import Config
 from gapless.envs.base import Environment, Task, Teacher
 from gapless.models import Policy, build_tiny, load_local
 from gapless.trainer.warmstart import warm_start
+from gapless.trainer.warmstart_turns import warm_start_transcripts
 
 
 def warmstart_key(cfg: Config, env_name: str | None = None) -> str:
@@ -34,6 +35,8 @@ def warmstart_key(cfg: Config, env_name: str | None = None) -> str:
     }
     if env_name is not None and env_name != cfg.task.name:  # a custom environment object
         material["environment"] = env_name
+    if cfg.task.name == "tool_use":  # only here, so the code task's cache keys stay as they were
+        material["tools"] = {**cfg.tools.model_dump(mode="json"), "teacher": 2}  # bump when the teacher changes
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -55,7 +58,7 @@ def prepare_policy(cfg: Config, env: Environment, log=print) -> tuple[Policy, di
         if step % 50 == 0 or step == cfg.warmstart.steps - 1:
             log(f"warm start {step + 1:>4}/{cfg.warmstart.steps}  loss {loss:.3f}")
 
-    losses = warm_start(policy, train, teacher, cfg.warmstart, cfg.seed, report)
+    losses = _warm_start(cfg, policy, env, train, teacher, report)
     elapsed = time.perf_counter() - started
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -63,6 +66,19 @@ def prepare_policy(cfg: Config, env: Environment, log=print) -> tuple[Policy, di
     shutil.rmtree(cached, ignore_errors=True)
     os.replace(tmp, cached)
     return policy, {"warmstart_s": elapsed, "warmstart_cached": False, "warmstart_final_loss": losses[-1]}
+
+
+def _warm_start(cfg: Config, policy: Policy, env: Environment, train: list[Task], teacher: Teacher,
+                report) -> list[float]:
+    demonstration_turns = getattr(env, "demonstration_turns", None)
+    if callable(demonstration_turns):  # a multi-turn teacher: transcripts of (text, is_model) turns
+
+        def sample(rng):
+            task = rng.choice(train)
+            return task.prompt, demonstration_turns(task, rng)
+
+        return warm_start_transcripts(policy, sample, cfg.warmstart, cfg.seed, report)
+    return warm_start(policy, train, teacher, cfg.warmstart, cfg.seed, report)
 
 
 def _initial_policy(cfg: Config, train: list[Task], teacher: Teacher | None) -> Policy:

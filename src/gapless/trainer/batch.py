@@ -3,7 +3,9 @@
 Each row is prompt + completion, right-padded. Position t of every (B, T) tensor refers to
 predicting token t + 1 (T = L - 1), so `loss_mask` is 1 exactly on the completion tokens of rows
 that train; prompt and padding positions are 0. The generator's behaviour log-probs are copied
-from the completion records onto the same positions. `group_ids` say which rows are one prompt's
+from the completion records onto the same positions. A multi-turn completion's own `loss_mask`
+(0 on tokens the environment wrote, e.g. tool output) is copied there too, so those tokens are
+context for the model but contribute nothing to any loss, normaliser or metric. `group_ids` say which rows are one prompt's
 group: the per-group normalisers and the zero-variance filter need them. A batch is always the
 whole step; micro-batches are slices of its rows (`rows`), never of its groups' statistics.
 """
@@ -61,7 +63,8 @@ def build_batch(completions: list[Completion], advantages: list[float], valid: l
         start, stop = len(c.prompt_ids) - 1, len(seq) - 1
         behaviour_logprobs[row, start:stop] = torch.tensor(c.logprobs, dtype=torch.float32)
         if ok:
-            loss_mask[row, start:stop] = 1.0
+            own = torch.ones(stop - start) if c.loss_mask is None else torch.tensor(c.loss_mask, dtype=torch.float32)
+            loss_mask[row, start:stop] = own
     groups = torch.tensor(group_ids if group_ids is not None else [0] * n, dtype=torch.long)
     return Batch(input_ids, attention_mask, loss_mask, behaviour_logprobs, torch.tensor(advantages, dtype=torch.float32), groups)
 

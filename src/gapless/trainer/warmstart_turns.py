@@ -1,0 +1,67 @@
+"""Supervised warm start on multi-turn transcripts (the tool-use task's counterpart of warmstart.py).
+
+A transcript is the prompt plus segments (text, written by the model). Each segment is tokenized
+on its own, exactly as a multi-turn environment does during rollouts (model turns end with EOS,
+environment text is encoded as it is appended), so the warm-started model learns the very token
+sequences it will later sample. The loss is on model segments only: the environment's text is
+context, as in RL (Completion.loss_mask). Deterministic in the seed.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable, Sequence
+
+import torch
+
+from gapless.config import WarmStartConfig
+from gapless.models import Policy
+from gapless.trainer.batch import token_logprobs
+
+Transcript = tuple[str, Sequence[tuple[str, bool]]]  # (prompt, [(text, is_model), ...])
+
+
+def transcript_batch(policy: Policy, transcripts: list[Transcript]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    seqs, masks = [], []
+    for prompt, segments in transcripts:
+        ids, mask = policy.encode(prompt), []
+        mask += [0] * len(ids)
+        for text, is_model in segments:
+            piece = policy.encode(text) + ([policy.eos_id] if is_model else [])
+            ids += piece
+            mask += [int(is_model)] * len(piece)
+        seqs.append(ids)
+        masks.append(mask)
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), policy.pad_id, dtype=torch.long)  # (B, L)
+    attention = torch.zeros_like(input_ids)
+    loss_mask = torch.zeros((len(seqs), width - 1))  # (B, L-1) position t predicts token t + 1
+    for row, (seq, mask) in enumerate(zip(seqs, masks)):
+        input_ids[row, : len(seq)] = torch.tensor(seq)
+        attention[row, : len(seq)] = 1
+        loss_mask[row, : len(seq) - 1] = torch.tensor(mask[1:], dtype=torch.float32)
+    return input_ids, attention, loss_mask
+
+
+def warm_start_transcripts(policy: Policy, sample: Callable[[random.Random], Transcript], cfg: WarmStartConfig, seed: int,
+                           log: Callable[[int, float], None] | None = None) -> list[float]:
+    """`cfg.steps` AdamW steps on batches of `sample(rng)` transcripts (same schedule as warmstart.py)."""
+    rng = random.Random(seed)
+    model = policy.model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
+    losses = []
+    model.train()
+    for step in range(cfg.steps):
+        ids, attn, mask = transcript_batch(policy, [sample(rng) for _ in range(cfg.batch_size)])
+        loss = -(token_logprobs(model, ids, attn) * mask).sum() / mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+        if log is not None:
+            log(step, losses[-1])
+    model.eval()
+    return losses
