@@ -263,9 +263,14 @@ class SyncLoop:
 
 def train(cfg: Config, resume: bool = False, log=print) -> dict:
     """Run a training job: the pipeline (asynchronous up to `pipeline.max_staleness`; 0 is
-    synchronous), or this reference loop when `generator.engine = 'reference'`, whose simple
-    sampler cannot be driven step by step."""
-    if cfg.generator.engine == "reference" or cfg.task.name == "tool_use":  # the pipeline is single-turn
+    synchronous), or this reference loop when `generator.engine = 'reference'` (its simple
+    sampler cannot be driven step by step) or the task is multi-turn (the pipeline's generator
+    samples single-turn groups)."""
+    if cfg.generator.engine == "reference" or cfg.task.name == "tool_use":
+        if cfg.pipeline.max_staleness > 0:
+            why = "task.name = 'tool_use'" if cfg.task.name == "tool_use" else "generator.engine = 'reference'"
+            raise ConfigError(f"pipeline.max_staleness = {cfg.pipeline.max_staleness} needs the pipeline, which {why} "
+                              "does not run on; set pipeline.max_staleness = 0")
         return SyncLoop(cfg, resume, log).run()
     from gapless.orchestrate.pipeline import Pipeline
 
