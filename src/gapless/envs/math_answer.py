@@ -35,7 +35,7 @@ _helper_lock = threading.Lock()
 def extract_answer(completion: str, prompt_ends_with_answer: bool = False) -> str | None:
     if "\\boxed{" in completion:  # a box decides, even an unclosed one (then there is no answer)
         boxed = _last_boxed(completion)
-        return boxed.strip() or None if boxed is not None else None
+        return (boxed.strip() or None) if boxed is not None else None
     marks = list(_ANSWER_MARK.finditer(completion))
     if marks:
         tail = completion[marks[-1].end():].strip()
