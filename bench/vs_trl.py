@@ -131,6 +131,7 @@ def side_summary(results: list[dict]) -> dict:
     return {
         "step_s_median": statistics.median(pooled("step_s")),
         "cpu_s_median": statistics.median(pooled("cpu_s")),
+        "generate_s_median": statistics.median(pooled("generate_s")),
         "score_s_median": statistics.median(pooled("score_s")),
         "peak_rss_mb_median": statistics.median(r["peak_rss_mb"] for r in results),
         "completion_len_mean": statistics.mean(r["completion_len_mean"] for r in results),

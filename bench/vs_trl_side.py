@@ -38,15 +38,26 @@ def clock() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def summarise(marks: list[tuple[float, float]], score_s: list[float], lengths: list[float], warmup: int) -> dict:
-    """Per-step figures after the warm-up from consecutive step-end clock marks."""
+def summarise(marks: list[tuple[float, float]], per_step: dict[str, list[float]], warmup: int) -> dict:
+    """Per-step figures after the warm-up: wall and CPU seconds from consecutive step-end clock
+    marks, and the lists in `per_step` (one entry per step: generate_s, score_s, completion_len)."""
     steps = list(zip(marks, marks[1:]))[warmup:]
+    lengths = per_step.pop("completion_len")[warmup:]
     return {
         "step_s": [b[0] - a[0] for a, b in steps],
         "cpu_s": [b[1] - a[1] for a, b in steps],
-        "score_s": score_s[warmup:],
-        "completion_len_mean": sum(lengths[warmup:]) / len(lengths[warmup:]),
+        **{key: values[warmup:] for key, values in per_step.items()},
+        "completion_len_mean": sum(lengths) / len(lengths),
     }
+
+
+def timed(fn, seconds: list[float]):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        seconds.append(time.perf_counter() - t0)
+        return out
+    return wrapper
 
 
 def gapless_config(model_dir: str, run_dir: str, threads: int, steps: int) -> Config:
@@ -62,14 +73,15 @@ def gapless_config(model_dir: str, run_dir: str, threads: int, steps: int) -> Co
 def run_gapless(model_dir: str, warmup: int, steps: int, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         loop = SyncLoop(gapless_config(model_dir, run_dir, threads, warmup + steps), log=lambda *_: None)
-        marks, score_s, lengths = [clock()], [], []
+        marks, per_step = [clock()], {"generate_s": [], "score_s": [], "completion_len": []}
         for step in range(warmup + steps):
             metrics = loop.train_step(step)
             marks.append(clock())
-            score_s.append(metrics["perf/score_s"])
-            lengths.append(metrics["rollout/completion_len_mean"])
+            per_step["generate_s"].append(metrics["perf/generate_s"])
+            per_step["score_s"].append(metrics["perf/score_s"])
+            per_step["completion_len"].append(metrics["rollout/completion_len_mean"])
         loop.env.close()
-    return summarise(marks, score_s, lengths, warmup)
+    return summarise(marks, per_step, warmup)
 
 
 def run_trl(model_dir: str, warmup: int, steps: int, threads: int) -> dict:
@@ -84,7 +96,7 @@ def run_trl(model_dir: str, warmup: int, steps: int, threads: int) -> dict:
     problems = generate_problems(cfg.seed, "train", cfg.task.num_train_prompts, cfg.task.levels, cfg.task.num_hidden_tests)
     by_uid = {p.uid: p for p in problems}
     env = make_environment(cfg)
-    score_s, lengths = [], []
+    per_step = {"generate_s": [], "score_s": [], "completion_len": []}
 
     def code_reward(prompts, completions, completion_ids, uid, **_):
         """gapless's reward: each completion against its problem's hidden tests in the sandbox."""
@@ -93,8 +105,8 @@ def run_trl(model_dir: str, warmup: int, steps: int, threads: int) -> dict:
         groups = env.score_groups([by_uid[u] for u in uid], wrapped)
         rollouts = [g[0] for g in groups]
         env.check_infra(rollouts)
-        score_s.append(time.perf_counter() - t0)
-        lengths.append(sum(len(ids) for ids in completion_ids) / len(completion_ids))
+        per_step["score_s"].append(time.perf_counter() - t0)
+        per_step["completion_len"].append(sum(len(ids) for ids in completion_ids) / len(completion_ids))
         return [None if r.is_infra_failure else r.reward for r in rollouts]
 
     class StepClock(TrainerCallback):
@@ -111,6 +123,7 @@ def run_trl(model_dir: str, warmup: int, steps: int, threads: int) -> dict:
     micro = t.micro_batch_size
     batch = cfg.loop.prompts_per_step * g.group_size
     policy = load_local(model_dir)  # the tokenizer exactly as gapless loads it (see models.py)
+    policy.model.generate = timed(policy.model.generate, per_step["generate_s"])  # TRL samples with it
     with tempfile.TemporaryDirectory() as out_dir:
         args = GRPOConfig(
             output_dir=out_dir, report_to="none", save_strategy="no", logging_steps=10**6, disable_tqdm=True,
@@ -131,7 +144,7 @@ def run_trl(model_dir: str, warmup: int, steps: int, threads: int) -> dict:
     env.close()
     import trl
 
-    return {**summarise(step_clock.marks, score_s, lengths, warmup), "trl": trl.__version__}
+    return {**summarise(step_clock.marks, per_step, warmup), "trl": trl.__version__}
 
 
 def main() -> None:
