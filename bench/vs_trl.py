@@ -189,6 +189,8 @@ def main() -> None:
         "ratio_step_s": ratio_step,
         "ratio_cpu_s": gapless["cpu_s_median"] / trl["cpu_s_median"],
         "ratio_peak_rss": ratio_rss,
+        "ratio_step_s_round_median": statistics.median(r["ratio_step_s"] for r in per_round),
+        "ratio_peak_rss_round_median": statistics.median(r["ratio_peak_rss"] for r in per_round),
         "per_round": per_round,
         "target_step_ratio": SPEED_TARGET,
         "meets_speed_target": ratio_step <= SPEED_TARGET,
