@@ -57,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / "bench" / ".venv-trl"
@@ -65,7 +66,7 @@ SIDES = ("gapless", "trl")
 SPEED_TARGET = 0.75  # gapless s/step at most this fraction of TRL's
 
 
-def fail(reason: str) -> None:
+def fail(reason: str) -> NoReturn:
     print(f"vs_trl: {reason}", file=sys.stderr)
     sys.exit(1)
 
