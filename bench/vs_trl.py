@@ -1,6 +1,7 @@
 """gapless's synchronous loop against TRL's `GRPOTrainer`: seconds per step and peak memory.
 
     PYTHONPATH=src .venv/bin/python bench/vs_trl.py [--rounds 3] [--warmup 2] [--steps 4] [--threads 2]
+                                                   [--warmstart-steps 250]  (RL's real starting point)
 
 TRL is measured, never used by gapless: it lives in this benchmark's own virtualenv,
 `bench/.venv-trl` (gitignored), created on first use with `torch==2.13.0+cpu` named explicitly (a
