@@ -1,13 +1,18 @@
 """Generator benchmark: the torch engine against `transformers` `generate`, in one run.
 
 Measured side by side, configurations interleaved round by round (A B A B ...):
-  throughput    64 sequences (8 prompts x 8 samples) x 32 forced new tokens, T = 1: engine and
-                `generate` tokens/s; the engine's FLOP/s (2N per prefilled or decoded token, N =
-                parameters, attention excluded) against an fp32 matmul peak measured in each round
+  throughput    G groups of 8 samples x 32 forced new tokens, T = 1, the engine with 8G slots and
+                `generate` on the same 8G rows in one batch: tokens/s of each; the engine's
+                FLOP/s (2N per prefilled or decoded token, N = parameters, attention excluded)
+                against an fp32 matmul peak measured in each round. At G = 16 (128 sequences: the
+                engine's default `generator.max_batch`) and at G = 8 (64 sequences).
   heavy_tailed  1 in 8 sequences 8x longer (256 vs 32 forced tokens), 64 slots: continuous
-                batching against static batches of 64 (a batch starts when the previous ends),
-                with finished rows dropped ('static') or kept running as `generate` does ('padded')
-  second_point  the engine at 4x the batch and on a 4x wider model: how utilisation moves when
+                batching against two static baselines, where a batch of 64 starts when the
+                previous one has finished: 'padded_static' keeps every row running to the batch's
+                longest length (what `generate` and any fixed-shape batch do; the usual meaning of
+                a static batch), 'shrinking_static' drops finished rows from the batch (an
+                idealised static batch that pays only for live rows)
+  second_point  the engine at 256 slots and on a 4x wider model: how utilisation moves when
                 per-step overhead is amortised over more work
 Each timed run also records the CPU other processes used meanwhile (/proc/stat minus our own
 CPU time), because 2-thread OpenMP runs slow down sharply when another tenant runs.
@@ -143,9 +148,10 @@ def run_hf(model, rows: list[list[int]], pad_id: int, new_tokens: int) -> dict:
 
 def run_tailed(engine: TorchEngine, prompts: list[list[int]], n: int, short: int, mode: str) -> dict:
     """Sample j of every group is 8x longer when (group * n + j) % 8 == 0. `mode`: 'continuous'
-    (all queued, slots refilled), 'static' (a batch of max_batch starts when the previous one has
-    finished; finished rows leave the batch), 'padded' (static, and every row runs to the batch's
-    longest length, as a fixed-shape batch or `generate` does; only the real tokens count)."""
+    (all queued, slots refilled), 'shrinking_static' (a batch of max_batch starts when the previous
+    one has finished; finished rows leave the batch), 'padded_static' (the same batches, and every
+    row runs to the batch's longest length, as a fixed-shape batch or `generate` does; only the
+    real tokens count)."""
     specs = [(p, short * 8 if (g * n + j) % 8 == 0 else short) for g, p in enumerate(prompts) for j in range(n)]
     chunk = len(specs) if mode == "continuous" else engine.max_batch
     steps = 0
@@ -154,7 +160,7 @@ def run_tailed(engine: TorchEngine, prompts: list[list[int]], n: int, short: int
             batch = specs[start : start + chunk]
             longest = max(length for _, length in batch)
             for k, (prompt, length) in enumerate(batch):
-                length = longest if mode == "padded" else length
+                length = longest if mode == "padded_static" else length
                 engine.add_request(prompt, SamplingParams(max_new_tokens=length, ignore_eos=True, seed=start + k))
             while engine.has_work:
                 engine.step()
@@ -195,15 +201,20 @@ def main() -> None:
     max_len = max(map(len, tail_prompts + prompts)) + 256
 
     engine = TorchEngine(tiny.model, tiny.eos_id, max_batch=64, max_seq_len=max_len)
+    default_batch = TorchEngine(tiny.model, tiny.eos_id, max_batch=128, max_seq_len=max_len)
+    prompts128 = [tiny.encode(p.prompt) for p in problems[:16]]
+    rows128 = [p for p in prompts128 for _ in range(8)]
     big_batch = TorchEngine(tiny.model, tiny.eos_id, max_batch=256, max_seq_len=max_len)
     wide_engine = TorchEngine(wide.model, wide.eos_id, max_batch=64, max_seq_len=max_len)
     big_prompts = [tiny.encode(p.prompt) for p in problems[8:40]]
 
     # warm-up: first calls allocate and pick kernels
     run_engine(engine, prompts, 8, params), run_hf(tiny.model, rows, tiny.pad_id, 32)
+    run_engine(default_batch, prompts128, 8, params), run_hf(tiny.model, rows128, tiny.pad_id, 32)
     run_engine(big_batch, big_prompts, 8, params), run_engine(wide_engine, prompts, 8, params)
 
-    res = {k: [] for k in ("peak", "engine", "hf", "continuous", "static", "padded", "big_batch", "wide")}
+    res = {k: [] for k in ("peak", "engine", "hf", "engine128", "hf128", "continuous", "shrinking_static", "padded_static",
+                           "big_batch", "wide")}
     def measure(key: str, run, warm=None) -> None:
         res[key].append(clean_run(run, warm or run, args.max_attempts, args.max_wait_s))
 
@@ -214,13 +225,17 @@ def main() -> None:
         measure("peak", matmul_peak_gflops)
         measure("engine", lambda: run_engine(engine, prompts, 8, tput))
         measure("hf", lambda: run_hf(tiny.model, rows, tiny.pad_id, 32))
-        for mode in ("continuous", "static", "padded"):
+        measure("engine128", lambda: run_engine(default_batch, prompts128, 8, tput))
+        measure("hf128", lambda: run_hf(tiny.model, rows128, tiny.pad_id, 32))
+        for mode in ("continuous", "shrinking_static", "padded_static"):
             measure(mode, lambda: run_tailed(engine, tail_prompts, 8, 32, mode), warm_engine)
         measure("big_batch", lambda: run_engine(big_batch, big_prompts, 8, params))
         measure("wide", lambda: run_engine(wide_engine, prompts, 8, params))
-        e, h = res["engine"][-1], res["hf"][-1]
-        print(f"round {r}: engine {e['tokens'] / e['wall_s']:.0f} tok/s, generate {h['tokens'] / h['wall_s']:.0f} tok/s, "
-              f"continuous {res['continuous'][-1]['wall_s']:.2f} s, static {res['static'][-1]['wall_s']:.2f} s, "
+        e, h, e2, h2 = res["engine"][-1], res["hf"][-1], res["engine128"][-1], res["hf128"][-1]
+        print(f"round {r}: 64 rows: engine {e['tokens'] / e['wall_s']:.0f} tok/s, generate {h['tokens'] / h['wall_s']:.0f} tok/s; "
+              f"128 rows: engine {e2['tokens'] / e2['wall_s']:.0f}, generate {h2['tokens'] / h2['wall_s']:.0f}; "
+              f"continuous {res['continuous'][-1]['wall_s']:.2f} s, shrinking static {res['shrinking_static'][-1]['wall_s']:.2f} s, "
+              f"padded static {res['padded_static'][-1]['wall_s']:.2f} s; "
               f"outside load {e['outside_cores']:.2f}/{h['outside_cores']:.2f} cores", flush=True)
 
     peak = statistics.median(x["gflops"] for x in res["peak"])
@@ -234,10 +249,30 @@ def main() -> None:
     def decode_gflops(runs, n, batch):
         return statistics.median(2 * n * batch / x["decode_step_s"] / 1e9 for x in runs)
 
-    ratios = [h["wall_s"] / e["wall_s"] for e, h in zip(res["engine"], res["hf"])]
-    tail_ratios = [s["wall_s"] / c["wall_s"] for c, s in zip(res["continuous"], res["static"])]
-    padded_ratios = [s["wall_s"] / c["wall_s"] for c, s in zip(res["continuous"], res["padded"])]
     n_tiny, n_wide = n_params["tiny"], n_params["wide"]
+
+    def throughput(engine_runs: list[dict], hf_runs: list[dict], groups: int) -> dict:
+        ratios = [h["wall_s"] / e["wall_s"] for e, h in zip(engine_runs, hf_runs)]
+        return {
+            "workload": f"{groups} prompts x 8 samples, 32 forced new tokens, T=1, {groups * 8} slots; generate on the same {groups * 8} rows",
+            "engine_tok_s": round(tok_s(engine_runs)),
+            "generate_tok_s": round(tok_s(hf_runs)),
+            "speedup": round(_median(hf_runs, "wall_s") / _median(engine_runs, "wall_s"), 2),
+            "speedup_round_median": round(statistics.median(ratios), 2),
+            "speedup_iqr": _iqr(ratios),
+            "engine_gflops": round(gflops(engine_runs, n_tiny), 1),
+            "engine_peak_frac": round(gflops(engine_runs, n_tiny) / peak, 3),
+            "engine_decode_step_ms": round(_median(engine_runs, "decode_step_s") * 1e3, 2),
+            "engine_decode_peak_frac": round(decode_gflops(engine_runs, n_tiny, groups * 8) / peak, 3),
+            "generate_peak_frac": round(gflops(hf_runs, n_tiny) / peak, 3),
+        }
+
+    def versus(baseline: str) -> dict:
+        ratios = [b["wall_s"] / c["wall_s"] for c, b in zip(res["continuous"], res[baseline])]
+        return {"s": round(_median(res[baseline], "wall_s"), 3), "steps": res[baseline][0]["steps"],
+                "speedup": round(_median(res[baseline], "wall_s") / _median(res["continuous"], "wall_s"), 2),
+                "speedup_round_median": round(statistics.median(ratios), 2), "speedup_iqr": _iqr(ratios)}
+
     summary = {
         "threads": args.threads,
         "rounds": args.rounds,
@@ -245,32 +280,14 @@ def main() -> None:
         "matmul_peak_gflops": round(peak, 1),
         "outside_load_cores_median": round(statistics.median(x["outside_cores"] for runs in res.values() for x in runs), 3),
         "clean_run_frac": round(statistics.mean(x["outside_cores"] < CLEAN_CORES for runs in res.values() for x in runs), 2),
-        "throughput": {
-            "workload": "8 prompts x 8 samples, 32 forced new tokens, T=1, 64 slots",
-            "engine_tok_s": round(tok_s(res["engine"])),
-            "generate_tok_s": round(tok_s(res["hf"])),
-            "speedup": round(_median(res["hf"], "wall_s") / _median(res["engine"], "wall_s"), 2),
-            "speedup_round_median": round(statistics.median(ratios), 2),
-            "speedup_iqr": _iqr(ratios),
-            "engine_gflops": round(gflops(res["engine"], n_tiny), 1),
-            "engine_peak_frac": round(gflops(res["engine"], n_tiny) / peak, 3),
-            "engine_decode_step_ms": round(_median(res["engine"], "decode_step_s") * 1e3, 2),
-            "engine_decode_peak_frac": round(decode_gflops(res["engine"], n_tiny, 64) / peak, 3),
-            "generate_peak_frac": round(gflops(res["hf"], n_tiny) / peak, 3),
-        },
+        "throughput_default_batch": throughput(res["engine128"], res["hf128"], 16),
+        "throughput": throughput(res["engine"], res["hf"], 8),
         "heavy_tailed": {
             "workload": f"{args.tail_groups} prompts x 8 samples, 1 in 8 forced to 256 tokens, others 32, 64 slots",
             "continuous_s": round(_median(res["continuous"], "wall_s"), 3),
-            "static_s": round(_median(res["static"], "wall_s"), 3),
-            "speedup": round(_median(res["static"], "wall_s") / _median(res["continuous"], "wall_s"), 2),
-            "speedup_round_median": round(statistics.median(tail_ratios), 2),
-            "speedup_iqr": _iqr(tail_ratios),
-            "padded_static_s": round(_median(res["padded"], "wall_s"), 3),
-            "speedup_vs_padded": round(_median(res["padded"], "wall_s") / _median(res["continuous"], "wall_s"), 2),
-            "speedup_vs_padded_round_median": round(statistics.median(padded_ratios), 2),
-            "speedup_vs_padded_iqr": _iqr(padded_ratios),
             "continuous_steps": res["continuous"][0]["steps"],
-            "static_steps": res["static"][0]["steps"],
+            "vs_padded_static": versus("padded_static"),
+            "vs_shrinking_static": versus("shrinking_static"),
         },
         "second_point": {
             "tiny_256_slots_tok_s": round(tok_s(res["big_batch"])),

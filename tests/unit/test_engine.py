@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from gapless.config import ModelConfig
 from gapless.generate.engine import TorchEngine
-from gapless.generate.runner import DecoderRunner, attention_plan
+from gapless.generate.runner import DecoderRunner, attention_ranges
 from gapless.models import build_tiny
 from gapless.trainer.batch import build_batch, token_logprobs
 from gapless.types import SamplingParams
@@ -65,10 +65,12 @@ def test_greedy_equals_transformers_generate(policy, problems):
     assert len({tuple(c.token_ids) for c in got}) > 1
 
 
-@pytest.mark.parametrize("starts", [[6, 9, 4, 7, 5], [40, 3, 4, 3, 5, 4, 3, 6]], ids=["mixed", "one-long"])
-def test_cached_decode_logits_equal_full_recomputation(policy, problems, starts):
+@pytest.mark.parametrize(("starts", "ranges"), [([6, 9, 4, 7, 5], None), ([40, 3, 4, 3, 5, 4, 3, 6], [(0, 1), (1, 8)]),
+                                               ([3, 40, 4, 30, 5, 4, 3, 6], [(0, 1), (1, 4), (4, 5), (5, 8)])],
+                         ids=["mixed", "one-long", "split"])
+def test_cached_decode_logits_equal_full_recomputation(policy, problems, starts, ranges):
     """Runner level: prefill of prefixes of different lengths, then batched decode steps with
-    every row at its own position (with one long row, the split attention path runs)."""
+    every row at its own position, attending in one range or in several (each its own length)."""
     seqs = [policy.encode(p.prompt + p.solution) * 3 for p in problems[: len(starts)]]  # any tokens will do
     assert all(len(s) >= n + 8 for s, n in zip(seqs, starts))
     runner = DecoderRunner(policy.model, 128)
@@ -81,11 +83,20 @@ def test_cached_decode_logits_equal_full_recomputation(policy, problems, starts)
     positions = torch.tensor(starts)
     for _ in range(8):
         tokens = torch.tensor([seqs[r][int(positions[r])] for r in rows])
-        step = runner.decode(tokens, positions, cache)
+        step = runner.decode(tokens, positions, cache, ranges)
         want = torch.stack([full[r][int(positions[r])] for r in rows])
         assert torch.allclose(step, want, atol=1e-5), (step - want).abs().max()
         positions += 1
-    assert (attention_plan(starts)[1] != []) == (max(starts) > 20)
+
+
+def test_attention_ranges_split_where_it_saves_reading():
+    """Cost of a split = sum over ranges of rows x (longest position + 1), + 256 per range."""
+    assert attention_ranges([5, 6, 4, 7]) == [(0, 4)]  # nothing to save
+    # one range: 4 x 301 + 256 = 1460; the long row alone: 301 + 256 + 3 x 8 + 256 = 837
+    assert attention_ranges([300, 5, 6, 7]) == [(0, 1), (1, 4)]
+    # two cohorts of long rows, then short ones (32 rows): one range 32 x 301 + 256 = 9888;
+    # (0, 4) (4, 32): 4 x 301 + 28 x 8 + 2 x 256 = 1940; (0, 2) (2, 4) (4, 32): 602 + 202 + 224 + 768 = 1796
+    assert attention_ranges([300, 290, 100, 95, 5, 7] + [6] * 26) == [(0, 2), (2, 4), (4, 32)]
 
 
 def test_engine_tokens_and_logprobs_equal_full_recomputation(policy, problems):

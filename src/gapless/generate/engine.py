@@ -35,7 +35,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from gapless.generate.runner import DecoderRunner
+from gapless.generate.runner import DecoderRunner, attention_ranges
 from gapless.generate.sampling import RowSettings, sample_rows, sample_seed, uniform_stream
 from gapless.types import Completion, FinishReason, SamplingParams
 
@@ -145,6 +145,7 @@ class TorchEngine:
         self._prefixes: dict[tuple[int, ...], _Prefix] = {}
         self._waiting_prefixes: Counter[tuple[int, ...]] = Counter()
         self._decode_rows: RowSettings | None = None  # settings of the running batch, rebuilt when it changes
+        self._attention_ranges: list[tuple[int, int]] = []  # the runner's attention split, rebuilt with _decode_rows
         self._ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------
@@ -255,9 +256,10 @@ class TorchEngine:
 
     def _decode_step(self) -> list[Completion]:
         batch, slots = len(self.running), self.slots
-        if self._decode_rows is None:
+        if self._decode_rows is None:  # the batch changed
             self._decode_rows = slots.settings(self.running)
-        logits = self.runner.decode(slots.last_token[:batch], slots.position[:batch], self.cache)  # (B, V)
+            self._attention_ranges = attention_ranges(slots.position[:batch].tolist())
+        logits = self.runner.decode(slots.last_token[:batch], slots.position[:batch], self.cache, self._attention_ranges)  # (B, V)
         u = slots.uniforms[:batch].gather(1, slots.generated[:batch, None]).squeeze(1)  # (B,)
         tokens, logprobs = sample_rows(logits, self._decode_rows, u)
         slots.position[:batch] += 1
