@@ -310,19 +310,25 @@ class PipelineConfig(_Section):
     """Prompt choice: 'uniform' (the synchronous loop's order) or 'pass_rate' (prefer prompts whose
     running pass rate is neither 0 nor 1; see orchestrate/curriculum.py)."""
     generator_threads: int = Field(0, ge=0, le=512)
-    """Torch threads of the generator process; 0 = half the cores (at least 1)."""
+    """Torch threads of the generator process; 0 = every core when max_staleness is 0 (generator
+    and trainer take turns), else half the cores (at least 1)."""
     trainer_threads: int = Field(0, ge=0, le=512)
-    """Torch threads of the trainer process; 0 = the cores left by the generator (at least 1)."""
+    """Torch threads of the trainer process; 0 = every core when max_staleness is 0, else the cores
+    left by the generator (at least 1)."""
     env_workers: int = Field(4, ge=1, le=1024)
     """Groups scored concurrently by the environment process."""
 
     @property
     def generator_threads_resolved(self) -> int:
-        return self.generator_threads or max(1, (os.cpu_count() or 2) // 2)
+        cores = os.cpu_count() or 2
+        return self.generator_threads or (cores if self.max_staleness == 0 else max(1, cores // 2))
 
     @property
     def trainer_threads_resolved(self) -> int:
-        return self.trainer_threads or max(1, (os.cpu_count() or 2) - self.generator_threads_resolved)
+        cores = os.cpu_count() or 2
+        if self.trainer_threads:
+            return self.trainer_threads
+        return cores if self.max_staleness == 0 else max(1, cores - self.generator_threads_resolved)
 
 
 class MetricsConfig(_Section):

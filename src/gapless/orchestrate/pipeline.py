@@ -220,6 +220,10 @@ class Pipeline(SyncLoop):
 
 
 def _check_threads(cfg: Config) -> None:
+    """With a budget the actors run at once, so their threads must fit the cores; at budget 0 they
+    take turns (the generator waits for each step's weights), so each may use every core."""
+    if cfg.pipeline.max_staleness == 0:
+        return
     cores = len(os.sched_getaffinity(0))
     used = cfg.pipeline.generator_threads_resolved + cfg.pipeline.trainer_threads_resolved
     if used > max(cores, 2):
