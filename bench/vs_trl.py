@@ -107,12 +107,15 @@ def ensure_trl_env() -> Path:
 def save_model(model_dir: Path, warmstart_steps: int) -> None:
     """The default tiny policy (warm-started if asked), as a local HF checkpoint both sides load."""
     from gapless.config import Config
-    from gapless.envs.problems import generate_problems
+    from gapless.envs.registry import make_environment
     from gapless.orchestrate.policy_setup import prepare_policy
 
     cfg = Config.model_validate({"warmstart": {"steps": warmstart_steps}})
-    train = generate_problems(cfg.seed, "train", cfg.task.num_train_prompts, cfg.task.levels, cfg.task.num_hidden_tests)
-    policy, _ = prepare_policy(cfg, train, log=lambda *_: None)
+    env = make_environment(cfg)
+    try:
+        policy, _ = prepare_policy(cfg, env, log=lambda *_: None)
+    finally:
+        env.close()
     policy.save(model_dir)
 
 

@@ -22,8 +22,9 @@ import time
 import torch
 
 from gapless.config import Config
-from gapless.envs.problems import generate_problems
-from gapless.orchestrate.loop import SyncLoop, make_environment
+from gapless.envs.base import check_infra
+from gapless.envs.registry import make_environment
+from gapless.orchestrate.loop import SyncLoop
 from gapless.types import Completion
 
 def peak_rss_mb() -> float:
@@ -67,6 +68,7 @@ def gapless_config(model_dir: str, run_dir: str, threads: int, steps: int) -> Co
         "warmstart": {"steps": 0},
         "trainer": {"threads": threads},
         "loop": {"steps": steps},
+        "metrics": {"tensorboard": False, "timeline": False, "live": "plain"},  # TRL's side logs nowhere either
     })
 
 
@@ -93,9 +95,9 @@ def run_trl(model_dir: str, warmup: int, steps: int, threads: int) -> dict:
 
     cfg = gapless_config(model_dir, "unused", threads, warmup + steps)
     torch.set_num_threads(threads)
-    problems = generate_problems(cfg.seed, "train", cfg.task.num_train_prompts, cfg.task.levels, cfg.task.num_hidden_tests)
-    by_uid = {p.uid: p for p in problems}
     env = make_environment(cfg)
+    problems = list(env.tasks("train"))
+    by_uid = {p.uid: p for p in problems}
     per_step = {"generate_s": [], "score_s": [], "completion_len": []}
 
     def code_reward(prompts, completions, completion_ids, uid, **_):
@@ -104,7 +106,7 @@ def run_trl(model_dir: str, warmup: int, steps: int, threads: int) -> dict:
         wrapped = [[Completion([], ids, [], [], "stop", text)] for ids, text in zip(completion_ids, completions)]
         groups = env.score_groups([by_uid[u] for u in uid], wrapped)
         rollouts = [g[0] for g in groups]
-        env.check_infra(rollouts)
+        check_infra(rollouts)
         per_step["score_s"].append(time.perf_counter() - t0)
         per_step["completion_len"].append(sum(len(ids) for ids in completion_ids) / len(completion_ids))
         return [None if r.is_infra_failure else r.reward for r in rollouts]
