@@ -22,7 +22,10 @@ from gapless.models import Policy
 from gapless.trainer.batch import token_logprobs
 
 
-def supervised_batch(policy: Policy, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+Batch3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ids (B, L), attention mask (B, L), loss mask (B, L-1)
+
+
+def supervised_batch(policy: Policy, pairs: list[tuple[str, str]]) -> Batch3:
     seqs, starts = [], []
     for prompt, target in pairs:
         p = policy.encode(prompt)
@@ -42,17 +45,26 @@ def supervised_batch(policy: Policy, pairs: list[tuple[str, str]]) -> tuple[torc
 def warm_start(policy: Policy, problems: list[Task], teacher: Teacher, cfg: WarmStartConfig, seed: int,
                log: Callable[[int, float], None] | None = None) -> list[float]:
     rng = random.Random(seed)
+
+    def next_batch() -> Batch3:
+        chosen = rng.sample(problems, min(cfg.batch_size, len(problems)))
+        return supervised_batch(policy, [(p.prompt, teacher.demonstration(p, rng)) for p in chosen])
+
+    return supervised_steps(policy, next_batch, cfg, log)
+
+
+def supervised_steps(policy: Policy, next_batch: Callable[[], Batch3], cfg: WarmStartConfig,
+                     log: Callable[[int, float], None] | None = None) -> list[float]:
+    """`cfg.steps` AdamW steps (linear warm-up over 20 steps, grad clip 1.0) of the masked
+    negative log-likelihood of `next_batch()` (ids, attention mask, loss mask); returns the losses."""
     model = policy.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     losses = []
     model.train()
     for step in range(cfg.steps):
-        chosen = rng.sample(problems, min(cfg.batch_size, len(problems)))
-        pairs = [(p.prompt, teacher.demonstration(p, rng)) for p in chosen]
-        ids, attn, mask = supervised_batch(policy, pairs)
-        logp = token_logprobs(model, ids, attn)
-        loss = -(logp * mask).sum() / mask.sum()
+        ids, attn, mask = next_batch()
+        loss = -(token_logprobs(model, ids, attn) * mask).sum() / mask.sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -16,7 +16,7 @@ import torch
 
 from gapless.config import WarmStartConfig
 from gapless.models import Policy
-from gapless.trainer.batch import token_logprobs
+from gapless.trainer.warmstart import supervised_steps
 
 Transcript = tuple[str, Sequence[tuple[str, bool]]]  # (prompt, [(text, is_model), ...])
 
@@ -45,23 +45,6 @@ def transcript_batch(policy: Policy, transcripts: list[Transcript]) -> tuple[tor
 
 def warm_start_transcripts(policy: Policy, sample: Callable[[random.Random], Transcript], cfg: WarmStartConfig, seed: int,
                            log: Callable[[int, float], None] | None = None) -> list[float]:
-    """`cfg.steps` AdamW steps on batches of `sample(rng)` transcripts (same schedule as warmstart.py)."""
+    """`cfg.steps` AdamW steps on batches of `sample(rng)` transcripts (the schedule of warmstart.py)."""
     rng = random.Random(seed)
-    model = policy.model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
-    losses = []
-    model.train()
-    for step in range(cfg.steps):
-        ids, attn, mask = transcript_batch(policy, [sample(rng) for _ in range(cfg.batch_size)])
-        loss = -(token_logprobs(model, ids, attn) * mask).sum() / mask.sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        if log is not None:
-            log(step, losses[-1])
-    model.eval()
-    return losses
+    return supervised_steps(policy, lambda: transcript_batch(policy, [sample(rng) for _ in range(cfg.batch_size)]), cfg, log)
