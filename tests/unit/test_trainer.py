@@ -8,7 +8,7 @@ import torch
 
 from gapless.config import TrainerConfig
 from gapless.generate.sampler import TorchSampler
-from gapless.trainer.batch import build_batch
+from gapless.trainer.batch import balanced_cuts, build_batch
 from gapless.trainer.losses import LOSSES
 from gapless.trainer.normalisers import StepNorm
 from gapless.trainer.trainer import GRPOTrainer
@@ -132,3 +132,46 @@ def test_a_step_without_loss_tokens_publishes_unchanged_weights(sampled):
 def test_drgrpo_needs_the_generation_cap(sampled):
     with pytest.raises(ValueError, match="max_new_tokens"):
         GRPOTrainer(sampled[0], TrainerConfig(loss="drgrpo"))
+
+
+def test_micro_batches_cover_every_row_once_sorted_and_cut_to_their_longest_row(sampled):
+    _, batch = sampled
+    lengths = batch.attention_mask.sum(-1)
+    assert len(set(lengths.tolist())) > 1  # rows of different lengths, or the test proves nothing
+    parts = batch.micro_batches(5)
+    assert len(parts) <= -(-len(batch) // 5)
+    assert max(mb.input_ids.numel() for _, mb in parts) <= 5 * int(lengths.max())  # never above the plain split's peak
+    order = torch.cat([index for index, _ in parts])
+    assert sorted(order.tolist()) == list(range(len(batch)))
+    assert lengths[order].tolist() == sorted(lengths.tolist())
+    for index, mb in parts:
+        width = int(lengths[index].max())
+        assert mb.input_ids.shape == (len(index), width) and mb.loss_mask.shape == (len(index), width - 1)
+        assert torch.equal(mb.input_ids, batch.input_ids[index, :width])
+        assert torch.equal(mb.behaviour_logprobs, batch.behaviour_logprobs[index, : width - 1])
+        assert batch.loss_mask[index, width - 1 :].sum() == 0  # nothing cut off trained
+    assert sum(float(mb.loss_mask.sum()) for _, mb in parts) == float(batch.loss_mask.sum())
+
+
+def test_balanced_cuts_minimise_the_largest_micro_batch():
+    """Against an exhaustive search over every way to cut sorted lengths into contiguous ranges."""
+    import functools
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = sorted(rng.randint(2, 40) for _ in range(rng.randint(1, 12)))
+        parts = rng.randint(1, 4)
+
+        @functools.cache
+        def best(stop: int, left: int) -> float:  # least largest range over rows [0, stop) in `left` ranges
+            if stop == 0:
+                return 0
+            if left == 0:
+                return float("inf")
+            return min(max(best(start, left - 1), (stop - start) * lengths[stop - 1]) for start in range(stop))
+
+        cuts = balanced_cuts(lengths, parts)
+        assert len(cuts) <= parts and cuts[0][0] == 0 and cuts[-1][1] == len(lengths)
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(cuts, cuts[1:]))
+        assert max((stop - start) * lengths[stop - 1] for start, stop in cuts) == best(len(lengths), parts)

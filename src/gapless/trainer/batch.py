@@ -7,7 +7,15 @@ from the completion records onto the same positions. A multi-turn completion's o
 (0 on tokens the environment wrote, e.g. tool output) is copied there too, so those tokens are
 context for the model but contribute nothing to any loss, normaliser or metric. `group_ids` say which rows are one prompt's
 group: the per-group normalisers and the zero-variance filter need them. A batch is always the
-whole step; micro-batches are slices of its rows (`rows`), never of its groups' statistics.
+whole step; micro-batches are subsets of its rows, never of its groups' statistics.
+
+`micro_batches` orders the rows by length, cuts the step into as many micro-batches as
+`micro_batch_size` rows each would need, and places the cuts so that the largest micro-batch
+(rows x its own longest row, padding included) is as small as possible: a forward pass over
+right padding is work thrown away, and the largest micro-batch sets the step's activation memory.
+So no micro-batch holds more padded tokens than `micro_batch_size` x the step's longest row,
+though a micro-batch of short rows may hold more rows than that. Which rows share a micro-batch
+changes only the order of float sums.
 """
 
 from __future__ import annotations
@@ -34,6 +42,20 @@ class Batch:
     def rows(self, start: int, stop: int) -> "Batch":
         return Batch(*(getattr(self, f.name)[start:stop] for f in fields(self)))
 
+    def micro_batches(self, size: int) -> list[tuple[torch.Tensor, "Batch"]]:
+        """(row index, micro-batch) pairs covering every row once, in ceil(rows / size) micro-batches
+        of length-sorted rows, each cut to its own longest row (see the module docstring)."""
+        lengths = self.attention_mask.sum(-1).clamp(min=2)
+        order = torch.sort(lengths, stable=True).indices
+        out = []
+        for start, stop in balanced_cuts(lengths[order].tolist(), -(-len(self) // size)):
+            index = order[start:stop]
+            width = int(lengths[index].max())
+            mb = self.select(index.tolist())
+            out.append((index, Batch(mb.input_ids[:, :width], mb.attention_mask[:, :width], mb.loss_mask[:, : width - 1],
+                                     mb.behaviour_logprobs[:, : width - 1], mb.advantages, mb.group_ids)))
+        return out
+
     def select(self, index: list[int]) -> "Batch":
         keep = torch.tensor(index, dtype=torch.long)
         return Batch(*(getattr(self, f.name).index_select(0, keep) for f in fields(self)))
@@ -46,6 +68,29 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+
+def balanced_cuts(lengths: list[int], parts: int) -> list[tuple[int, int]]:
+    """Cut ascending `lengths` into at most `parts` contiguous [start, stop) ranges minimising the
+    largest rows x longest-row product. For a bound A, filling ranges greedily from the longest
+    row down (each as many rows as fit under A) needs the fewest ranges, so a binary search over
+    A on that greedy count finds the least A that `parts` ranges reach."""
+
+    def cuts(bound: int) -> list[tuple[int, int]]:
+        out, stop = [], len(lengths)
+        while stop > 0:
+            start = max(0, stop - max(1, bound // lengths[stop - 1]))
+            out.append((start, stop))
+            stop = start
+        return out[::-1]
+
+    if not lengths:
+        return []
+    lo, hi = 1, -(-len(lengths) // parts) * lengths[-1]  # the even split of sorted rows reaches hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if len(cuts(mid)) <= parts else (mid + 1, hi)
+    return cuts(lo)
 
 
 def build_batch(completions: list[Completion], advantages: list[float], valid: list[bool], pad_id: int,

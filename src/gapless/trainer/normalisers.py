@@ -48,6 +48,9 @@ class StepNorm:
     def rows(self, start: int, stop: int) -> "StepNorm":
         return replace(self, group_sizes=self.group_sizes[start:stop])
 
+    def select(self, index: torch.Tensor) -> "StepNorm":
+        return replace(self, group_sizes=self.group_sizes[index])
+
 
 def token_mean(mask: torch.Tensor, norm: StepNorm) -> torch.Tensor:
     return mask / max(norm.num_tokens, 1)

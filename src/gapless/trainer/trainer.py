@@ -86,16 +86,15 @@ class GRPOTrainer:
         cfg = self.cfg
         totals = {"loss": 0.0, "clip": 0.0, "ratio": 0.0, "kl": 0.0, "entropy": 0.0}
         offpolicy = []
-        for start in range(0, len(batch), cfg.micro_batch_size):
-            stop = start + cfg.micro_batch_size
-            mb = batch.rows(start, stop)
+        for index, mb in batch.micro_batches(cfg.micro_batch_size):
+            width = mb.loss_mask.shape[1]
             logprobs, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask, self.temperature,
                                                            entropy_grad=cfg.entropy_coef > 0)
             if is_first:
-                start_logprobs[start:stop] = logprobs.detach()
-            trainer_start = start_logprobs[start:stop]
+                start_logprobs[index, :width] = logprobs.detach()
+            trainer_start = start_logprobs[index, :width]
             old = trainer_start if cfg.old_logprobs == "trainer" else mb.behaviour_logprobs
-            policy = self.loss_fn(logprobs, old, mb.advantages, mb.loss_mask, norm.rows(start, stop), cfg.clip_eps, cfg.clip_high)
+            policy = self.loss_fn(logprobs, old, mb.advantages, mb.loss_mask, norm.select(index), cfg.clip_eps, cfg.clip_high)
             rho, diagnostics = importance_weights(trainer_start, mb.behaviour_logprobs, mb.loss_mask, cfg.correction,
                                                   cfg.correction_level, cfg.tis_cap, cfg.mis_low, cfg.mis_high)
             offpolicy.append(diagnostics)
@@ -130,11 +129,11 @@ class GRPOTrainer:
         """KL to the reference of each completion under its behaviour log-probs (for kl_placement =
         'reward'): the sum over its loss tokens of the per-token estimate."""
         assert self.reference is not None, "reference_kl needs trainer.kl_coef > 0"
-        out = []
-        for start in range(0, len(batch), self.cfg.micro_batch_size):
-            mb = batch.rows(start, start + self.cfg.micro_batch_size)
+        out = [0.0] * len(batch)
+        for index, mb in batch.micro_batches(self.cfg.micro_batch_size):
             ref = self._reference_logprobs(mb)
-            out += sequence_kl(mb.behaviour_logprobs, ref, mb.loss_mask, self.cfg.kl_estimator).tolist()
+            for row, kl in zip(index.tolist(), sequence_kl(mb.behaviour_logprobs, ref, mb.loss_mask, self.cfg.kl_estimator).tolist()):
+                out[row] = kl
         return out
 
     def state_for_push(self) -> dict[str, torch.Tensor]:
