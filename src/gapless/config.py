@@ -186,7 +186,10 @@ class TrainerConfig(_Section):
     the later updates are off-policy and the clipped ratio bounds how far each batch moves the
     policy; generation and scoring are paid once."""
     micro_batch_size: int = Field(64, ge=1)
-    """Sequences per forward/backward pass; gradients accumulate to the whole step."""
+    """Sequences per forward/backward pass, on average; gradients accumulate to the whole step.
+    Rows are sorted by length and each micro-batch is cut to its longest row; the step is split
+    into ceil(rows / micro_batch_size) micro-batches holding at most micro_batch_size x the
+    step's longest row in padded tokens (short rows share a micro-batch with more of them)."""
     threads: int = Field(0, ge=0, le=512)
     """torch intra-op threads; 0 uses every core given to the process."""
 
