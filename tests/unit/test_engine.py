@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from gapless.config import ModelConfig
-from gapless.generate.engine import TorchEngine
+from gapless.generate.engine import TorchEngine, decode_rows
 from gapless.generate.runner import DecoderRunner, attention_ranges
 from gapless.models import build_tiny
 from gapless.trainer.batch import build_batch, token_logprobs
@@ -278,3 +278,28 @@ def test_partial_rollouts_resume_under_new_weights_with_versions(policy, problem
         cont = reference.generate([c.prompt_ids + c.token_ids[:3]], SamplingParams(greedy=True, max_new_tokens=3, ignore_eos=True))[0]
         assert c.token_ids[3:] == cont.token_ids
     assert done["2"].versions == [1] * 6  # started after the swap
+
+
+def test_decode_runs_on_a_few_row_counts_and_padding_rows_change_nothing(policy, problems):
+    """A batch shrinking through every size from 20 to 1 runs the forward on rounded row counts
+    only (one oneDNN kernel per count and layer is cached for the process's life), and every
+    completion equals the full recomputation of its own tokens: the parked slots that pad the
+    batch do not leak into the real rows."""
+    engine = _engine(policy, max_batch=20)
+    seen, decode = [], engine.runner.decode
+    engine.runner.decode = lambda tokens, *a, **kw: (seen.append(len(tokens)), decode(tokens, *a, **kw))[1]
+    prompts = [policy.encode(p.prompt) for p in problems[:20]]
+    for i, prompt in enumerate(prompts):  # sequence i stops after i + 1 tokens: the batch shrinks by one a step
+        engine.add_request(prompt, SamplingParams(greedy=True, max_new_tokens=i + 1, ignore_eos=True))
+    done = []
+    while engine.has_work:
+        done += engine.step()
+    assert sorted(set(seen)) == [8, 16, 20] and {decode_rows(b, 20) for b in range(1, 21)} == {8, 16, 20}
+    assert sorted(len(c.token_ids) for c in done) == list(range(1, 21))
+    assert engine.slots.position.tolist() == [0] * 20  # every slot parked again
+    for c in done:
+        with torch.no_grad():
+            steps = _hf_forward(policy.model, c.prompt_ids + c.token_ids)[len(c.prompt_ids) - 1 : -1]
+        assert steps.argmax(-1).tolist() == c.token_ids
+        full = torch.log_softmax(steps, -1).gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
+        assert torch.allclose(full, torch.tensor(c.logprobs), atol=1e-5)

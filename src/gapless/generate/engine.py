@@ -15,6 +15,11 @@ later steps; (2) decodes one token for every running sequence in one batched for
 feeds its last context token, so every token is sampled in the same place); (3) retires the
 finished sequences and closes the holes by moving the last slots down, so the running batch is
 always the prefix 0..B-1 of the cache and a freed slot is refilled at the next step.
+The decode forward runs on `decode_rows(B)` >= B slots, a few sizes per power of two: the free
+slots past B ride along at position 0 (their outputs are dropped, and a slot's cache is rewritten
+from position 0 when a sequence takes it). oneDNN compiles and caches one kernel per linear layer
+per row count; without the rounding a run whose batch takes every size from 1 to max_batch holds
+hundreds of them (measured: +330 MB of resident memory over 24 batches of 128 with early stops).
 
 Guarantees (tested): greedy tokens equal `transformers` `generate`; cached decoding equals full
 recomputation within fp32 rounding; with top-p = 1 and top-k = 0 each token's log-prob equals the
@@ -114,6 +119,11 @@ class _Slots:
         src_t, dst_t = torch.tensor(src), torch.tensor(dst)
         for t in self._all:
             t[dst_t] = t[src_t]
+
+    def free(self, lo: int, hi: int) -> None:
+        """Slots lo..hi-1 left the batch: park them at position 0 (where a padded decode writes)."""
+        self.position[lo:hi] = 0
+        self.last_token[lo:hi] = 0
 
     def settings(self, seqs: list[_Sequence]) -> RowSettings:
         """Sampling settings of slots 0..len(seqs)-1, which `seqs` occupy."""
@@ -238,6 +248,7 @@ class TorchEngine:
             for seq in reversed(self.running):
                 self.waiting.appendleft(seq)
                 self._waiting_prefixes[seq.context[:-1]] += 1
+            self.slots.free(0, len(self.running))
             self.running.clear()
             self._decode_rows = None
 
@@ -256,10 +267,11 @@ class TorchEngine:
 
     def _decode_step(self) -> list[Completion]:
         batch, slots = len(self.running), self.slots
+        rows = decode_rows(batch, self.max_batch)
         if self._decode_rows is None:  # the batch changed
             self._decode_rows = slots.settings(self.running)
-            self._attention_ranges = attention_ranges(slots.position[:batch].tolist())
-        logits = self.runner.decode(slots.last_token[:batch], slots.position[:batch], self.cache, self._attention_ranges)  # (B, V)
+            self._attention_ranges = attention_ranges(slots.position[:rows].tolist())
+        logits = self.runner.decode(slots.last_token[:rows], slots.position[:rows], self.cache, self._attention_ranges)[:batch]  # (B, V)
         u = slots.uniforms[:batch].gather(1, slots.generated[:batch, None]).squeeze(1)  # (B,)
         tokens, logprobs = sample_rows(logits, self._decode_rows, u)
         slots.position[:batch] += 1
@@ -336,6 +348,7 @@ class TorchEngine:
             self.slots.move(movers, holes)
             for hole, mover in zip(holes, movers):
                 self.running[hole] = self.running[mover]
+        self.slots.free(alive, len(self.running))
         del self.running[alive:]
         self._decode_rows = None
         return out
@@ -345,3 +358,11 @@ class TorchEngine:
         text = self._decode_text(text_ids) if self._decode_text else ""
         return Completion(list(seq.prompt), list(seq.tokens), list(seq.logprobs), list(seq.versions), reason, text,
                           seq.request_id, seq.index, seq.seed)
+
+
+def decode_rows(batch: int, max_batch: int) -> int:
+    """Rows the decode forward runs for a batch of `batch`: rounded up to a multiple of 8, or of an
+    eighth of the next power of two when that is larger (at most 12.5% extra rows), capped at
+    `max_batch` -- about 8 distinct sizes per power of two instead of every size."""
+    step = max(8, (1 << (batch - 1).bit_length()) // 8)
+    return min(max_batch, -(-batch // step) * step)
