@@ -306,6 +306,10 @@ class PipelineConfig(_Section):
     """Cut a sequence every this many generated tokens while other sequences wait for a slot and
     resume it at the back of the queue, under the weights current then (KV recomputed). 0 = off.
     Torch engine only."""
+    partial_rollout_s: float = Field(0.0, ge=0)
+    """Time deadline for the same cut: a group running this many seconds since it last got a slot
+    is cut while others wait, and resumed at the back of the queue. 0 = off. Torch engine only;
+    runs that cut by time are not bitwise reproducible."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no GRPO signal) as they arrive and backfill them,
     so every step trains on a full batch of groups with signal (DAPO's dynamic sampling)."""
@@ -453,6 +457,11 @@ def _check_cross_field(cfg: Config) -> None:
     if bad_levels or not cfg.task.levels:
         raise ConfigError(f"task.levels: {cfg.task.levels} must be a non-empty list drawn from 1, 2, 3")
     _check_task(cfg)
+    pl = cfg.pipeline
+    if (pl.partial_rollout_tokens or pl.partial_rollout_s) and cfg.generator.engine != "torch":
+        field = "partial_rollout_tokens" if pl.partial_rollout_tokens else "partial_rollout_s"
+        raise ConfigError(f"pipeline.{field} cuts running sequences, which only generator.engine = 'torch' exposes "
+                          f"(not {cfg.generator.engine!r}); set it to 0 or use the torch engine")
 
 
 def _check_task(cfg: Config) -> None:

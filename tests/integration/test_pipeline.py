@@ -59,11 +59,12 @@ def test_budget_zero_equals_the_synchronous_loop(tmp_path, warm_cache):
     assert {m["staleness/max"] for m in pipe} == {0.0}
 
 
-@pytest.mark.parametrize("budget,oversample,dynamic", [(2, 0.0, False), (1, 0.5, True)])
-def test_async_run_respects_the_budget_and_ends_every_group_once(tmp_path, warm_cache, budget, oversample, dynamic):
+@pytest.mark.parametrize("budget,oversample,dynamic,partial_s", [(2, 0.0, False, 0.0), (1, 0.5, True, 0.02)])
+def test_async_run_respects_the_budget_and_ends_every_group_once(tmp_path, warm_cache, budget, oversample, dynamic, partial_s):
     cfg = _cfg(tmp_path, "run", warm_cache, **{"loop.steps": 6, "pipeline.max_staleness": budget,
                "pipeline.oversample": oversample, "pipeline.dynamic_sampling": str(dynamic).lower(),
-               "pipeline.partial_rollout_tokens": 3, "generator.max_batch": 4})  # fmt: skip
+               "pipeline.partial_rollout_tokens": 3, "pipeline.partial_rollout_s": partial_s,
+               "generator.max_batch": 4})  # fmt: skip
     Pipeline(cfg, log=lambda *_: None).run()
     run = tmp_path / "run"
     events = _ledger(run)
@@ -76,3 +77,4 @@ def test_async_run_respects_the_budget_and_ends_every_group_once(tmp_path, warm_
     if dynamic:
         assert all(len(set(e["rewards"])) > 1 for e in trained)  # never a zero-variance group
     assert max(m["staleness/max"] for m in _metrics(run)) <= budget
+    assert sum(m.get("generator/partial_cuts", 0) for m in _metrics(run)) > 0  # groups of 8 on 4 slots: always someone waiting

@@ -255,7 +255,7 @@ def test_partial_rollouts_resume_under_new_weights_with_versions(policy, problem
     """The pipeline's partial-rollout lever: cut at 3 tokens while another group waits, swap
     weights, resume. Tokens before the cut keep version 0, tokens after it carry version 1 and
     are what the new weights produce from that context (greedy, KV recomputed)."""
-    from gapless.orchestrate.actors import cut_partial_rollouts
+    from gapless.orchestrate.partial import PartialRollouts
 
     prompts = _prompts(policy, problems, 3)
     params = SamplingParams(greedy=True, max_new_tokens=6, ignore_eos=True)
@@ -264,7 +264,7 @@ def test_partial_rollouts_resume_under_new_weights_with_versions(policy, problem
         engine.add_request(prompt, params, 1, request_id=str(i))
     for _ in range(3):
         engine.step()
-    assert cut_partial_rollouts(engine, 3, lambda _: params) == ["0", "1"]
+    assert PartialRollouts(every_tokens=3).cut(engine, lambda _: params) == ["0", "1"]
     assert [seq.request_id for seq in engine.waiting] == ["2", "0", "1"]  # cut groups go to the back
     new_model = _peaked(policy.model, seed=7)
     engine.update_weights(new_model.state_dict(), version=1)
@@ -303,3 +303,42 @@ def test_decode_runs_on_a_few_row_counts_and_padding_rows_change_nothing(policy,
         assert steps.argmax(-1).tolist() == c.token_ids
         full = torch.log_softmax(steps, -1).gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
         assert torch.allclose(full, torch.tensor(c.logprobs), atol=1e-5)
+
+
+def test_partial_rollouts_cut_at_a_time_deadline_only_while_others_wait(policy, problems):
+    """A group running for `deadline_s` since it got a slot is cut and queued at the back; its
+    clock restarts when it runs again; nothing is cut while no sequence waits. The resumed
+    completion equals the uninterrupted one (same weights, greedy)."""
+    from gapless.orchestrate.partial import PartialRollouts
+
+    now = [0.0]
+    partial = PartialRollouts(deadline_s=1.0, clock=lambda: now[0])
+    prompts = _prompts(policy, problems, 3)
+    params = SamplingParams(greedy=True, max_new_tokens=6, ignore_eos=True)
+    engine = _engine(policy, max_batch=2)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, 1, request_id=str(i))
+    engine.step()
+    assert partial.cut(engine, lambda _: params) == []  # "0" and "1" start their clocks at t = 0
+    now[0] = 0.9
+    engine.step()
+    assert partial.cut(engine, lambda _: params) == []  # before the deadline
+    now[0] = 1.0
+    engine.step()
+    assert partial.cut(engine, lambda _: params) == ["0", "1"]
+    assert [seq.request_id for seq in engine.waiting] == ["2", "0", "1"] and partial.running_since == {}
+    engine.step()  # "2" and "0" take the slots; "1" waits
+    now[0] = 1.5
+    assert partial.cut(engine, lambda _: params) == []  # the clocks of "2" and "0" started at 1.5
+    done = {}
+    while engine.has_work:
+        done.update((c.request_id, c) for c in engine.step())
+        now[0] += 0.1
+        partial.cut(engine, lambda _: params)
+    reference = _engine(policy, max_batch=4).generate(prompts, params)
+    assert [done[str(i)].token_ids for i in range(3)] == [c.token_ids for c in reference]
+    idle = PartialRollouts(deadline_s=1.0, clock=lambda: 100.0)
+    lone = _engine(policy, max_batch=4)
+    lone.add_request(prompts[0], params, 1, request_id="x")
+    lone.step()
+    assert idle.cut(lone, lambda _: params) == [] and lone.num_waiting == 0  # nobody waits: no cut

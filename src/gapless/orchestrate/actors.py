@@ -7,9 +7,9 @@
 
 Generator: holds the stepped engine; between decode steps it loads newer weights if published
 (in-flight sequences continue; their next tokens carry the new version), applies control
-messages, admits groups while `Admission` allows, and decodes. With `partial_rollout_tokens` = K,
-a sequence that has produced a multiple of K tokens while others wait for a slot is cut and
-resumed at the back of the queue (re-prefilled by the weights current then). It reports
+messages, admits groups while `Admission` allows, and decodes. With `partial_rollout_tokens` or
+`partial_rollout_s`, a group past its token or time deadline while others wait for a slot is cut
+and resumed at the back of the queue (re-prefilled by the weights current then; partial.py). It reports
 'admitted' records and busy / idle / stall times to the trainer.
 Environment: scores groups on `env_workers` threads (the sandbox runs the programs in its own
 processes) and forwards them; rewards also go back to the generator for the curriculum.
@@ -40,6 +40,7 @@ import torch
 from gapless.config import Config
 from gapless.orchestrate.admission import Admission, PromptSource, sampling_params
 from gapless.orchestrate.buffer import ScoredGroup
+from gapless.orchestrate.partial import PartialRollouts
 from gapless.orchestrate.weights import SharedWeights
 from gapless.timeline import MergedSpans, open_timeline
 from gapless.types import Completion
@@ -121,7 +122,8 @@ class _GeneratorActor:
         self.groups: dict[int, list[Completion]] = {}
         self.meta: dict[int, tuple[int, int]] = {}  # index -> (task index, birth version)
         self.cut: set[int] = set()
-        self.clock = {"busy_s": 0.0, "idle_s": 0.0, "stall_s": 0.0, "blocked_s": 0.0, "tokens": 0, "groups": 0, "swaps": 0}
+        self.partial = PartialRollouts(cfg.pipeline.partial_rollout_tokens, cfg.pipeline.partial_rollout_s)
+        self.clock = {"busy_s": 0.0, "idle_s": 0.0, "stall_s": 0.0, "blocked_s": 0.0, "tokens": 0, "groups": 0, "swaps": 0, "partial_cuts": 0}
         self.last_report = time.perf_counter()
         self.timeline = open_timeline(cfg.run_dir, "generator", cfg.metrics.timeline)
         self.spans = MergedSpans(self.timeline)
@@ -205,8 +207,8 @@ class _GeneratorActor:
                 self.clock["blocked_s"] += _put(self.spec.to_env, ("group", index, task, born, group), self.spec.stop)
 
     def _cut_partial(self) -> None:
-        cut_partial_rollouts(self.engine, self.cfg.pipeline.partial_rollout_tokens,
-                             lambda request_id: sampling_params(self.cfg, int(request_id)))
+        cut = self.partial.cut(self.engine, lambda request_id: sampling_params(self.cfg, int(request_id)))
+        self.clock["partial_cuts"] += len(cut)
 
     def _report(self) -> None:
         now = time.perf_counter()
@@ -215,20 +217,6 @@ class _GeneratorActor:
         _put(self.spec.to_trainer, ("gen_stats", stats), self.spec.stop)
         self.clock = dict.fromkeys(self.clock, 0.0)
         self.last_report = now
-
-
-def cut_partial_rollouts(engine, every_tokens: int, params_for) -> list[str]:
-    """Partial rollouts: while sequences wait for a slot, cut each running group whose sequence
-    has just reached a multiple of `every_tokens` tokens and resume it at the back of the queue
-    (its context is re-prefilled by whichever weights are current when it gets a slot again; its
-    tokens keep the versions that sampled them). Returns the request ids cut."""
-    if not every_tokens or not engine.num_waiting:
-        return []
-    ids = list(dict.fromkeys(seq.request_id for seq in engine.running
-                             if seq.tokens and len(seq.tokens) % every_tokens == 0))
-    for request_id in ids:
-        engine.resume(engine.abort([request_id]), params_for(request_id), request_id)
-    return ids
 
 
 def environment_main(spec: ActorSpec) -> None:

@@ -213,6 +213,7 @@ class Pipeline(SyncLoop):
                 "perf/production_consumption_ratio": sum(s["groups"] for s in gen) / gen_wall * step_s / self.cfg.loop.prompts_per_step,
                 "generator/running": float(gen[-1]["running"]),
                 "generator/waiting": float(gen[-1]["waiting"]),
+                "generator/partial_cuts": float(sum(s["partial_cuts"] for s in gen)),  # groups cut and requeued
             })
         for reason, count in self.buffer.drops.items():
             metrics[f"drops/{reason}"] = float(count)
