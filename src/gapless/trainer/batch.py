@@ -39,9 +39,6 @@ class Batch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def rows(self, start: int, stop: int) -> "Batch":
-        return Batch(*(getattr(self, f.name)[start:stop] for f in fields(self)))
-
     def micro_batches(self, size: int) -> list[tuple[torch.Tensor, "Batch"]]:
         """(row index, micro-batch) pairs covering every row once, in ceil(rows / size) micro-batches
         of length-sorted rows, each cut to its own longest row (see the module docstring)."""
@@ -52,8 +49,8 @@ class Batch:
             index = order[start:stop]
             width = int(lengths[index].max())
             mb = self.select(index.tolist())
-            out.append((index, Batch(mb.input_ids[:, :width], mb.attention_mask[:, :width], mb.loss_mask[:, : width - 1],
-                                     mb.behaviour_logprobs[:, : width - 1], mb.advantages, mb.group_ids)))
+            out.append((index, replace(mb, input_ids=mb.input_ids[:, :width], attention_mask=mb.attention_mask[:, :width],
+                                       loss_mask=mb.loss_mask[:, : width - 1], behaviour_logprobs=mb.behaviour_logprobs[:, : width - 1])))
         return out
 
     def select(self, index: list[int]) -> "Batch":

@@ -3,7 +3,7 @@
 Every aggregation is written as per-token weights: step loss = sum over tokens of
 weight * per-token loss, the weight being 0 on masked tokens. The counts a weight divides by
 (tokens, sequences, groups, rows of the step, sequences per group) are taken once over the whole
-step's batch, before its first micro-batch, and only sliced by row afterwards; a row's own token
+step's batch, before its first micro-batch, and only selected by row afterwards; a row's own token
 count lives in its row. So the micro-batch losses of a step sum exactly to the one-batch loss,
 and their gradients to its gradient, whichever aggregation is chosen.
 
@@ -45,10 +45,8 @@ class StepNorm:
             group_sizes=per_group[group_index],
         )
 
-    def rows(self, start: int, stop: int) -> "StepNorm":
-        return replace(self, group_sizes=self.group_sizes[start:stop])
-
-    def select(self, index: torch.Tensor) -> "StepNorm":
+    def select(self, index: torch.Tensor | slice) -> "StepNorm":
+        """The same step counts for a micro-batch of these rows."""
         return replace(self, group_sizes=self.group_sizes[index])
 
 
