@@ -51,9 +51,10 @@ def _lines(ax: Axes, runs: list[Run], key: str, x: str, ylabel: str, scale: floa
     return drawn
 
 
-def _versus_step_and_wall(runs: list[Run], key: str, ylabel: str) -> Figure:
+def _two_panels(runs: list[Run], panels: tuple[tuple[str, str, str], tuple[str, str, str]]) -> Figure:
+    """Side by side, one (metric key, x axis, y label) per panel."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
-    for ax, x in zip(axes, ("step", "wall")):
+    for ax, (key, x, ylabel) in zip(axes, panels):
         if _lines(ax, runs, key, x, ylabel):
             ax.legend(fontsize=8)
         else:
@@ -63,23 +64,18 @@ def _versus_step_and_wall(runs: list[Run], key: str, ylabel: str) -> Figure:
 
 
 def reward_chart(runs: list[Run]) -> Figure:
-    return _versus_step_and_wall(runs, "rollout/reward_mean", "mean reward")
+    key, label = "rollout/reward_mean", "mean reward"
+    return _two_panels(runs, ((key, "step", label), (key, "wall", label)))
 
 
 def pass_chart(runs: list[Run]) -> Figure:
-    return _versus_step_and_wall(runs, "eval/pass@1", "held-out pass@1")
+    key, label = "eval/pass@1", "held-out pass@1"
+    return _two_panels(runs, ((key, "step", label), (key, "wall", label)))
 
 
 def length_chart(runs: list[Run]) -> Figure:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
-    for ax, key, label in ((axes[0], "rollout/completion_len_mean", "completion length (tokens)"),
-                           (axes[1], "rollout/truncated_frac", "truncated fraction")):
-        if _lines(ax, runs, key, "step", label):
-            ax.legend(fontsize=8)
-        else:
-            no_data(ax)
-    fig.tight_layout()
-    return fig
+    return _two_panels(runs, (("rollout/completion_len_mean", "step", "completion length (tokens)"),
+                              ("rollout/truncated_frac", "step", "truncated fraction")))
 
 
 def idle_chart(runs: list[Run]) -> Figure:
