@@ -115,6 +115,11 @@ class GeneratorConfig(_Section):
     max_batch: int = Field(128, ge=1, le=65536)
     """Sequences decoded together (KV-cache slots). Larger batches raise throughput until the
     matmuls are compute-bound; KV memory grows with max_batch x (longest prompt + max_new_tokens)."""
+    kernels: Literal["auto", "native", "torch"] = "auto"
+    """Decode kernels of the torch engine on CPU (docs/engine.md): 'auto' compiles the native C
+    kernels on first use (RoPE, cache write and attention in one call per layer) and falls back to
+    the torch path with a warning where no C compiler works; 'native' makes that an error; 'torch'
+    never compiles them. Same results within fp32 rounding."""
 
 
 class TrainerConfig(_Section):
@@ -458,6 +463,9 @@ def _check_cross_field(cfg: Config) -> None:
         raise ConfigError(f"task.levels: {cfg.task.levels} must be a non-empty list drawn from 1, 2, 3")
     _check_task(cfg)
     pl = cfg.pipeline
+    if cfg.generator.kernels != "auto" and cfg.generator.engine != "torch":
+        raise ConfigError(f"generator.kernels = {cfg.generator.kernels!r} applies to generator.engine = 'torch' only "
+                          f"(not {cfg.generator.engine!r}); leave it at 'auto'")
     if (pl.partial_rollout_tokens or pl.partial_rollout_s) and cfg.generator.engine != "torch":
         field = "partial_rollout_tokens" if pl.partial_rollout_tokens else "partial_rollout_s"
         raise ConfigError(f"pipeline.{field} cuts running sequences, which only generator.engine = 'torch' exposes "

@@ -33,6 +33,8 @@ def test_precedence_defaults_file_cli(tmp_path):
          "trainer.overlong_buffer (30) must not exceed generator.max_new_tokens (24)"),
         ({"trainer.tis_cap": "0.5"}, "trainer.tis_cap"),
         ({"pipeline.partial_rollout_s": "2", "generator.engine": "vllm"}, "pipeline.partial_rollout_s cuts running sequences"),
+        ({"generator.kernels": "native", "generator.engine": "reference"}, "generator.kernels = 'native' applies to generator.engine = 'torch' only"),
+        ({"generator.kernels": "cuda"}, "generator.kernels: Input should be 'auto', 'native' or 'torch'"),
     ],
 )
 def test_bad_values_name_the_key(overrides, fragment):

@@ -1,5 +1,6 @@
 """The torch engine against references: HF `generate`, full recomputation, the trainer's
-log-probs, and HF forward passes around an in-flight weight swap."""
+log-probs, and HF forward passes around an in-flight weight swap. Every test runs on the native
+decode kernels and on the torch path (the fallback where no C compiler is available)."""
 
 import copy
 
@@ -35,14 +36,19 @@ def policy(request, problems):
     return pol
 
 
+@pytest.fixture(scope="module", params=["native", "torch"])
+def kernels(request):
+    return request.param
+
+
 def _prompts(policy, problems, k=6):
     prompts = [policy.encode(p.prompt) for p in problems[:k]]
     assert k == 1 or len({len(p) for p in prompts}) > 1  # mixed lengths
     return prompts
 
 
-def _engine(policy, **kw):
-    return TorchEngine(policy.model, policy.eos_id, **kw)
+def _engine(policy, kernels, **kw):
+    return TorchEngine(policy.model, policy.eos_id, kernels=kernels, **kw)
 
 
 def _hf_forward(model, ids, cache=None):
@@ -50,9 +56,9 @@ def _hf_forward(model, ids, cache=None):
     return out.logits[0]  # (L, V)
 
 
-def test_greedy_equals_transformers_generate(policy, problems):
+def test_greedy_equals_transformers_generate(policy, problems, kernels):
     prompts = _prompts(policy, problems)
-    engine = _engine(policy, max_batch=4)  # fewer slots than prompts: slots are refilled mid-run
+    engine = _engine(policy, kernels, max_batch=4)  # fewer slots than prompts: slots are refilled mid-run
     got = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=12))
     width = max(map(len, prompts))
     ids = torch.tensor([[policy.pad_id] * (width - len(p)) + p for p in prompts])
@@ -68,12 +74,12 @@ def test_greedy_equals_transformers_generate(policy, problems):
 @pytest.mark.parametrize(("starts", "ranges"), [([6, 9, 4, 7, 5], None), ([40, 3, 4, 3, 5, 4, 3, 6], [(0, 1), (1, 8)]),
                                                ([3, 40, 4, 30, 5, 4, 3, 6], [(0, 1), (1, 4), (4, 5), (5, 8)])],
                          ids=["mixed", "one-long", "split"])
-def test_cached_decode_logits_equal_full_recomputation(policy, problems, starts, ranges):
+def test_cached_decode_logits_equal_full_recomputation(policy, problems, starts, ranges, kernels):
     """Runner level: prefill of prefixes of different lengths, then batched decode steps with
     every row at its own position, attending in one range or in several (each its own length)."""
     seqs = [policy.encode(p.prompt + p.solution) * 3 for p in problems[: len(starts)]]  # any tokens will do
     assert all(len(s) >= n + 8 for s, n in zip(seqs, starts))
-    runner = DecoderRunner(policy.model, 128)
+    runner = DecoderRunner(policy.model, 128, kernels)
     cache = runner.new_cache(len(starts))
     rows = range(len(starts))
     for layer, (k, v) in enumerate(runner.prefill([tuple(s[:n]) for s, n in zip(seqs, starts)])):
@@ -99,8 +105,8 @@ def test_attention_ranges_split_where_it_saves_reading():
     assert attention_ranges([300, 290, 100, 95, 5, 7] + [6] * 26) == [(0, 2), (2, 4), (4, 32)]
 
 
-def test_engine_tokens_and_logprobs_equal_full_recomputation(policy, problems):
-    engine = _engine(policy, max_batch=3)
+def test_engine_tokens_and_logprobs_equal_full_recomputation(policy, problems, kernels):
+    engine = _engine(policy, kernels, max_batch=3)
     for c in engine.generate(_prompts(policy, problems), SamplingParams(greedy=True, max_new_tokens=8)):
         with torch.no_grad():
             logits = _hf_forward(policy.model, c.prompt_ids + c.token_ids)
@@ -111,9 +117,9 @@ def test_engine_tokens_and_logprobs_equal_full_recomputation(policy, problems):
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.3])
-def test_sampling_logprobs_equal_trainer_logprobs(policy, problems, temperature):
+def test_sampling_logprobs_equal_trainer_logprobs(policy, problems, temperature, kernels):
     """Invariant 5 with groups (shared prefill) and slot refills: importance ratio exactly 1."""
-    engine = _engine(policy, max_batch=5)
+    engine = _engine(policy, kernels, max_batch=5)
     prompts = [p for p in _prompts(policy, problems, 4) for _ in range(3)]
     completions = engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=10, seed=3))
     batch = build_batch(completions, [1.0] * len(completions), [True] * len(completions), policy.pad_id)
@@ -130,10 +136,10 @@ def _step_until(engine, steps):
     return done
 
 
-def test_in_flight_swap_keeps_cache_and_versions(policy, problems):
+def test_in_flight_swap_keeps_cache_and_versions(policy, problems, kernels):
     """Tokens after the swap are what the new weights produce from the old weights' cache."""
     new_model = _peaked(policy.model, seed=2)
-    engine = _engine(policy, max_batch=8)
+    engine = _engine(policy, kernels, max_batch=8)
     params = SamplingParams(greedy=True, max_new_tokens=10)
     for prompt in _prompts(policy, problems, 4):
         engine.add_request(prompt, params)
@@ -156,9 +162,9 @@ def test_in_flight_swap_keeps_cache_and_versions(policy, problems):
         assert after == want
 
 
-def test_in_flight_swap_with_recompute_uses_only_new_weights(policy, problems):
+def test_in_flight_swap_with_recompute_uses_only_new_weights(policy, problems, kernels):
     new_model = _peaked(policy.model, seed=2)
-    engine = _engine(policy, max_batch=8, recompute_kv=True)
+    engine = _engine(policy, kernels, max_batch=8, recompute_kv=True)
     params = SamplingParams(greedy=True, max_new_tokens=9)
     for prompt in _prompts(policy, problems, 3):
         engine.add_request(prompt, params)
@@ -176,14 +182,14 @@ def test_in_flight_swap_with_recompute_uses_only_new_weights(policy, problems):
             ids.append(token)
 
 
-def test_abort_returns_partials_that_resume_to_the_uninterrupted_result(policy, problems):
+def test_abort_returns_partials_that_resume_to_the_uninterrupted_result(policy, problems, kernels):
     prompts = _prompts(policy, problems, 3)
     params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5, ignore_eos=True)
-    reference = _engine(policy, max_batch=8)
+    reference = _engine(policy, kernels, max_batch=8)
     ids = [reference.add_request(p, params, n=2) for p in prompts]
     full = {(c.request_id, c.index): c.token_ids for c in _step_until(reference, 12)}
 
-    engine = _engine(policy, max_batch=8)
+    engine = _engine(policy, kernels, max_batch=8)
     assert [engine.add_request(p, params, n=2) for p in prompts] == ids
     _step_until(engine, 5)
     partials = engine.abort([ids[1]])
@@ -198,21 +204,21 @@ def test_abort_returns_partials_that_resume_to_the_uninterrupted_result(policy, 
         assert done[(ids[1], j)].versions == [0] * 5 + [1] * 7
 
 
-def test_group_prompt_is_prefilled_once_and_matches_generate(policy, problems):
+def test_group_prompt_is_prefilled_once_and_matches_generate(policy, problems, kernels):
     prompt = _prompts(policy, problems, 2)[1]
     params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=9, ignore_eos=True)
-    engine = _engine(policy, max_batch=3)  # the group of 8 is admitted in three waves
+    engine = _engine(policy, kernels, max_batch=3)  # the group of 8 is admitted in three waves
     engine.add_request(prompt, params, n=8)
     done = sorted(_step_until(engine, 20), key=lambda c: c.index)
     assert engine.stats.prefill_tokens == len(prompt) - 1  # the last prompt token is decoded, per sample
     assert len({tuple(c.token_ids) for c in done}) > 1
-    again = _engine(policy, max_batch=16).generate([prompt] * 8, params)
+    again = _engine(policy, kernels, max_batch=16).generate([prompt] * 8, params)
     assert [c.token_ids for c in again] == [c.token_ids for c in done]
 
 
-def test_freed_slot_is_refilled_at_the_next_step(policy, problems):
+def test_freed_slot_is_refilled_at_the_next_step(policy, problems, kernels):
     prompts = _prompts(policy, problems, 3)
-    engine = _engine(policy, max_batch=2)
+    engine = _engine(policy, kernels, max_batch=2)
     for prompt, length in zip(prompts, [2, 6, 3]):
         engine.add_request(prompt, SamplingParams(greedy=True, max_new_tokens=length, ignore_eos=True))
     running = []
@@ -223,9 +229,9 @@ def test_freed_slot_is_refilled_at_the_next_step(policy, problems):
     assert running == [2, 1, 2, 2, 1, 0]
 
 
-def test_stop_tokens_end_a_completion(policy, problems):
+def test_stop_tokens_end_a_completion(policy, problems, kernels):
     prompt = _prompts(policy, problems, 1)[0]
-    engine = _engine(policy)
+    engine = _engine(policy, kernels)
     free = engine.generate([prompt], SamplingParams(greedy=True, max_new_tokens=8, ignore_eos=True))[0]
     stop = free.token_ids[3]
     cut = engine.generate([prompt], SamplingParams(greedy=True, max_new_tokens=8, stop_token_ids=(stop,), ignore_eos=True))[0]
@@ -233,16 +239,16 @@ def test_stop_tokens_end_a_completion(policy, problems):
     assert cut.token_ids == free.token_ids[: first + 1] and cut.finish_reason == "stop"
 
 
-def test_sequence_tokens_do_not_depend_on_batch_mates(policy, problems):
+def test_sequence_tokens_do_not_depend_on_batch_mates(policy, problems, kernels):
     prompts = _prompts(policy, problems, 4)
     params = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=10, seed=4, ignore_eos=True)
-    alone = _engine(policy).generate(prompts[:1], params)[0]
-    crowd = _engine(policy, max_batch=2).generate(prompts, params)[0]
+    alone = _engine(policy, kernels).generate(prompts[:1], params)[0]
+    crowd = _engine(policy, kernels, max_batch=2).generate(prompts, params)[0]
     assert alone.token_ids == crowd.token_ids
 
 
-def test_update_weights_rejects_a_mismatched_state(policy):
-    engine = _engine(policy)
+def test_update_weights_rejects_a_mismatched_state(policy, kernels):
+    engine = _engine(policy, kernels)
     state = dict(policy.model.state_dict())
     state.pop("model.norm.weight")
     with pytest.raises(KeyError, match="missing"):
@@ -251,7 +257,7 @@ def test_update_weights_rejects_a_mismatched_state(policy):
         engine.add_request([1] * 500, SamplingParams(max_new_tokens=24))
 
 
-def test_partial_rollouts_resume_under_new_weights_with_versions(policy, problems):
+def test_partial_rollouts_resume_under_new_weights_with_versions(policy, problems, kernels):
     """The pipeline's partial-rollout lever: cut at 3 tokens while another group waits, swap
     weights, resume. Tokens before the cut keep version 0, tokens after it carry version 1 and
     are what the new weights produce from that context (greedy, KV recomputed)."""
@@ -259,7 +265,7 @@ def test_partial_rollouts_resume_under_new_weights_with_versions(policy, problem
 
     prompts = _prompts(policy, problems, 3)
     params = SamplingParams(greedy=True, max_new_tokens=6, ignore_eos=True)
-    engine = _engine(policy, max_batch=2)
+    engine = _engine(policy, kernels, max_batch=2)
     for i, prompt in enumerate(prompts):
         engine.add_request(prompt, params, 1, request_id=str(i))
     for _ in range(3):
@@ -271,7 +277,7 @@ def test_partial_rollouts_resume_under_new_weights_with_versions(policy, problem
     done = {}
     while engine.has_work:
         done.update((c.request_id, c) for c in engine.step())
-    reference = TorchEngine(new_model, policy.eos_id, max_batch=4)
+    reference = TorchEngine(new_model, policy.eos_id, max_batch=4, kernels=kernels)
     for i in ("0", "1"):
         c = done[i]
         assert c.versions == [0, 0, 0, 1, 1, 1]
@@ -280,12 +286,12 @@ def test_partial_rollouts_resume_under_new_weights_with_versions(policy, problem
     assert done["2"].versions == [1] * 6  # started after the swap
 
 
-def test_decode_runs_on_a_few_row_counts_and_padding_rows_change_nothing(policy, problems):
+def test_decode_runs_on_a_few_row_counts_and_padding_rows_change_nothing(policy, problems, kernels):
     """A batch shrinking through every size from 20 to 1 runs the forward on rounded row counts
     only (one oneDNN kernel per count and layer is cached for the process's life), and every
     completion equals the full recomputation of its own tokens: the parked slots that pad the
     batch do not leak into the real rows."""
-    engine = _engine(policy, max_batch=20)
+    engine = _engine(policy, kernels, max_batch=20)
     seen, decode = [], engine.runner.decode
     engine.runner.decode = lambda tokens, *a, **kw: (seen.append(len(tokens)), decode(tokens, *a, **kw))[1]
     prompts = [policy.encode(p.prompt) for p in problems[:20]]
@@ -305,7 +311,7 @@ def test_decode_runs_on_a_few_row_counts_and_padding_rows_change_nothing(policy,
         assert torch.allclose(full, torch.tensor(c.logprobs), atol=1e-5)
 
 
-def test_partial_rollouts_cut_at_a_time_deadline_only_while_others_wait(policy, problems):
+def test_partial_rollouts_cut_at_a_time_deadline_only_while_others_wait(policy, problems, kernels):
     """A group running for `deadline_s` since it got a slot is cut and queued at the back; its
     clock restarts when it runs again; nothing is cut while no sequence waits. The resumed
     completion equals the uninterrupted one (same weights, greedy)."""
@@ -315,7 +321,7 @@ def test_partial_rollouts_cut_at_a_time_deadline_only_while_others_wait(policy, 
     partial = PartialRollouts(deadline_s=1.0, clock=lambda: now[0])
     prompts = _prompts(policy, problems, 3)
     params = SamplingParams(greedy=True, max_new_tokens=6, ignore_eos=True)
-    engine = _engine(policy, max_batch=2)
+    engine = _engine(policy, kernels, max_batch=2)
     for i, prompt in enumerate(prompts):
         engine.add_request(prompt, params, 1, request_id=str(i))
     engine.step()
@@ -335,10 +341,10 @@ def test_partial_rollouts_cut_at_a_time_deadline_only_while_others_wait(policy, 
         done.update((c.request_id, c) for c in engine.step())
         now[0] += 0.1
         partial.cut(engine, lambda _: params)
-    reference = _engine(policy, max_batch=4).generate(prompts, params)
+    reference = _engine(policy, kernels, max_batch=4).generate(prompts, params)
     assert [done[str(i)].token_ids for i in range(3)] == [c.token_ids for c in reference]
     idle = PartialRollouts(deadline_s=1.0, clock=lambda: 100.0)
-    lone = _engine(policy, max_batch=4)
+    lone = _engine(policy, kernels, max_batch=4)
     lone.add_request(prompts[0], params, 1, request_id="x")
     lone.step()
     assert idle.cut(lone, lambda _: params) == [] and lone.num_waiting == 0  # nobody waits: no cut

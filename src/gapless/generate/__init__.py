@@ -17,7 +17,8 @@ __all__ = ["Generator", "SteppedGenerator", "TorchEngine", "TorchSampler", "make
 def make_generator(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_dir: Path) -> Generator:
     """A generator holding its own copy of `policy`'s weights, for contexts up to `max_seq_len` tokens."""
     if cfg.engine == "torch":
-        return TorchEngine(policy.model, policy.eos_id, policy.decode, max_batch=cfg.max_batch, max_seq_len=max_seq_len)
+        return TorchEngine(policy.model, policy.eos_id, policy.decode, max_batch=cfg.max_batch, max_seq_len=max_seq_len,
+                           kernels=cfg.kernels)
     if cfg.engine == "reference":
         return TorchSampler(copy.deepcopy(policy.model), policy.eos_id, policy.pad_id, policy.decode)
     from gapless.generate.vllm_engine import VLLMEngine

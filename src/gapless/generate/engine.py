@@ -139,8 +139,8 @@ class TorchEngine:
     """Generator over a copy of an HF Llama/Qwen2 model's weights; push new ones with `update_weights`."""
 
     def __init__(self, model: torch.nn.Module, eos_id: int, decode: Callable[[list[int]], str] | None = None,
-                 *, max_batch: int = 64, max_seq_len: int | None = None, recompute_kv: bool = False):
-        self.runner = DecoderRunner(model, max_seq_len or model.config.max_position_embeddings)
+                 *, max_batch: int = 64, max_seq_len: int | None = None, recompute_kv: bool = False, kernels: str = "auto"):
+        self.runner = DecoderRunner(model, max_seq_len or model.config.max_position_embeddings, kernels)
         self.max_batch = max_batch
         self.max_seq_len = self.runner.max_seq_len
         self.cache = self.runner.new_cache(max_batch)
@@ -270,7 +270,8 @@ class TorchEngine:
         rows = decode_rows(batch, self.max_batch)
         if self._decode_rows is None:  # the batch changed
             self._decode_rows = slots.settings(self.running)
-            self._attention_ranges = attention_ranges(slots.position[:rows].tolist())
+            if self.runner.native is None:  # the native kernels read each slot's own length
+                self._attention_ranges = attention_ranges(slots.position[:rows].tolist())
         logits = self.runner.decode(slots.last_token[:rows], slots.position[:rows], self.cache, self._attention_ranges)[:batch]  # (B, V)
         u = slots.uniforms[:batch].gather(1, slots.generated[:batch, None]).squeeze(1)  # (B,)
         tokens, logprobs = sample_rows(logits, self._decode_rows, u)

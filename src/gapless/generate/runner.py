@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from gapless.generate.kv_cache import KVCache
+from gapless.generate.native import NativeKernels, kernels_for
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 _POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")  # their tables change with sequence length
@@ -88,18 +89,29 @@ class _Linear:
 
 class _GatedLinear(_Linear):
     """silu(x @ gate.T) * (x @ up.T) over one weight holding the rows gate | up (the HF gate_proj
-    and up_proj). On CPU the two halves are packed separately and the activation and the product
+    and up_proj). With the native kernels: one matmul against the stacked weight, then one native
+    pass for the activation and the product (measured 15% faster than the post-ops below at batch
+    64). Otherwise, on CPU, the two halves are packed separately and the activation and the product
     run inside the matmuls as oneDNN post-ops: no (B, 2 * mlp_dim) intermediate, two elementwise
     passes fewer (measured 7-17% faster than matmul + chunk + silu + mul at batch 64-128)."""
 
+    def __init__(self, out_dim: int, in_dim: int, bias: bool, input_scale: torch.Tensor | None = None,
+                 native: NativeKernels | None = None, **like):
+        super().__init__(out_dim, in_dim, bias, input_scale, **like)
+        self.native = native
+
     def pack(self) -> None:
-        if _onednn_available(self.weight):
+        if self.native is not None:
+            super().pack()
+        elif _onednn_available(self.weight):
             folded = self.weight if self.input_scale is None else self.weight * self.input_scale
             gate, up = folded.chunk(2)
             self.packed = [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None) for w in (gate, up)]
             self.gate_up_bias = (None, None) if self.bias is None else tuple(self.bias.chunk(2))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.silu_mul(super().__call__(x))
         if self.packed is not None:
             (gate, up), (gate_bias, up_bias) = self.packed, self.gate_up_bias
             activated = torch.ops.mkldnn._linear_pointwise(x, gate, gate_bias, "swish", [], "")  # silu(x @ gate.T)
@@ -111,12 +123,13 @@ class _GatedLinear(_Linear):
 class _Layer:
     """One decoder block's weights, laid out for the fused matmuls."""
 
-    def __init__(self, dim: int, q_dim: int, kv_dim: int, mlp_dim: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool, **like):
+    def __init__(self, dim: int, q_dim: int, kv_dim: int, mlp_dim: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
+                 native: NativeKernels | None, **like):
         self.input_norm = torch.empty(dim, **like)
         self.qkv = _Linear(q_dim + 2 * kv_dim, dim, qkv_bias, self.input_norm, **like)  # rows: q | k | v
         self.o = _Linear(dim, q_dim, o_bias, **like)
         self.post_norm = torch.empty(dim, **like)
-        self.gate_up = _GatedLinear(2 * mlp_dim, dim, mlp_bias, self.post_norm, **like)  # rows: gate | up
+        self.gate_up = _GatedLinear(2 * mlp_dim, dim, mlp_bias, self.post_norm, native, **like)  # rows: gate | up
         self.down = _Linear(dim, mlp_dim, mlp_bias, **like)
 
     def linears(self) -> list[_Linear]:
@@ -124,7 +137,7 @@ class _Layer:
 
 
 class DecoderRunner:
-    def __init__(self, model: torch.nn.Module, max_seq_len: int):
+    def __init__(self, model: torch.nn.Module, max_seq_len: int, kernels: str = "auto"):
         cfg = model.config
         keep_freed_memory()
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
@@ -149,7 +162,9 @@ class DecoderRunner:
         o_bias = model.model.layers[0].self_attn.o_proj.bias is not None
         mlp_bias = model.model.layers[0].mlp.gate_proj.bias is not None
         like = dict(dtype=self.dtype, device=self.device)
-        self.layers = [_Layer(dim, q_dim, kv_dim, mlp_dim, qkv_bias, o_bias, mlp_bias, **like) for _ in range(self.num_layers)]
+        self.native = kernels_for(kernels, self.dtype, self.device)  # None: the torch path
+        self.layers = [_Layer(dim, q_dim, kv_dim, mlp_dim, qkv_bias, o_bias, mlp_bias, self.native, **like)
+                       for _ in range(self.num_layers)]
         self.embed = torch.empty(cfg.vocab_size, dim, **like)
         self.final_norm = torch.empty(dim, **like)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -216,6 +231,8 @@ class DecoderRunner:
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm without its weight (the next `_Linear` applies it), in fp32 like HF."""
+        if self.native is not None and x.is_contiguous():
+            return self.native.rms_norm(x, self.eps)
         return F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(x.dtype)  # no copies when x is fp32
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -265,7 +282,10 @@ class DecoderRunner:
                ranges: list[tuple[int, int]] | None = None) -> torch.Tensor:
         """One token for each of the slots 0..B-1 at `positions` (B,); returns logits (B, V).
         `ranges`: contiguous slot ranges covering 0..B-1 that attend separately, each over its
-        own longest length (default: `attention_ranges(positions)`)."""
+        own longest length (default: `attention_ranges(positions)`); the native kernels ignore it,
+        since each slot reads exactly its own length there."""
+        if self.native is not None:
+            return self._decode_native(tokens, positions, cache)
         batch, heads, kv_heads, hd = tokens.shape[0], self.num_heads, self.kv_heads, self.head_dim
         lengths = positions.tolist()
         ranges = ranges if ranges is not None else attention_ranges(lengths)
@@ -288,6 +308,20 @@ class DecoderRunner:
             att = parts[0] if len(parts) == 1 else torch.cat(parts)  # (B, KV, group, hd)
             x = layer.o.residual(x, att.view(batch, heads * hd))
             x = self._mlp_residual(x, layer)
+        return self._logits(x)
+
+    def _decode_native(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """`decode` with one native call per layer for RoPE, the cache write and attention."""
+        if tokens.shape[0] > cache.slots or int(positions.max()) >= cache.max_seq_len or positions.dtype != torch.int64:
+            raise ValueError(f"decode: {tokens.shape[0]} rows at positions up to {int(positions.max())} do not fit "
+                             f"a cache of {cache.slots} slots x {cache.max_seq_len} positions")
+        positions = positions.contiguous()
+        x = F.embedding(tokens, self.embed)  # (B, D)
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(self._norm(x))  # (B, (H + 2 KV) * hd), contiguous
+            att = self.native.decode_attend(qkv, self.cos, self.sin_signed, positions, cache.keys[i], cache.values[i],
+                                            self.num_heads, self.kv_heads, self.head_dim**-0.5)
+            x = self._mlp_residual(layer.o.residual(x, att), layer)
         return self._logits(x)
 
     def _mask(self, positions: torch.Tensor, span: int) -> torch.Tensor:

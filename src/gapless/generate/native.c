@@ -1,0 +1,133 @@
+/* Native CPU kernels for the torch engine's decode step (see native.py for how they are built
+ * and when they are used). fp32, contiguous row-major tensors, one call per layer.
+ *
+ * gl_rms_norm       out[r] = x[r] / sqrt(mean(x[r]^2) + eps): RMSNorm without its weight (the next
+ *                   matmul carries it).
+ * gl_decode_attend  for each running slot b and KV head h: RoPE on the new key and on the query
+ *                   heads that share h, the key and value written into the slot's cache at its
+ *                   position p[b], then softmax attention of those query heads over exactly the
+ *                   positions 0..p[b] of the slot. No mask and no padding: each slot reads its
+ *                   own length, so short rows never pay for long ones.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void gl_rms_norm(const float *x, float *out, int64_t rows, int64_t dim, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * dim >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *o = out + r * dim;
+        float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < dim; i++) squares += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(squares / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv;
+    }
+}
+
+/* exp(x) for float, written so that loops calling it vectorize (libm's expf does not without
+ * -ffast-math, nor does floorf here): x = k ln2 + r with k = round(x / ln2) (the 1.5 * 2^23
+ * trick, exact under the default rounding mode) and |r| <= ln2 / 2 (Cody-Waite split of ln2),
+ * exp(r) by Cephes' minimax polynomial for expf, 2^k put into the exponent bits. Relative error
+ * about 1e-7 (1-2 ulp); inputs are clamped to [-87, 88], so very negative x gives ~1e-38. */
+static inline float exp_approx(float x) {
+    const float round = 12582912.0f;
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float k = (x * 1.44269504088896341f + round) - round;
+    const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* x * cos + rotate_half(x) * sin, with sin_signed = [-sin_lo, sin_hi] (rotate_half as a roll) */
+static inline void rope(const float *x, const float *cos, const float *sin_signed, float *out, int64_t hd) {
+    const int64_t half = hd / 2;
+    for (int64_t i = 0; i < half; i++) out[i] = x[i] * cos[i] + x[i + half] * sin_signed[i];
+    for (int64_t i = half; i < hd; i++) out[i] = x[i] * cos[i] + x[i - half] * sin_signed[i];
+}
+
+/* qkv: (B, H + 2 KV, hd), the fused projection (query heads, then key heads, then value heads)
+ * cos, sin_signed: (max_len, hd) rotary tables; positions: (B,)
+ * keys, values: (slots >= B, KV, max_len, hd), one layer's cache; out: (B, H, hd)
+ * Returns 0, or -1 when scratch memory could not be allocated. */
+int gl_decode_attend(const float *qkv, const float *cos, const float *sin_signed, const int64_t *positions,
+                     float *keys, float *values, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
+                     int64_t hd, int64_t max_len, float scale, int threads) {
+    const int64_t group = heads / kv_heads;
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 2)
+    for (int64_t task = 0; task < batch * kv_heads; task++) {
+        const int64_t b = task / kv_heads, h = task % kv_heads, p = positions[b], span = p + 1;
+        const float *row = qkv + b * (heads + 2 * kv_heads) * hd;
+        const float *c = cos + p * hd, *s = sin_signed + p * hd;
+        float *k_cache = keys + (b * kv_heads + h) * max_len * hd;
+        float *v_cache = values + (b * kv_heads + h) * max_len * hd;
+        rope(row + (heads + h) * hd, c, s, k_cache + p * hd, hd);
+        memcpy(v_cache + p * hd, row + (heads + kv_heads + h) * hd, sizeof(float) * hd);
+
+        float *scratch = malloc(sizeof(float) * (group * (hd + span) + hd));
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        float *q = scratch, *scores = scratch + group * hd, *acc = scores + group * span;
+        for (int64_t g = 0; g < group; g++) rope(row + (h * group + g) * hd, c, s, q + g * hd, hd);
+        for (int64_t j = 0; j < span; j++) {  /* each cached key is read once for the whole group */
+            const float *k = k_cache + j * hd;
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = q + g * hd;
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t i = 0; i < hd; i++) dot += qg[i] * k[i];
+                scores[g * span + j] = dot * scale;
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float *sg = scores + g * span, top = -INFINITY, total = 0.f;
+            for (int64_t j = 0; j < span; j++) top = sg[j] > top ? sg[j] : top;
+#pragma omp simd reduction(+ : total)
+            for (int64_t j = 0; j < span; j++) {
+                sg[j] = exp_approx(sg[j] - top);
+                total += sg[j];
+            }
+            memset(acc, 0, sizeof(float) * hd);
+            for (int64_t j = 0; j < span; j++) {
+                const float *v = v_cache + j * hd, w = sg[j];
+#pragma omp simd
+                for (int64_t i = 0; i < hd; i++) acc[i] += w * v[i];
+            }
+            float *o = out + (b * heads + h * group + g) * hd;
+            for (int64_t i = 0; i < hd; i++) o[i] = acc[i] / total;
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
+/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, n + i]: the gated MLP's activation over the output
+ * of one matmul against the stacked gate | up weights, in one pass. */
+void gl_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * n >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict g = gate_up + r * 2 * n;
+        const float *restrict u = g + n;
+        float *restrict o = out + r * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            const float gi = g[i];
+            o[i] = gi / (1.0f + exp_approx(-gi)) * u[i];
+        }
+    }
+}

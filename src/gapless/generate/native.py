@@ -1,0 +1,183 @@
+"""Native CPU kernels for the engine's decode step, compiled from `native.c` on first use.
+
+Two kernels (`native.c`): RMSNorm rows, and one decode step's attention for every running slot
+(RoPE on the new query and key, the key and value written into the slot's cache, attention over
+exactly that slot's positions). In the torch path the same work is about 15 dispatched ops per
+layer (norm, RoPE, an advanced-index cache write, a mask, batched matmuls, softmax), each a few
+microseconds on tiny tensors and single-threaded below torch's parallel grain; here it is one
+call, parallel over slots x KV heads, reading each slot's own length.
+
+Build: the system C compiler (`$CC`, else `cc`) compiles the file once per source, flags,
+compiler and CPU (it uses -march=native) into `$GAPLESS_KERNEL_CACHE` (default
+`~/.cache/gapless/kernels`); every later process loads the cached library (a compile takes
+under a second). Where torch's parallel backend is OpenMP the library is built with -fopenmp:
+it binds to the OpenMP runtime torch has already loaded and runs `torch.get_num_threads()`
+threads. Elsewhere it is built single-threaded.
+
+Modes (`generator.kernels`): 'auto' (default) uses the kernels when they build and otherwise
+falls back to the torch path with one warning; 'native' makes a failed build an error; 'torch'
+never builds them. Only fp32 on CPU uses them.
+
+Guaranteed: results equal the torch path within fp32 rounding (the engine's tests run on both).
+Not guaranteed: bitwise equality with it (sums run in another order).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MODES = ("auto", "native", "torch")
+SOURCE = Path(__file__).with_name("native.c")
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC"]
+
+
+class NativeBuildError(RuntimeError):
+    """The kernels could not be compiled or loaded; the message says what to do."""
+
+
+class NativeKernels:
+    """ctypes bindings of the compiled library. Tensors must be fp32, contiguous, on CPU."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path):
+        self.path = path
+        i64, ptr, f32, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+        self._rms_norm = library.gl_rms_norm
+        self._rms_norm.argtypes = [ptr, ptr, i64, i64, f32, cint]
+        self._rms_norm.restype = None
+        self._attend = library.gl_decode_attend
+        self._attend.argtypes = [ptr] * 7 + [i64] * 5 + [f32, cint]
+        self._attend.restype = cint
+        self._silu_mul = library.gl_silu_mul
+        self._silu_mul.argtypes = [ptr, ptr, i64, i64, cint]
+        self._silu_mul.restype = None
+
+    def rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """x / sqrt(mean(x**2, -1) + eps) over the last dim of a contiguous fp32 tensor."""
+        out = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, torch.get_num_threads())
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a contiguous (rows, 2 n) tensor holding gate | up -> (rows, n)."""
+        n = gate_up.shape[-1] // 2
+        out = gate_up.new_empty(*gate_up.shape[:-1], n)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n, torch.get_num_threads())
+        return out
+
+    def decode_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor,
+                      keys: torch.Tensor, values: torch.Tensor, heads: int, kv_heads: int, scale: float) -> torch.Tensor:
+        """qkv (B, (heads + 2 kv_heads) * hd); positions (B,) int64; keys/values one layer's cache
+        (slots >= B, kv_heads, max_len, hd), written at each slot's position. Returns (B, heads * hd)."""
+        batch, hd = qkv.shape[0], keys.shape[-1]
+        if qkv.shape != (batch, (heads + 2 * kv_heads) * hd) or not (qkv.is_contiguous() and keys.is_contiguous() and values.is_contiguous()):
+            raise ValueError(f"decode_attend: qkv {tuple(qkv.shape)} and cache {tuple(keys.shape)} do not match {heads} heads, "
+                             f"{kv_heads} KV heads (contiguous tensors needed)")
+        out = torch.empty(batch, heads * hd, dtype=qkv.dtype)
+        status = self._attend(qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), positions.data_ptr(),
+                              keys.data_ptr(), values.data_ptr(), out.data_ptr(),
+                              batch, heads, kv_heads, hd, keys.shape[2], scale, torch.get_num_threads())
+        if status:
+            raise MemoryError("native decode attention: out of memory for its per-slot scratch")
+        return out
+
+
+def kernels_for(mode: str, dtype: torch.dtype, device: torch.device) -> NativeKernels | None:
+    """The kernels for `mode` (see module docstring), or None for the torch path."""
+    if mode not in MODES:
+        raise ValueError(f"kernels: {mode!r} is not one of {MODES}")
+    if mode == "torch":
+        return None
+    if dtype != torch.float32 or torch.device(device).type != "cpu":
+        if mode == "native":
+            raise NativeBuildError(f"generator.kernels = 'native' runs fp32 on CPU only, not {dtype} on {device}; use 'auto'")
+        return None
+    try:
+        return load()
+    except NativeBuildError as err:
+        if mode == "native":
+            raise
+        _warn_once(str(err))
+        return None
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning("%s; the engine runs its torch path (slower decode, same results)", message)
+
+
+@functools.cache
+def load() -> NativeKernels:
+    """Build (or find in the cache) and load the library; raises NativeBuildError."""
+    path = _build()
+    try:
+        return NativeKernels(ctypes.CDLL(str(path)), path)
+    except OSError as err:
+        raise NativeBuildError(f"native kernels: cannot load {path.name}: {err}; delete it to rebuild, "
+                               "or set generator.kernels = 'torch'") from err
+
+
+def _flags() -> list[str]:
+    openmp = "OpenMP" in torch.__config__.parallel_info().split("ATen parallel backend:")[-1].splitlines()[0]
+    return FLAGS + (["-fopenmp"] if openmp else []) + ["-lm"]
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CC", "cc")
+    flags = _flags()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise NativeBuildError(f"native kernels: no C compiler ({compiler!r}: {err}); install one (apt-get install gcc) "
+                               "or set generator.kernels = 'torch'") from err
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_identity().encode()]))
+    directory = _cache_dir()
+    path = directory / f"gapless-decode-{key.hexdigest()[:16]}.so"
+    if path.exists():
+        return path
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, str(SOURCE), "-o", tmp, *flags], capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise NativeBuildError(f"native kernels: {compiler} failed ({proc.stderr.strip()[-400:]}); "
+                                   "set generator.kernels = 'torch' to run without them")
+        os.replace(tmp, path)  # atomic: processes building at once each publish a complete file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _cache_dir() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gapless" / "kernels"
+    for directory in (Path(os.environ.get("GAPLESS_KERNEL_CACHE", default)), Path(tempfile.gettempdir()) / f"gapless-kernels-{os.getuid()}"):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            if os.access(directory, os.W_OK):
+                return directory
+        except OSError:
+            continue
+    raise NativeBuildError("native kernels: no writable cache directory; set GAPLESS_KERNEL_CACHE to one")
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: a library built for one CPU may not run on another."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "\n".join(dict.fromkeys(lines))
+    except OSError:
+        return platform.processor() or platform.machine()

@@ -1,0 +1,98 @@
+"""The native decode kernels against plain torch formulas, and how they are built and chosen."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gapless.generate import native
+from gapless.generate.native import NativeBuildError, kernels_for
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return native.load()
+
+
+def _rope(x, cos, sin):  # HF's form: x * cos + rotate_half(x) * sin
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+def _reference(qkv, cos, sin, positions, keys, values, heads, kv_heads):
+    """Attention of each slot over its positions 0..p after writing its new key/value at p."""
+    hd = keys.shape[-1]
+    qkv = qkv.view(len(positions), heads + 2 * kv_heads, hd)
+    out = torch.empty(len(positions), heads, hd)
+    for b, p in enumerate(positions.tolist()):
+        keys[b, :, p] = _rope(qkv[b, heads : heads + kv_heads], cos[p], sin[p])
+        values[b, :, p] = qkv[b, heads + kv_heads :]
+        q = _rope(qkv[b, :heads], cos[p], sin[p]).view(kv_heads, heads // kv_heads, hd)
+        scores = q @ keys[b, :, : p + 1].transpose(1, 2) * hd**-0.5  # (KV, group, p + 1)
+        out[b] = (torch.softmax(scores, -1) @ values[b, :, : p + 1]).reshape(heads, hd)
+    return out.view(len(positions), heads * hd)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "hd"), [(4, 4, 8), (4, 2, 64), (8, 2, 16), (6, 1, 32)])
+def test_decode_attention_equals_the_torch_formula(kernels, heads, kv_heads, hd):
+    """GQA groups 1-6, heavy-tailed positions, a spare slot: same output and the same cache,
+    every position except each row's new one untouched."""
+    gen = torch.Generator().manual_seed(heads * hd)
+    max_len, positions = 300, torch.tensor([0, 5, 299, 17, 1, 120, 3])
+    batch = len(positions)
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * hd, generator=gen)
+    angles = torch.rand(max_len, hd // 2, generator=gen) * torch.arange(max_len)[:, None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    sin_signed = torch.cat([-sin[:, : hd // 2], sin[:, hd // 2 :]], -1)
+    keys, values = (torch.randn(batch + 1, kv_heads, max_len, hd, generator=gen) for _ in range(2))
+    ref_keys, ref_values = keys.clone(), values.clone()
+    got = kernels.decode_attend(qkv, cos, sin_signed, positions, keys, values, heads, kv_heads, hd**-0.5)
+    want = _reference(qkv, cos, sin, positions, ref_keys, ref_values, heads, kv_heads)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert torch.allclose(keys, ref_keys, atol=1e-6) and torch.equal(values, ref_values)
+
+
+@pytest.mark.parametrize("rows", [1, 64, 600])  # 600 x 256 runs the parallel branch
+def test_rms_norm_equals_torch(kernels, rows):
+    x = torch.randn(rows, 256) * 3
+    assert torch.allclose(kernels.rms_norm(x, 1e-6), F.rms_norm(x, (256,), None, 1e-6), atol=1e-6)
+
+
+def test_decode_attention_rejects_mismatched_shapes(kernels):
+    keys = torch.zeros(2, 2, 16, 8)
+    with pytest.raises(ValueError, match="do not match 4 heads"):
+        kernels.decode_attend(torch.zeros(2, 7 * 8), torch.zeros(16, 8), torch.zeros(16, 8), torch.zeros(2, dtype=torch.long),
+                              keys, keys.clone(), 4, 2, 1.0)
+
+
+def test_build_is_cached_per_source_and_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("GAPLESS_KERNEL_CACHE", str(tmp_path))
+    first = native._build()
+    mtime = first.stat().st_mtime_ns
+    assert native._build() == first and first.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left behind
+
+
+def test_a_failing_compiler_falls_back_in_auto_and_raises_in_native(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("GAPLESS_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # exits 1 for any input
+    with pytest.raises(NativeBuildError, match="set generator.kernels = 'torch'"):
+        native._build()
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(native, "load", native._build)  # bypass the per-process cache of the real library
+    with caplog.at_level(logging.WARNING, logger="gapless.generate.native"):
+        assert kernels_for("auto", torch.float32, torch.device("cpu")) is None
+    assert "torch path" in caplog.text
+    with pytest.raises(NativeBuildError):
+        kernels_for("native", torch.float32, torch.device("cpu"))
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with pytest.raises(NativeBuildError, match="no C compiler"):
+        native._build()
+
+
+def test_native_mode_refuses_what_it_cannot_run():
+    assert kernels_for("torch", torch.float32, torch.device("cpu")) is None
+    assert kernels_for("auto", torch.bfloat16, torch.device("cpu")) is None
+    with pytest.raises(NativeBuildError, match="fp32 on CPU only"):
+        kernels_for("native", torch.bfloat16, torch.device("cpu"))
