@@ -12,6 +12,8 @@ Measured side by side, configurations interleaved round by round (A B A B ...):
                 longest length (what `generate` and any fixed-shape batch do; the usual meaning of
                 a static batch), 'shrinking_static' drops finished rows from the batch (an
                 idealised static batch that pays only for live rows)
+  torch_path    the 64-sequence throughput run on the engine's torch path (generator.kernels =
+                'torch', what runs where no C compiler is available): what the native kernels add
   second_point  the engine at 256 slots and on a 4x wider model: how utilisation moves when
                 per-step overhead is amortised over more work
 Each timed run also records the CPU other processes used meanwhile (/proc/stat minus our own
@@ -200,7 +202,8 @@ def main() -> None:
     params = SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True)
     max_len = max(map(len, tail_prompts + prompts)) + 256
 
-    engine = TorchEngine(tiny.model, tiny.eos_id, max_batch=64, max_seq_len=max_len)
+    engine = TorchEngine(tiny.model, tiny.eos_id, max_batch=64, max_seq_len=max_len, kernels="native")
+    torch_path = TorchEngine(tiny.model, tiny.eos_id, max_batch=64, max_seq_len=max_len, kernels="torch")
     default_batch = TorchEngine(tiny.model, tiny.eos_id, max_batch=128, max_seq_len=max_len)
     prompts128 = [tiny.encode(p.prompt) for p in problems[:16]]
     rows128 = [p for p in prompts128 for _ in range(8)]
@@ -209,11 +212,11 @@ def main() -> None:
     big_prompts = [tiny.encode(p.prompt) for p in problems[8:40]]
 
     # warm-up: first calls allocate and pick kernels
-    run_engine(engine, prompts, 8, params), run_hf(tiny.model, rows, tiny.pad_id, 32)
+    run_engine(engine, prompts, 8, params), run_hf(tiny.model, rows, tiny.pad_id, 32), run_engine(torch_path, prompts, 8, params)
     run_engine(default_batch, prompts128, 8, params), run_hf(tiny.model, rows128, tiny.pad_id, 32)
     run_engine(big_batch, big_prompts, 8, params), run_engine(wide_engine, prompts, 8, params)
 
-    res = {k: [] for k in ("peak", "engine", "hf", "engine128", "hf128", "continuous", "shrinking_static", "padded_static",
+    res = {k: [] for k in ("peak", "engine", "hf", "torch_path", "engine128", "hf128", "continuous", "shrinking_static", "padded_static",
                            "big_batch", "wide")}
     def measure(key: str, run, warm=None) -> None:
         res[key].append(clean_run(run, warm or run, args.max_attempts, args.max_wait_s))
@@ -225,6 +228,7 @@ def main() -> None:
         measure("peak", matmul_peak_gflops)
         measure("engine", lambda: run_engine(engine, prompts, 8, tput))
         measure("hf", lambda: run_hf(tiny.model, rows, tiny.pad_id, 32))
+        measure("torch_path", lambda: run_engine(torch_path, prompts, 8, tput))
         measure("engine128", lambda: run_engine(default_batch, prompts128, 8, tput))
         measure("hf128", lambda: run_hf(tiny.model, rows128, tiny.pad_id, 32))
         for mode in ("continuous", "shrinking_static", "padded_static"):
@@ -232,7 +236,9 @@ def main() -> None:
         measure("big_batch", lambda: run_engine(big_batch, big_prompts, 8, params))
         measure("wide", lambda: run_engine(wide_engine, prompts, 8, params))
         e, h, e2, h2 = res["engine"][-1], res["hf"][-1], res["engine128"][-1], res["hf128"][-1]
-        print(f"round {r}: 64 rows: engine {e['tokens'] / e['wall_s']:.0f} tok/s, generate {h['tokens'] / h['wall_s']:.0f} tok/s; "
+        t = res["torch_path"][-1]
+        print(f"round {r}: 64 rows: engine {e['tokens'] / e['wall_s']:.0f} tok/s (torch path {t['tokens'] / t['wall_s']:.0f}), "
+              f"generate {h['tokens'] / h['wall_s']:.0f} tok/s; "
               f"128 rows: engine {e2['tokens'] / e2['wall_s']:.0f}, generate {h2['tokens'] / h2['wall_s']:.0f}; "
               f"continuous {res['continuous'][-1]['wall_s']:.2f} s, shrinking static {res['shrinking_static'][-1]['wall_s']:.2f} s, "
               f"padded static {res['padded_static'][-1]['wall_s']:.2f} s; "
@@ -282,6 +288,13 @@ def main() -> None:
         "clean_run_frac": round(statistics.mean(x["outside_cores"] < CLEAN_CORES for runs in res.values() for x in runs), 2),
         "throughput_default_batch": throughput(res["engine128"], res["hf128"], 16),
         "throughput": throughput(res["engine"], res["hf"], 8),
+        "torch_path": {
+            "workload": "the 64-sequence throughput run with generator.kernels = 'torch'",
+            "tok_s": round(tok_s(res["torch_path"])),
+            "native_speedup": round(_median(res["torch_path"], "wall_s") / _median(res["engine"], "wall_s"), 2),
+            "peak_frac": round(gflops(res["torch_path"], n_tiny) / peak, 3),
+            "decode_step_ms": round(_median(res["torch_path"], "decode_step_s") * 1e3, 2),
+        },
         "heavy_tailed": {
             "workload": f"{args.tail_groups} prompts x 8 samples, 1 in 8 forced to 256 tokens, others 32, 64 slots",
             "continuous_s": round(_median(res["continuous"], "wall_s"), 3),
