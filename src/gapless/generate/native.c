@@ -57,6 +57,56 @@ static inline void rope(const float *x, const float *cos, const float *sin_signe
     for (int64_t i = half; i < hd; i++) out[i] = x[i] * cos[i] + x[i - half] * sin_signed[i];
 }
 
+/* One slot b and KV head h of gl_decode_attend. Inlined with hd a constant for the common head
+ * sizes, so the compiler unrolls the dot products and keeps the accumulators in registers.
+ * Returns -1 when scratch memory could not be allocated. */
+static inline __attribute__((always_inline)) int attend_slot(
+    const float *row, const float *cos, const float *sin_signed, float *k_cache, float *v_cache, float *out,
+    int64_t p, int64_t heads, int64_t kv_heads, int64_t h, int64_t group, const int64_t hd, float scale) {
+    const int64_t span = p + 1;
+    rope(row + (heads + h) * hd, cos, sin_signed, k_cache + p * hd, hd);
+    memcpy(v_cache + p * hd, row + (heads + kv_heads + h) * hd, sizeof(float) * hd);
+    float *scratch = malloc(sizeof(float) * group * (2 * hd + span));
+    if (scratch == NULL) return -1;
+    float *q = scratch, *acc = q + group * hd, *scores = acc + group * hd;
+    for (int64_t g = 0; g < group; g++) rope(row + (h * group + g) * hd, cos, sin_signed, q + g * hd, hd);
+    for (int64_t j = 0; j < span; j++) { /* each cached key is read once for the whole group */
+        const float *k = k_cache + j * hd;
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = q + g * hd;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < hd; i++) dot += qg[i] * k[i];
+            scores[g * span + j] = dot * scale;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = scores + g * span, top = -INFINITY, total = 0.f;
+        for (int64_t j = 0; j < span; j++) top = sg[j] > top ? sg[j] : top;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < span; j++) {
+            sg[j] = exp_approx(sg[j] - top);
+            total += sg[j];
+        }
+        const float inv = 1.0f / total;
+#pragma omp simd
+        for (int64_t j = 0; j < span; j++) sg[j] *= inv;
+    }
+    memset(acc, 0, sizeof(float) * group * hd);
+    for (int64_t j = 0; j < span; j++) { /* and each cached value once */
+        const float *v = v_cache + j * hd;
+        for (int64_t g = 0; g < group; g++) {
+            const float w = scores[g * span + j];
+            float *a = acc + g * hd;
+#pragma omp simd
+            for (int64_t i = 0; i < hd; i++) a[i] += w * v[i];
+        }
+    }
+    memcpy(out + h * group * hd, acc, sizeof(float) * group * hd);
+    free(scratch);
+    return 0;
+}
+
 /* qkv: (B, H + 2 KV, hd), the fused projection (query heads, then key heads, then value heads)
  * cos, sin_signed: (max_len, hd) rotary tables; positions: (B,)
  * keys, values: (slots >= B, KV, max_len, hd), one layer's cache; out: (B, H, hd)
@@ -68,50 +118,23 @@ int gl_decode_attend(const float *qkv, const float *cos, const float *sin_signed
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 2)
     for (int64_t task = 0; task < batch * kv_heads; task++) {
-        const int64_t b = task / kv_heads, h = task % kv_heads, p = positions[b], span = p + 1;
+        const int64_t b = task / kv_heads, h = task % kv_heads, p = positions[b];
         const float *row = qkv + b * (heads + 2 * kv_heads) * hd;
         const float *c = cos + p * hd, *s = sin_signed + p * hd;
         float *k_cache = keys + (b * kv_heads + h) * max_len * hd;
         float *v_cache = values + (b * kv_heads + h) * max_len * hd;
-        rope(row + (heads + h) * hd, c, s, k_cache + p * hd, hd);
-        memcpy(v_cache + p * hd, row + (heads + kv_heads + h) * hd, sizeof(float) * hd);
-
-        float *scratch = malloc(sizeof(float) * (group * (hd + span) + hd));
-        if (scratch == NULL) {
+        float *o = out + b * heads * hd;
+        int status;
+        if (hd == 64)
+            status = attend_slot(row, c, s, k_cache, v_cache, o, p, heads, kv_heads, h, group, 64, scale);
+        else if (hd == 128)
+            status = attend_slot(row, c, s, k_cache, v_cache, o, p, heads, kv_heads, h, group, 128, scale);
+        else
+            status = attend_slot(row, c, s, k_cache, v_cache, o, p, heads, kv_heads, h, group, hd, scale);
+        if (status) {
 #pragma omp atomic write
             failed = 1;
-            continue;
         }
-        float *q = scratch, *scores = scratch + group * hd, *acc = scores + group * span;
-        for (int64_t g = 0; g < group; g++) rope(row + (h * group + g) * hd, c, s, q + g * hd, hd);
-        for (int64_t j = 0; j < span; j++) {  /* each cached key is read once for the whole group */
-            const float *k = k_cache + j * hd;
-            for (int64_t g = 0; g < group; g++) {
-                const float *qg = q + g * hd;
-                float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t i = 0; i < hd; i++) dot += qg[i] * k[i];
-                scores[g * span + j] = dot * scale;
-            }
-        }
-        for (int64_t g = 0; g < group; g++) {
-            float *sg = scores + g * span, top = -INFINITY, total = 0.f;
-            for (int64_t j = 0; j < span; j++) top = sg[j] > top ? sg[j] : top;
-#pragma omp simd reduction(+ : total)
-            for (int64_t j = 0; j < span; j++) {
-                sg[j] = exp_approx(sg[j] - top);
-                total += sg[j];
-            }
-            memset(acc, 0, sizeof(float) * hd);
-            for (int64_t j = 0; j < span; j++) {
-                const float *v = v_cache + j * hd, w = sg[j];
-#pragma omp simd
-                for (int64_t i = 0; i < hd; i++) acc[i] += w * v[i];
-            }
-            float *o = out + (b * heads + h * group + g) * hd;
-            for (int64_t i = 0; i < hd; i++) o[i] = acc[i] / total;
-        }
-        free(scratch);
     }
     return failed ? -1 : 0;
 }
