@@ -13,6 +13,10 @@ the B running slots at its own position, writes its key/value into the cache, at
 positions <= its own and returns the logits of the next token.
 `load_state` takes a full HF state dict by name and copies it into the fused tensors in place;
 the cache is untouched, so in-flight sequences survive a weight swap.
+With the native kernels (`native.py`, fp32 on CPU) a decode layer is five calls: RMSNorm, the
+qkv matmul, one native call for RoPE + cache write + attention, the o matmul with the residual,
+and the MLP (one gate | up matmul, native silu * up, the down matmul with the residual).
+Otherwise the same arithmetic runs as torch ops (the torch path), equal within fp32 rounding.
 """
 
 from __future__ import annotations
