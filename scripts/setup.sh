@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up everything gapless needs on a fresh Linux machine: bubblewrap, chromium (optional: the
-# report test renders in it), a virtualenv in .venv, PyTorch (the CPU build unless an NVIDIA GPU
+# Set up everything gapless needs on a fresh Linux machine: bubblewrap, a C compiler (for the
+# engine's native decode kernels; optional), chromium (optional: the report test renders in it), a virtualenv in .venv, PyTorch (the CPU build unless an NVIDIA GPU
 # is present), and gapless itself with its test extras.
 # Idempotent: a second run with unchanged pyproject.toml returns in well under a second.
 set -euo pipefail
@@ -14,6 +14,16 @@ if ! command -v bwrap >/dev/null 2>&1; then
   $SUDO apt-get install -y -qq bubblewrap >/dev/null 2>&1 || {
     $SUDO apt-get update -qq >/dev/null && $SUDO apt-get install -y -qq bubblewrap >/dev/null;
   } || { echo "setup: could not install bubblewrap; install it with your package manager (package 'bubblewrap')" >&2; exit 1; }
+fi
+
+if ! command -v "${CC:-cc}" >/dev/null 2>&1; then
+  # The engine's native decode kernels are compiled on first use; without a compiler it runs its
+  # slower torch path (generator.kernels = 'auto' warns once).
+  echo "setup: installing gcc (for the engine's native decode kernels)"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get install -y -qq gcc >/dev/null 2>&1 || {
+    $SUDO apt-get update -qq >/dev/null && $SUDO apt-get install -y -qq gcc >/dev/null;
+  } || echo "setup: could not install gcc; the engine will use its torch path (package 'gcc')" >&2
 fi
 
 if ! command -v chromium >/dev/null 2>&1; then

@@ -96,3 +96,43 @@ def test_native_mode_refuses_what_it_cannot_run():
     assert kernels_for("auto", torch.bfloat16, torch.device("cpu")) is None
     with pytest.raises(NativeBuildError, match="fp32 on CPU only"):
         kernels_for("native", torch.bfloat16, torch.device("cpu"))
+
+
+def test_decode_refuses_positions_outside_the_cache(problems):
+    """The kernel writes keys/values where the positions point: the runner checks them first."""
+    from gapless.config import ModelConfig
+    from gapless.generate.runner import DecoderRunner
+    from gapless.models import build_tiny
+
+    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=300)
+    runner = DecoderRunner(build_tiny(cfg, [p.prompt for p in problems], seed=0).model, 32, "native")
+    cache = runner.new_cache(2)
+    assert runner.decode(torch.tensor([5, 6]), torch.tensor([0, 31]), cache).shape == (2, 300)
+    for positions in ([0, 32], [-1, 0], [0, 0, 0]):  # past the end, negative, more rows than slots
+        with pytest.raises(ValueError, match="do not fit a cache of 2 slots x 32 positions"):
+            runner.decode(torch.ones(len(positions), dtype=torch.long), torch.tensor(positions), cache)
+
+
+def test_sampling_equals_the_torch_sampler(kernels):
+    """Per-row temperatures: the same tokens as the torch inverse-CDF sampler for random u (which
+    never lands within float rounding of a CDF step here), log-probs equal to
+    log_softmax(logits / T) at the token; u at the top of [0, 1) still lands on a real token."""
+    from gapless.generate.sampling import RowSettings, sample_rows
+
+    gen = torch.Generator().manual_seed(0)
+    rows, vocab = 300, 512
+    logits = torch.randn(rows, vocab, generator=gen) * 4
+    temperature = torch.rand(rows, generator=gen) * 1.5 + 0.3
+    u = torch.rand(rows, generator=gen)
+    settings = RowSettings(temperature, torch.ones(rows), torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.bool),
+                           any_truncation=False, any_greedy=False, all_greedy=False)
+    want_tokens, _ = sample_rows(logits, settings, u)
+    tokens, logprobs = kernels.sample_rows(logits, temperature, u)
+    assert torch.equal(tokens, want_tokens)
+    exact = torch.log_softmax(logits / temperature[:, None], -1).gather(-1, tokens[:, None]).squeeze(-1)
+    assert torch.allclose(logprobs, exact, atol=1e-5)
+
+    last = torch.full((4, vocab), float("-inf"))
+    last[:, 7] = 0.0  # one token holds all the mass (the others masked out)
+    tokens, logprobs = kernels.sample_rows(last, torch.ones(4), torch.tensor([0.0, 0.5, 0.99999994, 1.0]))
+    assert tokens.tolist() == [7, 7, 7, 7] and logprobs.abs().max() < 1e-5

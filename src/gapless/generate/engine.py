@@ -274,7 +274,7 @@ class TorchEngine:
                 self._attention_ranges = attention_ranges(slots.position[:rows].tolist())
         logits = self.runner.decode(slots.last_token[:rows], slots.position[:rows], self.cache, self._attention_ranges)[:batch]  # (B, V)
         u = slots.uniforms[:batch].gather(1, slots.generated[:batch, None]).squeeze(1)  # (B,)
-        tokens, logprobs = sample_rows(logits, self._decode_rows, u)
+        tokens, logprobs = sample_rows(logits, self._decode_rows, u, self.runner.native)
         slots.position[:batch] += 1
         slots.last_token[:batch] = tokens
         slots.generated[:batch] += 1

@@ -31,9 +31,11 @@ void gl_rms_norm(const float *x, float *out, int64_t rows, int64_t dim, float ep
  * -ffast-math, nor does floorf here): x = k ln2 + r with k = round(x / ln2) (the 1.5 * 2^23
  * trick, exact under the default rounding mode) and |r| <= ln2 / 2 (Cody-Waite split of ln2),
  * exp(r) by Cephes' minimax polynomial for expf, 2^k put into the exponent bits. Relative error
- * about 1e-7 (1-2 ulp); inputs are clamped to [-87, 88], so very negative x gives ~1e-38. */
+ * about 1e-7 (1-2 ulp); x < -87 (where expf is below 2^-126) gives 0, and -inf gives 0 as it should;
+ * x > 88 is clamped to 88. */
 static inline float exp_approx(float x) {
     const float round = 12582912.0f;
+    const float underflow = x < -87.0f ? 0.0f : 1.0f;
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     const float k = (x * 1.44269504088896341f + round) - round;
     const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
@@ -47,7 +49,7 @@ static inline float exp_approx(float x) {
     const int32_t bits = ((int32_t)k + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    return p * scale * underflow;
 }
 
 /* x * cos + rotate_half(x) * sin, with sin_signed = [-sin_lo, sin_hi] (rotate_half as a roll) */
@@ -152,5 +154,39 @@ void gl_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int 
             const float gi = g[i];
             o[i] = gi / (1.0f + exp_approx(-gi)) * u[i];
         }
+    }
+}
+
+/* Inverse-CDF sampling without truncation, one token per row (sampling.py's sample_rows when no
+ * row is greedy or truncated): p = softmax(logits / T) in vocabulary order, the token is the first
+ * whose cumulative mass exceeds u * total (kept below total, so it lands on a token), and its
+ * log-prob is log_softmax(logits / T) at that token. `scratch` holds rows x vocab floats. */
+void gl_sample_rows(const float *logits, const float *temperature, const float *u, float *scratch,
+                    int64_t *tokens, float *logprobs, int64_t rows, int64_t vocab, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * vocab >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict l = logits + r * vocab;
+        float *restrict e = scratch + r * vocab;
+        const float inv_t = 1.0f / temperature[r];
+        float top = -INFINITY, total = 0.f;
+        for (int64_t j = 0; j < vocab; j++) top = l[j] * inv_t > top ? l[j] * inv_t : top;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < vocab; j++) {
+            e[j] = exp_approx(l[j] * inv_t - top);
+            total += e[j];
+        }
+        float target = u[r] * total;
+        if (!(target < total)) target = nextafterf(total, 0.f);
+        int64_t token = vocab - 1;
+        float cumulative = 0.f;
+        for (int64_t j = 0; j < vocab; j++) {
+            cumulative += e[j];
+            if (cumulative > target) {
+                token = j;
+                break;
+            }
+        }
+        tokens[r] = token;
+        logprobs[r] = (l[token] * inv_t - top) - logf(total);
     }
 }

@@ -1,8 +1,9 @@
 """Native CPU kernels for the engine's decode step, compiled from `native.c` on first use.
 
-Two kernels (`native.c`): RMSNorm rows, and one decode step's attention for every running slot
-(RoPE on the new query and key, the key and value written into the slot's cache, attention over
-exactly that slot's positions). In the torch path the same work is about 15 dispatched ops per
+Kernels (`native.c`): one decode step's attention for every running slot (RoPE on the new query
+and key, the key and value written into the slot's cache, attention over exactly that slot's
+positions); RMSNorm rows; the gated MLP's silu(gate) * up; inverse-CDF sampling of untruncated
+rows. In the torch path the same work is about 15 dispatched ops per
 layer (norm, RoPE, an advanced-index cache write, a mask, batched matmuls, softmax), each a few
 microseconds on tiny tensors and single-threaded below torch's parallel grain; here it is one
 call, parallel over slots x KV heads, reading each slot's own length.
@@ -62,6 +63,9 @@ class NativeKernels:
         self._silu_mul = library.gl_silu_mul
         self._silu_mul.argtypes = [ptr, ptr, i64, i64, cint]
         self._silu_mul.restype = None
+        self._sample = library.gl_sample_rows
+        self._sample.argtypes = [ptr] * 6 + [i64, i64, cint]
+        self._sample.restype = None
 
     def rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         """x / sqrt(mean(x**2, -1) + eps) over the last dim of a contiguous fp32 tensor."""
@@ -75,6 +79,17 @@ class NativeKernels:
         out = gate_up.new_empty(*gate_up.shape[:-1], n)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n, torch.get_num_threads())
         return out
+
+    def sample_rows(self, logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse-CDF sampling without truncation: logits (B, V), temperature and u (B,) ->
+        tokens (B,) int64 and their log-probs under softmax(logits / T) (B,)."""
+        logits, temperature, u = logits.float().contiguous(), temperature.float().contiguous(), u.float().contiguous()
+        rows, vocab = logits.shape
+        tokens, logprobs = torch.empty(rows, dtype=torch.int64), torch.empty(rows)
+        scratch = torch.empty_like(logits)
+        self._sample(logits.data_ptr(), temperature.data_ptr(), u.data_ptr(), scratch.data_ptr(), tokens.data_ptr(),
+                     logprobs.data_ptr(), rows, vocab, torch.get_num_threads())
+        return tokens, logprobs
 
     def decode_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor,
                       keys: torch.Tensor, values: torch.Tensor, heads: int, kv_heads: int, scale: float) -> torch.Tensor:

@@ -316,10 +316,12 @@ class DecoderRunner:
 
     def _decode_native(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """`decode` with one native call per layer for RoPE, the cache write and attention."""
-        if tokens.shape[0] > cache.slots or int(positions.max()) >= cache.max_seq_len or positions.dtype != torch.int64:
-            raise ValueError(f"decode: {tokens.shape[0]} rows at positions up to {int(positions.max())} do not fit "
-                             f"a cache of {cache.slots} slots x {cache.max_seq_len} positions")
-        positions = positions.contiguous()
+        # the kernel writes where positions point: check them, as an index op would
+        limit = min(cache.max_seq_len, self.cos.shape[0])
+        positions = positions.to(torch.int64).contiguous()
+        if tokens.shape[0] > cache.slots or int(positions.min()) < 0 or int(positions.max()) >= limit:
+            raise ValueError(f"decode: {tokens.shape[0]} rows at positions {int(positions.min())}..{int(positions.max())} "
+                             f"do not fit a cache of {cache.slots} slots x {limit} positions")
         x = F.embedding(tokens, self.embed)  # (B, D)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(self._norm(x))  # (B, (H + 2 KV) * hd), contiguous
