@@ -329,6 +329,9 @@ class PipelineConfig(_Section):
     left by the generator (at least 1)."""
     env_workers: int = Field(4, ge=1, le=1024)
     """Groups scored concurrently by the environment process."""
+    lend_idle_cores: bool = True
+    """With a budget: the trainer borrows the generator's threads while the generator has nothing to
+    decode, and hands them back at its next decoder layer when it has (orchestrate/lending.py)."""
 
     @property
     def generator_threads_resolved(self) -> int:

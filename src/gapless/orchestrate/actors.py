@@ -40,6 +40,7 @@ import torch
 from gapless.config import Config
 from gapless.orchestrate.admission import Admission, PromptSource, sampling_params
 from gapless.orchestrate.buffer import ScoredGroup
+from gapless.orchestrate.lending import LendingFlags
 from gapless.orchestrate.partial import PartialRollouts
 from gapless.orchestrate.weights import SharedWeights
 from gapless.timeline import MergedSpans, open_timeline
@@ -47,6 +48,7 @@ from gapless.types import Completion
 
 POLL_S = 0.002
 STATS_EVERY_S = 0.05
+LENDING_MAX_WAIT_S = 0.02  # the longest the generator waits for its lent threads before decoding
 
 
 @dataclass
@@ -63,6 +65,7 @@ class ActorSpec:
     to_generator: Any  # queue of ('dropped', n) | ('abort', [index]) | ('feedback', uid, rewards)
     stop: Any  # event
     trainer_pid: int
+    lending: LendingFlags | None = None  # the trainer borrows the generator's threads while it idles
 
 
 def _put(q, item, stop) -> float:
@@ -123,7 +126,7 @@ class _GeneratorActor:
         self.meta: dict[int, tuple[int, int]] = {}  # index -> (task index, birth version)
         self.cut: set[int] = set()
         self.partial = PartialRollouts(cfg.pipeline.partial_rollout_tokens, cfg.pipeline.partial_rollout_s)
-        self.clock = {"busy_s": 0.0, "idle_s": 0.0, "stall_s": 0.0, "blocked_s": 0.0, "tokens": 0, "groups": 0, "swaps": 0, "partial_cuts": 0}
+        self.clock = {"busy_s": 0.0, "idle_s": 0.0, "stall_s": 0.0, "blocked_s": 0.0, "core_wait_s": 0.0, "tokens": 0, "groups": 0, "swaps": 0, "partial_cuts": 0}
         self.last_report = time.perf_counter()
         self.timeline = open_timeline(cfg.run_dir, "generator", cfg.metrics.timeline)
         self.spans = MergedSpans(self.timeline)
@@ -147,6 +150,8 @@ class _GeneratorActor:
             self._apply_control()
             self._admit()
             if self.engine.has_work:
+                if spec.lending is not None:
+                    self.clock["core_wait_s"] += spec.lending.want(LENDING_MAX_WAIT_S)
                 self.spans.mark("generate")
                 start = time.perf_counter()
                 finished = self.engine.step()
@@ -155,6 +160,8 @@ class _GeneratorActor:
                 self._collect(finished)
                 self._cut_partial()
             else:
+                if spec.lending is not None:
+                    spec.lending.idle()
                 self.spans.mark("wait_weights")  # admission holds until a newer policy arrives
                 start = time.perf_counter()
                 self._apply_control(timeout=POLL_S)

@@ -24,6 +24,7 @@ lost, and a resumed run starts its pipeline afresh from the checkpoint's version
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -38,6 +39,7 @@ from gapless.envs.base import InfraUnavailable, check_infra
 from gapless.generate.protocol import SteppedGenerator
 from gapless.orchestrate.actors import ActorSpec, environment_main, generator_main
 from gapless.orchestrate.buffer import GroupLedger, ScoredGroup, StalenessBuffer
+from gapless.orchestrate.lending import LendingFlags, TrainerLending
 from gapless.orchestrate.evaluate import greedy_pass_at_1
 from gapless.orchestrate.loop import SyncLoop, rollout_metrics, staleness_metrics
 from gapless.orchestrate.weights import SharedWeights
@@ -71,6 +73,12 @@ class Pipeline(SyncLoop):
         self.ready_actors: set[str] = set()
         self.infra_streak = 0  # consecutive groups dropped for infrastructure failures
         self._last_step_end = None
+        self.lending: TrainerLending | None = None
+        pl = cfg.pipeline
+        if pl.max_staleness > 0 and pl.lend_idle_cores:
+            self.lending = TrainerLending(LendingFlags(self.ctx), pl.trainer_threads_resolved, pl.generator_threads_resolved)
+            if not self.lending.install(self.policy.model):
+                self.lending = None  # no decoder layer list to hook: nothing to lend at
 
     # ---- actors ---------------------------------------------------------------------------
     def start_actors(self) -> None:
@@ -80,7 +88,8 @@ class Pipeline(SyncLoop):
         bound = 2 * self.cfg.loop.prompts_per_step  # groups waiting to be scored
         prompts = [(task.uid, task.prompt) for task in self.train]
         self.spec = ActorSpec(self.cfg, prompts, policy_dir, self.start_step, self.weights, self.ctx.Queue(bound),
-                              self.ctx.Queue(INBOX_MESSAGES), self.ctx.Queue(), self.ctx.Event(), os.getpid())
+                              self.ctx.Queue(INBOX_MESSAGES), self.ctx.Queue(), self.ctx.Event(), os.getpid(),
+                              self.lending.flags if self.lending else None)
         for name, target in (("generator", generator_main), ("environment", environment_main)):
             process = self.ctx.Process(target=target, args=(self.spec,), name=f"gapless-{name}", daemon=True)
             process.start()
@@ -172,7 +181,8 @@ class Pipeline(SyncLoop):
         rollouts = [r for g in groups for r in g.rollouts]
         infra_errors = check_infra(rollouts, hint=f" in environment {self.env.name!r}")
         t1 = time.perf_counter()
-        with self.timelines["trainer"].span("train", step=step, version=self.trainer.version):
+        with self.timelines["trainer"].span("train", step=step, version=self.trainer.version), \
+                self.lending.borrowing() if self.lending else contextlib.nullcontext():
             batch, targets = self.make_batch(rollouts)
             stats = self.trainer.step(batch)
         t2 = time.perf_counter()
@@ -204,12 +214,15 @@ class Pipeline(SyncLoop):
             **staleness_metrics(staleness),
             "perf/trained_tokens_per_s": trained_tokens / max(train_s, 1e-9),
         }
+        if self.lending is not None:
+            metrics["perf/trainer_borrowed_frac"] = self.lending.borrowed_frac()  # layer checks holding the generator's threads
         if gen_wall > 0:
             metrics.update({
                 "perf/generator_idle_frac": sum(s["idle_s"] for s in gen) / gen_wall,
                 "perf/generator_blocked_frac": sum(s["blocked_s"] for s in gen) / gen_wall,
                 "perf/gen_tokens_per_s": sum(s["tokens"] for s in gen) / gen_wall,
                 "perf/generator_stall_s": sum(s["stall_s"] for s in gen) / max(swaps, 1),
+                "perf/generator_core_wait_frac": sum(s["core_wait_s"] for s in gen) / gen_wall,  # waiting for lent threads
                 "perf/production_consumption_ratio": sum(s["groups"] for s in gen) / gen_wall * step_s / self.cfg.loop.prompts_per_step,
                 "generator/running": float(gen[-1]["running"]),
                 "generator/waiting": float(gen[-1]["waiting"]),

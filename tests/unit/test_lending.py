@@ -1,0 +1,77 @@
+"""Core lending between the generator and the trainer: the handshake and the layer hooks."""
+
+import multiprocessing as mp
+import threading
+import time
+
+import pytest
+import torch
+
+from gapless.config import ModelConfig
+from gapless.models import build_tiny
+from gapless.orchestrate.lending import LendingFlags, TrainerLending
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _lending(own=1, lent=1):
+    torch.set_num_threads(own)
+    return TrainerLending(LendingFlags(mp.get_context("spawn")), own, lent)
+
+
+def test_the_trainer_borrows_only_inside_a_step_and_while_not_wanted():
+    lending = _lending()
+    lending.check()  # outside a step: nothing happens
+    assert torch.get_num_threads() == 1 and not lending.held
+    with lending.borrowing():
+        lending.check()
+        assert torch.get_num_threads() == 2 and lending.held
+        lending.flags._flags[0] = 1  # the generator wants its thread
+        lending.check()
+        assert torch.get_num_threads() == 1 and not lending.held
+        lending.flags.idle()
+        lending.check()
+        assert lending.held
+    assert torch.get_num_threads() == 1 and not lending.held and lending.flags._flags[1] == 0  # given back on exit
+    assert lending.borrowed_frac() == 2 / 3
+
+
+def test_the_generator_waits_for_its_threads_until_the_next_check_and_never_longer_than_its_bound():
+    lending = _lending()
+    with lending.borrowing():
+        lending.check()
+        assert lending.held
+        waited = lending.flags.want(max_wait_s=0.05)  # nobody checks: it gives up after the bound
+        assert 0.05 <= waited < 0.5
+        lending.check()  # the trainer's next layer boundary hands the thread back
+        assert not lending.held and lending.flags.want(max_wait_s=1.0) == 0.0
+
+        lending.flags.idle()
+        lending.check()
+        assert lending.held
+        timer = threading.Timer(0.05, lending.check)  # a layer boundary 50 ms from now
+        timer.start()
+        waited = lending.flags.want(max_wait_s=5.0)
+        timer.join()
+        assert 0.04 < waited < 1.0 and not lending.held
+
+
+def test_hooks_check_at_every_decoder_layer_forward_and_backward(problems):
+    policy = build_tiny(ModelConfig(hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                                    vocab_size=300), [p.prompt for p in problems[:20]], seed=0)
+    lending = _lending()
+    assert lending.install(policy.model) == 3
+    ids = torch.tensor([policy.encode(problems[0].prompt)])
+    with lending.borrowing():
+        policy.model(input_ids=ids).logits.sum().backward()
+    assert lending.checks == 6  # 3 layers, forward and backward
+    assert lending.borrowed_frac() == 1.0 and torch.get_num_threads() == 1
+    with torch.no_grad(), lending.borrowing():
+        policy.model(input_ids=ids)
+    assert lending.checks == 3  # no backward hooks without gradients
+    assert lending.install(torch.nn.Linear(2, 2)) == 0  # no decoder layers: nothing hooked
