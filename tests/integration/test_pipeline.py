@@ -78,3 +78,5 @@ def test_async_run_respects_the_budget_and_ends_every_group_once(tmp_path, warm_
         assert all(len(set(e["rewards"])) > 1 for e in trained)  # never a zero-variance group
     assert max(m["staleness/max"] for m in _metrics(run)) <= budget
     assert sum(m.get("generator/partial_cuts", 0) for m in _metrics(run)) > 0  # groups of 8 on 4 slots: always someone waiting
+    borrowed = [m["perf/trainer_borrowed_frac"] for m in _metrics(run)]  # core lending is on by default
+    assert len(borrowed) == 6 and all(0.0 <= b <= 1.0 for b in borrowed)
