@@ -5,7 +5,7 @@ With a budget the generator and the trainer run at once and split the cores (gen
 trainer_threads <= cores). On a small machine the trainer is then usually the bottleneck while the
 generator waits for admission (it may not run further ahead than the budget): measured on 2
 cores with the native decode kernels, the trainer at 1 thread was never idle while the generator
-was idle 70-90% of the time and the machine 20-40% idle. Lending makes the split
+was idle 70-90% of the time and the machine 20-45% idle. Lending makes the split
 work-conserving without oversubscribing the cores:
 
 - the generator raises `wants` before each decode step and lowers it when it goes idle; before

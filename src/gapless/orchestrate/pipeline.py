@@ -39,8 +39,8 @@ from gapless.envs.base import InfraUnavailable, check_infra
 from gapless.generate.protocol import SteppedGenerator
 from gapless.orchestrate.actors import ActorSpec, environment_main, generator_main
 from gapless.orchestrate.buffer import GroupLedger, ScoredGroup, StalenessBuffer
-from gapless.orchestrate.lending import LendingFlags, TrainerLending
 from gapless.orchestrate.evaluate import greedy_pass_at_1
+from gapless.orchestrate.lending import LendingFlags, TrainerLending
 from gapless.orchestrate.loop import SyncLoop, rollout_metrics, staleness_metrics
 from gapless.orchestrate.weights import SharedWeights
 from gapless.timeline import export_chrome_trace
