@@ -176,10 +176,11 @@ def summarise(runs: list[dict], workloads: list[str], budgets: list[int]) -> dic
 
     table = {w: {b: {k: med(w, b, k) for k in runs[0] if k not in ("workload", "budget")} for b in budgets} for w in workloads}
     ratios, hidden = {}, {}
+    latency_workloads = [w for w in workloads if w.startswith("latency")] if "default" in workloads else []
     for base in [b for b in ("0", "ref") if b in budgets]:
         ratios[f"vs_{base}"] = {w: {b: med(w, b, "s_per_sample") / med(w, base, "s_per_sample")
                                     for b in budgets if b not in ("0", "ref")} for w in workloads}
-        for lat in [w for w in workloads if w.startswith("latency")] if "default" in workloads else []:
+        for lat in latency_workloads:
             added_sync = med(lat, base, "s_per_sample") - med("default", base, "s_per_sample")
             hidden.setdefault(lat, {})[f"vs_{base}"] = {
                 b: 1 - (med(lat, b, "s_per_sample") - med("default", b, "s_per_sample")) / added_sync
