@@ -148,6 +148,11 @@ class TrainerConfig(_Section):
     clip_eps_high: float | None = Field(None, gt=0)
     """Upper clip range (DAPO's clip-higher; the paper uses 0.28, GSPO 4e-4; CISPO is run with a
     large one). None means the same as `clip_eps`."""
+    dual_clip_c: float | None = Field(None, gt=1)
+    """Dual-clip PPO (Ye et al. 2020; verl's `actor.clip_ratio_c`, 3.0 there by default): for a
+    token with a negative advantage the loss is capped at dual_clip_c * abs(A), so a huge ratio (a
+    stale rollout's token the policy now strongly prefers) cannot dominate the step. None = off
+    (plain PPO-clip, TRL's behaviour). Only for the PPO-clip losses 'dapo', 'grpo', 'drgrpo'."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL penalty to the frozen reference (the warm-started model). 0 disables it
     and skips the reference forward pass."""
@@ -490,6 +495,9 @@ def _check_task(cfg: Config) -> None:
 
 def _check_trainer(cfg: Config) -> None:
     t = cfg.trainer
+    if t.dual_clip_c is not None and t.loss not in ("dapo", "grpo", "drgrpo"):
+        raise ConfigError(f"trainer.dual_clip_c bounds the token-level PPO-clip losses ('dapo', 'grpo', 'drgrpo'), "
+                          f"not trainer.loss = {t.loss!r}; unset it")
     if t.correction != "none" and t.old_logprobs != "trainer":
         raise ConfigError(f"trainer.correction = '{t.correction}' reweights behaviour against trainer log-probs; "
                           "it needs trainer.old_logprobs = 'trainer' (with 'behaviour' the PPO ratio already divides by them)")

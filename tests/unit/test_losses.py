@@ -86,6 +86,42 @@ def test_dapo_clip_higher():
     assert grad[0, 0] == 0.0  # still clipped above 1.28
 
 
+def verl_dual_clip(ratio, adv, lo, hi, c):
+    """verl's `compute_policy_loss_vanilla` per-token loss, written from its formula: the PPO-clip
+    maximum of -A r and -A clip(r), then for A < 0 the minimum of that and -A c."""
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, 1 - lo, 1 + hi)
+    clip1 = torch.maximum(pg1, pg2)
+    clip2 = torch.minimum(-adv * c, clip1)
+    return torch.where(adv < 0, clip2, clip1)
+
+
+@pytest.mark.parametrize("loss", [dapo_loss, grpo_loss, drgrpo_loss])
+def test_dual_clip_matches_verl(loss):
+    # one row per case, A = -1 unless noted; c = 3:
+    #   r = 5   (A < 0): PPO term -(-1) * 5 = 5, capped at 3 * 1 = 3, no gradient
+    #   r = 2.5 (A < 0): 2.5 < 3, unchanged, gradient -r A = 2.5
+    #   r = 5   (A = +1): the dual clip never applies to A > 0: -min(5, 1.2) = -1.2 (ordinary clip)
+    #   r = 0.5 (A < 0): -max(... ) = 0.8 (clipped below), below the cap
+    ratio = torch.tensor([[5.0], [2.5], [5.0], [0.5]])
+    adv = torch.tensor([-1.0, -1.0, 1.0, -1.0])
+    mask = torch.ones(4, 1)
+    logp = torch.zeros(4, 1, requires_grad=True)
+    old = -torch.log(ratio)
+    norm = StepNorm.of(mask, torch.arange(4), max_new_tokens=1)
+    out = loss(logp, old, adv, mask, norm, 0.2, 0.2, dual_clip_c=3.0)
+    want = verl_dual_clip(ratio, adv[:, None], 0.2, 0.2, 3.0)
+    assert torch.allclose(out.per_token, want, atol=1e-6)
+    assert out.per_token.flatten().tolist() == pytest.approx([3.0, 2.5, -1.2, 0.8], abs=1e-6)
+    (grad,) = torch.autograd.grad(out.total, logp)
+    assert grad[0, 0] == 0.0 and grad[2, 0] == 0.0 and grad[3, 0] == 0.0
+    assert grad[1, 0].item() == pytest.approx(2.5 * out.weights[1, 0].item(), abs=1e-6)
+    assert out.is_clipped[0, 0]  # the dual clip counts as a clip
+    # off by default: the capped token keeps its full PPO-clip loss
+    plain = loss(logp, old, adv, mask, norm, 0.2, 0.2)
+    assert plain.per_token[0, 0].item() == pytest.approx(5.0, abs=1e-6)
+
+
 def test_gspo_sequence_ratio():
     # s_0 = exp(mean(log 1.5, log 0.5, 0)) = 0.75^(1/3) = 0.908560, A = 1 -> l_0 = -0.908560 (not clipped)
     # s_1 = 1.1, A = -2 -> l_1 = +2.2;  s_2 = exp((0.1 + 0.3) / 2) = e^0.2 = 1.221403, A = 0.5

@@ -9,6 +9,9 @@ off-policy corrections are composed by the trainer on top of `per_token`, with t
 With ratio r_t = exp(logp_t - old_t), advantage A of the token's sequence, clip range
 [1 - lo, 1 + hi] (hi = lo unless clip-higher is set):
     PPO-clip term   l_t = -min(r_t * A, clip(r_t) * A)
+    dual-clip       l_t = min(l_t, -c * A)  for A < 0 only (Ye et al. 2020), with c = dual_clip_c > 1:
+                    a token with a negative advantage and a huge ratio (common in stale rollouts)
+                    has its loss bounded by c * |A| and gives no gradient. Off (None) by default.
 Masked positions (prompt, padding, excluded rollouts) get weight 0: they contribute exactly zero
 loss and zero gradient, whatever their log-probs.
 """
@@ -36,17 +39,26 @@ class PolicyLoss:
 
 
 def ppo_clip_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                   clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token PPO-clip loss, its ratio and where the clip bit. All (B, T)."""
+                   clip_low: float, clip_high: float, dual_clip_c: float | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token PPO-clip loss (dual-clipped if `dual_clip_c`), its ratio and where a clip bit. All (B, T)."""
     log_ratio = (logprobs - old_logprobs) * mask
     ratio = torch.exp(log_ratio)
-    adv = advantages[:, None].to(logprobs.dtype)
+    adv = advantages[:, None].to(logprobs.dtype).expand_as(ratio)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
-    return -torch.minimum(unclipped, clipped), ratio.detach(), unclipped != clipped
+    loss = -torch.minimum(unclipped, clipped)
+    is_clipped = unclipped != clipped
+    if dual_clip_c is not None:
+        bound = -dual_clip_c * adv  # > 0 where A < 0
+        is_dual = (adv < 0) & (loss > bound)
+        loss = torch.where(is_dual, bound, loss)
+        is_clipped = is_clipped | is_dual
+    return loss, ratio.detach(), is_clipped
 
 
-def dapo_loss(logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_low: float, clip_high: float) -> PolicyLoss:
+def dapo_loss(logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_low: float, clip_high: float,
+              dual_clip_c: float | None = None) -> PolicyLoss:
     """DAPO (Yu et al. 2025): PPO-clip with decoupled bounds [1 - clip_low, 1 + clip_high].
 
     Normalisation: token-level mean over the whole step -- the sum of every loss token's term
@@ -54,11 +66,12 @@ def dapo_loss(logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_low
     length of its sequence. With clip_high = clip_low this is plain token-level GRPO (the default).
     """
     mask = mask.to(logprobs.dtype)
-    per_token, ratio, is_clipped = ppo_clip_terms(logprobs, old_logprobs, advantages, mask, clip_low, clip_high)
+    per_token, ratio, is_clipped = ppo_clip_terms(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip_c)
     return PolicyLoss(per_token, token_mean(mask, norm), ratio, is_clipped)
 
 
-def grpo_loss(logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_low: float, clip_high: float) -> PolicyLoss:
+def grpo_loss(logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_low: float, clip_high: float,
+              dual_clip_c: float | None = None) -> PolicyLoss:
     """GRPO as in DeepSeekMath (Shao et al. 2024): PPO-clip per token.
 
     Normalisation: mean over each sequence's tokens, then mean over the sequences of its group,
@@ -66,11 +79,12 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_low
     weighs less than one of a short completion: the length bias Dr. GRPO points out.
     """
     mask = mask.to(logprobs.dtype)
-    per_token, ratio, is_clipped = ppo_clip_terms(logprobs, old_logprobs, advantages, mask, clip_low, clip_high)
+    per_token, ratio, is_clipped = ppo_clip_terms(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip_c)
     return PolicyLoss(per_token, seq_group_mean(mask, norm), ratio, is_clipped)
 
 
-def drgrpo_loss(logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_low: float, clip_high: float) -> PolicyLoss:
+def drgrpo_loss(logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_low: float, clip_high: float,
+                dual_clip_c: float | None = None) -> PolicyLoss:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): PPO-clip per token.
 
     Normalisation: the sum over all loss tokens divided by a constant, rows in the step times
@@ -78,7 +92,7 @@ def drgrpo_loss(logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_l
     advantage = 'drgrpo' for the paper's recipe).
     """
     mask = mask.to(logprobs.dtype)
-    per_token, ratio, is_clipped = ppo_clip_terms(logprobs, old_logprobs, advantages, mask, clip_low, clip_high)
+    per_token, ratio, is_clipped = ppo_clip_terms(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip_c)
     return PolicyLoss(per_token, constant(mask, norm), ratio, is_clipped)
 
 
@@ -119,6 +133,7 @@ def cispo_loss(logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_lo
 
 
 PolicyLossFn = Callable[..., PolicyLoss]
+PPO_CLIP_LOSSES = ("dapo", "grpo", "drgrpo")  # the token-level PPO-clip family: the ones dual-clip applies to
 LOSSES: dict[str, PolicyLossFn] = {
     "dapo": dapo_loss,
     "grpo": grpo_loss,

@@ -94,7 +94,8 @@ class GRPOTrainer:
                 start_logprobs[index, :width] = logprobs.detach()
             trainer_start = start_logprobs[index, :width]
             old = trainer_start if cfg.old_logprobs == "trainer" else mb.behaviour_logprobs
-            policy = self.loss_fn(logprobs, old, mb.advantages, mb.loss_mask, norm.select(index), cfg.clip_eps, cfg.clip_high)
+            policy = self.loss_fn(logprobs, old, mb.advantages, mb.loss_mask, norm.select(index), cfg.clip_eps, cfg.clip_high,
+                                  **({"dual_clip_c": cfg.dual_clip_c} if cfg.dual_clip_c is not None else {}))
             rho, diagnostics = importance_weights(trainer_start, mb.behaviour_logprobs, mb.loss_mask, cfg.correction,
                                                   cfg.correction_level, cfg.tis_cap, cfg.mis_low, cfg.mis_high)
             offpolicy.append(diagnostics)
