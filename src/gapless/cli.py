@@ -22,6 +22,7 @@ import json
 import sys
 
 from gapless.config import ConfigError, load_config
+from gapless.errors import InfrastructureError, RunStopped
 
 
 class _Usage(Exception):
@@ -190,6 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"gapless: error: {exc}", file=sys.stderr)
         return 2
+    except InfrastructureError as exc:
+        print(f"gapless: error: {exc}", file=sys.stderr)
+        print("gapless: the last checkpoint in the run directory is intact; fix the cause above, then rerun with --resume",
+              file=sys.stderr)
+        return 3
+    except RunStopped as exc:
+        print(f"gapless: stopped by {exc}; the steps done are checkpointed (continue with --resume)", file=sys.stderr)
+        return 143 if str(exc) == "SIGTERM" else 130
     except KeyboardInterrupt:
         print("gapless: interrupted; the last checkpoint in the run dir is intact (use --resume)", file=sys.stderr)
         return 130

@@ -323,6 +323,14 @@ class PipelineConfig(_Section):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no GRPO signal) as they arrive and backfill them,
     so every step trains on a full batch of groups with signal (DAPO's dynamic sampling)."""
+    max_resamples: int = Field(0, ge=0)
+    """Dynamic sampling's bound: zero-variance groups one step may drop and backfill before the run
+    stops with an error (a warning at half of it); 0 = 8 x loop.prompts_per_step. Reaching it means
+    nearly every prompt is always or never solved: use the pass_rate curriculum or other data."""
+    stall_timeout_s: float = Field(120.0, gt=0, le=86400)
+    """Longest the trainer waits for an actor that shows no progress (a stale heartbeat, or no group
+    arriving) before it stops the run with a diagnosis in RUN_DIR/stall.txt and every process's
+    stack in RUN_DIR/stacks/. Raise it for very long generations or sandbox runs."""
     curriculum: Literal["uniform", "pass_rate"] = "uniform"
     """Prompt choice: 'uniform' (the synchronous loop's order) or 'pass_rate' (prefer prompts whose
     running pass rate is neither 0 nor 1; see orchestrate/curriculum.py)."""

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from gapless.orchestrate.admission import Admission, PromptSource, sample_step_tasks
-from gapless.orchestrate.buffer import GroupLedger, ScoredGroup, StalenessBuffer
+from gapless.orchestrate.buffer import ScoredGroup, StalenessBuffer
 from gapless.orchestrate.curriculum import PassRateCurriculum
+from gapless.orchestrate.ledger import GroupLedger
 from gapless.orchestrate.weights import SharedWeights
 from gapless.types import Completion, Rollout
 
@@ -78,11 +79,21 @@ def test_buffer_waits_for_due_groups_and_trains_them_first(tmp_path):
     assert {e["group"]: e["reason"] for e in events if e["event"] == "dropped"} == {4: "run_ended"}
 
 
-def test_take_asserts_the_staleness_of_the_oldest_token(tmp_path):
-    buf = StalenessBuffer(1, 1, cut_stragglers=False, ledger=GroupLedger(tmp_path / "g.jsonl"))
+def test_take_never_trains_past_the_budget_of_the_oldest_token(tmp_path):
+    ledger = GroupLedger(tmp_path / "g.jsonl")
+    buf = StalenessBuffer(1, 1, cut_stragglers=False, ledger=ledger, uids=["t0"])
     buf.arrived(_group(0, 3, [0, 1], versions=[1, 3]))  # a resumed partial: its first token is from version 1
-    with pytest.raises(AssertionError, match="staleness 2 > max_staleness 1"):
-        buf.take(3)
+    buf.arrived(_group(1, 3, [0, 1]))
+    taken, _ = buf.take(3)  # staleness of group 0 would be 3 - 1 = 2 > 1: dropped, not trained, no crash
+    assert [g.index for g in taken] == [1] and buf.drops == {"over_budget": 1}
+    ledger.close()
+    events = _ledger_events(tmp_path / "g.jsonl")
+    dropped = next(e for e in events if e["event"] == "dropped")
+    assert dropped == {"group": 0, "event": "dropped", "segment": 0, "uid": "t0", "born": 3, "step": 3,
+                       "oldest_version": 1, "reason": "over_budget", "rewards": [0, 1],
+                       "statuses": ["wrong_answer", "ok"]}
+    trained = next(e for e in events if e["event"] == "trained")
+    assert (trained["born"], trained["oldest_version"], trained["staleness"], trained["step"]) == (3, 3, 0, 3)
 
 
 def test_oversampling_cuts_due_stragglers_exactly_once(tmp_path):

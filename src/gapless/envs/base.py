@@ -33,6 +33,7 @@ from __future__ import annotations
 import random
 from typing import Callable, Literal, Protocol, Sequence, runtime_checkable
 
+from gapless.errors import InfrastructureError
 from gapless.types import Completion, Rollout, SamplingParams
 
 Split = Literal["train", "eval"]
@@ -78,7 +79,7 @@ class Teacher(Protocol):
         ...
 
 
-class InfraUnavailable(RuntimeError):
+class InfraUnavailable(InfrastructureError):
     """Every rollout of a step failed for infrastructure reasons; fix the host, not the model."""
 
 

@@ -14,11 +14,13 @@ and resumed at the back of the queue (re-prefilled by the weights current then; 
 Environment: scores groups on `env_workers` threads (the sandbox runs the programs in its own
 processes) and forwards them; rewards also go back to the generator for the curriculum.
 
-Both actors send ('error', actor, traceback) to the trainer and exit if anything raises, so a
-crash is an error in the trainer's process, never a silent hang (the trainer also notices an
-actor that died without a word). Both die with the trainer, even when it is SIGKILLed (the
-kernel's parent-death signal). Neither actor holds state worth keeping: the trainer's checkpoint
-is the run's state.
+Messages are the typed records of messages.py. Both actors send `ActorError` to the trainer and
+exit if anything raises, so a crash is an error in the trainer's process, never a silent hang
+(the trainer also notices an actor that died without a word). Both stamp their heartbeat on
+every pass of their loop, no wait of theirs blocks longer than a poll, and both dump their
+Python stacks on SIGUSR1 (watchdog.py: a stalled actor is diagnosed, not waited for). Both die
+with the trainer, even when it is SIGKILLed (the kernel's parent-death signal). Neither actor
+holds state worth keeping: the trainer's checkpoint is the run's state.
 """
 
 from __future__ import annotations
@@ -40,8 +42,12 @@ import torch
 from gapless.config import Config
 from gapless.orchestrate.admission import Admission, PromptSource, sampling_params
 from gapless.orchestrate.buffer import ScoredGroup
+from gapless.faults import fault_point
 from gapless.orchestrate.lending import LendingFlags
+from gapless.orchestrate.messages import (Abort, ActorError, Admitted, CancelScoring, Dropped, Feedback, GenStats, Ready,
+                                          Scored, ToScore)
 from gapless.orchestrate.partial import PartialRollouts
+from gapless.orchestrate.watchdog import Heartbeats, install_stack_dump
 from gapless.orchestrate.weights import SharedWeights
 from gapless.timeline import MergedSpans, open_timeline
 from gapless.types import Completion
@@ -60,15 +66,17 @@ class ActorSpec:
     policy_dir: Path
     start_step: int
     weights: SharedWeights
-    to_env: Any  # queue of ('group', index, task_index, born, completions)
-    to_trainer: Any  # queue of ('admitted' | 'scored' | 'gen_stats' | 'error', ...)
-    to_generator: Any  # queue of ('dropped', n) | ('abort', [index]) | ('feedback', uid, rewards)
+    to_env: Any  # queue of ToScore
+    to_trainer: Any  # queue of Admitted | Scored | Ready | GenStats | ActorError
+    to_generator: Any  # queue of Dropped | Abort | Feedback
+    env_control: Any  # queue of CancelScoring
     stop: Any  # event
     trainer_pid: int
+    heartbeats: Heartbeats
     lending: LendingFlags | None = None  # the trainer borrows the generator's threads while it idles
 
 
-def _put(q, item, stop) -> float:
+def _put(q, item, stop, beat=None) -> float:
     """Put with back-pressure; returns seconds blocked. Gives up when the run stops."""
     start = time.perf_counter()
     while not stop.is_set():
@@ -76,6 +84,8 @@ def _put(q, item, stop) -> float:
             q.put(item, timeout=0.1)
             break
         except queue.Full:
+            if beat is not None:
+                beat()  # alive, blocked by whoever should drain the queue
             continue
     return time.perf_counter() - start
 
@@ -91,16 +101,22 @@ def _die_with_trainer(spec: ActorSpec) -> None:
 
 def _report_crash(spec: ActorSpec, actor: str) -> None:
     try:
-        spec.to_trainer.put(("error", actor, traceback.format_exc()), timeout=5)
+        spec.to_trainer.put(ActorError(actor, traceback.format_exc()), timeout=5)
     except Exception:
         pass
 
 
-def generator_main(spec: ActorSpec) -> None:
+def _start_actor(spec: ActorSpec, actor: str) -> None:
     _die_with_trainer(spec)
+    spec.heartbeats.register(actor)
+    install_stack_dump(Path(spec.cfg.run_dir), actor)
+
+
+def generator_main(spec: ActorSpec) -> None:
+    _start_actor(spec, "generator")
     try:
         actor = _GeneratorActor(spec)
-        spec.to_trainer.put(("ready", "generator"))
+        spec.to_trainer.put(Ready("generator"))
         actor.run()
     except BaseException:
         _report_crash(spec, "generator")
@@ -122,6 +138,7 @@ class _GeneratorActor:
         P = cfg.loop.prompts_per_step
         self.admission = Admission(P, cfg.pipeline.max_staleness, cfg.pipeline.oversample, spec.start_step)
         self.source = PromptSource(cfg.seed, [uid for uid, _ in spec.prompts], P, cfg.pipeline.curriculum)
+        self.pending_drops: list[Dropped] = []  # places freed, usable from a policy version on
         self.groups: dict[int, list[Completion]] = {}
         self.meta: dict[int, tuple[int, int]] = {}  # index -> (task index, birth version)
         self.cut: set[int] = set()
@@ -141,6 +158,7 @@ class _GeneratorActor:
     def _loop(self) -> None:
         spec = self.spec
         while not spec.stop.is_set():
+            spec.heartbeats.beat("generator")
             start = time.perf_counter()
             if spec.weights.fetch_into(self.engine.update_weights, self.engine.version) is not None:
                 self.clock["stall_s"] += time.perf_counter() - start
@@ -155,6 +173,7 @@ class _GeneratorActor:
                 self.spans.mark("generate")
                 start = time.perf_counter()
                 finished = self.engine.step()
+                fault_point("generator", "decode")
                 self.clock["busy_s"] += time.perf_counter() - start
                 self.clock["tokens"] += self.engine.num_running + len(finished)
                 self._collect(finished)
@@ -176,26 +195,38 @@ class _GeneratorActor:
             except queue.Empty:
                 return
             timeout = 0.0
-            kind = message[0]
-            if kind == "dropped":
-                self.admission.dropped += message[1]
-            elif kind == "abort":
-                ids = [i for i in message[1] if i in self.groups]
+            if isinstance(message, Dropped):
+                self.pending_drops.append(message)
+            elif isinstance(message, Abort):
+                ids = [i for i in message.indices if i in self.groups]
                 self.engine.abort([str(i) for i in ids])
                 for i in ids:
                     self.groups.pop(i, None)
                     self.meta.pop(i, None)
-            elif kind == "feedback":
-                self.source.feedback(message[1], message[2])
+            elif isinstance(message, Feedback):
+                self.source.feedback(message.uid, list(message.rewards))
+
+    def _release_drops(self) -> None:
+        """Freed places become admissible once this engine holds a version a backfill may be
+        born at: earlier, its group would already be due at a step the trainer has taken."""
+        usable = [d for d in self.pending_drops if d.min_version <= self.engine.version]
+        if usable:
+            self.admission.dropped += sum(d.count for d in usable)
+            self.pending_drops = [d for d in self.pending_drops if d.min_version > self.engine.version]
 
     def _admit(self) -> None:
+        self._release_drops()
         while self.admission.may_admit(self.engine.version):
             index = self.admission.admit()
             task = self.source.task_for(index)
             self.engine.add_request(self.prompts[task], sampling_params(self.cfg, index), self.cfg.generator.group_size,
                                     request_id=str(index))
             self.groups[index], self.meta[index] = [], (task, self.engine.version)
-            self.clock["blocked_s"] += _put(self.spec.to_trainer, ("admitted", index, self.engine.version), self.spec.stop)
+            self.clock["blocked_s"] += _put(self.spec.to_trainer, Admitted(index, task, self.engine.version), self.spec.stop,
+                                            self._beat)
+
+    def _beat(self) -> None:
+        self.spec.heartbeats.beat("generator")
 
     def _collect(self, finished: list[Completion]) -> None:
         n = self.cfg.generator.group_size
@@ -211,7 +242,7 @@ class _GeneratorActor:
                 group.sort(key=lambda c: c.index)
                 self.clock["groups"] += 1
                 self.spans.mark("wait_env_queue")
-                self.clock["blocked_s"] += _put(self.spec.to_env, ("group", index, task, born, group), self.spec.stop)
+                self.clock["blocked_s"] += _put(self.spec.to_env, ToScore(index, task, born, group), self.spec.stop, self._beat)
 
     def _cut_partial(self) -> None:
         cut = self.partial.cut(self.engine, lambda request_id: sampling_params(self.cfg, int(request_id)))
@@ -221,13 +252,13 @@ class _GeneratorActor:
         now = time.perf_counter()
         stats = dict(self.clock, wall_s=now - self.last_report, version=self.engine.version,
                      running=self.engine.num_running, waiting=self.engine.num_waiting)
-        _put(self.spec.to_trainer, ("gen_stats", stats), self.spec.stop)
+        _put(self.spec.to_trainer, GenStats(stats), self.spec.stop, self._beat)
         self.clock = dict.fromkeys(self.clock, 0.0)
         self.last_report = now
 
 
 def environment_main(spec: ActorSpec) -> None:
-    _die_with_trainer(spec)
+    _start_actor(spec, "environment")
     try:
         _environment_loop(spec)
     except BaseException:
@@ -245,35 +276,54 @@ def _environment_loop(spec: ActorSpec) -> None:
         raise RuntimeError(f"environment {env.name!r} built different train tasks in the environment process; "
                            "the pipeline needs env.tasks() to be deterministic in the config")
     timeline = open_timeline(cfg.run_dir, "env", cfg.metrics.timeline)
-    spec.to_trainer.put(("ready", "environment"))
+    spec.to_trainer.put(Ready("environment"))
     workers = cfg.pipeline.env_workers
     slots = threading.Semaphore(workers)  # back-pressure: take a group only when a worker is free
     failures: list[str] = []
+    cancelled: set[int] = set()  # groups the trainer cut: not scored if queued, not sent if scoring
+    beat = lambda: spec.heartbeats.beat("environment")  # noqa: E731
 
-    def score(index: int, task_index: int, born: int, completions: list[Completion]) -> None:
+    def score(item: ToScore) -> None:
         try:
-            with timeline.span("score", group=index):
-                rollouts = env.score_groups([tasks[task_index]], [completions])[0]
-            _put(spec.to_trainer, ("scored", ScoredGroup(index, task_index, born, rollouts)), spec.stop)
-            spec.to_generator.put(("feedback", tasks[task_index].uid, [r.reward for r in rollouts if not r.is_infra_failure]))
+            with timeline.span("score", group=item.index):
+                rollouts = env.score_groups([tasks[item.task_index]], [item.completions])[0]
+            fault_point("environment", "score")
+            if item.index in cancelled:
+                return
+            _put(spec.to_trainer, Scored(ScoredGroup(item.index, item.task_index, item.born, rollouts)), spec.stop, beat)
+            valid = tuple(r.reward for r in rollouts if not r.is_infra_failure)
+            spec.to_generator.put(Feedback(tasks[item.task_index].uid, valid))
         except BaseException:
             failures.append(traceback.format_exc())
         finally:
             slots.release()
 
+    def take_cancellations() -> None:
+        while True:
+            try:
+                cancelled.update(spec.env_control.get_nowait().indices)
+            except queue.Empty:
+                return
+
     with ThreadPoolExecutor(workers, thread_name_prefix="score") as pool:
         try:
             while not spec.stop.is_set() and not failures:
+                beat()
+                take_cancellations()
                 if not slots.acquire(timeout=0.1):
                     continue
                 try:
-                    _, index, task_index, born, completions = spec.to_env.get(timeout=0.1)
+                    item = spec.to_env.get(timeout=0.1)
                 except queue.Empty:
                     slots.release()
                     continue
-                pool.submit(score, index, task_index, born, completions)
+                take_cancellations()
+                if item.index in cancelled:
+                    slots.release()
+                    continue
+                pool.submit(score, item)
             if failures:
-                spec.to_trainer.put(("error", "environment", failures[0]))
+                spec.to_trainer.put(ActorError("environment", failures[0]))
         finally:
             env.close()
             timeline.close()

@@ -12,8 +12,10 @@ satisfies b <= t - max_staleness: step t is the last one that may train it. The 
           but was not taken (still generating: 'straggler'; scored but surplus: 'surplus')
 
 By induction no group older than t - max_staleness is alive at step t, so every trained group has
-staleness t - (oldest token version) <= max_staleness; `take` asserts it for each group, with the
-staleness counted from the oldest policy version among its tokens. Admission (admission.py) keeps
+staleness t - (oldest token version) <= max_staleness; `take` checks it for each group, with the
+staleness counted from the oldest policy version among its tokens, and drops a group that would
+break it ('over_budget', counted; never trained, never a crash) -- admission (messages.Dropped's
+min_version) is what keeps that from happening. Admission (admission.py) keeps
 the due groups of a step within one batch, so the rule never asks for more than P + extra.
 Dynamic sampling drops zero-variance groups on arrival ('zero_variance'), and groups whose every
 rollout failed in the infrastructure ('infra_error'); each drop frees a place for a backfill.
@@ -21,10 +23,10 @@ rollout failed in the infrastructure ('infra_error'); each drop frees a place fo
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Sequence
 
+from gapless.orchestrate.ledger import GroupEvent, GroupLedger
 from gapless.types import Rollout
 
 
@@ -49,59 +51,61 @@ class ScoredGroup:
         return all(r.is_infra_failure for r in self.rollouts)
 
 
-class GroupLedger:
-    """Append-only record of every group's admission and end ('trained' or 'dropped')."""
-
-    def __init__(self, path: Path, append: bool = False):
-        self._fh = open(path, "a" if append else "w")
-
-    def write(self, index: int, event: str, **fields) -> None:
-        self._fh.write(json.dumps({"group": index, "event": event, **fields}) + "\n")
-        self._fh.flush()
-
-    def close(self) -> None:
-        self._fh.close()
-
-
 class StalenessBuffer:
     def __init__(self, groups_per_step: int, max_staleness: int, cut_stragglers: bool, ledger: GroupLedger,
-                 dynamic_sampling: bool = False):
+                 dynamic_sampling: bool = False, uids: Sequence[str] = ()):
         self.per_step, self.max_staleness = groups_per_step, max_staleness
         self.cut_stragglers, self.dynamic_sampling = cut_stragglers, dynamic_sampling
         self.ledger = ledger
+        self.uids = list(uids)  # task index -> prompt uid, for the ledger
+        self.task_of: dict[int, int] = {}  # index -> task index of every open group
         self.in_flight: dict[int, int] = {}  # index -> birth version: admitted, not yet scored
         self.ready: dict[int, ScoredGroup] = {}
         self.closed: set[int] = set()  # trained or dropped
         self.drops: dict[str, int] = {}  # reason -> count
         self.num_dropped = 0
 
-    def admitted(self, index: int, born: int) -> None:
+    def _uid(self, task_index: int | None) -> str | None:
+        return self.uids[task_index] if task_index is not None and task_index < len(self.uids) else None
+
+    def admitted(self, index: int, born: int, task_index: int | None = None) -> None:
         if index in self.closed or index in self.ready or index in self.in_flight:
             return  # the scored group overtook its admission record
         self.in_flight[index] = born
-        self.ledger.write(index, "admitted", born=born)
+        if task_index is not None:
+            self.task_of[index] = task_index
+        self.ledger.write(GroupEvent(index, "admitted", uid=self._uid(task_index), born=born))
 
     def arrived(self, group: ScoredGroup) -> str | None:
         """File a scored group; returns the drop reason if it does not enter the buffer."""
         if group.index in self.closed:
             return None  # already dropped (cut as a straggler while its scoring was under way)
-        self.admitted(group.index, group.born)
+        self.admitted(group.index, group.born, group.task_index)
         self.in_flight.pop(group.index, None)
         if group.is_infra_failure:
-            return self.drop(group.index, "infra_error")
+            return self.drop(group.index, "infra_error", group=group)
         if self.dynamic_sampling and group.is_zero_variance:
-            return self.drop(group.index, "zero_variance")
+            return self.drop(group.index, "zero_variance", group=group)
         self.ready[group.index] = group
         return None
 
-    def drop(self, index: int, reason: str, step: int | None = None) -> str:
-        self.in_flight.pop(index, None)
-        self.ready.pop(index, None)
+    def drop(self, index: int, reason: str, step: int | None = None, group: ScoredGroup | None = None) -> str:
+        born = self.in_flight.pop(index, None)
+        group = self.ready.pop(index, None) or group
         self.closed.add(index)
         self.drops[reason] = self.drops.get(reason, 0) + 1
         self.num_dropped += 1
-        self.ledger.write(index, "dropped", reason=reason, **({} if step is None else {"step": step}))
+        self.ledger.write(self._event(index, "dropped", step, group, reason=reason, born=born))
+        self.task_of.pop(index, None)
         return reason
+
+    def _event(self, index: int, kind: str, step: int | None, group: ScoredGroup | None, **fields) -> GroupEvent:
+        if group is None:
+            return GroupEvent(index, kind, uid=self._uid(self.task_of.get(index)), step=step, **fields)
+        fields["born"] = group.born
+        return GroupEvent(index, kind, uid=self._uid(group.task_index), step=step, oldest_version=group.oldest_version,
+                          rewards=[None if r.is_infra_failure else r.reward for r in group.rollouts],
+                          statuses=[r.status for r in group.rollouts], **fields)
 
     def due(self, step: int) -> list[int]:
         last_born = step - self.max_staleness
@@ -116,16 +120,16 @@ class StalenessBuffer:
 
     def take(self, step: int) -> tuple[list[ScoredGroup], list[int]]:
         """Step `step`'s groups (in admission order) and the in-flight groups cut as stragglers."""
+        for group in list(self.ready.values()):  # never trained: a group admission let through too early
+            if not 0 <= step - group.oldest_version <= self.max_staleness:
+                self.drop(group.index, "over_budget", step)
         order = sorted(self.ready.values(), key=lambda g: (g.born, g.index))
         taken = sorted(order[: self.per_step], key=lambda g: g.index)
         for group in taken:
-            staleness = step - group.oldest_version
-            assert 0 <= staleness <= self.max_staleness, (
-                f"group {group.index} would train at staleness {staleness} > max_staleness {self.max_staleness}")
             del self.ready[group.index]
             self.closed.add(group.index)
-            rewards = [r.reward for r in group.rollouts if not r.is_infra_failure]
-            self.ledger.write(group.index, "trained", step=step, staleness=staleness, rewards=rewards)
+            self.task_of.pop(group.index, None)
+            self.ledger.write(self._event(group.index, "trained", step, group, staleness=step - group.oldest_version))
         cut = []
         for index in self.due(step):
             is_running = index in self.in_flight
@@ -134,7 +138,8 @@ class StalenessBuffer:
             self.drop(index, "straggler" if is_running else "surplus", step)
         return taken, cut
 
-    def close(self, step: int) -> None:
-        """End of run: what is still admitted is dropped, so the ledger closes every group."""
+    def close(self, step: int, reason: str = "run_ended") -> None:
+        """End of run (`reason`: run_ended, run_stopped, run_failed): what is still admitted is
+        dropped, so the ledger closes every group of the segment."""
         for index in list(self.in_flight) + list(self.ready):
-            self.drop(index, "run_ended", step)
+            self.drop(index, reason, step)

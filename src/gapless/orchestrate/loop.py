@@ -29,6 +29,8 @@ The loop knows environments only through their protocol (envs/base.py): `tasks(s
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +39,7 @@ import torch
 from gapless.config import Config, ConfigError
 from gapless.envs.base import Environment, MultiTurnEnvironment, Task, check_infra
 from gapless.envs.registry import make_environment
+from gapless.errors import RunStopped
 from gapless.generate import make_generator
 from gapless.generate.groups import generate_groups
 from gapless.metrics import open_sinks
@@ -121,6 +124,7 @@ class SyncLoop:
         self.sampler = make_generator(cfg.generator, self.policy, self.max_seq_len(), self.run_dir)
         self.sampler.version = self.trainer.version
         self.sinks = open_sinks(cfg, cfg.loop.steps, append=checkpoint is not None)
+        self.stop_requested: str | None = None  # set by a signal handler (train()): the signal's name
         self.timelines = {actor: open_timeline(self.run_dir, actor, cfg.metrics.timeline) for actor in ACTORS}
 
     def max_seq_len(self) -> int:
@@ -157,7 +161,14 @@ class SyncLoop:
             self.sinks.log(self.start_step, {"eval/pass@1": pass_start})
         pass_now, trained_samples = pass_start, self.state.get("trained_samples", 0)
         for step in range(self.start_step, cfg.loop.steps):
-            metrics = self.train_step(step)
+            try:
+                if self.stop_requested:
+                    raise RunStopped(self.stop_requested)
+                metrics = self.train_step(step)
+            except RunStopped:
+                if step > self.start_step:  # the steps done since the last checkpoint are kept
+                    self.checkpoint(step, pass_start, trained_samples)
+                raise
             trained_samples += cfg.loop.prompts_per_step * cfg.generator.group_size
             done = step + 1
             if done % cfg.loop.eval_every == 0 or done == cfg.loop.steps:
@@ -261,6 +272,20 @@ class SyncLoop:
                         {"pass@1_start": pass_start, "trained_samples": trained_samples})
 
 
+def _stop_on_signals(loop: SyncLoop) -> None:
+    """The first SIGTERM (a scheduler's time limit) or SIGINT lets the running step finish, then
+    the run checkpoints and stops (`RunStopped`); a second one interrupts at once."""
+    def request_stop(signum, _frame):
+        if loop.stop_requested:
+            raise KeyboardInterrupt
+        loop.stop_requested = signal.Signals(signum).name
+        loop.log(f"{loop.stop_requested}: stopping after the current step (send it again to stop at once)")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
+
+
 def train(cfg: Config, resume: bool = False, log=print) -> dict:
     """Run a training job: the pipeline (asynchronous up to `pipeline.max_staleness`; 0 is
     synchronous), or this reference loop when `generator.engine = 'reference'` (its simple
@@ -271,7 +296,10 @@ def train(cfg: Config, resume: bool = False, log=print) -> dict:
             why = "task.name = 'tool_use'" if cfg.task.name == "tool_use" else "generator.engine = 'reference'"
             raise ConfigError(f"pipeline.max_staleness = {cfg.pipeline.max_staleness} needs the pipeline, which {why} "
                               "does not run on; set pipeline.max_staleness = 0")
-        return SyncLoop(cfg, resume, log).run()
-    from gapless.orchestrate.pipeline import Pipeline
+        loop = SyncLoop(cfg, resume, log)
+    else:
+        from gapless.orchestrate.pipeline import Pipeline
 
-    return Pipeline(cfg, resume, log).run()
+        loop = Pipeline(cfg, resume, log)
+    _stop_on_signals(loop)
+    return loop.run()

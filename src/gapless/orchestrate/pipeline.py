@@ -14,12 +14,14 @@ the GRPO step and publish the weights (one memory copy; the generator swaps them
 decode steps without dropping sequences in flight).
 
 Guaranteed (tested): staleness of every trained group <= max_staleness, counted from its oldest
-token's version; every admitted group is trained or dropped with a reason exactly once
-(`groups.jsonl`); with max_staleness = 0 and no oversampling, the batches, and so the weights,
-equal the reference synchronous loop's for the same seed and thread counts.
+token's version; every admitted group is trained or dropped with a reason exactly once per run
+segment (`groups.jsonl`, ledger.py), across crashes and resumes too; with max_staleness = 0 and
+no oversampling, the batches, and so the weights, equal the reference synchronous loop's for the
+same seed and thread counts. Every wait of the trainer is bounded: an actor that dies is an
+`ActorFailed`, one that stops making progress a `PipelineStalled` with a diagnosis (watchdog.py).
 Not guaranteed: bitwise reproducibility when max_staleness > 0 (which groups are ready at a step
-depends on timing); groups in flight when the run ends or is killed are dropped ('run_ended') or
-lost, and a resumed run starts its pipeline afresh from the checkpoint's version.
+depends on timing); a resumed run starts its pipeline afresh from the checkpoint's version (what
+was in flight is `run_lost`, what was trained after the checkpoint `rolled_back`).
 """
 
 from __future__ import annotations
@@ -37,11 +39,17 @@ import torch
 from gapless.config import Config, ConfigError
 from gapless.envs.base import InfraUnavailable, check_infra
 from gapless.generate.protocol import SteppedGenerator
+from gapless.errors import InfrastructureError, RunStopped
+from gapless.faults import fault_point
 from gapless.orchestrate.actors import ActorSpec, environment_main, generator_main
-from gapless.orchestrate.buffer import GroupLedger, ScoredGroup, StalenessBuffer
+from gapless.orchestrate.buffer import StalenessBuffer
 from gapless.orchestrate.evaluate import greedy_pass_at_1
+from gapless.orchestrate.ipc import clean_leftover_ipc, name_ipc_objects
+from gapless.orchestrate.ledger import GroupLedger
 from gapless.orchestrate.lending import LendingFlags, TrainerLending
 from gapless.orchestrate.loop import SyncLoop, rollout_metrics, staleness_metrics
+from gapless.orchestrate.messages import (Abort, ActorError, Admitted, CancelScoring, Dropped, GenStats, Ready, Scored)
+from gapless.orchestrate.watchdog import Heartbeats, StallWatch
 from gapless.orchestrate.weights import SharedWeights
 from gapless.timeline import export_chrome_trace
 
@@ -49,8 +57,12 @@ SHUTDOWN_S = 10.0
 INBOX_MESSAGES = 4096  # bound of the trainer's inbound queue (records, scored groups, stats)
 
 
-class ActorFailed(RuntimeError):
-    """A pipeline actor process raised; the message carries its traceback."""
+class ActorFailed(InfrastructureError):
+    """A pipeline actor process raised or died; the message carries its traceback or exit code."""
+
+
+class ResamplesExhausted(ConfigError):
+    """Dynamic sampling dropped more zero-variance groups in one step than pipeline.max_resamples."""
 
 
 class Pipeline(SyncLoop):
@@ -64,9 +76,19 @@ class Pipeline(SyncLoop):
         if not isinstance(self.sampler, SteppedGenerator):
             raise ConfigError(f"generator.engine = '{cfg.generator.engine}' cannot run the pipeline: use 'torch' or 'vllm'")
         self.ctx = mp.get_context("spawn")
-        self.ledger = GroupLedger(self.run_dir / "groups.jsonl", append=resume)
+        if (removed := clean_leftover_ipc(self.run_dir)):
+            log(f"removed {removed} semaphores left in /dev/shm by a crashed run in {self.run_dir}")
+        name_ipc_objects(self.run_dir)
+        self.ledger = GroupLedger(self.run_dir / "groups.jsonl", resume_step=self.start_step if resume else None)
         self.buffer = StalenessBuffer(cfg.loop.prompts_per_step, cfg.pipeline.max_staleness, cfg.pipeline.oversample > 0,
-                                      self.ledger, cfg.pipeline.dynamic_sampling)
+                                      self.ledger, cfg.pipeline.dynamic_sampling, [t.uid for t in self.train])
+        self.heartbeats = Heartbeats(self.ctx)
+        self.heartbeats.register("trainer")
+        self.watch = StallWatch(self.heartbeats, cfg.pipeline.stall_timeout_s, self.run_dir, ("generator", "environment"))
+        self.max_resamples = cfg.pipeline.max_resamples or 8 * cfg.loop.prompts_per_step
+        self.step_resamples = 0  # zero-variance drops while assembling the current step
+        self.step_drops: Counter[str] = Counter()  # drops by reason since the last step's metrics
+        self.assembling = self.start_step  # the step whose batch the buffer is filling
         self.staleness_counts: Counter[int] = Counter()
         self.gen_stats: list[dict] = []
         self.processes: list = []
@@ -88,8 +110,8 @@ class Pipeline(SyncLoop):
         bound = 2 * self.cfg.loop.prompts_per_step  # groups waiting to be scored
         prompts = [(task.uid, task.prompt) for task in self.train]
         self.spec = ActorSpec(self.cfg, prompts, policy_dir, self.start_step, self.weights, self.ctx.Queue(bound),
-                              self.ctx.Queue(INBOX_MESSAGES), self.ctx.Queue(), self.ctx.Event(), os.getpid(),
-                              self.lending.flags if self.lending else None)
+                              self.ctx.Queue(INBOX_MESSAGES), self.ctx.Queue(), self.ctx.Queue(), self.ctx.Event(),
+                              os.getpid(), self.heartbeats, self.lending.flags if self.lending else None)
         for name, target in (("generator", generator_main), ("environment", environment_main)):
             process = self.ctx.Process(target=target, args=(self.spec,), name=f"gapless-{name}", daemon=True)
             process.start()
@@ -109,10 +131,16 @@ class Pipeline(SyncLoop):
 
     def run(self) -> dict:
         self.start_actors()
+        reason = "run_failed"
         try:
-            return super().run()
+            summary = super().run()
+            reason = "run_ended"
+            return summary
+        except (RunStopped, KeyboardInterrupt):
+            reason = "run_stopped"
+            raise
         finally:
-            self.buffer.close(self.trainer.version)
+            self.buffer.close(self.trainer.version, reason)
             self.ledger.close()
             self.stop_actors()
             (self.run_dir / "staleness.json").write_text(json.dumps(
@@ -128,31 +156,55 @@ class Pipeline(SyncLoop):
             return greedy_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens)
 
     # ---- one step ------------------------------------------------------------------------
-    def _receive(self, timeout: float) -> None:
+    def _receive(self, timeout: float, waiting_for: str) -> None:
+        """Take one message from the actors (or time out); every wait of the trainer runs through
+        here, so each is bounded by the liveness and stall checks."""
+        self.heartbeats.beat("trainer")
+        if self.stop_requested:
+            raise RunStopped(self.stop_requested)
         try:
             message = self.spec.to_trainer.get(timeout=timeout)
         except queue.Empty:
             self._check_alive()
+            self.watch.check(waiting_for)
             return
-        kind = message[0]
-        if kind == "admitted":
-            self.buffer.admitted(message[1], message[2])
-        elif kind == "scored":
-            group: ScoredGroup = message[1]
-            reason = self.buffer.arrived(group)
-            if reason is not None:
-                self.spec.to_generator.put(("dropped", 1))
-            self.infra_streak = self.infra_streak + 1 if reason == "infra_error" else 0
-            if self.infra_streak >= self.cfg.loop.prompts_per_step:
-                detail = group.rollouts[0].info.get("error", "")
-                raise InfraUnavailable(f"the last {self.infra_streak} groups all failed to be scored ({detail}) "
-                                       f"in environment {self.env.name!r}; fix the environment's infrastructure")
-        elif kind == "ready":
-            self.ready_actors.add(message[1])
-        elif kind == "gen_stats":
-            self.gen_stats.append(message[1])
-        elif kind == "error":
-            raise ActorFailed(f"the {message[1]} process failed:\n{message[2]}")
+        if isinstance(message, Admitted):
+            self.buffer.admitted(message.index, message.born, message.task_index)
+            self.watch.progressed()
+        elif isinstance(message, Scored):
+            self.watch.progressed()
+            self._file(message.group)
+        elif isinstance(message, Ready):
+            self.ready_actors.add(message.actor)
+            self.watch.progressed()
+        elif isinstance(message, GenStats):
+            self.gen_stats.append(message.stats)
+        elif isinstance(message, ActorError):
+            raise ActorFailed(f"the {message.actor} process failed:\n{message.traceback}")
+
+    def _file(self, group) -> None:
+        reason = self.buffer.arrived(group)
+        if reason is None:
+            self.infra_streak = 0
+            return
+        self.step_drops[reason] += 1
+        # a backfill born now is due at step born + budget: it must not be due before the step being assembled
+        self.spec.to_generator.put(Dropped(1, self.assembling - self.cfg.pipeline.max_staleness))
+        self.infra_streak = self.infra_streak + 1 if reason == "infra_error" else 0
+        if self.infra_streak >= self.cfg.loop.prompts_per_step:
+            detail = group.rollouts[0].info.get("error", "")
+            raise InfraUnavailable(f"the last {self.infra_streak} groups all failed to be scored ({detail}) "
+                                   f"in environment {self.env.name!r}; fix the environment's infrastructure")
+        if reason == "zero_variance":
+            self.step_resamples += 1
+            if self.step_resamples == self.max_resamples // 2:
+                self.log(f"warning: dynamic sampling dropped {self.step_resamples} zero-variance groups for step "
+                         f"{self.assembling + 1} (stops at pipeline.max_resamples = {self.max_resamples})")
+            if self.step_resamples >= self.max_resamples:
+                raise ResamplesExhausted(
+                    f"pipeline.dynamic_sampling dropped {self.step_resamples} groups for step {self.assembling + 1}, all with "
+                    f"equal rewards (pipeline.max_resamples = {self.max_resamples}): the prompts are always or never solved; "
+                    "use pipeline.curriculum = 'pass_rate', other data, or set pipeline.dynamic_sampling = false")
 
     def _check_alive(self) -> None:
         for process in self.processes:
@@ -162,22 +214,27 @@ class Pipeline(SyncLoop):
 
     def train_step(self, step: int) -> dict[str, float]:
         t0 = self._last_step_end or time.perf_counter()
+        self.assembling, self.step_resamples = step, 0
         if len(self.ready_actors) < len(self.processes):
             with self.timelines["trainer"].span("wait_actors_start"):  # spawn, imports, engine, sandbox
                 while len(self.ready_actors) < len(self.processes):
-                    self._receive(timeout=0.05)
+                    self._receive(0.05, "the generator and environment processes to start")
             t0 = time.perf_counter()
         wait_start = time.perf_counter()
         with self.timelines["trainer"].span("wait_rollouts", step=step):
             while not self.buffer.is_batch_ready(step):
-                self._receive(timeout=0.05)
+                self._receive(0.05, f"step {step + 1}'s rollouts")
         waited = time.perf_counter() - wait_start
-        drops_before = self.buffer.num_dropped
+        drops_before = dict(self.buffer.drops)
         groups, cut = self.buffer.take(step)
+        fault_point("trainer", "step")
         if cut:
-            self.spec.to_generator.put(("abort", cut))
-        if self.buffer.num_dropped > drops_before:  # stragglers and surplus free places to backfill
-            self.spec.to_generator.put(("dropped", self.buffer.num_dropped - drops_before))
+            self.spec.to_generator.put(Abort(tuple(cut)))
+            self.spec.env_control.put(CancelScoring(tuple(cut)))
+        freed = {r: n - drops_before.get(r, 0) for r, n in self.buffer.drops.items() if n > drops_before.get(r, 0)}
+        self.step_drops.update(freed)
+        if freed:  # stragglers and surplus free places; a backfill must be born after this step's weights
+            self.spec.to_generator.put(Dropped(sum(freed.values()), step + 1 - self.cfg.pipeline.max_staleness))
         rollouts = [r for g in groups for r in g.rollouts]
         infra_errors = check_infra(rollouts, hint=f" in environment {self.env.name!r}")
         t1 = time.perf_counter()
@@ -187,7 +244,13 @@ class Pipeline(SyncLoop):
             stats = self.trainer.step(batch)
         t2 = time.perf_counter()
         with self.timelines["trainer"].span("weight_push", version=self.trainer.version):
-            push_wait = self.weights.publish(self.trainer.state_for_push(), self.trainer.version)
+            try:
+                push_wait = self.weights.publish(self.trainer.state_for_push(), self.trainer.version,
+                                                 self.cfg.pipeline.stall_timeout_s)
+            except TimeoutError:
+                self.watch.progress_at = 0.0  # the publish waited the whole stall timeout: diagnose now
+                self.watch.check(f"the generator to release the weight buffer (publishing version {self.trainer.version})")
+                raise
         t3 = time.perf_counter()
         self._last_step_end = t3
         staleness = [step - r.completion.oldest_version for r in rollouts]
@@ -229,7 +292,9 @@ class Pipeline(SyncLoop):
                 "generator/partial_cuts": float(sum(s["partial_cuts"] for s in gen)),  # groups cut and requeued
             })
         for reason, count in self.buffer.drops.items():
-            metrics[f"drops/{reason}"] = float(count)
+            metrics[f"drops/{reason}_total"] = float(count)  # since the start of this run segment
+            metrics[f"drops/{reason}_step"] = float(self.step_drops.get(reason, 0))  # since the previous step
+        self.step_drops = Counter()
         return metrics
 
 

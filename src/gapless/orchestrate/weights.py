@@ -25,6 +25,8 @@ from typing import Callable
 
 import torch
 
+from gapless.faults import fault_point
+
 
 class SharedWeights:
     def __init__(self, state: dict[str, torch.Tensor], version: int, ctx=None):
@@ -43,18 +45,27 @@ class SharedWeights:
         with self._meta.get_lock():
             return int(self._meta[1])
 
-    def publish(self, state: dict[str, torch.Tensor], version: int) -> float:
-        """Make `state` the weights of `version`; returns seconds spent waiting for a reader."""
+    def publish(self, state: dict[str, torch.Tensor], version: int, timeout_s: float | None = None) -> float:
+        """Make `state` the weights of `version`; returns seconds spent waiting for a reader.
+        A reader holding the buffer longer than `timeout_s` raises TimeoutError (a stalled generator)."""
         with self._meta.get_lock():
             target = 1 - int(self._meta[0])
             if version <= self._meta[1]:
                 raise ValueError(f"version {version} is not newer than the published {self._meta[1]}")
         start = time.perf_counter()
-        with self._locks[target]:
+        if not self._locks[target].acquire(timeout=-1 if timeout_s is None else timeout_s):
+            raise TimeoutError(f"weight publish of version {version} waited {timeout_s:g} s for the generator to finish "
+                               "reading the weight buffer (pipeline.stall_timeout_s)")
+        try:
             waited = time.perf_counter() - start
-            self._copy(self.buffers[target], state)
+            half = len(self.names) // 2
+            self._copy(self.buffers[target], {k: state[k] for k in self.names[:half]})
+            fault_point("trainer", "publish")  # half the new weights copied, nothing flipped
+            self._copy(self.buffers[target], {k: state[k] for k in self.names[half:]})
             with self._meta.get_lock():
                 self._meta[2 + target] = version
+        finally:
+            self._locks[target].release()
         with self._meta.get_lock():
             self._meta[0], self._meta[1] = target, version
         return waited
@@ -69,6 +80,7 @@ class SharedWeights:
         with self._locks[index]:
             with self._meta.get_lock():
                 version = int(self._meta[2 + index])  # what this buffer holds (it may be newer)
+            fault_point("generator", "fetch")
             load(self.buffers[index], version)
         return version
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from gapless.models import Policy
+from gapless.faults import fault_point
 
 
 def save_checkpoint(run_dir: Path, policy: Policy, optimizer: torch.optim.Optimizer, step: int, extra: dict) -> Path:
@@ -25,6 +26,7 @@ def save_checkpoint(run_dir: Path, policy: Policy, optimizer: torch.optim.Optimi
     tmp = root / f".tmp_step_{step}"
     shutil.rmtree(tmp, ignore_errors=True)
     policy.save(tmp)
+    fault_point("trainer", "checkpoint")  # model written; optimizer, state and rename still to come
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **extra}))
     shutil.rmtree(final, ignore_errors=True)

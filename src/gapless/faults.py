@@ -1,0 +1,53 @@
+"""Fault points: named places where the crash tests kill or stop a pipeline process on purpose.
+
+`GAPLESS_FAULT="ACTOR:POINT:N[:ACTION]"` makes process ACTOR (trainer | generator | environment)
+deliver ACTION (kill = SIGKILL, the default; stop = SIGSTOP) to itself the N-th time it passes
+POINT. The points:
+
+    trainer      step        start of a training step, rollouts taken
+                 publish     inside a weight publish: the new weights half copied, not yet flipped
+                 checkpoint  inside a checkpoint write: model written, optimizer and rename pending
+    generator    decode      after a decode step
+                 fetch       inside a weight fetch, holding the buffer's lock
+    environment  score       a group scored, not yet sent to the trainer
+
+Unset (every real run) a fault point costs one attribute test. tests/integration/test_faults.py
+draws seeded cases from `POINTS` and checks the run's behaviour after each.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+POINTS = {
+    "trainer": ("step", "publish", "checkpoint"),
+    "generator": ("decode", "fetch"),
+    "environment": ("score",),
+}
+_ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+
+
+def _parse(spec: str | None) -> tuple[str, str, int, int] | None:
+    if not spec:
+        return None
+    parts = spec.split(":")
+    actor, point, count = parts[0], parts[1], int(parts[2])
+    action = parts[3] if len(parts) > 3 else "kill"
+    if point not in POINTS.get(actor, ()) or action not in _ACTIONS or count < 1:
+        raise ValueError(f"GAPLESS_FAULT={spec!r}: want ACTOR:POINT:N[:kill|stop] with points {POINTS}")
+    return actor, point, count, _ACTIONS[action]
+
+
+_FAULT = _parse(os.environ.get("GAPLESS_FAULT"))
+_hits = 0
+
+
+def fault_point(actor: str, point: str) -> None:
+    """Deliver the configured fault if this is its actor, point and N-th pass."""
+    global _hits
+    if _FAULT is None or _FAULT[0] != actor or _FAULT[1] != point:
+        return
+    _hits += 1
+    if _hits == _FAULT[2]:
+        os.kill(os.getpid(), _FAULT[3])
