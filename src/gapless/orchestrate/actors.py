@@ -115,7 +115,8 @@ def _start_actor(spec: ActorSpec, actor: str) -> None:
 def generator_main(spec: ActorSpec) -> None:
     _start_actor(spec, "generator")
     try:
-        actor = _GeneratorActor(spec)
+        with spec.heartbeats.beating("generator"):
+            actor = _GeneratorActor(spec)
         spec.to_trainer.put(Ready("generator"))
         actor.run()
     except BaseException:
@@ -270,7 +271,8 @@ def _environment_loop(spec: ActorSpec) -> None:
 
     cfg = spec.cfg
     torch.set_num_threads(1)
-    env = make_environment(cfg)
+    with spec.heartbeats.beating("environment"):
+        env = make_environment(cfg)
     tasks = list(env.tasks("train"))
     if [t.uid for t in tasks] != [uid for uid, _ in spec.prompts]:
         raise RuntimeError(f"environment {env.name!r} built different train tasks in the environment process; "

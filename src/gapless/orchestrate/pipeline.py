@@ -156,7 +156,7 @@ class Pipeline(SyncLoop):
             return greedy_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens)
 
     # ---- one step ------------------------------------------------------------------------
-    def _receive(self, timeout: float, waiting_for: str) -> None:
+    def _receive(self, timeout: float, waiting_for: str, starting: bool = False) -> None:
         """Take one message from the actors (or time out); every wait of the trainer runs through
         here, so each is bounded by the liveness and stall checks."""
         self.heartbeats.beat("trainer")
@@ -166,8 +166,9 @@ class Pipeline(SyncLoop):
             message = self.spec.to_trainer.get(timeout=timeout)
         except queue.Empty:
             self._check_alive()
-            self.watch.check(waiting_for)
+            self.watch.check(waiting_for, starting)
             return
+        self.watch.check(waiting_for, starting)  # also while groups still arrive: a stalled actor ends the run now
         if isinstance(message, Admitted):
             self.buffer.admitted(message.index, message.born, message.task_index)
             self.watch.progressed()
@@ -215,11 +216,14 @@ class Pipeline(SyncLoop):
     def train_step(self, step: int) -> dict[str, float]:
         t0 = self._last_step_end or time.perf_counter()
         self.assembling, self.step_resamples = step, 0
+        self.watch.progressed()  # the trainer's own work since the last wait (train, eval, checkpoint) is no stall
         if len(self.ready_actors) < len(self.processes):
             with self.timelines["trainer"].span("wait_actors_start"):  # spawn, imports, engine, sandbox
                 while len(self.ready_actors) < len(self.processes):
-                    self._receive(0.05, "the generator and environment processes to start")
+                    self._receive(0.05, "the generator and environment processes to start", starting=True)
             t0 = time.perf_counter()
+        self._check_alive()  # also when the buffer already holds the batch: a dead or stalled actor ends the run
+        self.watch.check(f"step {step + 1}'s rollouts")
         wait_start = time.perf_counter()
         with self.timelines["trainer"].span("wait_rollouts", step=step):
             while not self.buffer.is_batch_ready(step):

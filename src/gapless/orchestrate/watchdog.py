@@ -2,6 +2,7 @@
 
 Each actor's main loop stamps its heartbeat (a shared array of CLOCK_MONOTONIC times, which every
 process on the machine reads alike) on every pass; its loops never block longer than a poll.
+During set-up (model load, kernel build, sandbox start) a thread beats instead (`beating`).
 The trainer checks the heartbeats, and how long it has waited for progress, whenever it waits:
 
     trainer waits for rollouts ──> generator beat older than stall_timeout_s?  ─┐
@@ -18,9 +19,11 @@ returns to the interpreter (faulthandler still prints the frame it is in).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +31,7 @@ from gapless.errors import InfrastructureError
 
 ACTORS = ("trainer", "generator", "environment")
 DUMP_WAIT_S = 3.0
+STARTUP_S = 120.0  # spawn and imports of an actor, before it can beat (torch alone takes seconds)
 
 
 class PipelineStalled(InfrastructureError):
@@ -48,6 +52,25 @@ class Heartbeats:
 
     def beat(self, actor: str) -> None:
         self._beats[ACTORS.index(actor)] = time.monotonic()
+
+    @contextlib.contextmanager
+    def beating(self, actor: str, every_s: float = 0.2):
+        """Beat from a thread while the body runs (an actor's set-up: model load, kernel build,
+        sandbox start): slow work is not a stall, but a stopped or killed process still is."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(every_s):
+                self.beat(actor)
+
+        thread = threading.Thread(target=beat, name=f"{actor}-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+            self.beat(actor)
 
     def age_s(self, actor: str) -> float:
         return time.monotonic() - self._beats[ACTORS.index(actor)]
@@ -82,15 +105,19 @@ class StallWatch:
     def __init__(self, heartbeats: Heartbeats, timeout_s: float, run_dir: Path, actors: tuple[str, ...]):
         self.heartbeats, self.timeout_s, self.run_dir, self.actors = heartbeats, timeout_s, Path(run_dir), actors
         self.progress_at = time.monotonic()
+        self.startup_s = max(timeout_s, STARTUP_S)
 
     def progressed(self) -> None:
+        """Something arrived, or the trainer starts a new wait (its own work is not a stall)."""
         self.progress_at = time.monotonic()
 
-    def check(self, waiting_for: str) -> None:
-        """`waiting_for`: what the trainer is waiting for, in words ("step 4's rollouts")."""
-        stale = [a for a in self.actors if self.heartbeats.age_s(a) > self.timeout_s]
+    def check(self, waiting_for: str, starting: bool = False) -> None:
+        """`waiting_for`: what the trainer is waiting for, in words ("step 4's rollouts"). An
+        actor that has not registered yet (spawn and imports) gets the start-up allowance."""
+        stale = [a for a in self.actors
+                 if self.heartbeats.age_s(a) > (self.timeout_s if self.heartbeats.pid(a) else self.startup_s)]
         waited = time.monotonic() - self.progress_at
-        if not stale and waited <= self.timeout_s:
+        if not stale and waited <= (self.startup_s if starting else self.timeout_s):
             return
         who = " and ".join(stale) if stale else "the generator and the environment"
         lines = [f"pipeline stalled: the trainer has waited {waited:.1f} s for {waiting_for} "
