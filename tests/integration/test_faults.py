@@ -12,6 +12,7 @@ A few cases run in the fast suite; `test_fault_sweep` draws 20 seeded cases (slo
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -49,8 +50,8 @@ def run_case(tmp_path: Path, warm_cache: Path, fault: str) -> None:
     if first.fault_time is not None:  # the fault fired (a late point may come after the run ended)
         if actor == "trainer":
             assert first.rc == -9, first.stderr[-2000:]
-        elif first.rc == 0 and action == "stop":
-            pass  # stopped after its last needed group: the run finished without it (and then killed it)
+        elif first.rc == 0:  # hit after its last needed group: the run finished all its steps without it
+            assert json.loads((run / "summary.json").read_text())["steps"] == STEPS
         else:
             assert first.rc == 3, first.stderr[-2000:]
             reacted_s = first.ended - first.fault_time

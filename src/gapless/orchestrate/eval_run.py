@@ -3,7 +3,8 @@
 With `eval.samples = 1` each task gets one greedy completion and pass@1 is the fraction scored
 "ok". With k > 1 samples per task (at `generator.temperature`), pass@1 is the mean fraction of ok
 samples and pass@k the fraction of tasks with at least one ok sample (the unbiased estimator of
-Chen et al. 2021 with n = k). The JSON holds the figures, the status counts, and one record per
+Chen et al. 2021 with n = k). Samples that could not be scored (`infra_error`: a sandbox or judge
+outage) are left out of every figure and counted in `infra_errors`. The JSON holds the figures, the status counts, and one record per
 task (uid, ok samples, status and completion of the first sample) so a result can be audited.
 Not guaranteed: comparability with published HumanEval numbers, which use a model's own prompt
 format and stop sequences; this scores the raw continuation of the prompt up to EOS or
@@ -45,7 +46,11 @@ def run_eval(cfg: Config, log=print) -> dict:
             groups += env.score_groups(chunk, [completions[i * k : (i + 1) * k] for i in range(len(chunk))])
     finally:
         env.close()
-    ok_counts = [sum(r.status == "ok" for r in group) for group in groups]
+    # infra errors (sandbox or judge outage) are no verdict on the model: out of every denominator, counted
+    valid = [[r for r in group if not r.is_infra_failure] for group in groups]
+    ok_counts = [sum(r.status == "ok" for r in group) for group in valid]
+    scored_tasks = [g for g in valid if g]
+    infra_errors = sum(len(g) - len(v) for g, v in zip(groups, valid))
     result = {
         "task": cfg.task.name,
         "model": cfg.model.path,
@@ -53,9 +58,11 @@ def run_eval(cfg: Config, log=print) -> dict:
         "greedy": k == 1,
         "max_new_tokens": cfg.generator.max_new_tokens,
         "num_tasks": len(tasks),
-        "pass@1": sum(c / k for c in ok_counts) / max(len(tasks), 1),
-        f"pass@{k}": sum(c > 0 for c in ok_counts) / max(len(tasks), 1),
-        "reward_mean": sum(r.reward for g in groups for r in g) / max(len(tasks) * k, 1),
+        "pass@1": sum(c / len(v) for c, v in zip(ok_counts, valid) if v) / len(scored_tasks) if scored_tasks else None,
+        f"pass@{k}": sum(c > 0 for c, v in zip(ok_counts, valid) if v) / len(scored_tasks) if scored_tasks else None,
+        "reward_mean": (sum(r.reward for v in valid for r in v) / sum(map(len, valid))) if scored_tasks else None,
+        "infra_errors": infra_errors,  # samples left out of every figure above
+        "scored_tasks": len(scored_tasks),
         "statuses": dict(Counter(r.status for g in groups for r in g)),
         "wall_s": time.perf_counter() - started,
         "per_task": [{"uid": t.uid, "ok": c, "status": g[0].status, "completion": g[0].completion.text}
@@ -64,5 +71,7 @@ def run_eval(cfg: Config, log=print) -> dict:
     out = Path(cfg.run_dir) / "eval.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    log(f"{cfg.task.name}: pass@1 {result['pass@1']:.3f} over {len(tasks)} tasks ({k} sample(s) each); wrote {out}")
+    figure = "n/a (nothing could be scored)" if result["pass@1"] is None else f"{result['pass@1']:.3f}"
+    log(f"{cfg.task.name}: pass@1 {figure} over {len(scored_tasks)} of {len(tasks)} tasks ({k} sample(s) each; "
+        f"{infra_errors} infra errors left out); wrote {out}")
     return result

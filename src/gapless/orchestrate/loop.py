@@ -45,7 +45,7 @@ from gapless.generate.groups import generate_groups
 from gapless.metrics import open_sinks
 from gapless.models import Policy, load_local
 from gapless.orchestrate.admission import sample_step_tasks, sampling_params
-from gapless.orchestrate.evaluate import greedy_pass_at_1, multi_turn_pass_at_1
+from gapless.orchestrate.evaluate import EvalScore, greedy_pass_at_1, multi_turn_pass_at_1
 from gapless.orchestrate.policy_setup import prepare_policy
 from gapless.timeline import export_chrome_trace, open_timeline
 from gapless.trainer.batch import Batch, build_batch
@@ -134,7 +134,7 @@ class SyncLoop:
             return self.env.max_context_tokens(longest, self.cfg.generator.max_new_tokens)
         return longest + self.cfg.generator.max_new_tokens
 
-    def evaluate(self) -> float:
+    def evaluate(self) -> EvalScore:
         with self.timelines["generator"].span("eval", version=self.trainer.version):
             if self.is_multi_turn:
                 return multi_turn_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode,
@@ -157,8 +157,9 @@ class SyncLoop:
         cfg, started = self.cfg, time.perf_counter()
         pass_start = self.state.get("pass@1_start")
         if pass_start is None:
-            pass_start = self.evaluate()
-            self.sinks.log(self.start_step, {"eval/pass@1": pass_start})
+            score = self.evaluate()
+            pass_start = score.pass_at_1
+            self.sinks.log(self.start_step, {"eval/pass@1": pass_start, "eval/infra_errors": float(score.infra_errors)})
         pass_now, trained_samples = pass_start, self.state.get("trained_samples", 0)
         for step in range(self.start_step, cfg.loop.steps):
             try:
@@ -172,7 +173,9 @@ class SyncLoop:
             trained_samples += cfg.loop.prompts_per_step * cfg.generator.group_size
             done = step + 1
             if done % cfg.loop.eval_every == 0 or done == cfg.loop.steps:
-                pass_now = metrics["eval/pass@1"] = self.evaluate()
+                score = self.evaluate()
+                pass_now = metrics["eval/pass@1"] = score.pass_at_1  # infra errors left out, counted beside
+                metrics["eval/infra_errors"] = float(score.infra_errors)
             self.sinks.log(done, metrics)
             if done % cfg.loop.checkpoint_every == 0 or done == cfg.loop.steps:
                 self.checkpoint(done, pass_start, trained_samples)

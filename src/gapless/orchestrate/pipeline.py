@@ -43,7 +43,7 @@ from gapless.errors import InfrastructureError, RunStopped
 from gapless.faults import fault_point
 from gapless.orchestrate.actors import ActorSpec, environment_main, generator_main
 from gapless.orchestrate.buffer import StalenessBuffer
-from gapless.orchestrate.evaluate import greedy_pass_at_1
+from gapless.orchestrate.evaluate import EvalScore, greedy_pass_at_1
 from gapless.orchestrate.ipc import clean_leftover_ipc, name_ipc_objects
 from gapless.orchestrate.ledger import GroupLedger
 from gapless.orchestrate.lending import LendingFlags, TrainerLending
@@ -148,7 +148,7 @@ class Pipeline(SyncLoop):
             if self.cfg.metrics.timeline:
                 export_chrome_trace(self.run_dir)  # again, now that the actors' files are complete
 
-    def evaluate(self) -> float:
+    def evaluate(self) -> EvalScore:
         """Greedy pass@1 on the trainer's current weights (the trainer process's own engine copy)."""
         with self.timelines["trainer"].span("eval", version=self.trainer.version):
             if self.sampler.version != self.trainer.version:
