@@ -1,12 +1,16 @@
 """Code problems from data files: schema, malformed records, and sandboxed scoring by table."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from gapless.envs.code import CodeEnvironment
-from gapless.envs.code_dataset import load_code_dataset
+from gapless.envs.code_dataset import CodeTask, load_code_dataset, parse_code_record
 from gapless.envs.records import DatasetError
 from gapless.sandbox import BwrapSandbox, SandboxLimits
 
@@ -52,18 +56,57 @@ def test_malformed_records_are_named_by_file_and_line_and_nothing_is_dropped(tmp
     with pytest.raises(DatasetError) as err:
         load_code_dataset(path)
     message = str(err.value)
-    assert "5 malformed record(s)" in message
-    for fragment in ["bad.jsonl:2: not JSON", "bad.jsonl:3: missing field 'prompt'", "bad.jsonl:4: test 0 does not compile",
+    assert "\n" not in message and message.startswith(f"{path}:2: not JSON")
+    assert "(5 bad record(s) in bad.jsonl; nothing was loaded)" in message
+    for fragment in ["bad.jsonl:2: not JSON", "bad.jsonl:3: missing field 'prompt'; add it", "bad.jsonl:4: test 0 does not compile",
                      "bad.jsonl:5: fields 'inputs' and 'outputs'", "bad.jsonl:6: expected a JSON object"]:
         assert fragment in message
     with pytest.raises(DatasetError, match="no records"):
         load_code_dataset(write_jsonl(tmp_path / "empty.jsonl", []))
+    with pytest.raises(DatasetError, match="missing.jsonl: no such data file; check task.path"):
+        load_code_dataset(tmp_path / "missing.jsonl")
     (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
     with pytest.raises(DatasetError, match="broken.parquet: not a readable Parquet file"):
         load_code_dataset(tmp_path / "broken.parquet")
-    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')
-    with pytest.raises(DatasetError, match="not UTF-8"):
-        load_code_dataset(tmp_path / "latin1.jsonl")
+
+
+@pytest.mark.parametrize("records, expected", [
+    ([ASSERTS, IO, {**CHECK, "uid": "p1"}, {**ASSERTS, "uid": "p1"}],
+     r"d.jsonl:4: uid 'p1' is already used by .*d.jsonl:3; give each record its own uid"),
+    ([ASSERTS, IO, ASSERTS], r"d.jsonl:3: the same record as .*d.jsonl:1; remove one of them"),
+    ([ASSERTS, {**ASSERTS, "tests": ["assert candidate(0, 0) == 0"]}],
+     r"d.jsonl:2: gets the same default uid '[0-9a-f]{16}' as .*d.jsonl:1 .*add a distinct 'uid' to each"),
+    ([{"prompt": "def f():\n", "entry_point": "f"}],
+     r"d.jsonl:1: has no tests: give 'tests' \(test sources that call `candidate`\) or 'inputs' and 'outputs'"),
+    ([{"prompt": "def f():\n", "entry_point": "f", "inputs": [[1]]}], r"d.jsonl:1: has 'inputs' but no 'outputs'; give both"),
+    ([{**ASSERTS, "inputs": [[1]], "outputs": [1]}], r"d.jsonl:1: has both 'tests' and 'inputs'/'outputs'"),
+])
+def test_duplicates_and_missing_tests_are_refused_naming_the_lines(tmp_path, records, expected):
+    with pytest.raises(DatasetError, match=expected) as err:
+        load_code_dataset(write_jsonl(tmp_path / "d.jsonl", records))
+    assert "\n" not in str(err.value)
+
+
+def test_a_non_utf8_file_is_reported_by_line_and_column(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps(ASSERTS).encode() + b'\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DatasetError, match=r"latin1.jsonl:2: not UTF-8 \(byte 0xe9 at column 16\); save the file as UTF-8"):
+        load_code_dataset(path)
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(ASSERTS).encode() + b"\n")  # a byte-order mark is not an error
+    assert [t.entry_point for t in load_code_dataset(path)["train"]] == ["add"]
+
+
+def test_gapless_train_on_a_bad_file_prints_one_line_and_exits_2(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [ASSERTS, {**ASSERTS, "split": "eval"}])
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
+    done = subprocess.run([sys.executable, "-m", "gapless.cli", "train", "--task.name", "code_dataset", "--task.path", str(path),
+                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [f"gapless: error: {path}:2: gets the same default uid "
+                                        + done.stderr.split("default uid ")[1].split(" as ")[0] + f" as {path}:1 "
+                                        "(no 'uid' field, so the uid is derived from the prompt); add a distinct 'uid' to each "
+                                        "(1 bad record(s) in bad.jsonl; nothing was loaded)"]
+    assert "Traceback" not in done.stderr
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +149,21 @@ def test_all_pass_reward_gives_no_partial_credit(env):
     strict = CodeEnvironment(env.sandbox, LIMITS, concurrency=1, reward="all_pass")
     assert strict.score_text(_task(env, "add"), "    return abs(a) + b")[:2] == (0.0, "wrong_answer")
     assert strict.score_text(_task(env, "add"), "    return a + b")[:2] == (1.0, "ok")
+
+
+@needs_bwrap
+def test_a_grade_never_crosses_problems_that_share_a_uid(env):
+    """Two problems with the same uid and different tests: the same text is graded against each one's own tests."""
+    add = parse_code_record({**ASSERTS, "uid": "same"})
+    sub = parse_code_record({**ASSERTS, "uid": "same", "tests": ["assert candidate(3, 1) == 2"]})
+    assert isinstance(add, CodeTask) and add.uid == sub.uid and add.prompt == sub.prompt
+    text = "    return a + b"
+    (on_add, on_sub) = env.score_groups([add, sub], [[_completion(text)], [_completion(text)]])
+    assert [(r.reward, r.status) for r in on_add] == [(1.0, "ok")]
+    assert [(r.reward, r.status) for r in on_sub] == [(0.0, "wrong_answer")]
+
+
+def _completion(text):
+    from gapless.types import Completion
+
+    return Completion([], [], [], [], "stop", text)

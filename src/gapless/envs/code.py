@@ -117,11 +117,11 @@ class CodeEnvironment:
         futures = {}
         for problem, completions in zip(problems, groups):
             for c in completions:
-                key = (problem.uid, c.text)
+                key = grading_key(problem, c.text)
                 if key not in futures:
                     futures[key] = self.pool.submit(self.score_text, problem, c.text)
         results = {key: fut.result() for key, fut in futures.items()}
-        return [[Rollout(p.uid, c, *results[(p.uid, c.text)]) for c in cs] for p, cs in zip(problems, groups)]
+        return [[Rollout(p.uid, c, *results[grading_key(p, c.text)]) for c in cs] for p, cs in zip(problems, groups)]
 
     def score_text(self, problem: SandboxedTask, text: str) -> tuple[float, str, dict]:
         reward, status, info = self._run_tests(problem, text)
@@ -165,6 +165,12 @@ class CodeEnvironment:
         """Stop scoring and close the sandbox (its servers and cgroups)."""
         self.pool.shutdown(wait=True)
         self.sandbox.close()
+
+
+def grading_key(problem: SandboxedTask, text: str) -> tuple:
+    """What decides a grade: the program as run and everything it is tested with, never the uid
+    (two problems that share a uid but not their tests never share a result)."""
+    return problem.harness, problem.entry_point, problem.test_inputs, problem.test_outputs, problem.program(text)
 
 
 def _record(result: SandboxResult) -> dict:

