@@ -57,6 +57,11 @@ class TaskConfig(_Section):
     it, the procedural arithmetic task). Schema in docs/environments.md."""
     reward: Literal["pass_fraction", "all_pass"] = "pass_fraction"
     """Code tasks: reward = fraction of tests passed, or 1 only when every test passes."""
+    math_lenient: bool = False
+    """'math': also accept an answer math-verify cannot read at all, found by gapless's own extraction
+    (`ANSWER:42` without a space, `\\boxed{90°}` read as 90, the first line after a prompt ending in
+    'Answer:'). It only turns math-verify's no_answer/parse_error into ok, never overrides an answer
+    math-verify read. Off: rewards are exactly math-verify's parse + verify (docs/environments.md)."""
     reasoning_gym_dataset: str = "basic_arithmetic"
     """Name of the reasoning-gym data set for 'reasoning_gym' (e.g. 'basic_arithmetic',
     'chain_sum', 'leg_counting'); generated locally, nothing downloaded."""

@@ -1,6 +1,8 @@
 """Math environment: the completion's final answer, checked against the reference by math-verify.
 
-reward 1.0 for an equivalent answer, else 0.0; statuses as in `envs/math_answer.py` (ok,
+reward 1.0 for an equivalent answer, else 0.0: math-verify's own `parse` on the completion and
+`verify` against the boxed reference, plus, if asked, gapless's additions where math-verify reads
+nothing (`lenient`, config `task.math_lenient`); statuses as in `envs/math_answer.py` (ok,
 wrong_answer, no_answer, parse_error, timeout; infra_error only if the off-main-thread helper
 process dies). Tasks come from the procedural arithmetic generator (`ProceduralMathEnvironment`,
 which also has a deliberately imperfect teacher for the warm start) or from a data file of
@@ -24,10 +26,11 @@ from gapless.types import Completion, Rollout
 
 
 class MathEnvironment:
-    def __init__(self, splits: dict[str, Sequence[MathTask]], name: str = "math", timeout_s: int = 3):
+    def __init__(self, splits: dict[str, Sequence[MathTask]], name: str = "math", timeout_s: int = 3, lenient: bool = False):
         self.splits = dict(splits)
         self.name = name
         self.timeout_s = timeout_s
+        self.lenient = lenient
 
     def tasks(self, split: Split) -> Sequence[MathTask]:
         return self.splits.get(split, [])
@@ -39,7 +42,7 @@ class MathEnvironment:
             rollouts = []
             for c in completions:
                 if c.text not in graded:
-                    graded[c.text] = grade(task.answer, c.text, task.answer_follows_prompt, self.timeout_s)
+                    graded[c.text] = grade(task.answer, c.text, task.answer_follows_prompt, self.timeout_s, self.lenient)
                 reward, status = graded[c.text]
                 rollouts.append(Rollout(task.uid, c, reward, status, {"reference": task.answer}))
             out.append(rollouts)
@@ -52,8 +55,9 @@ class MathEnvironment:
 class ProceduralMathEnvironment(MathEnvironment):
     """The procedural arithmetic task with its left-to-right teacher (envs/math_problems.py)."""
 
-    def __init__(self, splits: dict[str, Sequence[MathTask]], teacher_error_frac: float, timeout_s: int = 3):
-        super().__init__(splits, "math", timeout_s)
+    def __init__(self, splits: dict[str, Sequence[MathTask]], teacher_error_frac: float, timeout_s: int = 3,
+                 lenient: bool = False):
+        super().__init__(splits, "math", timeout_s, lenient)
         self.teacher_error_frac = teacher_error_frac
 
     def reference(self, task: MathTask) -> str:

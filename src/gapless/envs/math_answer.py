@@ -1,20 +1,32 @@
-"""Math answers: find the model's final answer and check it against the reference with math-verify.
+"""Math answers: math-verify's own extraction and verification, plus gapless's named additions.
 
-`extract_answer` takes the last `\\boxed{...}` (braces balanced), else the text after the last
-"Answer:", else -- when the prompt itself ends with "Answer:" -- the completion's first line.
-`grade(reference, completion)` returns (reward, status), reward 1.0 only for "ok":
-    ok            equivalent to the reference (math-verify: numbers, fractions, LaTeX, sets, ...)
-    wrong_answer  an answer that parses and is not equivalent
-    no_answer     nothing that looks like a final answer (no box, no "Answer:", empty)
-    parse_error   an answer math-verify cannot read, or longer than MAX_ANSWER_CHARS
-    timeout       parsing or comparing took longer than `timeout_s` (e.g. 10^10^10^10)
+`grade(reference, completion)` returns (reward, status), reward 1.0 only for "ok". By default it is
+math-verify's pipeline as its README runs it: `verify(parse("\\boxed{reference}"), parse(completion))`
+-- math-verify extracts the answer from the whole completion itself (a `\\boxed{}`, several boxes
+read as the set of their contents, "final answer is", "answer:", else the last expression), and
+compares with sympy (numbers, fractions, LaTeX, sets, intervals ...). Statuses:
+    ok            math-verify finds an extracted answer equivalent to the reference
+    wrong_answer  math-verify read an answer (an expression, not just text) that is not equivalent
+    no_answer     math-verify found nothing that reads as an answer (empty, words only, unclosed box)
+    parse_error   it found only text it could not read as mathematics (`\\boxed{90°}`)
+    timeout       parsing or comparing took longer than `timeout_s` (e.g. 10^10^10^10); there is
+                  no character cap: a long correct answer is parsed, bounded by time
+gapless's additions (`lenient=True`, config `task.math_lenient`, off by default): only when
+math-verify reads no answer at all (no_answer or parse_error), gapless's own extraction is tried --
+the last balanced `\\boxed{...}`, else the text after the last "answer:" in any case and spacing
+(`ANSWER:42`, which math-verify does not read), else, when the prompt itself ends with "Answer:",
+the completion's first line -- read as LaTeX or as a plain expression (`\\boxed{90°}` reads as 90).
+An addition can only turn that no_answer or parse_error into ok: it never overrides an answer
+math-verify read, so where math-verify says wrong_answer, gapless does too.
 Model output is untrusted: grading never raises because of it (any exception of math-verify or
-sympy becomes parse_error). math-verify bounds its own time with SIGALRM, which works only in the
-main thread; called from any other thread, `grade` runs the check in a helper process (started
-once, spawned, killed and restarted when it overruns) so a hostile answer cannot hang a scorer
-thread either.
+sympy is a failed parse or a failed comparison). math-verify bounds its time with SIGALRM, which
+works only in the main thread; called from any other thread, `grade` runs in a helper process
+(started once, spawned, killed and restarted when it overruns) so a hostile answer cannot hang a
+scorer thread either.
 Not guaranteed: that math-verify's notion of equivalence is the data set's (it is generous with
-formats, strict with units and text), or that a helper-process answer is as fast as in-thread.
+formats, strict with units and text), that a regular expression stuck inside C code is interrupted
+by the alarm in the main thread (the helper-process path has a hard deadline), or that a
+helper-process answer is as fast as in-thread.
 """
 
 from __future__ import annotations
@@ -26,13 +38,13 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 
-MAX_ANSWER_CHARS = 200
 _ANSWER_MARK = re.compile(r"answer\s*:", re.IGNORECASE)
 _helper: ProcessPoolExecutor | None = None
 _helper_lock = threading.Lock()
 
 
 def extract_answer(completion: str, prompt_ends_with_answer: bool = False) -> str | None:
+    """gapless's own extraction (used by the additions): last box, else after "answer:", else the first line."""
     if "\\boxed{" in completion:  # a box decides, even an unclosed one (then there is no answer)
         boxed = _last_boxed(completion)
         return (boxed.strip() or None) if boxed is not None else None
@@ -59,46 +71,82 @@ def _last_boxed(text: str) -> str | None:
     return None  # unclosed: no answer was finished
 
 
-def grade(reference: str, completion: str, prompt_ends_with_answer: bool = False, timeout_s: int = 3) -> tuple[float, str]:
-    answer = extract_answer(completion, prompt_ends_with_answer)
-    if answer is None:
-        return 0.0, "no_answer"
-    if len(answer) > MAX_ANSWER_CHARS:
-        return 0.0, "parse_error"
+def grade(reference: str, completion: str, prompt_ends_with_answer: bool = False, timeout_s: int = 3,
+          lenient: bool = False) -> tuple[float, str]:
     if threading.current_thread() is threading.main_thread():
-        return check_equivalent(reference, answer, timeout_s)
-    return _check_in_helper(reference, answer, timeout_s)
+        return grade_here(reference, completion, prompt_ends_with_answer, timeout_s, lenient)
+    return _grade_in_helper(reference, completion, prompt_ends_with_answer, timeout_s, lenient)
 
 
-def check_equivalent(reference: str, answer: str, timeout_s: int = 3) -> tuple[float, str]:
+def grade_here(reference: str, completion: str, prompt_ends_with_answer: bool = False, timeout_s: int = 3,
+               lenient: bool = False) -> tuple[float, str]:
     """math-verify with its signal timeouts; main thread of a process only."""
-    from math_verify import parse, verify
+    from math_verify import parse
     from math_verify.errors import TimeoutException
 
+    gold = parse(f"\\boxed{{{reference}}}", parsing_timeout=timeout_s)  # trusted data
     try:
-        gold = parse(f"\\boxed{{{reference}}}", parsing_timeout=timeout_s, raise_on_error=True)
-        parsed = parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout_s, raise_on_error=True)
-        if not parsed or not any(not isinstance(p, str) for p in parsed):
-            parsed = parse(answer, parsing_timeout=timeout_s, raise_on_error=True)
-        if not parsed:
-            return 0.0, "parse_error"
-        ok = verify(gold, parsed, timeout_seconds=timeout_s, raise_on_error=True)
+        found = parse(completion, parsing_timeout=timeout_s, raise_on_error=True)
     except TimeoutException:
         return 0.0, "timeout"
-    except Exception:  # noqa: BLE001 -- whatever sympy makes of untrusted text is a parse failure
-        return 0.0, "parse_error"
-    return (1.0, "ok") if ok else (0.0, "wrong_answer")
+    except Exception:  # noqa: BLE001 -- math-verify itself reads a failed parse as "nothing found"
+        found = []
+    equivalent, timed_out = _verify(gold, found, timeout_s)
+    if equivalent:
+        return 1.0, "ok"
+    is_read = any(not isinstance(f, str) for f in found)
+    if not is_read and lenient and _addition_is_equivalent(gold, completion, prompt_ends_with_answer, timeout_s):
+        return 1.0, "ok"
+    if timed_out:
+        return 0.0, "timeout"
+    return 0.0, "wrong_answer" if is_read else "parse_error" if found else "no_answer"
 
 
-def _check_in_helper(reference: str, answer: str, timeout_s: int) -> tuple[float, str]:
-    """Off the main thread: the same check in a spawned helper process, with a hard deadline."""
+def _verify(gold: list, found: list, timeout_s: int) -> tuple[bool, bool]:
+    """math-verify's `verify` pair by pair in its own order (it is `any` over gold x found), so a
+    timeout on one pair is seen without hiding a later pair that matches: (equivalent, timed out)."""
+    from math_verify import verify
+    from math_verify.errors import TimeoutException
+
+    timed_out = False
+    for g in gold:
+        for f in found:
+            try:
+                if verify(g, f, timeout_seconds=timeout_s, raise_on_error=True):
+                    return True, timed_out
+            except TimeoutException:
+                timed_out = True
+            except Exception:  # noqa: BLE001 -- whatever sympy makes of untrusted text is "not equal"
+                pass
+    return False, timed_out
+
+
+def _addition_is_equivalent(gold: list, completion: str, prompt_ends_with_answer: bool, timeout_s: int) -> bool:
+    from math_verify import parse
+    from math_verify.errors import TimeoutException
+
+    answer = extract_answer(completion, prompt_ends_with_answer)
+    if answer is None:
+        return False
+    try:
+        parsed = parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout_s, raise_on_error=True)
+        if not any(not isinstance(p, str) for p in parsed):
+            parsed = parse(answer, parsing_timeout=timeout_s, raise_on_error=True)
+    except (TimeoutException, Exception):  # noqa: BLE001 -- no reading, no rescue
+        return False
+    return _verify(gold, [p for p in parsed if not isinstance(p, str)], timeout_s)[0]
+
+
+def _grade_in_helper(reference: str, completion: str, follows: bool, timeout_s: int, lenient: bool) -> tuple[float, str]:
+    """Off the main thread: the same grading in a spawned helper process, with a hard deadline."""
     global _helper
     with _helper_lock:
         if _helper is None:
             _helper = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
         helper = _helper
     try:
-        return helper.submit(check_equivalent, reference, answer, timeout_s).result(timeout=3 * timeout_s + 30)
+        future = helper.submit(grade_here, reference, completion, follows, timeout_s, lenient)
+        return future.result(timeout=6 * timeout_s + 30)  # at most five bounded math-verify calls
     except FutureTimeout:  # math-verify's own alarm did not fire: kill the helper, start a new one next time
         _discard(helper)
         return 0.0, "timeout"

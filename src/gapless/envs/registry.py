@@ -29,10 +29,10 @@ def _make(cfg: Config) -> Environment:
         from gapless.envs.math_problems import generate_math_problems
 
         if task.path is not None:
-            return MathEnvironment(load_math_dataset(task.path))
+            return MathEnvironment(load_math_dataset(task.path), lenient=task.math_lenient)
         splits = {split: generate_math_problems(cfg.seed, split, count, task.levels)
                   for split, count in (("train", task.num_train_prompts), ("eval", task.num_eval_prompts))}
-        return ProceduralMathEnvironment(splits, teacher_error_frac=cfg.warmstart.overfit_frac)
+        return ProceduralMathEnvironment(splits, teacher_error_frac=cfg.warmstart.overfit_frac, lenient=task.math_lenient)
     if task.name == "reasoning_gym":
         from gapless.envs.reasoning_gym import ReasoningGymEnvironment
 
