@@ -1,10 +1,15 @@
-"""The verifiers adapter on a verifiers task built here (no network, no client): real async scoring."""
+"""The verifiers adapter on verifiers tasks built here (no network, no client): real async scoring, every
+reward kind of verifiers 0.4, refusals at build time, scoring inside a running event loop, and agreement
+with verifiers' own `Task.score` on generated cases."""
+
+import asyncio
+import random
 
 import pytest
 
 vf = pytest.importorskip("verifiers.v1")
 
-from gapless.envs.verifiers_adapter import VerifiersEnvironment  # noqa: E402
+from gapless.envs.verifiers_adapter import VerifiersEnvironment, VerifiersUnsupported  # noqa: E402
 from gapless.types import Completion  # noqa: E402
 
 
@@ -28,10 +33,73 @@ class Broken(vf.Task[Data]):
         raise ZeroDivisionError("reward bug")
 
 
+class FromMessages(vf.Task[Data]):
+    """Reads the message history: the user's question and the assistant's reply as messages."""
+
+    @vf.reward
+    async def replied_to_the_question(self, task, trace) -> float:
+        roles = [m.role for m in trace.messages]
+        return float(roles[-2:] == ["user", "assistant"] and trace.messages[-1].content.strip() == task.answer
+                     and "[assistant]" in trace.transcript and len(trace.assistant_messages) == 1)
+
+
+class Counter(vf.State):
+    visits: int = 0
+
+
+class WithState(vf.Task[Data, Counter]):
+    """Reads (and writes) the task's own State type; a runtime it may use, but does not need."""
+
+    @vf.reward(weight=0.5)
+    async def first(self, task, trace, runtime=None) -> float:
+        await asyncio.sleep(0)  # a real coroutine that yields to the loop
+        trace.state.visits += 1
+        return float(isinstance(trace.state, Counter) and trace.last_reply == task.answer)
+
+    @vf.reward(weight=0.5)
+    async def keyed(self, task, trace) -> dict[str, float]:
+        return {"not_truncated": float(not trace.is_truncated)}
+
+    @vf.metric
+    async def length(self, trace) -> float:
+        return float(len(trace.last_reply))
+
+
+class NeedsRuntime(vf.Task[Data]):
+    @vf.reward
+    async def exact(self, task, trace) -> float:
+        return float(trace.last_reply == task.answer)
+
+    @vf.reward
+    async def tests_pass(self, task, trace, runtime) -> float:
+        return 1.0
+
+
+class Synchronous(vf.Task[Data]):
+    @vf.reward
+    def exact(self, task, trace) -> float:
+        return 1.0
+
+
+class AsksForState(vf.Task[Data]):
+    @vf.reward
+    async def exact(self, task, trace, state) -> float:
+        return 1.0
+
+
+class Slow(vf.Task[Data]):
+    @vf.reward
+    async def forever(self, task, trace) -> float:
+        await asyncio.sleep(3600)
+        return 1.0
+
+
 @pytest.fixture(scope="module")
 def env():
     train = [Capital(Data(prompt=f"Capital of {c}?", answer=a)) for c, a in [("France", "Paris"), ("Peru", "Lima")]]
-    return VerifiersEnvironment(train, eval=[Broken(Data(prompt="Capital of Chad?", answer="N'Djamena"))])
+    environment = VerifiersEnvironment(train, eval=[Broken(Data(prompt="Capital of Chad?", answer="N'Djamena"))])
+    yield environment
+    environment.close()
 
 
 @pytest.mark.parametrize("text, reward, status", [
@@ -54,3 +122,98 @@ def test_groups_and_a_crashing_reward(env):
     assert env.tasks("train")[0].prompt == "Capital of France?"
     reward, status, info = env.score(env.tasks("eval")[0], "N'Djamena")
     assert (reward, status) == (0.0, "score_error") and "reward bug" in info["error"]
+
+
+def test_rewards_that_read_messages_state_and_finish_reason():
+    env = VerifiersEnvironment([FromMessages(Data(prompt="2+2?", answer="4", system_prompt="Be brief.")),
+                                WithState(Data(prompt="3+3?", answer="6"))], eval=[])
+    try:
+        history, stateful = env.tasks("train")
+        assert history.prompt == "Be brief.\n\n2+2?"
+        assert env.score(history, " 4\n")[:2] == (1.0, "ok")
+        assert env.score(history, "5")[:2] == (0.0, "wrong_answer")
+        reward, status, info = env.score(stateful, "6")
+        assert (reward, status) == (1.0, "ok") and info == {"first": 1.0, "not_truncated": 1.0, "metric/length": 1.0}
+        assert env.score(stateful, "6", finish_reason="length")[:2] == (0.5, "partial")  # trace.is_truncated
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("task_type, message", [
+    (NeedsRuntime, r"verifiers task NeedsRuntime: reward 'tests_pass' needs a runtime"),
+    (Synchronous, r"verifiers task Synchronous: reward 'exact' is not async"),
+    (AsksForState, r"verifiers task AsksForState: reward 'exact' asks for 'state'"),
+])
+def test_rewards_the_adapter_cannot_run_are_refused_at_build_time(task_type, message):
+    with pytest.raises(VerifiersUnsupported, match=message) as err:
+        VerifiersEnvironment([task_type(Data(prompt="q", answer="a"))], eval=[])
+    assert "\n" not in str(err.value)
+
+
+def test_scoring_inside_a_running_event_loop(env):
+    async def caller():
+        task = env.tasks("train")[0]
+        (group,) = env.score_groups([task], [[Completion([], [], [], [], "stop", t) for t in ["Paris", "Rome"]]])
+        return [r.status for r in group]
+
+    assert asyncio.run(caller()) == ["ok", "wrong_answer"]
+
+
+def test_a_reward_past_the_tasks_scoring_timeout_is_a_timeout():
+    data = Data(prompt="q", answer="a", timeout=vf.TaskData.model_fields["timeout"].annotation(scoring=0.2))
+    env = VerifiersEnvironment([Slow(data)], eval=[])
+    try:
+        assert env.score(env.tasks("train")[0], "a")[:2] == (0.0, "timeout")
+    finally:
+        env.close()
+
+
+def _peer_reward(task, text: str, finish_reason: str) -> float:
+    """verifiers' own scoring, written out here: a trace whose graph verifiers builds from the
+    prompt messages and the reply, then `await task.score(trace)` and its `trace.reward`."""
+    from verifiers.v1 import graph
+    from verifiers.v1.configs.agent import AgentConfig
+    from verifiers.v1.state import state_cls
+    from verifiers.v1.trace import AgentInfo, ModelCall, Trace, TraceTask
+    from verifiers.v1.types import AssistantMessage, Response, SystemMessage, UserMessage
+
+    trace = Trace(task=TraceTask(type=type(task).__name__, data=task.data), state=state_cls(type(task))(),
+                  agent=AgentInfo(config=AgentConfig()))
+    prompt = ([SystemMessage(content=task.data.system_prompt)] if task.data.system_prompt else []) + [UserMessage(content=task.data.prompt)]
+    node = graph.prepare_turn(trace, prompt).commit(
+        Response(id="r", created=0, model="m", message=AssistantMessage(content=text), finish_reason=finish_reason))
+    trace.calls.append(ModelCall(node=node, finish_reason=finish_reason))
+    try:
+        asyncio.run(task.score(trace))
+    except Exception:  # noqa: BLE001 -- a failed scoring gives no reward
+        return 0.0
+    return trace.reward
+
+
+def test_agreement_with_verifiers_own_scoring():
+    """Generated replies (correct, wrong, partial, empty, multi-line, padded, huge, adversarial, cut at
+    the length limit) over tasks of every reward kind: gapless's reward equals verifiers' own on >= 99%
+    (measured: 100%)."""
+    rng = random.Random(21)
+    words = ["Paris", "Lima", "4", "6", "N'Djamena", "Quito", "x", "é中😀"]
+    tasks = [Capital(Data(prompt="Capital of France?", answer="Paris")),
+             FromMessages(Data(prompt="2+2?", answer="4", system_prompt="Be brief.")),
+             WithState(Data(prompt="3+3?", answer="6")),
+             Broken(Data(prompt="q", answer="a"))]
+    env = VerifiersEnvironment(tasks, eval=[])
+    cases, agree = 0, 0
+    try:
+        for wrapped in env.tasks("train"):
+            answer = wrapped.task.data.answer
+            texts = [answer, f" {answer} ", f"{answer}\n", f"It is {answer}.", answer.lower(), answer.upper(), "",
+                     f"{answer}\n{answer}", "\n".join(rng.sample(words, 3)), "z" * 20_000, f"{answer}" * 100,
+                     "\x00\\}{" * 50, *(rng.choice(words) + rng.choice(["", ".", "!", " ", "\n"]) for _ in range(30))]
+            for text in texts:
+                for finish_reason in ("stop", "length"):
+                    ours = env.score(wrapped, text, finish_reason)[0]
+                    cases += 1
+                    agree += abs(ours - _peer_reward(wrapped.task, text, finish_reason)) < 1e-9
+    finally:
+        env.close()
+    assert cases >= 320
+    assert agree / cases >= 0.99
