@@ -3,7 +3,10 @@ reward kind of verifiers 0.4, refusals at build time, scoring inside a running e
 with verifiers' own `Task.score` on generated cases."""
 
 import asyncio
+import json
 import random
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -164,6 +167,56 @@ def test_a_reward_past_the_tasks_scoring_timeout_is_a_timeout():
     env = VerifiersEnvironment([Slow(data)], eval=[])
     try:
         assert env.score(env.tasks("train")[0], "a")[:2] == (0.0, "timeout")
+    finally:
+        env.close()
+
+
+class JudgeModel(BaseHTTPRequestHandler):
+    """The model behind a plugged LLM judge, on loopback: an OpenAI chat completion that says "yes"
+    when the judge's prompt names 'Paris' twice (as the reference answer and in the graded response)."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        verdict = "yes" if body["messages"][-1]["content"].count("Paris") >= 2 else "no"  # the reference, and the response
+        data = json.dumps({"id": "j", "object": "chat.completion", "created": 0, "model": body["model"],
+                           "choices": [{"index": 0, "message": {"role": "assistant", "content": verdict}, "finish_reason": "stop"}],
+                           "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+class Judged(vf.Task[Data]):
+    pass
+
+
+def _judged_env(base_url: str) -> VerifiersEnvironment:
+    config = vf.TaskConfig(judges=[{"id": "reference", "base_url": base_url, "api_key_var": "GAPLESS_TEST_JUDGE_KEY", "model": "m"}])
+    return VerifiersEnvironment([Judged(Data(prompt="Capital of France?", answer="Paris"), config)], eval=[])
+
+
+def test_a_plugged_llm_judge_scores_through_its_endpoint_and_an_unreachable_one_is_infra_error(monkeypatch):
+    monkeypatch.setenv("GAPLESS_TEST_JUDGE_KEY", "unused")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), JudgeModel)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = _judged_env(f"http://127.0.0.1:{server.server_port}/v1")
+    try:
+        task = env.tasks("train")[0]
+        assert env.score(task, "Paris")[:2] == (1.0, "ok")
+        assert env.score(task, "Lyon")[:2] == (0.0, "wrong_answer")
+    finally:
+        env.close()
+        server.shutdown()
+        server.server_close()
+    env = _judged_env(f"http://127.0.0.1:{server.server_port}/v1")  # nothing listens there any more
+    try:
+        reward, status, info = env.score(env.tasks("train")[0], "Paris")
+        assert (reward, status) == (0.0, "infra_error") and "APIConnectionError" in info["error"]
     finally:
         env.close()
 

@@ -20,11 +20,11 @@ it offline, so a fully correct answer would score only the other rewards), one t
 own harness and model client).
 Status: ok (reward >= 1), partial (0 < r < 1), wrong_answer (r <= 0), timeout (the task's own
 `timeout.scoring`, else `SCORING_TIMEOUT_S`, expired: reward 0, as verifiers leaves the rewards
-unscored), score_error (a reward raised: reward 0, counted, not raised), infra_error (a model
-provider or sandbox behind a judge or reward failed: no reward, out of the group statistics).
+unscored), score_error (a reward raised: reward 0, counted, not raised), infra_error (the
+endpoint of a plugged LLM judge unreachable or failing, a provider or sandbox error behind a reward:
+no reward, out of the group statistics).
 Not guaranteed: stability across verifiers releases (the Trace is built with verifiers' internal
-graph code), token ids on the trace (the adapter has only text), or that a plugged LLM judge is
-reachable (it calls its own endpoint; a failure is infra_error).
+graph code) or token ids on the trace (the adapter has only text).
 """
 
 from __future__ import annotations
@@ -165,8 +165,6 @@ def build_trace(task: Any, text: str, finish_reason: str = "stop") -> Any:
 
 async def score_trace(task: Any, text: str, finish_reason: str = "stop") -> tuple[float, str, dict]:
     """(reward, status, info) of `text` under the task's own scoring; never raises for model output."""
-    from verifiers.v1.errors import InterceptionError, ProviderError, SandboxError
-
     trace = build_trace(task, text, finish_reason)
     timeout_s = task.data.timeout.scoring or SCORING_TIMEOUT_S
     try:
@@ -175,13 +173,29 @@ async def score_trace(task: Any, text: str, finish_reason: str = "stop") -> tupl
         reward = float(trace.reward)
     except TimeoutError:
         return 0.0, "timeout", {"error": f"scoring took longer than {timeout_s:g} s"}
-    except (ProviderError, SandboxError, InterceptionError) as exc:  # the model or box behind a reward, not the completion
-        return 0.0, "infra_error", {"error": f"{type(exc).__name__}: {exc}"[:300]}
     except Exception as exc:  # noqa: BLE001 -- a scorer failing on model output is a status
-        return 0.0, "score_error", {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        status = "infra_error" if is_infra_failure(exc) else "score_error"
+        return 0.0, status, {"error": f"{type(exc).__name__}: {exc}"[:300]}
     if not math.isfinite(reward):
         return 0.0, "score_error", {"error": "non-finite reward"}
     info: dict = {name: r.score for name, r in trace.rewards.items() if r is not None}
     info.update({f"metric/{name}": value for name, value in trace.metrics.items() if value is not None})
     status = "ok" if reward >= 1.0 else "partial" if reward > 0 else "wrong_answer"
     return reward, status, info
+
+
+def is_infra_failure(exc: BaseException) -> bool:
+    """Whether scoring failed outside the completion: a judge's endpoint unreachable, timing out or
+    failing (HTTP 5xx), a provider, sandbox or interception error, an OS error. verifiers wraps a
+    reward's exception in `TaskError`, so the whole cause chain is read."""
+    from openai import APIConnectionError, APIStatusError
+    from verifiers.v1.errors import InterceptionError, ProviderError, SandboxError
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, (ProviderError, SandboxError, InterceptionError, APIConnectionError, OSError)):
+            return True
+        if isinstance(seen, APIStatusError) and seen.status_code >= 500:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
