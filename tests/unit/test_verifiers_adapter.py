@@ -153,6 +153,12 @@ def test_rewards_the_adapter_cannot_run_are_refused_at_build_time(task_type, mes
     assert "\n" not in str(err.value)
 
 
+def test_two_tasks_with_one_key_are_refused():
+    data = Data(prompt="2+2?", answer="4")
+    with pytest.raises(VerifiersUnsupported, match=r"verifiers tasks Capital and FromMessages share the key"):
+        VerifiersEnvironment([Capital(data), FromMessages(data)], eval=[])
+
+
 def test_scoring_inside_a_running_event_loop(env):
     async def caller():
         task = env.tasks("train")[0]

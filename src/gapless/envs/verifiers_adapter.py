@@ -16,8 +16,8 @@ Refused when the environment is built (`VerifiersUnsupported`, one line naming t
 a reward, metric or judge that needs a `runtime` (a box to run in; verifiers would silently skip
 it offline, so a fully correct answer would score only the other rewards), one that is not async
 (verifiers awaits every reward), one that asks for an argument verifiers does not pass (only
-`task`, `trace`, `runtime`), and tasks with tools (multi-turn: verifiers runs those through its
-own harness and model client).
+`task`, `trace`, `runtime`), tasks with tools (multi-turn: verifiers runs those through its
+own harness and model client), and two tasks with the same key (a uid must name one task).
 Status: ok (reward >= 1), partial (0 < r < 1), wrong_answer (r <= 0), timeout (the task's own
 `timeout.scoring`, else `SCORING_TIMEOUT_S`, expired: reward 0, as verifiers leaves the rewards
 unscored), score_error (a reward raised: reward 0, counted, not raised), infra_error (the
@@ -68,7 +68,12 @@ class VerifiersEnvironment:
         else:
             self.splits = {"train": wrapped, "eval": [self._wrap(t) for t in eval]}
         checked: set[tuple[type, int]] = set()
+        first: dict[str, Any] = {}
         for t in self.splits["train"] + self.splits["eval"]:
+            if first.setdefault(t.uid, t.task) is not t.task:
+                raise VerifiersUnsupported(f"verifiers tasks {type(first[t.uid]).__name__} and {type(t.task).__name__} share the "
+                                           f"key {t.uid[:16]}... (verifiers wants keys unique in a task set): give them distinct "
+                                           "data or override Task.key")
             if (type(t.task), id(t.task.config)) not in checked:
                 check_supported(t.task)
                 checked.add((type(t.task), id(t.task.config)))
@@ -89,13 +94,13 @@ class VerifiersEnvironment:
         return self._submit(task, text, finish_reason).result()
 
     def score_groups(self, tasks: Sequence[VerifiersTask], groups: Sequence[Sequence[Completion]]) -> list[list[Rollout]]:
-        futures: dict[tuple[str, str, str], Future] = {}
+        futures: dict[tuple[int, str, str], Future] = {}  # keyed on the task object: a uid is a hash of data only
         for task, completions in zip(tasks, groups):
             for c in completions:
-                key = (task.uid, c.text, c.finish_reason)
+                key = (id(task.task), c.text, c.finish_reason)
                 if key not in futures:
                     futures[key] = self._submit(task, c.text, c.finish_reason)
-        return [[Rollout(t.uid, c, *futures[(t.uid, c.text, c.finish_reason)].result()) for c in cs]
+        return [[Rollout(t.uid, c, *futures[(id(t.task), c.text, c.finish_reason)].result()) for c in cs]
                 for t, cs in zip(tasks, groups)]
 
     def _submit(self, task: VerifiersTask, text: str, finish_reason: str) -> Future:
