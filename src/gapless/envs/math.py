@@ -19,14 +19,15 @@ from pathlib import Path
 from typing import Sequence
 
 from gapless.envs.base import Split
-from gapless.envs.math_answer import grade
+from gapless.envs.math_answer import MATH_VERIFY_TIMEOUT_S, grade
 from gapless.envs.math_problems import MathTask
 from gapless.envs.records import load_records, require_str, split_by_hash, stable_uid
 from gapless.types import Completion, Rollout
 
 
 class MathEnvironment:
-    def __init__(self, splits: dict[str, Sequence[MathTask]], name: str = "math", timeout_s: int = 3, lenient: bool = False):
+    def __init__(self, splits: dict[str, Sequence[MathTask]], name: str = "math",
+                 timeout_s: int = MATH_VERIFY_TIMEOUT_S, lenient: bool = False):
         self.splits = dict(splits)
         self.name = name
         self.timeout_s = timeout_s
@@ -55,8 +56,8 @@ class MathEnvironment:
 class ProceduralMathEnvironment(MathEnvironment):
     """The procedural arithmetic task with its left-to-right teacher (envs/math_problems.py)."""
 
-    def __init__(self, splits: dict[str, Sequence[MathTask]], teacher_error_frac: float, timeout_s: int = 3,
-                 lenient: bool = False):
+    def __init__(self, splits: dict[str, Sequence[MathTask]], teacher_error_frac: float,
+                 timeout_s: int = MATH_VERIFY_TIMEOUT_S, lenient: bool = False):
         super().__init__(splits, "math", timeout_s, lenient)
         self.teacher_error_frac = teacher_error_frac
 

@@ -9,8 +9,9 @@ compares with sympy (numbers, fractions, LaTeX, sets, intervals ...). Statuses:
     wrong_answer  math-verify read an answer (an expression, not just text) that is not equivalent
     no_answer     math-verify found nothing that reads as an answer (empty, words only, unclosed box)
     parse_error   it found only text it could not read as mathematics (`\\boxed{90°}`)
-    timeout       parsing or comparing took longer than `timeout_s` (e.g. 10^10^10^10); there is
-                  no character cap: a long correct answer is parsed, bounded by time
+    timeout       parsing or comparing took longer than `timeout_s` (default 5 s, math-verify's
+                  own; e.g. 10^10^10^10); there is no character cap: a long correct answer is
+                  parsed, bounded by time
 gapless's additions (`lenient=True`, config `task.math_lenient`, off by default): only when
 math-verify reads no answer at all (no_answer or parse_error), gapless's own extraction is tried --
 the last balanced `\\boxed{...}`, else the text after the last "answer:" in any case and spacing
@@ -38,6 +39,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 
+MATH_VERIFY_TIMEOUT_S = 5  # math-verify's own default for parse and verify: the same bound as the peer
 _ANSWER_MARK = re.compile(r"answer\s*:", re.IGNORECASE)
 _helper: ProcessPoolExecutor | None = None
 _helper_lock = threading.Lock()
@@ -71,15 +73,15 @@ def _last_boxed(text: str) -> str | None:
     return None  # unclosed: no answer was finished
 
 
-def grade(reference: str, completion: str, prompt_ends_with_answer: bool = False, timeout_s: int = 3,
-          lenient: bool = False) -> tuple[float, str]:
+def grade(reference: str, completion: str, prompt_ends_with_answer: bool = False,
+          timeout_s: int = MATH_VERIFY_TIMEOUT_S, lenient: bool = False) -> tuple[float, str]:
     if threading.current_thread() is threading.main_thread():
         return grade_here(reference, completion, prompt_ends_with_answer, timeout_s, lenient)
     return _grade_in_helper(reference, completion, prompt_ends_with_answer, timeout_s, lenient)
 
 
-def grade_here(reference: str, completion: str, prompt_ends_with_answer: bool = False, timeout_s: int = 3,
-               lenient: bool = False) -> tuple[float, str]:
+def grade_here(reference: str, completion: str, prompt_ends_with_answer: bool = False,
+               timeout_s: int = MATH_VERIFY_TIMEOUT_S, lenient: bool = False) -> tuple[float, str]:
     """math-verify with its signal timeouts; main thread of a process only."""
     from math_verify import parse
     from math_verify.errors import TimeoutException
