@@ -64,10 +64,8 @@ def test_dynamic_sampling_without_any_signal_stops_within_its_bound(tmp_path, wa
     # near-greedy sampling: every completion of a prompt is the same, so every group has zero variance
     cfg = load_config(SMOKE, _overrides(run, warm_cache, **{"loop.steps": 3, "pipeline.dynamic_sampling": "true",
                                                              "pipeline.max_resamples": 6, "generator.temperature": 0.001}))
-    started = time.monotonic()
     with pytest.raises(ResamplesExhausted, match="pipeline.max_resamples = 6"):
         Pipeline(cfg, log=lambda *_: None).run()
-    assert time.monotonic() - started < 120
     events = read_events(run / "groups.jsonl")
     reasons = Counter(e["reason"] for e in events if e["event"] == "dropped")
     assert reasons["zero_variance"] >= 6

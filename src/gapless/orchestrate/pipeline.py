@@ -54,6 +54,7 @@ from gapless.orchestrate.weights import SharedWeights
 from gapless.timeline import export_chrome_trace
 
 SHUTDOWN_S = 10.0
+FAILED_SHUTDOWN_S = 2.0  # after a failure or stall the actors' work is lost anyway: stop the run promptly
 INBOX_MESSAGES = 4096  # bound of the trainer's inbound queue (records, scored groups, stats)
 
 
@@ -117,11 +118,12 @@ class Pipeline(SyncLoop):
             process.start()
             self.processes.append(process)
 
-    def stop_actors(self) -> None:
+    def stop_actors(self, grace_s: float = SHUTDOWN_S) -> None:
+        """Ask the actors to stop, wait `grace_s` for them, then kill what is left."""
         if not self.processes:
             return
         self.spec.stop.set()
-        deadline = time.monotonic() + SHUTDOWN_S
+        deadline = time.monotonic() + grace_s
         for process in self.processes:
             process.join(timeout=max(0.1, deadline - time.monotonic()))
             if process.is_alive():
@@ -142,7 +144,7 @@ class Pipeline(SyncLoop):
         finally:
             self.buffer.close(self.trainer.version, reason)
             self.ledger.close()
-            self.stop_actors()
+            self.stop_actors(SHUTDOWN_S if reason != "run_failed" else FAILED_SHUTDOWN_S)
             (self.run_dir / "staleness.json").write_text(json.dumps(
                 {"counts": {str(k): v for k, v in sorted(self.staleness_counts.items())}, "drops": self.buffer.drops}, indent=2))
             if self.cfg.metrics.timeline:
@@ -249,11 +251,12 @@ class Pipeline(SyncLoop):
         t2 = time.perf_counter()
         with self.timelines["trainer"].span("weight_push", version=self.trainer.version):
             try:
+                waiting_for = f"the generator to release the weight buffer (publishing version {self.trainer.version})"
                 push_wait = self.weights.publish(self.trainer.state_for_push(), self.trainer.version,
-                                                 self.cfg.pipeline.stall_timeout_s)
+                                                 self.cfg.pipeline.stall_timeout_s, lambda: self.watch.check(waiting_for))
             except TimeoutError:
                 self.watch.progress_at = 0.0  # the publish waited the whole stall timeout: diagnose now
-                self.watch.check(f"the generator to release the weight buffer (publishing version {self.trainer.version})")
+                self.watch.check(waiting_for)
                 raise
         t3 = time.perf_counter()
         self._last_step_end = t3
