@@ -332,6 +332,12 @@ class PipelineConfig(_Section):
     """Dynamic sampling's bound: zero-variance groups one step may drop and backfill before the run
     stops with an error (a warning at half of it); 0 = 8 x loop.prompts_per_step. Reaching it means
     nearly every prompt is always or never solved: use the pass_rate curriculum or other data."""
+    infra_retries: int = Field(3, ge=0, le=20)
+    """A group whose every rollout failed in the infrastructure (sandbox, judge) is scored again
+    this many times, after 1, 2, 4, ... s (capped at 30 s), before it is dropped as 'infra_error'."""
+    outage_s: float = Field(60.0, gt=0, le=86400)
+    """The run stops (exit code 3, with the last error and what to check) only when groups keep
+    failing in the infrastructure, after their retries, for this long with no group scored between."""
     stall_timeout_s: float = Field(120.0, gt=0, le=86400)
     """Longest the trainer waits for an actor that shows no progress (a stale heartbeat, or no group
     arriving) before it stops the run with a diagnosis in RUN_DIR/stall.txt and every process's

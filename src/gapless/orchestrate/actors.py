@@ -12,7 +12,10 @@ messages, admits groups while `Admission` allows, and decodes. With `partial_rol
 and resumed at the back of the queue (re-prefilled by the weights current then; partial.py). It reports
 'admitted' records and busy / idle / stall times to the trainer.
 Environment: scores groups on `env_workers` threads (the sandbox runs the programs in its own
-processes) and forwards them; rewards also go back to the generator for the curriculum.
+processes) and forwards them; rewards also go back to the generator for the curriculum. A group
+whose every rollout failed in the infrastructure is scored again after 1, 2, 4, ... s
+(`pipeline.infra_retries`) before it goes to the trainer, which stops the run only when such
+groups keep coming for `pipeline.outage_s`.
 
 Messages are the typed records of messages.py. Both actors send `ActorError` to the trainer and
 exit if anything raises, so a crash is an error in the trainer's process, never a silent hang
@@ -54,7 +57,8 @@ from gapless.types import Completion
 
 POLL_S = 0.002
 STATS_EVERY_S = 0.05
-LENDING_MAX_WAIT_S = 0.02  # the longest the generator waits for its lent threads before decoding
+LENDING_MAX_WAIT_S = 0.02
+INFRA_BACKOFF_MAX_S = 30.0  # longest pause before scoring a group that failed in the infrastructure again  # the longest the generator waits for its lent threads before decoding
 
 
 @dataclass
@@ -289,6 +293,11 @@ def _environment_loop(spec: ActorSpec) -> None:
         try:
             with timeline.span("score", group=item.index):
                 rollouts = env.score_groups([tasks[item.task_index]], [item.completions])[0]
+                for attempt in range(cfg.pipeline.infra_retries):  # an outage is retried, never trained on
+                    if not all(r.is_infra_failure for r in rollouts) or item.index in cancelled or spec.stop.is_set():
+                        break
+                    spec.stop.wait(min(2.0 ** attempt, INFRA_BACKOFF_MAX_S))
+                    rollouts = env.score_groups([tasks[item.task_index]], [item.completions])[0]
             fault_point("environment", "score")
             if item.index in cancelled:
                 return

@@ -94,7 +94,7 @@ class Pipeline(SyncLoop):
         self.gen_stats: list[dict] = []
         self.processes: list = []
         self.ready_actors: set[str] = set()
-        self.infra_streak = 0  # consecutive groups dropped for infrastructure failures
+        self.infra_since: float | None = None  # when groups started failing in the infrastructure (None: none failing)
         self._last_step_end = None
         self.lending: TrainerLending | None = None
         pl = cfg.pipeline
@@ -187,17 +187,22 @@ class Pipeline(SyncLoop):
 
     def _file(self, group) -> None:
         reason = self.buffer.arrived(group)
+        if reason != "infra_error":
+            self.infra_since = None  # something was scored: not an outage
         if reason is None:
-            self.infra_streak = 0
             return
         self.step_drops[reason] += 1
         # a backfill born now is due at step born + budget: it must not be due before the step being assembled
         self.spec.to_generator.put(Dropped(1, self.assembling - self.cfg.pipeline.max_staleness))
-        self.infra_streak = self.infra_streak + 1 if reason == "infra_error" else 0
-        if self.infra_streak >= self.cfg.loop.prompts_per_step:
-            detail = group.rollouts[0].info.get("error", "")
-            raise InfraUnavailable(f"the last {self.infra_streak} groups all failed to be scored ({detail}) "
-                                   f"in environment {self.env.name!r}; fix the environment's infrastructure")
+        if reason == "infra_error":
+            now = time.monotonic()
+            self.infra_since = self.infra_since or now
+            if now - self.infra_since >= self.cfg.pipeline.outage_s:
+                detail = group.rollouts[0].info.get("error", "")
+                raise InfraUnavailable(
+                    f"every group failed to be scored for {now - self.infra_since:.0f} s (pipeline.outage_s), each after "
+                    f"{self.cfg.pipeline.infra_retries} retries, in environment {self.env.name!r}: {detail}; "
+                    "fix the environment's infrastructure (`gapless sandbox check` for the sandbox)")
         if reason == "zero_variance":
             self.step_resamples += 1
             if self.step_resamples == self.max_resamples // 2:

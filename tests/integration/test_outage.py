@@ -1,0 +1,97 @@
+"""Infrastructure outages in the pipeline: retried with backoff, never trained on, and a
+sustained one stops the run with an InfraUnavailable (exit code 3 from the CLI).
+
+The judge task against a real local HTTP judge that answers 503 while it is 'down': a short
+outage is ridden out by the environment's retries (every group is trained, none on a failed
+score); a permanent one ends the run within pipeline.outage_s and the ledger holds no trained
+group with an infra_error rollout.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from gapless.config import load_config
+from gapless.envs.base import InfraUnavailable
+from gapless.orchestrate.ledger import check_ledger, read_events
+from gapless.orchestrate.pipeline import Pipeline
+
+SMOKE = Path(__file__).parents[2] / "configs" / "smoke.toml"
+
+
+class FlakyJudge(BaseHTTPRequestHandler):
+    """Score: the response's length mod 11 (so groups have variance); 503 while `down_until` is ahead."""
+
+    protocol_version = "HTTP/1.1"
+    down_until = 0.0
+    refused = 0
+
+    def do_POST(self):  # noqa: N802
+        prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
+        if time.monotonic() < FlakyJudge.down_until:
+            FlakyJudge.refused += 1
+            data, code = b"down for maintenance", 503
+        else:
+            score = len(prompt.split("<response>", 1)[-1]) % 11
+            data, code = json.dumps({"choices": [{"text": f"Score: {score}"}]}).encode(), 200
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def judge_url():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FlakyJudge)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _cfg(run: Path, url: str, **extra):
+    overrides = {"run_dir": json.dumps(str(run)), "task.name": "judge", "judge.base_url": json.dumps(url),
+                 "judge.max_retries": "0", "judge.timeout_s": "2", "warmstart.steps": "0", "loop.steps": "4",
+                 "loop.eval_every": "100", "loop.checkpoint_every": "100", "trainer.threads": "1",
+                 "pipeline.generator_threads": "1", "pipeline.trainer_threads": "1", "metrics.tensorboard": "false",
+                 **{k: str(v) for k, v in extra.items()}}
+    return load_config(SMOKE, overrides)
+
+
+def _trained_on_infra(run: Path) -> list[dict]:
+    return [e for e in read_events(run / "groups.jsonl") if e["event"] == "trained" and "infra_error" in e["statuses"]]
+
+
+def test_a_short_outage_is_retried_not_trained_on(tmp_path, judge_url):
+    run = tmp_path / "run"
+    cfg = _cfg(run, judge_url, **{"pipeline.infra_retries": 4, "pipeline.outage_s": 60})
+    pipeline = Pipeline(cfg, log=lambda *_: None)
+    FlakyJudge.refused, FlakyJudge.down_until = 0, time.monotonic() + 4.0  # down as the run starts
+    pipeline.run()
+    assert FlakyJudge.refused > 0  # the outage happened
+    events = read_events(run / "groups.jsonl")
+    check_ledger(events, 4, cfg.loop.prompts_per_step)
+    assert _trained_on_infra(run) == []
+
+
+def test_a_sustained_outage_stops_the_run(tmp_path, judge_url):
+    run = tmp_path / "run"
+    cfg = _cfg(run, judge_url, **{"pipeline.infra_retries": 1, "pipeline.outage_s": 3})
+    pipeline = Pipeline(cfg, log=lambda *_: None)
+    FlakyJudge.down_until = time.monotonic() + 3600
+    with pytest.raises(InfraUnavailable, match="pipeline.outage_s"):
+        pipeline.run()
+    assert _trained_on_infra(run) == []
+    events = read_events(run / "groups.jsonl")
+    assert any(e.get("reason") == "infra_error" for e in events)
