@@ -36,10 +36,11 @@ from __future__ import annotations
 import itertools
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
+from gapless.generate.protocol import RunningSample
 from gapless.generate.runner import DecoderRunner, attention_ranges
 from gapless.generate.sampling import RowSettings, sample_rows, sample_seed, uniform_stream
 from gapless.types import Completion, FinishReason, SamplingParams
@@ -170,6 +171,10 @@ class TorchEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def running_samples(self) -> Iterator[RunningSample]:
+        """The running sequences' tokens so far, as views of the engine's own lists (StreamingGenerator)."""
+        return (RunningSample(s.request_id, s.index, s.tokens, s.logprobs, s.versions) for s in self.running)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None) -> str:
         """Queue `n` samples of one prompt (a group); sample j draws from stream (params.seed, j)."""

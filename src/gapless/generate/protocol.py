@@ -5,11 +5,13 @@ weights, report the policy version it samples with. `SteppedGenerator` adds the 
 surface the asynchronous pipeline drives: queue groups, advance one decode step at a time, swap
 weights between steps, abort stragglers and resume them later. Implementations: `TorchSampler`
 (the simple reference, `Generator` only), `TorchEngine` and `VLLMEngine` (both stepped).
+`StreamingGenerator` adds one read-only view for the serving scheduler (`gapless.serve`): the
+tokens each running sequence holds so far, so a stream can publish them step by step.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol, runtime_checkable
+from typing import Iterable, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -48,4 +50,23 @@ class SteppedGenerator(Generator, Protocol):
 
     def abort(self, request_ids: Iterable[str]) -> list[Completion]:
         """Cancel the unfinished samples of these requests; return them as partial completions."""
+        ...
+
+
+class RunningSample(NamedTuple):
+    """One running sequence between steps: its lists are the engine's own (read, never keep or mutate)."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+
+@runtime_checkable
+class StreamingGenerator(SteppedGenerator, Protocol):
+    max_seq_len: int
+
+    def running_samples(self) -> Iterable[RunningSample]:
+        """Every sequence in a running slot, with the tokens sampled so far (valid until the next step)."""
         ...
