@@ -1,6 +1,6 @@
 """Command line: `gapless train [CONFIG] [--run-dir DIR] [--resume] [--dotted.key value ...]`,
-`gapless serve --model.path DIR [--host H] [--port P]` (an OpenAI-compatible completions server
-over a local checkpoint, e.g. as a judge; gapless.serve.openai_server),
+`gapless serve --model.path DIR [--host H] [--port P] [--threads N] [--api-key KEY]` (an
+OpenAI-compatible server over a local checkpoint, e.g. as a judge; docs/serving.md),
 `gapless eval [CONFIG] [--run-dir DIR] [--dotted.key value ...]` (pass@1 of `model.path` on the
 eval split of `task.name`, written to RUN_DIR/eval.json),
 `gapless sandbox run FILE --json [--timeout-s S] [--memory-mb M]` and
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from gapless.config import ConfigError, load_config
@@ -59,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one")
     serve.add_argument("--model-name", default=None, help="name reported by /v1/models (default: the path)")
+    serve.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores but one)")
+    serve.add_argument("--api-key", default=os.environ.get("GAPLESS_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' (default: $GAPLESS_API_KEY; unset = no check)")
+    serve.add_argument("--max-batch", type=int, default=64, help="sequences decoded together by the engine")
     report = sub.add_parser("report", help="compare runs in one self-contained HTML page")
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     report.add_argument("--out", default=None, help="output directory (default: FIRST_RUN_DIR/report)")
@@ -176,9 +181,16 @@ def main(argv: list[str] | None = None) -> int:
             return command(argv[1:])  # free-form dotted overrides: parsed by hand, not argparse
         args = parser.parse_args(argv)
         if args.command == "serve":
+            from gapless.serve.listen import PortInUse, bind
+
+            try:
+                sock = bind(args.host, args.port)  # before the heavy imports: a port in use fails at once
+            except PortInUse as exc:
+                raise _Usage(str(exc)) from None
             from gapless.serve.openai_server import serve
 
-            serve(args.model_path, args.host, args.port, args.model_name)
+            serve(args.model_path, sock, args.model_name, args.threads, args.api_key, args.max_batch)
+            print("gapless: server stopped", file=sys.stderr)
             return 0
         if args.command == "report":
             return _cmd_report(args)

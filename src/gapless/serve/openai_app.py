@@ -1,0 +1,368 @@
+"""The OpenAI-compatible HTTP API as an ASGI app (Starlette) over one `Scheduler`.
+
+    GET  /v1/models, /v1/models/{id}    the one served model (another id is a 404)
+    POST /v1/completions                 prompt: string, strings, token ids or lists of token ids
+    POST /v1/chat/completions            messages rendered by the tokenizer's chat template (chat.py)
+    GET  /health, /metrics               liveness; the scheduler's counters as JSON
+
+Each route parses the body itself (strict models in openai_params.py, so every failure, malformed
+JSON included, is an OpenAI-shaped 400 naming the field), turns it into `SampleRequest`s and awaits
+their handles. Streams are server-sent events: a chunk per sample per engine step, a `usage`
+chunk before `data: [DONE]` when `stream_options.include_usage` asks for it, an error after the
+headers as a `data: {"error": ...}` event. Who cancels what: a stream's generator aborts its
+handles in `finally` (Starlette cancels it when the client goes); a non-streaming route races
+its results against the client's `http.disconnect` and aborts on whichever comes first.
+
+Errors are `{"error": {"message", "type", "param", "code"}}` with 400 (bad request, prompt beyond
+the context: code `context_length_exceeded`), 401 (`--api-key` set, wrong or no bearer token),
+404 (unknown model or route), 413 (body over `max_body_bytes`), 429 (scheduler full, with
+Retry-After), 500 (anything else; the server lives on).
+Not guaranteed: tools, images, penalties, `best_of` ranking, top alternatives on streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import time
+import uuid
+from typing import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from gapless.serve.chat import chat_prompt_ids
+from gapless.serve.openai_params import ChatBody, CompletionBody, parse_body
+from gapless.serve.protocol import ContextLengthExceeded, InvalidRequest, SampleRequest, SampleResult, ServeError
+from gapless.serve.scheduler import RequestHandle, Scheduler
+from gapless.serve.scoring import Scorer
+
+log = logging.getLogger("gapless.serve")
+
+
+class NotFound(ServeError):
+    status, code = 404, "model_not_found"
+
+
+class BodyTooLarge(ServeError):
+    status, code = 413, "body_too_large"
+
+
+class Unauthorized(ServeError):
+    status, code = 401, "invalid_api_key"
+
+
+class ClientGone(Exception):
+    """The client disconnected before its result was ready."""
+
+
+class OpenAIApp:
+    def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, *, scorer: Scorer | None = None,
+                 api_key: str | None = None, max_body_bytes: int = 16 << 20, default_max_tokens: int = 1024):
+        self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
+        self.scorer, self.api_key = scorer, api_key
+        self.max_body_bytes, self.default_max_tokens = max_body_bytes, default_max_tokens
+        self.vocab_size = len(tokenizer)
+        self.eos_id = tokenizer.eos_token_id
+        self._max_token_chars = max(1, max(map(len, tokenizer.get_vocab())))
+        self._created = int(time.time())
+        routes = [Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                  Route("/health", lambda request: JSONResponse({"status": "ok"}), methods=["GET"]),
+                  Route("/metrics", self.metrics, methods=["GET"])]
+        self.app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self.api_key is not None and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}"):
+                response = _error(Unauthorized("invalid or missing API key: send Authorization: Bearer <key>"))
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    # ---- routes ---------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        if request.path_params["model_id"] != self.model_name:
+            return _error(NotFound(f"the model {request.path_params['model_id']!r} does not exist; this server serves "
+                                   f"{self.model_name!r}", "model"))
+        return JSONResponse(self._model_card())
+
+    async def metrics(self, request: Request) -> Response:
+        s = self.scheduler.stats
+        return JSONResponse({"samples_in_flight": self.scheduler.samples_in_flight, "requests": self.scheduler.num_handles,
+                             "submitted": s.submitted, "rejected": s.rejected, "aborted_samples": s.aborted_samples,
+                             "finished_samples": s.finished_samples, "steps": s.steps, "tokens": s.tokens,
+                             "policy_version": self.scheduler.version})
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            body = parse_body(CompletionBody, await self._json(request))
+            self._check_model(body.model)
+            prompts = await self._completion_prompts(body.prompt, body.max_tokens or 0)
+            if body.max_tokens == 0:  # echo-only scoring of the prompts
+                results = [[SampleResult(j, p, finish_reason="length") for j in range(body.n)] for p in prompts]
+            else:
+                results = await self._run(request, body, [tuple(p) for p in prompts], body.max_tokens or 16, chat=False)
+                if isinstance(results, Response):
+                    return results
+            choices = [await self._completion_choice(i * body.n + r.index, r, body) for i, rs in enumerate(results) for r in rs]
+            return JSONResponse(self._envelope("text_completion", "cmpl", choices, prompts, results))
+        except ServeError as exc:
+            return _error(exc)
+        except ClientGone:
+            return Response(status_code=499)
+
+    async def chat(self, request: Request) -> Response:
+        try:
+            body = parse_body(ChatBody, await self._json(request))
+            self._check_model(body.model)
+            prompt = chat_prompt_ids(self.tokenizer, body.messages)
+            max_new = body.max_new_tokens or min(self.default_max_tokens, max(1, self.scheduler.max_seq_len - len(prompt)))
+            results = await self._run(request, body, [tuple(prompt)], max_new, chat=True)
+            if isinstance(results, Response):
+                return results
+            choices = [await self._chat_choice(r, body) for r in results[0]]
+            return JSONResponse(self._envelope("chat.completion", "chatcmpl", choices, [prompt], results))
+        except ServeError as exc:
+            return _error(exc)
+        except ClientGone:
+            return Response(status_code=499)
+
+    # ---- requests -------------------------------------------------------------------------
+    async def _json(self, request: Request) -> object:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise BodyTooLarge(f"the body has {declared} bytes; the limit is {self.max_body_bytes}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise BodyTooLarge(f"the body is over the limit of {self.max_body_bytes} bytes")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except ValueError as exc:
+            raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise NotFound(f"the model {model!r} does not exist; this server serves {self.model_name!r}", "model")
+
+    async def _completion_prompts(self, prompt, max_new_tokens: int) -> list[list[int]]:
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
+            texts = [prompt] if isinstance(prompt, str) else prompt
+            for text in texts:  # cheap lower bound first: a huge prompt is refused without tokenizing it
+                if math.ceil(len(text) / self._max_token_chars) + max_new_tokens > self.scheduler.max_seq_len:
+                    raise _context_error(f"at least {math.ceil(len(text) / self._max_token_chars)}", max_new_tokens,
+                                         self.scheduler.max_seq_len)
+            encode = lambda: [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]  # noqa: E731
+            return await asyncio.to_thread(encode) if sum(map(len, texts)) > 4096 else encode()
+        ids = [prompt] if isinstance(prompt[0], int) else prompt
+        for row in ids:
+            if bad := [t for t in row if not 0 <= t < self.vocab_size]:
+                raise InvalidRequest(f"prompt: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
+        return [list(row) for row in ids]
+
+    async def _run(self, request: Request, body, prompts: list[tuple[int, ...]], max_new: int, chat: bool):
+        params = body.sampling(max_new)
+        handles: list[RequestHandle] = []
+        try:
+            for prompt in prompts:
+                handles.append(self.scheduler.submit(SampleRequest(prompt, params, body.n, tuple(body.stop or ()), "http", body.stream)))
+        except ServeError:
+            for handle in handles:
+                handle.abort()
+            raise
+        if body.stream:
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(self._sse(handles, body, chat), media_type="text/event-stream", headers=headers)
+        return await _results_unless_gone(request, handles)
+
+    # ---- responses ------------------------------------------------------------------------
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "gapless",
+                "max_model_len": self.scheduler.max_seq_len}
+
+    def _envelope(self, kind: str, prefix: str, choices: list[dict], prompts, results) -> dict:
+        prompt_tokens = sum(map(len, prompts))
+        completion_tokens = sum(len(r.token_ids) for rs in results for r in rs)
+        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+
+    def _text_tokens(self, r: SampleResult) -> list[int]:
+        """The tokens that carry text: a final EOS has none (it stays in token_ids and usage)."""
+        return r.token_ids[:-1] if r.token_ids and r.finish_reason == "stop" and r.token_ids[-1] == self.eos_id else r.token_ids
+
+    async def _completion_choice(self, index: int, r: SampleResult, body: CompletionBody) -> dict:
+        prompt_text = self.tokenizer.decode(r.prompt_ids) if body.echo else ""
+        choice = {"index": index, "text": prompt_text + r.text, "logprobs": None, "finish_reason": r.finish_reason}
+        if body.logprobs is not None:
+            own = self._text_tokens(r)
+            ids, lps, tops = list(own), list(r.logprobs[: len(own)]), [[] for _ in own]
+            if body.logprobs or body.echo:
+                scored, scored_tops = await self._score(r, own, body.logprobs, 1 if body.echo else len(r.prompt_ids),
+                                                        body.temperature)
+                if body.echo:
+                    ids = r.prompt_ids + ids
+                    lps = [None] + scored[: len(r.prompt_ids) - 1] + lps
+                    tops = [None] + scored_tops[: len(r.prompt_ids) - 1] + scored_tops[len(r.prompt_ids) - 1 :]
+                else:
+                    tops = scored_tops
+            tokens = [self.tokenizer.decode([t]) for t in ids]
+            offsets = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": lps, "text_offset": offsets,
+                                  "top_logprobs": None if not body.logprobs else
+                                  [None if t is None else {self.tokenizer.decode([i]): v for i, v in t} for t in tops]}
+        if body.return_token_ids:
+            choice.update(_token_fields(r))
+        return choice
+
+    async def _chat_choice(self, r: SampleResult, body: ChatBody) -> dict:
+        choice = {"index": r.index, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
+                  "finish_reason": r.finish_reason}
+        if body.logprobs:
+            own = self._text_tokens(r)
+            tops = [[] for _ in own]
+            if body.top_logprobs:
+                _, tops = await self._score(r, own, body.top_logprobs, len(r.prompt_ids), body.temperature)
+            choice["logprobs"] = {"content": [self._chat_logprob(t, lp, top) for t, lp, top in zip(own, r.logprobs, tops)],
+                                  "refusal": None}
+        if body.return_token_ids:
+            choice.update(_token_fields(r))
+        return choice
+
+    def _chat_logprob(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict:
+        text = self.tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode()),
+                "top_logprobs": [{"token": (s := self.tokenizer.decode([i])), "logprob": v, "bytes": list(s.encode())}
+                                 for i, v in top]}
+
+    async def _score(self, r: SampleResult, own: list[int], top: int, start: int, temperature: float | None):
+        """Log-probs by a full forward pass (scoring.py), at the temperature the engine sampled with."""
+        if self.scorer is None:
+            raise InvalidRequest("this server was started without a scorer: top alternatives and echo log-probs are off")
+        return await asyncio.to_thread(self.scorer.score, r.prompt_ids + own, start, temperature or 1.0, top)
+
+    async def _sse(self, handles: list[RequestHandle], body, chat: bool) -> AsyncIterator[str]:
+        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": rid, "object": kind, "created": created, "model": self.model_name}
+        if body.include_usage:
+            head["usage"] = None
+        offsets: dict[int, int] = {}
+        try:
+            if chat:
+                yield "".join(_event({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                                             "logprobs": None, "finish_reason": None}]})
+                              for j in range(body.n))
+            for p, handle in enumerate(handles):
+                async for batch in handle.adeltas():
+                    events = []
+                    for d in batch:
+                        index, first = p * body.n + d.index, p * body.n + d.index not in offsets
+                        text = (self.tokenizer.decode(handle.request.prompt_ids) if first and not chat and body.echo else "") + d.text
+                        own = d.token_ids[:-1] if d.finish_reason == "stop" and d.token_ids[-1:] == [self.eos_id] else d.token_ids
+                        choice = {"index": index, "logprobs": self._stream_logprobs(own, d.logprobs, body, chat, offsets, index),
+                                  "finish_reason": d.finish_reason}
+                        choice.update({"delta": {"content": text}} if chat else {"text": text})
+                        if body.return_token_ids:
+                            choice.update({"token_ids": d.token_ids, "sampling_logprobs": d.logprobs, "policy_versions": d.versions})
+                            if first:
+                                choice["prompt_token_ids"] = list(handle.request.prompt_ids)
+                        offsets.setdefault(index, 0)
+                        events.append(_event({**head, "choices": [choice]}))
+                    yield "".join(events)
+            if body.include_usage:
+                completion_tokens = sum(len(r.token_ids) for h in handles for r in h.results)
+                usage = _usage(sum(len(h.request.prompt_ids) for h in handles), completion_tokens)
+                yield _event({**head, "choices": [], "usage": usage})
+            yield "data: [DONE]\n\n"
+        except ServeError as exc:
+            yield _event(_error_body(exc))
+        finally:
+            for handle in handles:
+                handle.abort()
+
+    def _stream_logprobs(self, own: list[int], logprobs: list[float], body, chat: bool, offsets: dict, index: int):
+        if (chat and not body.logprobs) or (not chat and body.logprobs is None):
+            return None
+        if chat:
+            return {"content": [self._chat_logprob(t, lp, []) for t, lp in zip(own, logprobs)], "refusal": None}
+        tokens = [self.tokenizer.decode([t]) for t in own]
+        start = offsets.get(index, 0)
+        text_offset = [start + sum(map(len, tokens[:i])) for i in range(len(tokens))]
+        offsets[index] = start + sum(map(len, tokens))
+        return {"tokens": tokens, "token_logprobs": logprobs[: len(own)], "top_logprobs": None, "text_offset": text_offset}
+
+
+async def _results_unless_gone(request: Request, handles: list[RequestHandle]) -> list[list[SampleResult]]:
+    """All handles' results, or ClientGone (and every handle aborted) if the client leaves first."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    results = asyncio.ensure_future(asyncio.gather(*(h.aresult() for h in handles)))
+    try:
+        done, _ = await asyncio.wait({watcher, results}, return_when=asyncio.FIRST_COMPLETED)
+        if results in done:
+            return results.result()
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+        if not results.done():
+            results.cancel()
+        for handle in handles:
+            handle.abort()
+
+
+def _token_fields(r: SampleResult) -> dict:
+    return {"prompt_token_ids": r.prompt_ids, "token_ids": r.token_ids, "sampling_logprobs": r.logprobs,
+            "policy_versions": r.versions}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _context_error(prompt_tokens: str, max_new_tokens: int, context: int) -> ServeError:
+    return ContextLengthExceeded(f"this model's context is {context} tokens; the prompt has {prompt_tokens} and max_tokens "
+                                 f"is {max_new_tokens}: shorten the prompt or lower max_tokens", "prompt")
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _error_body(exc: ServeError) -> dict:
+    return {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
+
+
+def _error(exc: ServeError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if exc.status == 429 else None
+    return JSONResponse(_error_body(exc), status_code=exc.status, headers=headers)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    error = ServeError(f"{request.method} {request.url.path}: {exc.detail}")
+    error.status, error.type = exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return _error(error)
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("internal error on %s", request.url.path)
+    error = ServeError(f"internal server error: {type(exc).__name__}: {exc}")
+    error.status, error.type = 500, "server_error"
+    return _error(error)
