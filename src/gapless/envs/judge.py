@@ -29,7 +29,7 @@ from typing import Sequence
 
 from gapless.config import Config
 from gapless.envs.base import Split
-from gapless.envs.judge_client import HttpJudgeClient, JudgeClient, LocalJudgeClient
+from gapless.envs.judge_client import HttpJudgeClient, JudgeClient, SchedulerJudgeClient
 from gapless.envs.judge_parse import parse_score
 from gapless.types import Completion, Rollout
 
@@ -144,10 +144,28 @@ def _plain(number: float) -> str:
     return str(int(number)) if float(number).is_integer() else str(number)
 
 
+def _in_process_judge(j, seed: int) -> SchedulerJudgeClient:
+    """The checkpoint at `judge.model_path` on its own serving scheduler (gapless.serve), the same
+    request path `gapless serve` would give it, without HTTP."""
+    from gapless.generate.engine import TorchEngine
+    from gapless.models import load_local
+    from gapless.serve.chat import chat_prompt_ids
+    from gapless.serve.openai_params import Message
+    from gapless.serve.scheduler import Scheduler
+
+    judge = load_local(j.model_path)
+    scheduler = Scheduler(TorchEngine(judge.model, judge.eos_id, judge.decode), judge.decode)
+    if j.api == "chat":
+        encode = lambda text: chat_prompt_ids(judge.tokenizer, [Message(role="user", content=text)])  # noqa: E731
+    else:
+        encode = judge.encode
+    return SchedulerJudgeClient(scheduler, encode, j.max_tokens, j.temperature, seed, owns=True)
+
+
 def make_judge_environment(cfg: Config) -> JudgeEnvironment:
     """The environment of `task.name = "judge"`: tasks from `judge.tasks_path` (or the embedded
     set), judged over HTTP at `judge.base_url`, else in-process by the checkpoint at
-    `judge.model_path` through gapless's own generator."""
+    `judge.model_path` on a serving scheduler (the request path of `gapless serve`, without HTTP)."""
     j = cfg.judge
     if j.tasks_path is not None:
         tasks = load_judge_tasks(j.tasks_path, seed=cfg.seed)
@@ -157,12 +175,7 @@ def make_judge_environment(cfg: Config) -> JudgeEnvironment:
         client = HttpJudgeClient(j.base_url, j.model, j.api, j.max_tokens, j.temperature, j.timeout_s, j.max_retries,
                                  j.backoff_s, j.max_backoff_s, j.concurrency, seed=cfg.seed)
     elif j.model_path is not None:
-        from gapless.generate.sampler import TorchSampler
-        from gapless.models import load_local
-
-        judge = load_local(j.model_path)
-        sampler = TorchSampler(judge.model, judge.eos_id, judge.pad_id, judge.decode)
-        client = LocalJudgeClient(sampler, judge.encode, j.max_tokens, j.temperature)
+        client = _in_process_judge(j, cfg.seed)
     else:
         raise ValueError("task.name = 'judge' needs judge.base_url (an OpenAI-compatible server) or judge.model_path")
     return JudgeEnvironment(tasks, client, j.rubric or DEFAULT_RUBRIC, j.max_score)

@@ -19,8 +19,13 @@ Guaranteed: `judge` returns within roughly (max_retries + 1) * timeout_s + the b
 request batch of `concurrency`; every failure is a reply with `error` set, whose text says what
 to check. Not guaranteed: that the endpoint's sampling is deterministic.
 
-LocalJudgeClient runs gapless's own TorchSampler in-process (greedy or sampled); it never
-fails for network reasons, and its replies cost generator time on this machine.
+SchedulerJudgeClient submits each prompt to a serving `Scheduler` in-process (gapless.serve):
+the same scheduler `gapless serve` puts behind HTTP, so judge requests share engine steps with
+whatever else it serves, and the prompt is built as the server's routes build it (completions:
+the rubric's tokens; chat: the judge tokenizer's chat template). A full scheduler is waited out,
+a refused prompt (beyond the judge's context) is a reply with an error.
+LocalJudgeClient runs any `generate(prompt_ids, params)` generator in-process (the reference
+sampler in tests); it never fails for network reasons, and its replies cost generator time here.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal, Protocol, Sequence
+from typing import Callable, Literal, Protocol, Sequence
 
 from gapless.types import SamplingParams
 
@@ -145,3 +150,36 @@ class LocalJudgeClient:
 
     def close(self) -> None:
         pass
+
+
+class SchedulerJudgeClient:
+    """Judge requests on a gapless serving `Scheduler` (source "judge"); `owns` closes it on close()."""
+
+    def __init__(self, scheduler, encode: Callable[[str], list[int]], max_tokens: int = 16, temperature: float = 0.0,
+                 seed: int = 0, owns: bool = False):
+        self.scheduler, self.encode, self.owns = scheduler, encode, owns
+        self.params = SamplingParams(temperature=temperature or 1.0, max_new_tokens=max_tokens, greedy=temperature == 0.0,
+                                     seed=seed)
+
+    def judge(self, prompts: Sequence[str]) -> list[JudgeReply]:
+        from gapless.serve.protocol import QueueFull, SampleRequest, ServeError
+
+        started, handles = time.monotonic(), []
+        for prompt in prompts:
+            request = SampleRequest(tuple(self.encode(prompt)), self.params, source="judge")
+            while True:
+                try:
+                    handles.append(self.scheduler.submit(request))
+                    break
+                except QueueFull:  # wait for our oldest unfinished request, then try again
+                    pending = [h for h in handles if not isinstance(h, str) and not h.done]
+                    pending[0].result() if pending else time.sleep(0.05)
+                except ServeError as exc:
+                    handles.append(f"the judge refused the prompt: {exc.message}")
+                    break
+        return [JudgeReply(None, h) if isinstance(h, str) else JudgeReply(h.result()[0].text, latency_s=time.monotonic() - started)
+                for h in handles]
+
+    def close(self) -> None:
+        if self.owns:
+            self.scheduler.close()
