@@ -120,6 +120,9 @@ def test_errors_are_the_clients_own_exceptions(server, client):
         client.completions.create(model="tiny", prompt="Question " * 200_000, max_tokens=8)  # ~1.8 MB, context 256
     assert long.value.code == "context_length_exceeded" and srv.app.scheduler.stats.submitted == submitted
     with pytest.raises(openai.BadRequestError) as long:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Question " * 200_000}])
+    assert long.value.code == "context_length_exceeded" and srv.app.scheduler.stats.submitted == submitted
+    with pytest.raises(openai.BadRequestError) as long:
         client.completions.create(model="tiny", prompt=list(range(250)), max_tokens=8)
     assert long.value.code == "context_length_exceeded"
     srv.app.api_key = "secret"

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from gapless.generate.engine import TorchEngine
-from gapless.serve.protocol import ContextLengthExceeded, InvalidRequest, QueueFull, SampleRequest
-from gapless.serve.scheduler import Scheduler
+from gapless.serve.protocol import ContextLengthExceeded, InvalidRequest, QueueFull, SampleRequest, SchedulerClosed
+from gapless.serve.scheduler import EngineFailed, Scheduler
 from gapless.types import SamplingParams
 from serve_model import tiny_policy
 
@@ -107,3 +107,25 @@ def test_refusals_happen_before_the_engine(policy, scheduler):
     first.result(timeout_s=60)
     assert scheduler.submit(SampleRequest(_prompt(policy), SamplingParams(max_new_tokens=2), n=5)).result(timeout_s=60)
     assert scheduler.stats.rejected == 1
+
+
+def test_close_and_engine_failures_fail_requests_not_hang_them(policy):
+    class Broken(TorchEngine):
+        def step(self):
+            raise RuntimeError("boom")
+
+    broken = Scheduler(Broken(policy.model, policy.eos_id, policy.decode, max_batch=4), policy.decode)
+    with pytest.raises(EngineFailed, match="boom"):
+        broken.submit(SampleRequest(_prompt(policy), SamplingParams(max_new_tokens=4))).result(timeout_s=60)
+    assert broken.num_handles == 0 and broken.samples_in_flight == 0
+    broken.close()
+    sched = Scheduler(TorchEngine(policy.model, policy.eos_id, policy.decode, max_batch=4), policy.decode)
+    long = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    handles = [sched.submit(SampleRequest(_prompt(policy), long, n=3)) for _ in range(3)]  # running and waiting
+    sched.close()
+    for h in handles:
+        with pytest.raises(SchedulerClosed):
+            h.result(timeout_s=60)
+    with pytest.raises(SchedulerClosed):
+        sched.submit(SampleRequest(_prompt(policy), long))
+    assert sched.num_handles == 0 and sched.samples_in_flight == 0

@@ -127,7 +127,9 @@ class OpenAIApp:
         try:
             body = parse_body(ChatBody, await self._json(request))
             self._check_model(body.model)
-            prompt = chat_prompt_ids(self.tokenizer, body.messages)
+            self._check_length(sum(len(m.text) for m in body.messages), body.max_new_tokens or 1)
+            render = lambda: chat_prompt_ids(self.tokenizer, body.messages)  # noqa: E731
+            prompt = await asyncio.to_thread(render) if sum(len(m.text) for m in body.messages) > 4096 else render()
             max_new = body.max_new_tokens or min(self.default_max_tokens, max(1, self.scheduler.max_seq_len - len(prompt)))
             results = await self._run(request, body, [tuple(prompt)], max_new, chat=True)
             if isinstance(results, Response):
@@ -159,13 +161,20 @@ class OpenAIApp:
         if model is not None and model != self.model_name:
             raise NotFound(f"the model {model!r} does not exist; this server serves {self.model_name!r}", "model")
 
+    def _check_length(self, chars: int, max_new_tokens: int) -> None:
+        """Refuse a text that cannot fit before tokenizing it: it has at least chars / (longest
+        token's length) tokens (a ~1 MB prompt is refused in milliseconds, not after tokenizing)."""
+        at_least = math.ceil(chars / self._max_token_chars)
+        if at_least + max_new_tokens > self.scheduler.max_seq_len:
+            raise ContextLengthExceeded(
+                f"this model's context is {self.scheduler.max_seq_len} tokens; the prompt has at least {at_least} and "
+                f"max_tokens is {max_new_tokens}: shorten the prompt or lower max_tokens", "prompt")
+
     async def _completion_prompts(self, prompt, max_new_tokens: int) -> list[list[int]]:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
             texts = [prompt] if isinstance(prompt, str) else prompt
-            for text in texts:  # cheap lower bound first: a huge prompt is refused without tokenizing it
-                if math.ceil(len(text) / self._max_token_chars) + max_new_tokens > self.scheduler.max_seq_len:
-                    raise _context_error(f"at least {math.ceil(len(text) / self._max_token_chars)}", max_new_tokens,
-                                         self.scheduler.max_seq_len)
+            for text in texts:
+                self._check_length(len(text), max_new_tokens)
             encode = lambda: [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]  # noqa: E731
             return await asyncio.to_thread(encode) if sum(map(len, texts)) > 4096 else encode()
         ids = [prompt] if isinstance(prompt[0], int) else prompt
@@ -335,11 +344,6 @@ def _token_fields(r: SampleResult) -> dict:
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _context_error(prompt_tokens: str, max_new_tokens: int, context: int) -> ServeError:
-    return ContextLengthExceeded(f"this model's context is {context} tokens; the prompt has {prompt_tokens} and max_tokens "
-                                 f"is {max_new_tokens}: shorten the prompt or lower max_tokens", "prompt")
 
 
 def _event(payload: dict) -> str:

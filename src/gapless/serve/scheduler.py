@@ -20,7 +20,8 @@ Guaranteed: a request that does not fit the context (`len(prompt) + max_new_toke
 max_seq_len`), or would take the samples in flight past `max_samples`, is refused in `submit`
 (a `ServeError`, raised in the caller's thread) before anything reaches the engine; an abort
 frees a sample's slot at the next engine-thread turn (running or waiting), and aborting a
-finished request is a no-op; every handle leaves `num_handles` on finish, abort, error or close.
+finished request is a no-op; every handle leaves `num_handles` on finish, abort, error or close
+(an engine error or `close()` fails every request in flight with a ServeError: 500 or 503).
 A stop string ends decoding at the token that completes it. Not guaranteed: fairness between
 sources beyond arrival order (the engine admits first come, first served), or that float
 rounding of a sample is independent of what else shares its batch.
@@ -276,21 +277,31 @@ class Scheduler:
                 except queue.Empty:
                     break
             wakes: list = []
-            for command in commands:
-                if isinstance(command, _Close):
-                    for handle in list(self._handles.values()):
-                        self._abort(handle, wakes)
-                    _wake(wakes)
-                    return
-                self._apply(command, wakes)
-            if self.engine.has_work:
-                try:
-                    finished = self.engine.step()
-                except Exception as exc:  # noqa: BLE001 -- every in-flight request learns why, the thread lives on
-                    self._fail_all(EngineFailed(f"the engine failed: {type(exc).__name__}: {exc}"), wakes)
-                else:
-                    self._publish(finished, wakes)
+            if any(isinstance(c, _Close) for c in commands):
+                return self._shutdown(commands, wakes)
+            try:
+                for command in commands:
+                    self._apply(command, wakes)
+                if self.engine.has_work:
+                    self._publish(self.engine.step(), wakes)
+            except Exception as exc:  # noqa: BLE001 -- every in-flight request learns why, the thread lives on
+                self._fail_all(EngineFailed(f"the engine failed: {type(exc).__name__}: {exc}"), wakes)
             _wake(wakes)
+
+    def _shutdown(self, commands: list, wakes: list) -> None:
+        """Fail everything in flight or still in the inbox with SchedulerClosed (HTTP 503)."""
+        while True:  # submits that passed the closed check just before close() and came after it
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for command in commands:
+            if isinstance(command, _Submit):
+                self._handles[command.handle.id] = command.handle
+                with self._lock:
+                    self._in_flight -= command.handle.request.n
+        self._fail_all(SchedulerClosed("the server is shutting down"), wakes)
+        _wake(wakes)
 
     def _apply(self, command, wakes: list) -> None:
         if isinstance(command, _Submit):
@@ -365,7 +376,10 @@ class Scheduler:
             self._handles.pop(live.handle.id, None)
 
     def _fail_all(self, error: ServeError, wakes: list) -> None:
-        self.engine.abort(list(self._live))
+        try:
+            self.engine.abort(list(self._live))
+        except Exception:  # noqa: BLE001 -- a broken engine: its slots are lost with it, the handles still learn why
+            pass
         for handle in self._handles.values():
             if wake := handle._fail(error):
                 wakes.append(wake)
