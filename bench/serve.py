@@ -2,10 +2,12 @@
 
 `gapless serve` runs in a subprocess over a locally built model (bench/generate.py's TINY shape,
 context 512); the official `openai` async client (max_retries=0, one keep-alive pool of 100
-connections) drives it from this process. Workloads, interleaved round by round (A B C A B C ...):
+connections) drives it from this process. Workloads, interleaved round by round (A B C D A B C D ...):
   concurrent   50 requests of one sequence each (prompts p_0..p_49), sent at once
   one_request  one request carrying the same 50 sequences (prompt = [p_0..p_49])
   streams      the 50 concurrent requests again, streamed (SSE, a chunk per engine step)
+  raw_streams  the same streams read by plain httpx (lines counted, not parsed into models): how
+               much of the streams' cost is the openai client's parsing on these same cores
 Every sequence is forced to `--tokens` new tokens (ignore_eos), sampled at T = 1. tokens/s is
 completion tokens (from `usage`) over the workload's wall time; the ratio is concurrent over
 one_request, per round, then the median. A connection error is any request that raised
@@ -69,6 +71,25 @@ async def concurrent(client: openai.AsyncOpenAI, tokens: int, stream: bool) -> d
             "error_kinds": sorted({type(e).__name__ for e in errors})}
 
 
+async def raw_streams(url: str, tokens: int) -> dict:
+    limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+    async with httpx.AsyncClient(limits=limits, timeout=300) as http:
+        async def one(i: int) -> int:
+            body = {"model": "bench", "prompt": PROMPTS[i], "max_tokens": tokens, "seed": i, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            usage = 0
+            async with http.stream("POST", f"{url}/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith('data: {"') and '"usage":{' in line:
+                        usage = json.loads(line[6:])["usage"]["completion_tokens"]
+            return usage
+
+        outcomes = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))), return_exceptions=True)
+    errors = [o for o in outcomes if isinstance(o, BaseException)]
+    return {"tokens": sum(o for o in outcomes if isinstance(o, int)), "errors": len(errors),
+            "error_kinds": sorted({type(e).__name__ for e in errors})}
+
+
 async def one_request(client: openai.AsyncOpenAI, tokens: int) -> dict:
     out = await client.completions.create(model="bench", prompt=PROMPTS, max_tokens=tokens, seed=0,
                                           extra_body={"ignore_eos": True})
@@ -112,29 +133,33 @@ def main() -> None:
                 await one_request(client(), 4)
 
             asyncio.run(warm())
-            runs = {"concurrent": [], "one_request": [], "streams": []}
+            runs = {"concurrent": [], "one_request": [], "streams": [], "raw_streams": []}
             for _ in range(args.rounds):
                 runs["concurrent"].append(timed(lambda: concurrent(client(), args.tokens, stream=False)))
                 runs["one_request"].append(timed(lambda: one_request(client(), args.tokens)))
                 runs["streams"].append(timed(lambda: concurrent(client(), args.tokens, stream=True)))
+                runs["raw_streams"].append(timed(lambda: raw_streams(url, args.tokens)))
             refusal = refusal_s(url)
         finally:
             proc.terminate()
             proc.wait(timeout=60)
     ratios = [c["tokens_per_s"] / o["tokens_per_s"] for c, o in zip(runs["concurrent"], runs["one_request"])]
     stream_ratios = [s["tokens_per_s"] / o["tokens_per_s"] for s, o in zip(runs["streams"], runs["one_request"])]
+    raw_ratios = [s["tokens_per_s"] / o["tokens_per_s"] for s, o in zip(runs["raw_streams"], runs["one_request"])]
     summary = {name: {"tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rs),
                       "errors": sum(r["errors"] for r in rs), "error_kinds": sorted({k for r in rs for k in r["error_kinds"]}),
                       "outside_cores_max": max(r["outside_cores"] for r in rs)} for name, rs in runs.items()}
     result = {"rounds": args.rounds, "tokens": args.tokens, "threads": args.threads, "sequences": len(PROMPTS),
               "ratio_concurrent_vs_one_request": statistics.median(ratios), "ratios": ratios,
-              "ratio_streams_vs_one_request": statistics.median(stream_ratios), "workloads": summary,
+              "ratio_streams_vs_one_request": statistics.median(stream_ratios),
+              "ratio_raw_streams_vs_one_request": statistics.median(raw_ratios), "workloads": summary,
               "refusal_1mb_prompt": refusal, "runs": runs}
     for name, s in summary.items():
         print(f"{name:<12} {s['tokens_per_s_median']:8.0f} tokens/s   errors {s['errors']}   "
               f"other processes <= {s['outside_cores_max']:.2f} cores")
     print(f"concurrent / one_request: {result['ratio_concurrent_vs_one_request']:.2f}x (rounds: "
-          + ", ".join(f"{r:.2f}" for r in ratios) + f"); streams / one_request: {result['ratio_streams_vs_one_request']:.2f}x")
+          + ", ".join(f"{r:.2f}" for r in ratios) + f"); streams / one_request: {result['ratio_streams_vs_one_request']:.2f}x (read raw: "
+          f"{result['ratio_raw_streams_vs_one_request']:.2f}x)")
     print(f"1 MB prompt: {refusal['code']} in {refusal['seconds']:.3f} s")
     print(json.dumps(result))
 

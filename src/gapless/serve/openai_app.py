@@ -8,7 +8,8 @@
 Each route parses the body itself (strict models in openai_params.py, so every failure, malformed
 JSON included, is an OpenAI-shaped 400 naming the field), turns it into `SampleRequest`s and awaits
 their handles. Streams are server-sent events: a chunk per sample per engine step, a `usage`
-chunk before `data: [DONE]` when `stream_options.include_usage` asks for it, an error after the
+chunk before `data: [DONE]` when `stream_options.include_usage` asks for it (deltas that piled up
+while the loop was busy go out merged, one chunk per sample), an error after the
 headers as a `data: {"error": ...}` event. Who cancels what: a stream's generator aborts its
 handles in `finally` (Starlette cancels it when the client goes); a non-streaming route races
 its results against the client's `http.disconnect` and aborts on whichever comes first.
@@ -39,7 +40,8 @@ from starlette.routing import Route
 
 from gapless.serve.chat import chat_prompt_ids
 from gapless.serve.openai_params import ChatBody, CompletionBody, parse_body
-from gapless.serve.protocol import ContextLengthExceeded, InvalidRequest, SampleRequest, SampleResult, ServeError
+from gapless.serve.protocol import (ContextLengthExceeded, InvalidRequest, SampleRequest, SampleResult, ServeError,
+                                    merge_deltas)
 from gapless.serve.scheduler import RequestHandle, Scheduler
 from gapless.serve.scoring import Scorer
 
@@ -111,6 +113,10 @@ class OpenAIApp:
             self._check_model(body.model)
             prompts = await self._completion_prompts(body.prompt, body.max_tokens or 0)
             if body.max_tokens == 0:  # echo-only scoring of the prompts
+                for p in prompts:
+                    if not 0 < len(p) <= self.scheduler.max_seq_len:
+                        raise ContextLengthExceeded(f"a prompt to score needs 1..{self.scheduler.max_seq_len} tokens "
+                                                    f"(got {len(p)})", "prompt")
                 results = [[SampleResult(j, p, finish_reason="length") for j in range(body.n)] for p in prompts]
             else:
                 results = await self._run(request, body, [tuple(p) for p in prompts], body.max_tokens or 16, chat=False)
@@ -278,7 +284,7 @@ class OpenAIApp:
             for p, handle in enumerate(handles):
                 async for batch in handle.adeltas():
                     events = []
-                    for d in batch:
+                    for d in merge_deltas(batch):  # a loop that fell behind sends fewer, larger chunks
                         index, first = p * body.n + d.index, p * body.n + d.index not in offsets
                         text = (self.tokenizer.decode(handle.request.prompt_ids) if first and not chat and body.echo else "") + d.text
                         own = d.token_ids[:-1] if d.finish_reason == "stop" and d.token_ids[-1:] == [self.eos_id] else d.token_ids

@@ -40,6 +40,22 @@ class SampleDelta:
     finish_reason: FinishReason | None = None  # set on the sample's last delta
 
 
+def merge_deltas(deltas: list[SampleDelta]) -> list[SampleDelta]:
+    """One delta per sample, in first-seen order: what a consumer that fell behind sends as one
+    chunk instead of several (the tokens, text and finish reason of each sample, concatenated)."""
+    merged: dict[int, SampleDelta] = {}
+    for d in deltas:
+        if (m := merged.get(d.index)) is None:
+            merged[d.index] = SampleDelta(d.index, list(d.token_ids), list(d.logprobs), list(d.versions), d.text, d.finish_reason)
+        else:
+            m.token_ids += d.token_ids
+            m.logprobs += d.logprobs
+            m.versions += d.versions
+            m.text += d.text
+            m.finish_reason = d.finish_reason
+    return list(merged.values())
+
+
 @dataclass
 class SampleResult:
     """One finished sample. `token_ids` are all the tokens sampled (the EOS, and the tokens that
