@@ -64,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=os.environ.get("GAPLESS_API_KEY"),
                        help="require 'Authorization: Bearer KEY' (default: $GAPLESS_API_KEY; unset = no check)")
     serve.add_argument("--max-batch", type=int, default=64, help="sequences decoded together by the engine")
+    serve.add_argument("--max-seq-len", type=int, default=None,
+                       help="served context, prompt + completion (default: the model's, at most 2048)")
     report = sub.add_parser("report", help="compare runs in one self-contained HTML page")
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     report.add_argument("--out", default=None, help="output directory (default: FIRST_RUN_DIR/report)")
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise _Usage(str(exc)) from None
             from gapless.serve.openai_server import serve
 
-            serve(args.model_path, sock, args.model_name, args.threads, args.api_key, args.max_batch)
+            serve(args.model_path, sock, args.model_name, args.threads, args.api_key, args.max_batch, args.max_seq_len)
             print("gapless: server stopped", file=sys.stderr)
             return 0
         if args.command == "report":

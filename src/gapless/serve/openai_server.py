@@ -66,14 +66,22 @@ class ServerThread:
             self.app.scheduler.close()
 
 
+DEFAULT_CONTEXT = 2048  # the KV cache is preallocated: max_batch x context tokens per layer
+
+
 def serve(model_path: str, sock: socket.socket, model_name: str | None = None, threads: int | None = None,
-          api_key: str | None = None, max_batch: int = 64, log=print) -> None:
-    """Load a local checkpoint and serve it on the bound `sock` (listen.bind) until interrupted."""
+          api_key: str | None = None, max_batch: int = 64, max_seq_len: int | None = None, log=print) -> None:
+    """Load a local checkpoint and serve it on the bound `sock` (listen.bind) until interrupted.
+    `max_seq_len`: the served context (prompt + completion), default min(the model's, 2048)."""
     from gapless.models import load_local
 
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
-    app = build_app(load_local(model_path), model_name or model_path, max_batch=max_batch, api_key=api_key)
+    policy = load_local(model_path)
+    context = max_seq_len or min(DEFAULT_CONTEXT, policy.model.config.max_position_embeddings)
+    app = build_app(policy, model_name or model_path, max_batch=max_batch, api_key=api_key, max_seq_len=context)
     log(f"serving {model_path} at {url_of(sock)}", flush=True)
+    cache_gb = app.scheduler.engine.cache.num_bytes / 1e9
+    log(f"context {context} tokens, {max_batch} sequences at once, KV cache {cache_gb:.2f} GB", flush=True)
     try:
         uvicorn.Server(_config(app)).run(sockets=[sock])
     except KeyboardInterrupt:
