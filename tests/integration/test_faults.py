@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from crash import train
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "smoke.toml")
 STEPS, GROUPS_PER_STEP, STALL_S = 6, 2, 4.0
+HANG_GUARD_S = 60.0  # far beyond any reaction seen on a loaded 2-core machine (13 s); catches a hang, not slowness
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
 MAX_COUNT = {"step": STEPS, "publish": STEPS, "checkpoint": 3, "decode": 80, "fetch": STEPS, "score": 4 * STEPS}
 
@@ -55,15 +57,19 @@ def run_case(tmp_path: Path, warm_cache: Path, fault: str) -> None:
         else:
             assert first.rc == 3, first.stderr[-2000:]
             reacted_s = first.ended - first.fault_time
+            # reaction times are measured by bench-style runs (docs/pipeline.md); here only a hang guard
+            assert reacted_s < STALL_S + HANG_GUARD_S, f"{fault}: the run took {reacted_s:.1f} s to stop"
             if action == "stop":
                 assert "pipeline stalled" in first.stderr and (run / "stall.txt").is_file()
-                assert f"{actor}:" in (run / "stall.txt").read_text()
+                diagnosis = (run / "stall.txt").read_text()
+                assert f"{actor}:" in diagnosis and "state T (stopped)" in diagnosis, diagnosis
+                # the actor's last beat was at its stop: found stall_timeout_s to stall_timeout_s + 5 s after it
+                silent = float(re.search(rf"{actor}: pid \d+, last heartbeat ([\d.]+) s ago", diagnosis).group(1))
+                assert STALL_S <= silent < STALL_S + 5, diagnosis
                 stacks = list((run / "stacks").glob(f"{actor}-*.txt"))
                 assert stacks and "File" in stacks[0].read_text(), "the stopped actor's stack was not written"
-                assert reacted_s < STALL_S + 5, f"stopped {actor}: the run took {reacted_s:.1f} s to stop"
             else:
                 assert f"gapless-{actor}" in first.stderr or f"the {actor} process failed" in first.stderr
-                assert reacted_s < 10, f"killed {actor}: the run took {reacted_s:.1f} s to stop"
             assert "Traceback" not in first.stderr.split("gapless: error:")[-1]  # one clear error, not a traceback
     else:
         assert first.rc == 0, first.stderr[-2000:]

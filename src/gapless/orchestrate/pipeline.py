@@ -54,7 +54,7 @@ from gapless.orchestrate.weights import SharedWeights
 from gapless.timeline import export_chrome_trace
 
 SHUTDOWN_S = 10.0
-FAILED_SHUTDOWN_S = 2.0  # after a failure or stall the actors' work is lost anyway: stop the run promptly
+FAILED_SHUTDOWN_S = 1.0  # after a failure or stall the actors' work is lost anyway: stop the run promptly
 INBOX_MESSAGES = 4096  # bound of the trainer's inbound queue (records, scored groups, stats)
 
 
