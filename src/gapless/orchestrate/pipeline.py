@@ -214,6 +214,10 @@ class Pipeline(SyncLoop):
                     f"equal rewards (pipeline.max_resamples = {self.max_resamples}): the prompts are always or never solved; "
                     "use pipeline.curriculum = 'pass_rate', other data, or set pipeline.dynamic_sampling = false")
 
+    def _check_waiting(self, waiting_for: str) -> None:
+        self._check_alive()  # a reader killed while holding the buffer is dead, not stalled
+        self.watch.check(waiting_for)
+
     def _check_alive(self) -> None:
         for process in self.processes:
             if not process.is_alive():
@@ -258,7 +262,7 @@ class Pipeline(SyncLoop):
             try:
                 waiting_for = f"the generator to release the weight buffer (publishing version {self.trainer.version})"
                 push_wait = self.weights.publish(self.trainer.state_for_push(), self.trainer.version,
-                                                 self.cfg.pipeline.stall_timeout_s, lambda: self.watch.check(waiting_for))
+                                                 self.cfg.pipeline.stall_timeout_s, lambda: self._check_waiting(waiting_for))
             except TimeoutError:
                 self.watch.progress_at = 0.0  # the publish waited the whole stall timeout: diagnose now
                 self.watch.check(waiting_for)
