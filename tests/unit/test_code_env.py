@@ -82,8 +82,8 @@ def test_broken_sandbox_is_infra_error_never_a_reward(int_problem):
         broken.close()
 
 
-def test_report_parser_ignores_garbage_and_duplicates():
+def test_report_parser_counts_garbage_and_ignores_duplicates():
     expected = ("1", "2")
     report = b'garbage\n{"i": 0, "out": 1}\n{"i": 0, "out": 5}\n[1]\n{"i": 7, "out": 2}\n\xff\n'
-    passed, complete, compile_error = parse_report(report, expected)
-    assert (passed, complete, compile_error) == (1, False, None)
+    passed, complete, compile_error, malformed = parse_report(report, expected)
+    assert (passed, complete, compile_error, malformed) == (1, False, None, 3)  # garbage, [1], \xff

@@ -33,9 +33,10 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Literal, Protocol, Sequence
+from typing import Literal, NamedTuple, Protocol, Sequence
 
 from gapless.envs.base import InfraUnavailable, Split, check_infra
+from gapless.envs.code_values import Malformed, loads_bounded
 from gapless.sandbox import BwrapSandbox, SandboxLimits, SandboxResult, Status
 from gapless.types import Completion, Rollout
 
@@ -44,6 +45,7 @@ HARNESSES = {
     "asserts": (Path(__file__).parent / "assert_harness.py").read_text(),
 }
 RewardMode = Literal["pass_fraction", "all_pass"]
+MALFORMED_REPORT = "malformed_report"
 _LIMIT_STATUSES = {
     Status.TIMEOUT, Status.MEMORY_LIMIT, Status.PROCESS_LIMIT, Status.DISK_LIMIT,
     Status.INODE_LIMIT, Status.OUTPUT_LIMIT, Status.COMPILE_ERROR,
@@ -67,24 +69,36 @@ class SandboxedTask(Protocol):
     def program(self, completion: str) -> str: ...
 
 
-def parse_report(report: bytes, expected: tuple[str, ...]) -> tuple[int, bool, str | None]:
-    """(tests passed, all tests reported, compile error) from the untrusted report channel."""
+class Report(NamedTuple):
+    """What the host read from the report channel (untrusted: every field is bounded)."""
+
+    passed: int  # tests whose reported output equals the expected one
+    is_complete: bool  # every test reported
+    compile_error: str | None
+    malformed: int  # lines that were not a bounded JSON record (code_values.loads_bounded)
+
+
+def parse_report(report: bytes, expected: tuple[str, ...]) -> Report:
+    """Read the report channel; never raises, whatever the bytes (a property test checks it)."""
     outputs: dict[int, str] = {}
     compile_error = None
-    for raw in report.decode("utf-8", errors="replace").splitlines():
+    malformed = 0
+    for raw in report.splitlines():
+        if not raw.strip():
+            continue
         try:
-            record = json.loads(raw)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(record, dict):
-            continue
-        if "compile_error" in record and compile_error is None:
-            compile_error = str(record["compile_error"])[:500]
-        index = record.get("i")
-        if isinstance(index, int) and 0 <= index < len(expected) and index not in outputs:
-            outputs[index] = json.dumps(record["out"], sort_keys=True) if "out" in record else "<error>"
+            record = loads_bounded(raw)
+            if not isinstance(record, dict):
+                raise Malformed("not a record")
+            if "compile_error" in record and compile_error is None:
+                compile_error = str(record["compile_error"])[:500]
+            index = record.get("i")
+            if type(index) is int and 0 <= index < len(expected) and index not in outputs:
+                outputs[index] = json.dumps(record["out"], sort_keys=True) if "out" in record else "<error>"
+        except (Malformed, ValueError, TypeError, RecursionError):
+            malformed += 1
     passed = sum(1 for i, want in enumerate(expected) if outputs.get(i) == want)
-    return passed, len(outputs) == len(expected), compile_error
+    return Report(passed, len(outputs) == len(expected), compile_error, malformed)
 
 
 class CodeEnvironment:
@@ -142,11 +156,13 @@ class CodeEnvironment:
         info = _record(result)
         if result.status is Status.INFRA_ERROR:  # no reward at all: masked from the group
             return 0.0, Status.INFRA_ERROR.value, {**info, "error": result.stderr.strip()[:300] + " (run `gapless sandbox check`)"}
-        passed, complete, compile_error = parse_report(result.report, problem.test_outputs)
+        passed, complete, compile_error, malformed = parse_report(result.report, problem.test_outputs)
         reward = passed / len(problem.test_outputs)
         info["passed"] = passed
         if compile_error is not None:
             return 0.0, Status.COMPILE_ERROR.value, info
+        if malformed:  # the judge writes only bounded records: something broke the channel
+            return 0.0, MALFORMED_REPORT, {**info, "malformed_lines": malformed}
         if result.status in _LIMIT_STATUSES:
             return reward, result.status.value, info
         if not complete:
