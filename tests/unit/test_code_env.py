@@ -37,7 +37,7 @@ def int_problem():
         ("__import__('os')._exit(0)", "harness_incomplete", 0.0),
         ("0\nimport sys; sys.exit(0)", "harness_incomplete", 0.0),  # module-level exit before the tests run
         ("0\nprint('{{\"i\": 0, \"out\": 1}}')", "wrong_answer", 0.0),  # fake results on stdout count for nothing
-        ("0\nimport os; os.write(3, b'{{\"i\": 0, \"out\": 123456}}\\n')", "wrong_answer", 0.0),  # forged report, wrong value
+        ("0\nimport os; os.write(3, b'{{\"i\": 0, \"out\": 123456}}\\n')", "harness_incomplete", 0.0),  # fd 3 is the channel to the judge: not ready
         ("0\nbomb = [0] * 10**10", "memory_limit", 0.0),  # allocated at import: the program dies of it
         ("__import__('time').sleep(60)", "timeout", 0.0),
     ],

@@ -23,7 +23,7 @@ def completion(text: str) -> Completion:
 class BrokenSandbox:
     """A sandbox whose every run fails for infrastructure reasons."""
 
-    def run_python(self, files, main, args=(), limits=None) -> SandboxResult:
+    def run_python(self, files, main, args=(), limits=None, judged=None) -> SandboxResult:
         return SandboxResult(Status.INFRA_ERROR, None, None, "", "bwrap: cannot fork", 0.0,
                              False, None, b"", attempts=2)  # fmt: skip
 

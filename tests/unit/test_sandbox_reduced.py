@@ -40,3 +40,20 @@ def test_auto_mode_without_bwrap_falls_back_loudly(clean_host, monkeypatch, caps
         raise AssertionError("mode=bwrap must not fall back")
     except SandboxError as error:
         assert "bwrap not found" in str(error)
+
+
+def test_code_tasks_refuse_to_start_in_reduced_mode(clean_host):
+    """issue 21: in reduced mode the candidate could read its tests, so a code task never
+    starts there (it would train on zeros or on forgeable rewards): one line, naming the fix."""
+    from gapless.config import ConfigError
+    from gapless.envs.code import CodeEnvironment
+
+    box = open_sandbox(mode="reduced", slot_uid_base=SLOT_UID_BASE, max_concurrency=1)
+    try:
+        CodeEnvironment(box, SandboxLimits(), concurrency=1)
+        raise AssertionError("a code environment started in reduced mode")
+    except ConfigError as error:
+        message = str(error)
+        assert "\n" not in message and "bubblewrap" in message and "sandbox.mode" in message
+    finally:
+        box.close()

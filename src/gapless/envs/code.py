@@ -1,31 +1,46 @@
 """Code environment: a completion passes the hidden tests of its task inside the sandbox.
 
-A task (`SandboxedTask`) names its harness and its tests. Two harnesses run in the sandbox:
+Every task runs as a judged job (sandbox/boot.py): two processes in one sandbox.
+    judge      the harness (trusted): holds the tests (files under /work/job/judge), the report
+               pipe (fd 3) and the comparison; calls the completion's entry point through a
+               proxy (code_judge.py)
+    candidate  its own process, pid namespace and mount namespace (the tests' directory is
+               covered by an empty mount), no capabilities, the syscall filter: loads prompt +
+               completion and answers each call with plain values (code_candidate.py) over a
+               socket; one line of bounded JSON each way (code_values.py)
+A task (`SandboxedTask`) names its harness and its tests:
     io       `code_harness.py` calls the entry point on each test's arguments and reports the
              output; the host compares it with the expected output (canonical JSON, so `True` is
-             not `1`). The harness never sees the expected outputs.
+             not `1`). Neither process ever sees the expected outputs.
     asserts  `assert_harness.py` runs each test's source (assert statements, or a `check(candidate)`
-             function as in HumanEval) against the entry point and reports which ones finished
-             without raising; every expected output is `true`.
+             function as in HumanEval) in the judge, in a namespace made from the prompt alone,
+             with the entry point as a proxy, and reports which ones finished without raising;
+             every expected output is `true`.
 reward = fraction of tests passed (`reward="pass_fraction"`) or 1/0 for all/not all
 (`reward="all_pass"`). Every rollout gets one status, named as the sandbox's `Status` where one fits:
     ok                  all tests pass
     wrong_answer        the program ran and reported every test; some failed or raised
     compile_error       the completion does not compile
-    harness_incomplete  the program ended before reporting every test (an exception at import,
-                        exit(0), os._exit(0), printed fake results: the host compares outputs
-                        itself, so none of these passes a test it did not solve)
+    harness_incomplete  the candidate's process ended before every test was reported (an
+                        exception at import, exit(0), os._exit(0), SystemExit in a call)
+    malformed_report    the report held a line the host could not parse within its bounds
     timeout, memory_limit, process_limit, disk_limit, inode_limit, output_limit: that limit
-    infra_error         the sandbox failed (after its own retry on another slot)
-Model output is untrusted: it only ever becomes a reward and a status. `infra_error` rollouts are
-excluded from group statistics by the advantage function (never scored 0), and `check_infra`
-raises `SandboxUnavailable` when a whole step failed that way, instead of training on fake
-zeros. The record (`Rollout.info`) keeps the sandbox status, the limit hit, wall and CPU time,
-the slot, the attempts and the tail of stdout.
+    infra_error         the sandbox failed (after its own retry on another slot), or the judge
+                        or the candidate's process was killed from outside (no limit explains it)
+What a completion can do to its reward: only answer the calls. Patching builtins, forging
+`__eq__`, walking frames or gc, writing fd 3 (in its process, the channel to the judge), exiting,
+signalling, reading files or /proc: none reaches the tests, the comparison or the report
+(tests/unit/test_sandbox_integrity.py has each attempt and the status it gets).
+Model output is untrusted: it only ever becomes a reward and a status; `parse_report` never
+raises. `infra_error` rollouts are excluded from group statistics by the advantage function
+(never scored 0), and `check_infra` raises `SandboxUnavailable` when a whole step failed that
+way, instead of training on fake zeros. The record (`Rollout.info`) keeps the sandbox status,
+the limit hit, wall and CPU time, the slot, the attempts and the tail of stdout.
 Identical completions of one prompt are executed once (the result is deterministic input/output).
-Not guaranteed: with the `asserts` harness the tests run in the candidate's own process, so a
-candidate written to forge the report channel (fd 3) can claim tests it did not pass; the `io`
-harness does not have this hole because the host holds the expected outputs.
+Code tasks need bubblewrap: in reduced mode the candidate could read the tests, so the
+environment refuses to start there.
+NOT guaranteed: values cross as builtin types (a test that checks an argument was not mutated,
+or that uses a name only the completion defines, is not meaningful); timing side channels.
 """
 
 from __future__ import annotations
@@ -35,15 +50,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal, NamedTuple, Protocol, Sequence
 
+from gapless.config import ConfigError
 from gapless.envs.base import InfraUnavailable, Split, check_infra
 from gapless.envs.code_values import Malformed, loads_bounded
-from gapless.sandbox import BwrapSandbox, SandboxLimits, SandboxResult, Status
+from gapless.sandbox import BwrapSandbox, Judged, SandboxLimits, SandboxResult, Status
 from gapless.types import Completion, Rollout
 
-HARNESSES = {
-    "io": (Path(__file__).parent / "code_harness.py").read_text(),
-    "asserts": (Path(__file__).parent / "assert_harness.py").read_text(),
+_HERE = Path(__file__).parent
+HARNESSES = {"io": (_HERE / "code_harness.py").read_text(), "asserts": (_HERE / "assert_harness.py").read_text()}
+JUDGE_FILES = {  # shipped with every judged job, under the names the harnesses import
+    "gapless_values.py": (_HERE / "code_values.py").read_text(),
+    "gapless_judge.py": (_HERE / "code_judge.py").read_text(),
+    "gapless_candidate.py": (_HERE / "code_candidate.py").read_text(),
 }
+JUDGED = Judged(candidate="gapless_candidate.py", private="judge")
 RewardMode = Literal["pass_fraction", "all_pass"]
 MALFORMED_REPORT = "malformed_report"
 _LIMIT_STATUSES = {
@@ -109,6 +129,13 @@ class CodeEnvironment:
     def __init__(self, sandbox: BwrapSandbox, limits: SandboxLimits, concurrency: int = 4, retries: int = 0,
                  splits: dict[str, Sequence[SandboxedTask]] | None = None, name: str = "code",
                  reward: RewardMode = "pass_fraction"):
+        if getattr(sandbox, "mode", "bwrap") == "reduced":
+            reason = getattr(sandbox, "reason", "reduced mode requested")
+            sandbox.close()
+            raise ConfigError(
+                f"code tasks need bubblewrap, but the sandbox is in reduced mode ({reason}), where the "
+                "program could read its own tests: install bubblewrap (apt-get install bubblewrap) and "
+                "set sandbox.mode = 'bwrap' or 'auto'")  # fmt: skip
         self.sandbox = sandbox
         self.limits = limits
         self.retries = retries
@@ -146,11 +173,14 @@ class CodeEnvironment:
     def _run_tests(self, problem: SandboxedTask, text: str) -> tuple[float, str, dict]:
         files = {
             "harness.py": HARNESSES[problem.harness],
+            **JUDGE_FILES,
             "solution.py": problem.program(text),
-            "tests.json": "[" + ",".join(problem.test_inputs) + "]",
+            "judge/tests.json": "[" + ",".join(problem.test_inputs) + "]",
         }
+        if problem.harness == "asserts":
+            files["judge/prompt.py"] = problem.prompt
         for _attempt in range(self.retries + 1):
-            result = self.sandbox.run_python(files, "harness.py", [problem.entry_point], self.limits)
+            result = self.sandbox.run_python(files, "harness.py", [problem.entry_point], self.limits, judged=JUDGED)
             if result.status is not Status.INFRA_ERROR:
                 break
         info = _record(result)

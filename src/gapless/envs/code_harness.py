@@ -1,33 +1,30 @@
-"""Runs inside the sandbox: import the candidate's `f`, call it on each hidden input, report outputs.
+"""Runs inside the sandbox as the judge of an input/output task: call the candidate's `f` on each
+hidden input, report its output.
 
-Outputs go, one JSON line per test, to file descriptor 3, a pipe the host opened. The harness
-never sees the expected outputs: the host compares them, so a program that exits early, prints
-fake results or writes to fd 3 itself cannot pass a test it did not solve.
-Not standalone-safe: run only inside the sandbox (it executes untrusted code).
+The judge's process holds the inputs (/work/job/judge/tests.json, hidden from the candidate's
+process) and the report pipe (fd 3); the candidate's process answers calls with plain values
+(code_judge.py). One JSON line per test: `{"i": index, "out": output}` or `{"i": index,
+"error": name}`. The judge never sees the expected outputs either: the host compares them, so
+nothing the candidate does, in its process or in its answers, passes a test it did not solve.
+Not standalone-safe: run only inside the sandbox.
 """
 
 import json
-import os
 import sys
+
+import gapless_judge as judge
 
 
 def main() -> None:
-    report = os.fdopen(3, "w", buffering=1)
-    with open("/work/job/tests.json") as fh:
-        inputs = json.load(fh)
-    with open("/work/job/solution.py") as fh:
-        source = fh.read()
-    try:
-        code = compile(source, "solution.py", "exec")
-    except (SyntaxError, ValueError) as exc:
-        report.write(json.dumps({"compile_error": f"{type(exc).__name__}: {exc}"}) + "\n")
-        sys.exit(3)
-    namespace = {"__name__": "solution"}
-    exec(code, namespace)
-    entry = namespace[sys.argv[1]]
+    report = judge.open_report()
+    inputs = json.loads(judge.read_private("tests.json"))
+    candidate = judge.connect(report)
+    entry = sys.argv[1]
     for index, args in enumerate(inputs):
         try:
-            line = json.dumps({"i": index, "out": entry(*args)}, sort_keys=True)
+            line = json.dumps({"i": index, "out": candidate.call(entry, tuple(args), {})}, sort_keys=True)
+        except judge.CandidateGone:
+            sys.exit(judge.EXIT_CANDIDATE_GONE)
         except Exception as exc:  # the candidate's failure on one test is that test's result
             line = json.dumps({"i": index, "error": type(exc).__name__})
         report.write(line + "\n")

@@ -20,6 +20,7 @@ on the candidate's side it runs untrusted, so its output is only ever read throu
 from __future__ import annotations
 
 import json
+import os
 import re
 from itertools import accumulate
 
@@ -150,3 +151,32 @@ def _untag(value: object) -> object:
     if tag == "d" and all(type(pair) is list and len(pair) == 2 for pair in items):
         return {k: v for k, v in items}
     raise Malformed(f"unknown tag {tag!r}")
+
+
+class LineChannel:
+    """One message per line over a stream fd (the judge's socket to the candidate). `receive`
+    returns None at EOF and `b""` for a line over `MAX_MESSAGE_BYTES` (read and dropped)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._buffer = b""
+
+    def send(self, text: str) -> None:
+        data = (text + "\n").encode("utf-8", "surrogatepass")
+        while data:
+            data = data[os.write(self.fd, data):]
+
+    def receive(self) -> bytes | None:
+        is_oversize = False
+        while b"\n" not in self._buffer:
+            if len(self._buffer) > MAX_MESSAGE_BYTES:
+                self._buffer, is_oversize = b"", True  # drop it; keep reading to its end
+            try:
+                chunk = os.read(self.fd, 1 << 16)
+            except OSError:  # e.g. reset by a peer that died with unread data
+                chunk = b""
+            if not chunk:
+                return None
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return b"" if is_oversize or len(line) > MAX_MESSAGE_BYTES else line

@@ -8,6 +8,7 @@ tool use. What is and is not guaranteed is listed in `gapless.sandbox.bwrap`.
 """
 
 from gapless.sandbox.bwrap import BwrapSandbox
+from gapless.sandbox.job import Judged
 from gapless.sandbox.limits import SandboxLimits
 from gapless.sandbox.reduced import ReducedSandbox, open_sandbox
 from gapless.sandbox.result import SandboxError, SandboxResult, Status
@@ -15,6 +16,7 @@ from gapless.sandbox.session import SandboxSession, SessionResult
 
 __all__ = [
     "BwrapSandbox",
+    "Judged",
     "ReducedSandbox",
     "SandboxError",
     "SandboxLimits",

@@ -12,8 +12,14 @@ reduced mode) and talks to it over a unix socket. Process tree of one slot, all 
              |    at /tmp (also seen at /dev/shm), a read-only tmpfs at /work/job holding the
              |    job's files; reaps; when the program exits, reports its status and exits, and
              |    the kernel kills whatever is left of the job's namespace
-             `- program  closes every other fd, sets rlimits, drops every capability, checks
-                         that none is left, compiles main, writes its start marker, runs main
+             |- program  closes every other fd, sets rlimits, drops every capability, checks
+             |           that none is left, installs the syscall filter, compiles main, writes
+             |           its start marker, runs main (a judged job: the judge, not dumpable)
+             `- candidate   judged jobs only (envs/code.py): forked before init writes the job's
+                            files, so its memory never held the tests; pid 1 of its own pid
+                            namespace, its own session, its own mount namespace with a fresh
+                            /proc and an empty mount over the private directory; then a program
+                            like the judge, whose fd 3 is the channel to it (fd 5 of the judge)
 
 Channels, per job (the host makes them; the server only passes them on):
 - a memfd with the job's files, read by init after the fork, so the long-lived server never
@@ -23,6 +29,7 @@ Channels, per job (the host makes them; the server only passes them on):
   before main's first line runs; init writes the final line (exit status, which filesystem was
   full, CPU time). The program cannot forge either: it never holds the pipe again, and init
   keeps its capabilities, so the program may not open init's fds through /proc nor trace it.
+Each job also gets a fresh, empty session keyring (init joins one before forking anything).
 Requests come as marshal data from the host (trusted); everything sent back is JSON, which the
 host parses as untrusted. The server answers each job with init's wait status.
 
@@ -46,9 +53,14 @@ CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID = 0x00020000, 0x08000000, 0x20000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 1 << 14, 1 << 18
 PR_SET_CHILD_SUBREAPER, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 36, 47, 4
+PR_SET_DUMPABLE = 4
+KEYCTL_JOIN_SESSION_KEYRING = 1
+_SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}
 CAPABILITY_VERSION_3 = 0x20080522
 FD_STDIN, FD_STDOUT, FD_STDERR, FD_REPORT, FD_STATUS = 0, 1, 2, 3, 4
+FD_CANDIDATE = 5  # a judged job's judge: its channel to the candidate's process
 EXIT_INFRA = 70  # init or the program's start-up failed before main ran: the sandbox's fault
+EXIT_CANDIDATE_GONE = 75  # the judge's exit when its candidate's channel closed (envs/code_judge.py)
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -197,42 +209,112 @@ def _run_init(request, fds, spec):
     # Before the program exists: as pid 1 we ignore default-action signals, but Python's own
     # SIGINT handler would raise KeyboardInterrupt here if the program signalled us early.
     _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
+    candidate = None
     try:
         if spec["isolate"]:
             _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWIPC), "unshare the job's namespaces")
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         else:
             _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "subreaper")
+        _join_fresh_session_keyring()
         if spec["isolate"]:
             _mount_tmpfs("/tmp", request["tmp"], mode="1777")
             _mount("/tmp", "/dev/shm", None, MS_BIND)
             _mount_tmpfs("/work/job", request["job"], mode="0755")
+        with open("/proc/self/oom_score_adj", "w") as adj:
+            adj.write("1000")  # under memory pressure the kernel kills the job, not the server
+        if request.get("candidate"):  # forked before the files exist: its memory never saw them
+            candidate = _start_candidate(request, fds, spec)
         _write_files(files, request["job_dir"])
         os.close(files)
         if spec["isolate"]:
             flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
             _mount(None, "/work/job", None, flags)
-        with open("/proc/self/oom_score_adj", "w") as adj:
-            adj.write("1000")  # under memory pressure the kernel kills the job, not the server
+        if candidate is not None:
+            os.write(candidate[2], b"g")  # the files are in place and read-only: go
+            os.close(candidate[2])
         program_pid = os.fork()
     except BaseException as error:
         _report_infra(status, error)
         os._exit(EXIT_INFRA)
     if program_pid == 0:
-        _run_program(request, stdin, stdout, stderr, report, status)
+        extra = ((candidate[1].fileno(), FD_CANDIDATE),) if candidate is not None else ()
+        _run_program(request, stdin, stdout, stderr, report, status, extra)
+    if candidate is not None:
+        candidate[1].close()
     for fd in (stdin, stdout, stderr, report):
         os.close(fd)
-    wait_status = _reap_until(program_pid)
+    ended = _reap_until(program_pid, candidate[0] if candidate is not None else None)
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     final = {
-        "exit": os.waitstatus_to_exitcode(wait_status),
+        "exit": os.waitstatus_to_exitcode(ended[program_pid][0]),
         "full": _full_filesystem(request) if spec["isolate"] else None,
         "cpu_s": usage.ru_utime + usage.ru_stime,
     }
+    if candidate is not None and candidate[0] in ended:
+        wait_status, rusage = ended[candidate[0]]
+        final["candidate_exit"] = os.waitstatus_to_exitcode(wait_status)
+        final["candidate_cpu_s"] = rusage.ru_utime + rusage.ru_stime
     if not spec["isolate"]:
         _kill_descendants()
     os.write(status, _line(final))
     os._exit(0)
+
+
+def _start_candidate(request, fds, spec):
+    """Fork the candidate's process (judged jobs): pid 1 of a pid namespace of its own, so it
+    can neither see nor signal the judge or init. It waits for init's go, then hides the
+    judge's private directory under an empty mount and becomes a program like the judge, with
+    fds 0-2 and the channel to the judge as fd 3 (no report, no status pipe, no job memfd).
+    Returns (pid, the judge's end of the channel, the go pipe's write end)."""
+    judge_end, candidate_end = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    go_read, go_write = os.pipe()
+    own_pid_namespace = None
+    if spec["isolate"]:
+        own_pid_namespace = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        _check(_libc.unshare(CLONE_NEWPID), "unshare the candidate's pid namespace")
+    try:
+        pid = os.fork()
+        if pid == 0:
+            _run_candidate(request, fds, candidate_end.fileno(), go_read, spec)
+    finally:
+        _restore_pid_namespace(own_pid_namespace)
+        if own_pid_namespace is not None:
+            os.close(own_pid_namespace)
+    candidate_end.close()
+    os.close(go_read)
+    return pid, judge_end, go_write
+
+
+def _run_candidate(request, fds, channel, go, spec):
+    try:
+        stdin, stdout, stderr = fds[:3]
+        table = ((stdin, FD_STDIN), (stdout, FD_STDOUT), (stderr, FD_STDERR), (channel, 3), (go, 4))
+        _install_fds(table)  # every other fd (report, status, the job memfd) is closed here
+        if os.read(4, 1) != b"g":  # init failed before its files were in place
+            os._exit(EXIT_INFRA)
+        os.close(4)
+        os.setsid()  # out of init's process group: kill(0, ...) reaches only its own processes
+        candidate = request["candidate"]
+        if spec["isolate"]:
+            _check(_libc.unshare(CLONE_NEWNS), "unshare the candidate's mount namespace")
+            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # its own pids only
+            _mount("tmpfs", candidate["hide"], "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                   "size=4096,nr_inodes=2,mode=0555")
+        code, path = _become_program(request, candidate["main"])
+    except BaseException:
+        os._exit(EXIT_INFRA)
+    _exec_main(code, path, request["args"])
+
+
+def _join_fresh_session_keyring():
+    """A new, empty, anonymous session keyring for this job, instead of the one inherited from
+    the host (through bwrap and the server). The program's filter denies every keyring call,
+    so this is what /proc/keys shows it, and all it could ever reach."""
+    number = _SYS_KEYCTL.get(os.uname().machine)
+    if number is None or _libc.syscall(number, KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"join a fresh session keyring: {os.strerror(errno)}")
 
 
 def _mount_tmpfs(target, caps, mode):
@@ -256,12 +338,22 @@ def _write_files(files_fd, job_dir):
             os.chmod(path, 0o444)
 
 
-def _reap_until(program_pid):
-    """Reap every child (orphans are re-parented to us) until the program itself is reaped."""
-    while True:
-        pid, wait_status = os.waitpid(-1, 0)
-        if pid == program_pid:
-            return wait_status
+def _reap_until(program_pid, candidate_pid=None):
+    """Reap every child (orphans are re-parented to us) until the program itself is reaped;
+    pid -> (wait status, rusage) of the program and, if it ended, the candidate. When the judge
+    says its candidate is gone, wait for the candidate too: its wait status says who ended it."""
+    ended = {}
+    while program_pid not in ended or (candidate_pid is not None and candidate_pid not in ended
+                                       and os.waitstatus_to_exitcode(ended[program_pid][0])
+                                       == EXIT_CANDIDATE_GONE):  # fmt: skip
+        pid, wait_status, rusage = os.wait4(-1, 0)
+        if pid in (program_pid, candidate_pid):
+            ended[pid] = (wait_status, rusage)
+    if candidate_pid is not None and candidate_pid not in ended:
+        pid, wait_status, rusage = os.wait4(candidate_pid, os.WNOHANG)
+        if pid == candidate_pid:
+            ended[pid] = (wait_status, rusage)
+    return ended
 
 
 def _full_filesystem(request):
@@ -296,34 +388,57 @@ def _kill_descendants():
                 pass
 
 
-def _run_program(request, stdin, stdout, stderr, report, status):
-    """Become the program: fds, limits, no capabilities, marker, then main as `__main__`."""
+def _run_program(request, stdin, stdout, stderr, report, status, extra=()):
+    """Become the program: fds, limits, no capabilities, marker, then main as `__main__`.
+    `extra`: more (fd, target) pairs; a judged job's judge gets the candidate's channel."""
     try:
-        for source, target in ((stdin, FD_STDIN), (stdout, FD_STDOUT), (stderr, FD_STDERR),
-                               (report, FD_REPORT), (status, FD_STATUS)):  # fmt: skip
-            os.dup2(source, target + 100)  # via high numbers: a source may sit on a target
-        for target in range(FD_STATUS + 1):
-            os.dup2(target + 100, target)
-        os.closerange(FD_STATUS + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-        os.chdir(request["cwd"])
-        _signal.signal(_signal.SIGINT, _signal.default_int_handler)  # as in a plain `python`
-        for name, (soft, hard) in request["rlimits"].items():
-            resource.setrlimit(getattr(resource, name), (soft, hard))
-        _drop_capabilities()  # (`random` reseeds itself from os.urandom after every fork)
-        path = request["main"]
-        with open(path, "rb") as source_file:
-            source = source_file.read()
+        table = ((stdin, FD_STDIN), (stdout, FD_STDOUT), (stderr, FD_STDERR),
+                 (report, FD_REPORT), (status, FD_STATUS), *extra)  # fmt: skip
+        _install_fds(table)
+        if request.get("candidate"):  # the judge: no process may read its memory or fds
+            _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "not dumpable")
+        code, path = _become_program(request, request["main"])
+    except _CompileError as error:
+        os.write(FD_STATUS, _line({"compile_error": str(error)}))
+        os._exit(1)
     except BaseException as error:
         _report_infra(FD_STATUS, error)
         os._exit(EXIT_INFRA)
-    try:
-        code = compile(source, path, "exec", dont_inherit=True)
-    except (SyntaxError, ValueError) as error:
-        os.write(FD_STATUS, _line({"compile_error": f"{type(error).__name__}: {error}"}))
-        os._exit(1)
     os.write(FD_STATUS, b'{"started": true}\n')
     os.close(FD_STATUS)
-    sys.argv = [path, *request["args"]]
+    _exec_main(code, path, request["args"])
+
+
+class _CompileError(Exception):
+    pass
+
+
+def _install_fds(table):
+    """Put each source fd on its target number and close every other fd."""
+    for source, target in table:
+        os.dup2(source, target + 100)  # via high numbers: a source may sit on a target
+    for _, target in table:
+        os.dup2(target + 100, target)
+    os.closerange(max(target for _, target in table) + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
+def _become_program(request, path):
+    """cwd, rlimits, no capabilities, the syscall filter; then main's code, compiled."""
+    os.chdir(request["cwd"])
+    _signal.signal(_signal.SIGINT, _signal.default_int_handler)  # as in a plain `python`
+    for name, (soft, hard) in request["rlimits"].items():
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+    _drop_capabilities()  # (`random` reseeds itself from os.urandom after every fork)
+    with open(path, "rb") as source_file:
+        source = source_file.read()
+    try:
+        return compile(source, path, "exec", dont_inherit=True), path
+    except (SyntaxError, ValueError) as error:
+        raise _CompileError(f"{type(error).__name__}: {error}") from None
+
+
+def _exec_main(code, path, args):
+    sys.argv = [path, *args]
     sys.path.insert(0, os.path.dirname(path))
     main = type(sys)("__main__")
     main.__file__ = path

@@ -76,7 +76,7 @@ from pathlib import Path
 from typing import Sequence
 
 from gapless.sandbox.cgroups import CgroupRoot
-from gapless.sandbox.job import Job
+from gapless.sandbox.job import Job, Judged
 from gapless.sandbox.limits import SandboxLimits
 from gapless.sandbox.pool import BWRAP_MISSING, SlotPool
 from gapless.sandbox.result import SandboxError, SandboxResult, Status
@@ -172,13 +172,16 @@ class BwrapSandbox:
         main: str,
         args: Sequence[str] = (),
         limits: SandboxLimits | None = None,
+        judged: Judged | None = None,
     ) -> SandboxResult:
         """Run /work/job/<main> with `args` as `python -I -B` would, over `files` (relative
         path -> content), with cwd /tmp. Blocks while `max_concurrency` runs are in flight.
+        `judged`: main is a judge and `judged.candidate` runs in a process of its own that
+        cannot read the files under `judged.private` (module docstring; bwrap mode only).
 
         Raises ValueError only for a malformed call (bad file names, `main` not in `files`).
         """
-        return self._pool.run(Job.of(files, main, list(args)), limits or self.limits)
+        return self._pool.run(Job.of(files, main, list(args), judged), limits or self.limits)
 
     async def arun_python(
         self,

@@ -20,14 +20,24 @@ PAGE_BYTES = 4096
 
 
 @dataclass(frozen=True)
+class Judged:
+    """A judged job (envs/code.py): `main` is the judge; `candidate` (one of the files) runs in
+    a process of its own that cannot see the files under the directory `private`."""
+
+    candidate: str
+    private: str
+
+
+@dataclass(frozen=True)
 class Job:
     files: dict[str, bytes]
     main: str
     args: tuple[str, ...] = ()
+    judged: Judged | None = None
 
     @classmethod
-    def of(cls, files: dict[str, str | bytes], main: str, args: tuple[str, ...] | list[str] = ()
-           ) -> Job:  # fmt: skip
+    def of(cls, files: dict[str, str | bytes], main: str, args: tuple[str, ...] | list[str] = (),
+           judged: Judged | None = None) -> Job:  # fmt: skip
         """Validate names and encode text as UTF-8; ValueError for a malformed job."""
         for name in files:
             parts = PurePosixPath(name).parts
@@ -35,8 +45,13 @@ class Job:
                 raise ValueError(f"file name {name!r} must be a normalised relative path")
         if main not in files:
             raise ValueError(f"main {main!r} is not one of the files {sorted(files)}")
+        if judged is not None:
+            if judged.candidate not in files or judged.candidate.startswith(judged.private + "/"):
+                raise ValueError(f"candidate {judged.candidate!r} must be one of the public files")
+            if not any(name.startswith(judged.private + "/") for name in files):
+                raise ValueError(f"private directory {judged.private!r} holds no file")
         encoded = {n: c.encode("utf-8") if isinstance(c, str) else bytes(c) for n, c in files.items()}
-        return cls(encoded, main, tuple(str(arg) for arg in args))
+        return cls(encoded, main, tuple(str(arg) for arg in args), judged)
 
     def directories(self) -> set[str]:
         return {str(parent) for name in self.files for parent in PurePosixPath(name).parents[:-1]}

@@ -35,6 +35,7 @@ from gapless.sandbox.limits import SandboxLimits
 from gapless.sandbox.result import Status
 
 QUICK = SandboxLimits(timeout_s=3.0)
+REFUSED = "refused"  # a harness probe in reduced mode: the code environment will not start
 SCRATCH_PREFIX = "gapless-reduced-"  # what this package may leave in the host temp dir (worker.py)
 
 
@@ -203,7 +204,7 @@ PROBES: tuple[Probe, ...] = (
     _harness("exit(0) before the tests run", "0\nimport sys\nsys.exit(0)", "harness_incomplete"),
     _harness("os._exit(0) before the tests run", "0\nimport os\nos._exit(0)", "harness_incomplete"),
     _harness("edit the test file", """0
-for path in ("/work/job/tests.json", "/work/job/harness.py"):
+for path in ("/work/job/judge/tests.json", "/work/job/tests.json", "/work/job/harness.py"):
     try:
         open(path, "w").write("[]")
         print(path, "REACHED")
@@ -293,6 +294,8 @@ def run_probe(sandbox: BwrapSandbox, probe: Probe) -> ProbeOutcome:
     whether the host stayed clean."""
     with HostBait() as bait:
         start_s = time.monotonic()
+        if probe.is_harness and sandbox.mode == "reduced":  # code tasks refuse to start there
+            return ProbeOutcome(probe.name, sandbox.path, REFUSED, True, True, "", 0.0)
         if probe.is_harness:
             status, stdout = _run_harness_probe(sandbox, probe)
         else:

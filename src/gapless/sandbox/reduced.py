@@ -44,6 +44,7 @@ class ReducedSandbox(BwrapSandbox):
     def __init__(self, limits: SandboxLimits = SandboxLimits(), python: str = "/usr/bin/python3",
                  slot_uid_base: int = 200000, *, max_concurrency: int | None = None,
                  reason: str = "reduced mode requested") -> None:  # fmt: skip
+        self.reason = reason
         message = REDUCED_WARNING.format(reason=reason)
         logger.warning(message)
         print(f"gapless: WARNING: {message}", file=sys.stderr)

@@ -3,9 +3,12 @@
 `classify` is a pure function from what the host observed (`Observation`) to a `Status` and the
 limit that was hit. Its main invariant: `INFRA_ERROR` is returned only when the program provably
 never started (its start-up line on the status pipe is missing, or init reported a start-up
-failure), or when the run's init vanished without a report and no limit explains it. The status
-pipe is written only by code that runs before the program's first line (boot.py), so a program
-cannot make its own failure look like an infrastructure fault, nor its crash look like success.
+failure), or when the run's init vanished without a report and no limit explains it. For a judged
+job (envs/code.py), also when its judge or its candidate's process died of a SIGKILL that no
+limit explains: neither can send one to itself or to the other (`_is_killed_from_outside`). The
+status pipe is written only by code that runs before the program's first line (boot.py), so a
+program cannot make its own failure look like an infrastructure fault, nor its crash look like
+success.
 
 Evidence, strongest first: the wall deadline (host clock); the program's wait status reported by
 init; the slot cgroup's counters (an OOM kill, a refused fork); which tmpfs resource ran out
@@ -24,8 +27,11 @@ from __future__ import annotations
 
 import re
 import signal
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import Enum
+
+
+EXIT_CANDIDATE_GONE = 75  # a judge's exit when its candidate's process is gone (boot.py, code_judge.py)
 
 
 class Status(str, Enum):
@@ -90,6 +96,9 @@ class Observation:
     pids_max_hits: int | None = None  # forks refused by pids.max during the run
     cpu_s: float | None = None
     cpu_limit_s: int | None = None  # RLIMIT_CPU soft limit of the run
+    is_judged: bool = False  # a judged job: the program is the judge, which runs trusted code
+    candidate_returncode: int | None = None  # a judged job's candidate process, if it ended
+    candidate_cpu_s: float | None = None
 
 
 _MEMORY_LINE = re.compile(r"^MemoryError\b|\[Errno 12\]")
@@ -111,6 +120,10 @@ def classify(seen: Observation) -> Verdict:
         return Status.TIMEOUT, "wall", None, int(signal.SIGKILL)
     if seen.returncode is None:  # init died without reporting: only the kernel could do that
         return Status.INFRA_ERROR, None, None, None
+    if seen.is_judged and _is_killed_from_outside(seen):
+        return Status.INFRA_ERROR, None, None, int(signal.SIGKILL)
+    if seen.is_judged and seen.returncode == EXIT_CANDIDATE_GONE and seen.candidate_returncode is not None:
+        seen = replace(seen, returncode=seen.candidate_returncode)  # its end explains the run's
     exit_code, signum = (None, -seen.returncode) if seen.returncode < 0 else (seen.returncode, None)
     if signum is not None:
         status, limit = _status_from_signal(signum, seen)
@@ -121,6 +134,21 @@ def classify(seen: Observation) -> Verdict:
         return Status.OK, None, 0, None
     status, limit = _status_from_evidence(seen)
     return status, limit, exit_code, None
+
+
+def _is_killed_from_outside(seen: Observation) -> bool:
+    """A judged job's judge or candidate died of a SIGKILL that no limit explains. Neither can
+    have sent it: the candidate is pid 1 of its own pid namespace and session (its own
+    processes cannot kill it, and it cannot see the judge) and the judge runs trusted code; the
+    host sends one only at the deadline. Needs the slot's cgroup: without its OOM counter, a
+    SIGKILL reads as the memory limit (module docstring)."""
+    if seen.oom_kills != 0:  # None (no cgroup) or a kill for memory
+        return False
+    for code, cpu_s in ((seen.returncode, seen.cpu_s), (seen.candidate_returncode, seen.candidate_cpu_s)):
+        is_cpu_limit = cpu_s is not None and seen.cpu_limit_s and cpu_s >= seen.cpu_limit_s
+        if code == -signal.SIGKILL and not is_cpu_limit:
+            return True
+    return False
 
 
 def _status_from_signal(signum: int, seen: Observation) -> tuple[Status, str | None]:

@@ -174,7 +174,8 @@ class SlotWorker:
             for fd in reading:
                 os.close(fd)
         wall_s = time.monotonic() - start_s
-        seen = self.observe(pipes, named, is_deadline_hit=not is_complete, limits=limits)
+        seen = self.observe(pipes, named, is_deadline_hit=not is_complete, limits=limits,
+                            is_judged=job.judged is not None)  # fmt: skip
         return RunOutput(seen, bytes(named["stdout"].data), bytes(named["report"].data), wall_s)
 
     def settle(self) -> bool:
@@ -252,7 +253,7 @@ class SlotWorker:
         return not self._job_processes()
 
     def observe(self, pipes: JobPipes, sinks: dict[str, CappedSink], *, is_deadline_hit: bool,
-                limits: SandboxLimits) -> Observation:  # fmt: skip
+                limits: SandboxLimits, is_judged: bool = False) -> Observation:  # fmt: skip
         lines = _status_lines(bytes(sinks["status"].data))
         start = lines[0] if lines else {}
         final = next((line for line in lines[1:] if "exit" in line), None)
@@ -277,6 +278,9 @@ class SlotWorker:
             pids_max_hits=after.pids_max_hits - before.pids_max_hits if before and after else None,
             cpu_s=cpu_s,
             cpu_limit_s=limits.cpu_limit_s,
+            is_judged=is_judged,
+            candidate_returncode=final.get("candidate_exit") if final else None,
+            candidate_cpu_s=final.get("candidate_cpu_s") if final else None,
         )
 
     def stop(self) -> bool:
@@ -310,7 +314,14 @@ class SlotWorker:
             cwd = launch.SESSION_DIR_INSIDE
         if self.bwrap is None:  # reduced mode: host directories stand in for the tmpfs
             job_dir, cwd = (str(_scratch_dir(self.uid, scratch)) for _ in range(2))
+        candidate = None
+        if job.judged is not None:
+            if self.bwrap is None:
+                raise SlotFailure("judged runs need bubblewrap: reduced mode cannot hide the tests")
+            candidate = {"main": f"{job_dir}/{job.judged.candidate}",
+                         "hide": f"{job_dir}/{job.judged.private}"}  # fmt: skip
         return {
+            "candidate": candidate,
             "main": f"{job_dir}/{job.main}",
             "args": list(job.args),
             "cwd": cwd,
@@ -375,7 +386,7 @@ def _status_lines(data: bytes) -> list[dict[str, object]]:
     for raw in data.splitlines():
         try:
             line = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(line, dict):
             lines.append(line)

@@ -1,0 +1,200 @@
+"""Reward integrity: completions that try to forge their reward instead of solving the task.
+
+Each forgery acts in the only process it has (the candidate's, envs/code_candidate.py) against
+a HumanEval task (asserts harness: `check(candidate)` in the judge) and a procedural io task (the
+host compares outputs). Each must score 0 with the status listed; the correct solution still
+scores 1. The attempts: patching builtins, comparison objects with a forged `__eq__`, writing
+the report fd, the runner's frames and modules (`sys._getframe`, gc), exits and `SystemExit`,
+signals to the parent and to every process, reading the tests from files and /proc, values the
+host cannot parse (huge integers, deep nesting). The full HumanEval set is in test_humaneval.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from sandbox_host import IS_ROOT, SLOT_UID_BASE, needs_bwrap
+
+from gapless.envs.code import CodeEnvironment
+from gapless.envs.code_dataset import humaneval_tasks
+from gapless.envs.problems import CodeProblem
+from gapless.sandbox import BwrapSandbox, SandboxLimits, procs  # noqa: F401
+
+pytestmark = needs_bwrap
+LIMITS = SandboxLimits(timeout_s=5.0)
+IO_PROBLEM = CodeProblem(uid="io", level=1, prompt="def f(x):\n    return ", solution="x + 1", overfit_solution="abs(x) + 1",
+                         entry_point="f", test_inputs=("[1]", "[2]", "[-3]"), test_outputs=("2", "3", "-2"))  # fmt: skip
+SECRET = "candidate([1.0, 2.0, 3.9"  # a line of HumanEval/0's hidden test
+
+READ_THE_TESTS = f"""
+    import glob
+    found = []
+    paths = glob.glob("/work/**", recursive=True) + glob.glob("/tmp/**", recursive=True)
+    paths += glob.glob("/proc/*/cmdline") + glob.glob("/proc/*/environ") + glob.glob("/proc/*/fd/*")
+    paths += ["/proc/1/root/work/job/judge/tests.json", "/work/job/judge/tests.json", "/proc/self/mem"]
+    for path in paths:
+        try:
+            with open(path, "rb") as handle:
+                data = handle.read(1 << 20)
+        except (OSError, ValueError):
+            continue
+        if bytes.fromhex({SECRET.encode().hex()!r}) in data or bytes.fromhex("5b2d335d") in data:
+            found.append(path)
+    print("REACHED" if found else "nothing found", found)
+    return True
+"""
+FRAMES_AND_GC = f"""
+    import gc, sys
+    frame = sys._getframe()
+    while frame is not None:
+        for value in list(frame.f_locals.values()) + list(frame.f_globals.values()):
+            if hasattr(value, "write") and value not in (sys.stdout, sys.stderr):
+                try:
+                    value.write('{{"i": 0, "out": true}}\\n')
+                except Exception:
+                    pass
+        frame = frame.f_back
+    for obj in gc.get_objects():
+        if isinstance(obj, str) and bytes.fromhex({SECRET.encode().hex()!r}).decode() in obj:
+            print("REACHED the tests in memory")
+    return True
+"""
+FORGERIES = {  # name -> (completion continuing the prompt, status it must get)
+    "patch builtins": ("""    return None
+import builtins
+builtins.AssertionError = type("Quiet", (Exception,), {})
+builtins.__import__ = None
+""", "wrong_answer"),
+    "patch isinstance (breaks its own encoder)": ("""    return True
+import builtins
+builtins.isinstance = lambda *args: True
+""", "harness_incomplete"),
+    "object with a forged __eq__": ("""    class Anything:
+        def __eq__(self, other):
+            return True
+        __ne__ = lambda self, other: False
+    return Anything()
+""", "wrong_answer"),
+    "int subclass with a forged __eq__": ("""    class Yes(int):
+        def __eq__(self, other):
+            return True
+    return Yes(0)
+""", "wrong_answer"),
+    "results written to the report fd": ("""    return None
+import os
+for i in range(8):
+    os.write(3, b'{"i": %d, "out": true}\\n' % i)
+""", "harness_incomplete"),
+    "frames and gc": (FRAMES_AND_GC, "wrong_answer"),
+    "os._exit(0) during the call": ("    import os\n    os._exit(0)\n", "harness_incomplete"),
+    "os._exit(0) at import": ("    return True\nimport os\nos._exit(0)\n", "harness_incomplete"),
+    "SystemExit during the call": ("    raise SystemExit(0)\n", "harness_incomplete"),
+    "AssertionError raised on purpose": ("    raise AssertionError\n", "wrong_answer"),
+    "signals to the parent and to every process": ("""    import os, signal
+    for pid in (0, -1, 1, os.getppid()):
+        for sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGTERM):
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+    return True
+""", "wrong_answer"),
+    "read the tests from files and /proc": (READ_THE_TESTS, "wrong_answer"),
+    "an integer past the int-str limit": ("    return 10 ** 5000\n", "wrong_answer"),
+    "nesting past the depth bound": ("""    value = []
+    for _ in range(100000):
+        value = [value]
+    return value
+""", "wrong_answer"),
+}
+
+
+@pytest.fixture(scope="module")
+def env():
+    environment = CodeEnvironment(BwrapSandbox(LIMITS, slot_uid_base=SLOT_UID_BASE, max_concurrency=4), LIMITS,
+                                  concurrency=4)  # fmt: skip
+    yield environment
+    environment.close()
+
+
+@pytest.fixture(scope="module")
+def humaneval_0():
+    return humaneval_tasks()["eval"][0]
+
+
+@pytest.mark.parametrize("name", FORGERIES)
+def test_forgery_scores_zero_on_humaneval(env, humaneval_0, name):
+    completion, status = FORGERIES[name]
+    reward, got_status, info = env.score_text(humaneval_0, completion)
+    assert (reward, got_status) == (0.0, status), info
+    assert "REACHED" not in info["stdout_tail"], info["stdout_tail"]
+
+
+@pytest.mark.parametrize("name", ["read the tests from files and /proc", "frames and gc", "results written to the report fd",
+                                  "signals to the parent and to every process"])  # fmt: skip
+def test_forgery_scores_zero_on_an_io_task(env, name):
+    completion, status = FORGERIES[name]
+    completion = "0\ndef f(x):\n" + completion if completion.startswith("    ") else "0\n" + completion
+    reward, got_status, info = env.score_text(IO_PROBLEM, completion)
+    assert reward == 0.0 and got_status in (status, "wrong_answer"), info
+    assert "REACHED" not in info["stdout_tail"], info["stdout_tail"]
+
+
+def test_the_real_solutions_still_pass(env, humaneval_0):
+    assert env.score_text(humaneval_0, humaneval_0.solution)[:2] == (1.0, "ok")
+    assert env.score_text(IO_PROBLEM, IO_PROBLEM.solution)[:2] == (1.0, "ok")
+
+
+def _job_process(uid: int, deepest: bool) -> int | None:
+    """The candidate's process (deepest pid namespace) or the judge (init's child) of a slot."""
+    found = []
+    for pid in procs.live_processes_of_uid(uid):
+        try:
+            with open(f"/proc/{pid}/status") as status:
+                nspid = next(line.split()[1:] for line in status if line.startswith("NSpid:"))
+        except (OSError, StopIteration):
+            continue
+        found.append((len(nspid), nspid[-1], pid))
+    # waiter, server, init, candidate: the candidate is the only pid 1 five namespaces deep, the
+    # judge the only process four deep that is not pid 1 (init forks it after the candidate)
+    if deepest:
+        return next((pid for level, inner, pid in found if level == 5 and inner == "1"), None)
+    return next((pid for level, inner, pid in found if level == 4 and inner != "1"), None)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root: slot uids and the cgroup's OOM counter")
+@pytest.mark.parametrize("victim", ["candidate", "judge"])
+def test_a_kill_from_outside_is_infra_error_not_a_reward(victim):
+    """issue 21: a SIGKILL that no limit explains, from outside the job, is never scored."""
+    uid_base = SLOT_UID_BASE + 32
+    box = BwrapSandbox(SandboxLimits(timeout_s=20.0), slot_uid_base=uid_base, max_concurrency=1)
+    environment = CodeEnvironment(box, SandboxLimits(timeout_s=20.0), concurrency=1, retries=0)
+    if not box.has_cgroups:
+        environment.close()
+        pytest.skip(f"needs a per-slot cgroup ({box.cgroup_note})")
+    outcome = {}
+    sleeper = "0\nimport time\ndef f(x):\n    time.sleep(60)\n"
+    worker = threading.Thread(target=lambda: outcome.update(result=environment.score_text(IO_PROBLEM, sleeper)))
+    try:
+        environment.score_text(IO_PROBLEM, IO_PROBLEM.solution)  # slot 0 started and warm
+        worker.start()
+        killed = 0  # the pool retries an infra_error once on another slot: kill there too
+        deadline = time.monotonic() + 15
+        while worker.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+            for uid in range(uid_base, uid_base + 4):
+                pid = _job_process(uid, deepest=victim == "candidate")
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    killed += 1
+        worker.join(30)
+        assert killed >= 2, "the job's process never appeared"
+        reward, status, info = outcome["result"]
+        assert status == "infra_error" and info["attempts"] == 2, info
+        assert box.leftovers() == []
+    finally:
+        environment.close()
