@@ -198,3 +198,46 @@ def test_a_kill_from_outside_is_infra_error_not_a_reward(victim):
         assert box.leftovers() == []
     finally:
         environment.close()
+
+
+WATCHER = """
+import ctypes, fcntl, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+watch = libc.inotify_init1(os.O_NONBLOCK)
+print("inotify", "REACHED" if watch >= 0 else ctypes.get_errno())
+null = os.open("/dev/null", os.O_WRONLY)
+try:
+    fcntl.lockf(null, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a flag the other job could test
+    print("lock REACHED")
+except OSError as error:
+    print("lock", error.errno)
+time.sleep(1.0)
+"""
+PROBER = """
+import fcntl, os, struct, time
+time.sleep(0.3)
+for name in sorted(os.listdir("/usr/lib/python3.11"))[:50]:
+    try:
+        os.close(os.open(os.path.join("/usr/lib/python3.11", name), os.O_RDONLY))
+    except OSError:
+        pass
+null = os.open("/dev/null", os.O_WRONLY)
+try:
+    query = fcntl.fcntl(null, fcntl.F_GETLK, struct.pack("hhqqi", fcntl.F_WRLCK, 0, 0, 0, 0))
+    print("held by the other job" if struct.unpack("hhqqi", query)[0] != fcntl.F_UNLCK else "free", "REACHED")
+except OSError as error:
+    print("getlk", error.errno)
+"""
+
+
+def test_two_concurrent_jobs_cannot_signal_through_locks_or_watch_file_opens():
+    from concurrent.futures import ThreadPoolExecutor
+
+    with BwrapSandbox(slot_uid_base=SLOT_UID_BASE + 40, max_concurrency=2) as box:
+        with ThreadPoolExecutor(2) as pool:
+            watcher = pool.submit(box.run_python, {"m.py": WATCHER}, "m.py")
+            prober = pool.submit(box.run_python, {"m.py": PROBER}, "m.py")
+            results = [watcher.result(), prober.result()]
+    assert {r.slot for r in results} == {0, 1}  # really two jobs at once, in two slots
+    for result in results:
+        assert result.status.value == "ok" and "REACHED" not in result.stdout, (result.stdout, result.stderr)

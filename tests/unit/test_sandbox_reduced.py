@@ -7,6 +7,7 @@ import logging
 from sandbox_host import SLOT_UID_BASE
 
 from gapless.sandbox import ReducedSandbox, SandboxError, SandboxLimits, Status, open_sandbox
+from gapless.sandbox.seccomp import syscall_numbers
 
 
 def test_reduced_mode_warns_loudly_and_still_limits(clean_host, caplog, capsys):
@@ -55,5 +56,19 @@ def test_code_tasks_refuse_to_start_in_reduced_mode(clean_host):
     except ConfigError as error:
         message = str(error)
         assert "\n" not in message and "bubblewrap" in message and "sandbox.mode" in message
+    finally:
+        box.close()
+
+
+def test_reduced_mode_keeps_the_syscall_filter(clean_host):
+    code = (
+        "import ctypes, socket\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        f"print(libc.syscall({syscall_numbers()['keyctl']}, 0, -3, 0), ctypes.get_errno())\n"
+        "try:\n    socket.socket(40, socket.SOCK_STREAM)\nexcept OSError as error:\n    print(error.errno)\n"
+    )
+    box = open_sandbox(mode="reduced", slot_uid_base=SLOT_UID_BASE, max_concurrency=1)
+    try:
+        result = box.run_python({"m.py": code}, "m.py")
+        assert result.status is Status.OK and result.stdout.split() == ["-1", "1", "97"], result
     finally:
         box.close()

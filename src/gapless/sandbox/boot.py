@@ -53,7 +53,8 @@ CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID = 0x00020000, 0x08000000, 0x20000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 1 << 14, 1 << 18
 PR_SET_CHILD_SUBREAPER, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 36, 47, 4
-PR_SET_DUMPABLE = 4
+PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 4, 38, 22, 2
+CLONE_NEWCGROUP = 0x02000000
 KEYCTL_JOIN_SESSION_KEYRING = 1
 _SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}
 CAPABILITY_VERSION_3 = 0x20080522
@@ -62,6 +63,7 @@ FD_CANDIDATE = 5  # a judged job's judge: its channel to the candidate's process
 EXIT_INFRA = 70  # init or the program's start-up failed before main ran: the sandbox's fault
 EXIT_CANDIDATE_GONE = 75  # the judge's exit when its candidate's channel closed (envs/code_judge.py)
 _libc = ctypes.CDLL(None, use_errno=True)
+_FILTER = None  # the program's syscall filter (bytes), from the server's spec
 
 
 def _check(result, what):
@@ -103,6 +105,8 @@ def _receive(control):
 
 def serve(spec):
     """The slot's server: answer job requests on the control socket until EOF or max_jobs."""
+    global _FILTER
+    _FILTER = spec["filter"]
     control = _socket.socket(fileno=spec["control_fd"])
     own_pid_namespace = None
     if spec["isolate"]:
@@ -118,10 +122,12 @@ def serve(spec):
         _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "subreaper")
     gc.freeze()  # jobs forked from here never scan (so never copy) the server's objects
     control.send(_line({"ready": os.getpid()}))
-    for _ in range(spec["max_jobs"]):
+    for job_index in range(spec["max_jobs"]):
         request, fds = _receive(control)
         if request is None:
             break
+        if job_index == 0 and spec["isolate"]:  # the host has moved us into the slot's cgroup by
+            _check(_libc.unshare(CLONE_NEWCGROUP), "unshare the cgroup namespace")  # now: its root
         try:
             pid = _fork_job(request, fds, spec, control, own_pid_namespace)
         except OSError as error:
@@ -429,6 +435,7 @@ def _become_program(request, path):
     for name, (soft, hard) in request["rlimits"].items():
         resource.setrlimit(getattr(resource, name), (soft, hard))
     _drop_capabilities()  # (`random` reseeds itself from os.urandom after every fork)
+    _install_filter()
     with open(path, "rb") as source_file:
         source = source_file.read()
     try:
@@ -475,6 +482,21 @@ def _flush_and_exit(code):
     except BaseException:
         pass
     os._exit(code & 0xFF)
+
+
+class _FilterProgram(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]  # struct sock_fprog
+
+
+def _install_filter():
+    """The syscall filter (sandbox/seccomp.py, built by the host), for this process and all it
+    makes; NoNewPrivs first, which a process without capabilities needs for it."""
+    if _FILTER is None:
+        raise PermissionError("no syscall filter in the server's spec")
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no new privileges")
+    code = ctypes.create_string_buffer(_FILTER, len(_FILTER))
+    program = _FilterProgram(len(_FILTER) // 8, ctypes.cast(code, ctypes.c_void_p))
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(program), 0, 0), "seccomp")
 
 
 def _drop_capabilities():

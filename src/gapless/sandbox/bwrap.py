@@ -38,11 +38,20 @@ sandbox's own processes or fake its results. Each defence, outermost first:
   is restarted; a slot that cannot be emptied is quarantined. `--die-with-parent` takes every
   sandbox down with this process; servers are started from the pool's long-lived threads,
   because the kernel sends that parent-death signal when the forking *thread* exits.
+- Syscalls: a seccomp filter (seccomp.py) installed by every program before its first line:
+  no keyrings, io_uring, inotify/fanotify/dnotify, file locks, ptrace or process_vm_*, bpf,
+  userfaultfd, perf_event_open, mount family, modules, kexec; sockets AF_UNIX, AF_INET and
+  AF_INET6 only (no AF_VSOCK past the network namespace). Each job joins a fresh session
+  keyring, and the server makes its cgroup namespace after joining the slot's cgroup, so
+  /proc/self/cgroup shows `/`, not the host's path.
 - Output: stdout and stderr capped at `max_output_bytes`, the report fd at 1 MiB, the rest
   drained. The environment is cleared; stdin is /dev/null.
-- Results: fd 3 (report) is a pipe only the host reads, and tests are judged on the host
-  (envs/code.py), so faking output or exiting early passes nothing. INFRA_ERROR needs the start
-  line on the status pipe, which the program cannot write (result.py).
+- Results: fd 3 (report) is a pipe only the host reads. A judged job (`judged=`, envs/code.py)
+  runs the candidate in a process of its own (pid, mount namespace and session of its own,
+  the private files covered) that talks to the judge in plain values only, so the candidate
+  never holds the tests, the report or the comparison. INFRA_ERROR needs the start line on the
+  status pipe, which the program cannot write, or, for a judged job, a SIGKILL from outside
+  that no limit explains (result.py).
 
 Warm path vs cold path, precisely. A warm job is forked from a server that imported a fixed list
 of standard modules (worker.PREIMPORT), so: (1) `str` hashes use one seed for all jobs of a
@@ -56,8 +65,9 @@ cannot find an earlier job's files in memory it inherited. Everything else above
 both paths, including a fresh pid, mount and IPC namespace and a fresh /tmp per job.
 
 NOT guaranteed:
-- No seccomp filter: every syscall of the shared host kernel is reachable from the program; a
-  kernel bug escapes. Namespaces, no capabilities and NoNewPrivs are the wall.
+- The seccomp filter is a deny-list: every other syscall of the shared host kernel is reachable,
+  and a kernel bug there escapes. Namespaces, no capabilities, NoNewPrivs and the filter are
+  the wall.
 - /proc shows host-wide facts (cpuinfo, meminfo, uptime, loadavg), not other processes.
 - Timing side channels and CPU contention between runs; CPU is accounted, not shared fairly.
 - Without root: no slot uid and no cgroup, so memory is per process only and leftovers are

@@ -33,6 +33,7 @@ from typing import Callable
 from gapless.sandbox.bwrap import BwrapSandbox
 from gapless.sandbox.limits import SandboxLimits
 from gapless.sandbox.result import Status
+from gapless.sandbox.seccomp import syscall_numbers
 
 QUICK = SandboxLimits(timeout_s=3.0)
 REFUSED = "refused"  # a harness probe in reduced mode: the code environment will not start
@@ -52,8 +53,8 @@ class Probe:
 
 def _probe(name: str, code: str, *expect: str, limits: SandboxLimits = QUICK,
            check: Callable[[str], bool] = lambda stdout: True, uses_bait: bool = False,
-           needs_cgroup: bool = False) -> Probe:  # fmt: skip
-    code = (BAIT if uses_bait else "") + textwrap.dedent(code)
+           uses_syscalls: bool = False, needs_cgroup: bool = False) -> Probe:  # fmt: skip
+    code = (BAIT if uses_bait else "") + (SYSCALLS if uses_syscalls else "") + textwrap.dedent(code)
     return Probe(name, code, frozenset(expect), limits, check, needs_cgroup=needs_cgroup)
 
 
@@ -66,6 +67,8 @@ def _all_failed(stdout: str) -> bool:
     return bool(stdout.strip()) and "REACHED" not in stdout
 
 
+SYSCALLS = ("import ctypes; libc = ctypes.CDLL(None, use_errno=True)\n"
+            f"nr = {syscall_numbers()!r}\n")  # the host's numbers, for raw syscall probes
 # beside main: /work/job in bwrap mode, a host directory in reduced mode
 BAIT = "import json, os; bait = json.load(open(os.path.join(os.path.dirname(__file__), 'bait.json')))\n"
 PROBES: tuple[Probe, ...] = (
@@ -201,6 +204,74 @@ PROBES: tuple[Probe, ...] = (
                 print(path, type(error).__name__)
         print("alive")
     """, "ok", check=lambda stdout: _all_failed(stdout) and stdout.endswith("alive\n")),
+    _probe("keyrings of the host and of earlier jobs", """
+        session = libc.syscall(nr["keyctl"], 0, -3, 0)  # KEYCTL_GET_KEYRING_ID, session keyring
+        user = libc.syscall(nr["keyctl"], 0, -4, 0)  # ... the uid's user keyring
+        added = libc.syscall(nr["add_key"], b"user", b"gapless-probe", b"x", 1, -4)
+        asked = libc.syscall(nr["request_key"], b"user", bait["key_name"].encode(), None, 0)
+        for name, result in (("session", session), ("user", user), ("add_key", added), ("request_key", asked)):
+            print(name, "REACHED" if result >= 0 else ctypes.get_errno())
+        with open("/proc/keys") as keys:
+            text = keys.read()
+        print("/proc/keys", "REACHED" if bait["key_name"] in text or "gapless-probe" in text else "no bait")
+    """, "ok", check=_all_failed, uses_bait=True, uses_syscalls=True),
+    _probe("socket families past the network namespace", """
+        import socket
+        for family in (40, 16, 17, 38, 15, 31):  # VSOCK, NETLINK, PACKET, ALG, KEY, BLUETOOTH
+            try:
+                socket.socket(family, socket.SOCK_DGRAM).close()
+                print(family, "REACHED")
+            except OSError as error:
+                print(family, error.errno)
+        for family in (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6):
+            socket.socket(family, socket.SOCK_STREAM).close()  # the three allowed ones work
+        print("allowed families open")
+    """, "ok", check=lambda stdout: _all_failed(stdout) and "allowed families open" in stdout),
+    _probe("io_uring, inotify, fanotify and dnotify", """
+        import fcntl, os
+        params = ctypes.create_string_buffer(120)
+        for name, args in (("io_uring_setup", (4, params)), ("inotify_init1", (0,)),
+                           ("fanotify_init", (0, 0))):
+            result = libc.syscall(nr[name], *args)
+            print(name, "REACHED" if result >= 0 else ctypes.get_errno())
+        usr = os.open("/usr/lib", os.O_RDONLY)
+        try:
+            fcntl.fcntl(usr, fcntl.F_NOTIFY, fcntl.DN_ACCESS | fcntl.DN_MULTISHOT)
+            print("dnotify REACHED")
+        except OSError as error:
+            print("dnotify", error.errno)
+    """, "ok", check=_all_failed, uses_syscalls=True),
+    _probe("file locks on files every job shares", """
+        import fcntl, os
+        for path, mode in (("/usr/bin/python3", os.O_RDONLY), ("/dev/null", os.O_WRONLY)):
+            fd = os.open(path, mode)
+            for name, lock in (("flock", lambda: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)),
+                               ("lockf", lambda: fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)),
+                               ("getlk", lambda: fcntl.fcntl(fd, fcntl.F_GETLK, bytes(32)))):
+                try:
+                    lock()
+                    print(path, name, "REACHED")
+                except OSError as error:
+                    print(path, name, error.errno)
+    """, "ok", check=_all_failed),
+    _probe("ptrace, bpf, perf, userfaultfd, mounts, modules, kexec", """
+        calls = {"ptrace": (16, 1, 0, 0), "bpf": (0, None, 0), "perf_event_open": (None, 0, -1, -1, 0),
+                 "userfaultfd": (0,), "mount": (b"none", b"/tmp", b"tmpfs", 0, None),
+                 "umount2": (b"/tmp", 2), "fsopen": (b"tmpfs", 0), "open_tree": (-100, b"/tmp", 1),
+                 "unshare": (0x20000,), "setns": (0, 0), "init_module": (None, 0, b""),
+                 "finit_module": (0, b"", 0), "delete_module": (b"x", 0),
+                 "kexec_load": (0, 0, None, 0), "process_vm_readv": (1, None, 0, None, 0, 0),
+                 "kcmp": (1, 1, 0, 0, 0), "pidfd_getfd": (0, 0, 0)}
+        for name, args in calls.items():
+            result = libc.syscall(nr[name], *args)
+            print(name, "REACHED" if result >= 0 else ctypes.get_errno())
+    """, "ok", check=lambda stdout: _all_failed(stdout) and all(
+        line.split()[-1] == "1" for line in stdout.splitlines()), uses_syscalls=True),  # EPERM: the filter's
+    _probe("the host's cgroup path", """
+        with open("/proc/self/cgroup") as cgroups:
+            text = cgroups.read()
+        print("REACHED" if "gapless-sandbox" in text or ".slice" in text else "hidden", text.count("\\n"))
+    """, "ok", check=_all_failed),
     _harness("exit(0) before the tests run", "0\nimport sys\nsys.exit(0)", "harness_incomplete"),
     _harness("os._exit(0) before the tests run", "0\nimport os\nos._exit(0)", "harness_incomplete"),
     _harness("edit the test file", """0
@@ -244,6 +315,8 @@ class HostBait:
         self.secret = Path.home() / f".gapless-bait-secret-{os.getpid()}"
         self.secret.write_text("bait")
         self.outside = self.dir / "written-by-the-sandbox"
+        self.key_name = f"gapless-bait-{os.getpid()}-{time.monotonic_ns()}"
+        self.key = _add_host_key(self.key_name)
         self.mounts = _mount_points()
         self.temp_entries = _gapless_temp_entries()
         return self
@@ -256,6 +329,7 @@ class HostBait:
             "abstract_name": self.abstract_name,
             "secret_path": str(self.secret),
             "outside_path": str(self.outside),
+            "key_name": self.key_name,
         }
 
     def reached(self) -> list[str]:
@@ -275,6 +349,8 @@ class HostBait:
             found.append(f"{self.outside} was written")
         if self.secret.read_text() != "bait":
             found.append("the secret in the host home changed")
+        if self.key is not None and _key_payload(self.key) != b"bait":
+            found.append("the host's bait key changed or was revoked")
         if _mount_points() != self.mounts:
             found.append(f"host mounts changed: {sorted(_mount_points() ^ self.mounts)}")
         new_entries = _gapless_temp_entries() - self.temp_entries - {self.dir.name}
@@ -287,6 +363,8 @@ class HostBait:
             listener.close()
         self.secret.unlink(missing_ok=True)
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self.key is not None:
+            _keyctl(KEYCTL_REVOKE, self.key)
 
 
 def run_probe(sandbox: BwrapSandbox, probe: Probe) -> ProbeOutcome:
@@ -323,6 +401,34 @@ def _run_harness_probe(sandbox: BwrapSandbox, probe: Probe) -> tuple[str, str]:
     finally:
         env.pool.shutdown(wait=True)  # not env.close(): the sandbox is the caller's
     return status, str(info.get("stdout_tail", ""))
+
+
+KEYCTL_REVOKE, KEYCTL_READ, KEY_SPEC_SESSION_KEYRING = 3, 11, -3
+
+
+def _keyctl(*args: object) -> int:
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).syscall(syscall_numbers()["keyctl"], *args)
+
+
+def _add_host_key(name: str) -> int | None:
+    """A key in this process's session keyring, as a secret a job must not reach (None: the
+    kernel has no keyrings for us)."""
+    import ctypes
+
+    number = syscall_numbers()["add_key"]
+    key = ctypes.CDLL(None, use_errno=True).syscall(number, b"user", name.encode(), b"bait", 4,
+                                                    KEY_SPEC_SESSION_KEYRING)  # fmt: skip
+    return key if key >= 0 else None
+
+
+def _key_payload(key: int) -> bytes:
+    import ctypes
+
+    buffer = ctypes.create_string_buffer(16)
+    size = _keyctl(KEYCTL_READ, key, buffer, 16)
+    return buffer.raw[:size] if size >= 0 else b""
 
 
 def _listening(listener: socket.socket, address: object) -> socket.socket:

@@ -37,6 +37,7 @@ from pathlib import Path
 from gapless.sandbox import launch, procs
 from gapless.sandbox.cgroups import CgroupCounters, SlotCgroup
 from gapless.sandbox.job import Job
+from gapless.sandbox.seccomp import filter_program
 from gapless.sandbox.limits import MIB, SandboxLimits
 from gapless.sandbox.result import Observation
 from gapless.sandbox.streams import CappedSink, pump
@@ -47,6 +48,7 @@ PREIMPORT = (
 )  # fmt: skip
 CGROUP_SLOT_TASKS = 2  # tasks in the slot cgroup besides the program's: the server, init
 NPROC_SLOT_TASKS = 3  # tasks of the slot uid in its user namespace: also bwrap's pid 1
+SYSCALL_FILTER = filter_program()  # seccomp.py: the same bytes for every server of this host
 MAX_JOBS_PER_SERVER = 1000  # then a fresh server: fresh hash seed, no slow memory creep
 REPORT_CAP_BYTES = 1 << 20
 GRACE_S = 2.0
@@ -115,6 +117,7 @@ class SlotWorker:
             "isolate": self.bwrap is not None,
             "max_jobs": MAX_JOBS_PER_SERVER if self.warm else 1,
             "preimport": list(PREIMPORT) if self.warm and self.bwrap else [],
+            "filter": SYSCALL_FILTER,
         }
         if self.session_limits is not None:
             spec["session"] = _tmpfs_caps(self.session_limits)
