@@ -171,3 +171,31 @@ def test_syscall_filter_is_well_formed_and_names_every_channel(machine):
                  "ptrace", "bpf", "userfaultfd", "perf_event_open", "mount", "init_module", "kexec_load",
                  "flock", "socket", "socketpair", "fcntl"):
         assert numbers[name] in compared, name
+
+
+def test_the_programs_clock_starts_at_its_start_line():
+    """issue 21: start-up does not count against timeout_s. The anchor fd's first bytes move
+    the deadline to then + the timeout, so a run whose start took longer than its initial
+    deadline still completes (without the anchor it would be cut at that initial deadline)."""
+    import threading
+    import time
+
+    from gapless.sandbox.streams import CappedSink, pump
+
+    def run(with_anchor: bool) -> bool:
+        status_read, status_write = os.pipe()
+        out_read, out_write = os.pipe()
+        os.write(status_write, b'{"started": true}\n')  # the start line, already there
+        os.close(status_write)
+        closer = threading.Timer(0.5, os.close, [out_write])  # the program ends after 0.5 s
+        closer.start()
+        sinks = {status_read: CappedSink(100), out_read: CappedSink(100)}
+        try:
+            return pump(sinks, time.monotonic() + 0.2, anchor=(status_read, 30.0) if with_anchor else None)
+        finally:
+            closer.join()
+            for fd in sinks:
+                os.close(fd)
+
+    assert run(with_anchor=True) is True
+    assert run(with_anchor=False) is False

@@ -27,8 +27,11 @@ class SandboxLimits:
     """Limits of one run. Defaults fit short unit-test programs on a 2-core CPU machine."""
 
     timeout_s: float = 5.0
-    """Wall-clock deadline for the whole run, sandbox start-up included; at it every process of
-    the run is killed. Raise it for slow tests, not to paper over a loaded machine."""
+    """Wall-clock deadline of the program, counted from its start line (written by the sandbox's
+    start-up right before the program's first line: bwrap, the interpreter, the mounts and the
+    harness's start-up in the sandbox are not the program's time; they have their own budget,
+    worker.STARTUP_TIMEOUT_S, past which the run is infra_error). At it every process of the
+    run is killed. Raise it for slow tests, not to paper over a loaded machine."""
 
     cpu_s: float | None = None
     """RLIMIT_CPU per process, in CPU seconds (rounded up; SIGXCPU at it, SIGKILL one second

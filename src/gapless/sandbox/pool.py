@@ -269,7 +269,7 @@ class SlotPool:
             worker = self._worker(slot, warm=False)
             start_s = time.monotonic()
             try:
-                worker.start(limits.timeout_s)
+                worker.start(WARM_START_TIMEOUT_S)  # start-up is not the program's time
             except SlotFailure as failure:
                 return _infra_result(str(failure), start_s, self.path)
         try:

@@ -40,9 +40,11 @@ class CappedSink:
         self.dropped_bytes += max(len(chunk) - room, 0)
 
 
-def pump(sinks: dict[int, CappedSink], deadline: float) -> bool:
+def pump(sinks: dict[int, CappedSink], deadline: float, anchor: tuple[int, float] | None = None) -> bool:
     """Read every fd in `sinks` into its sink until all reach EOF or `time.monotonic()` passes
-    `deadline`. Closes and removes each fd at its EOF; returns True when none is left."""
+    `deadline`. Closes and removes each fd at its EOF; returns True when none is left.
+    `anchor` (fd, seconds): when that fd first delivers bytes, the deadline becomes that moment
+    plus the seconds (a program's clock starts at its start line, not at the sandbox's start)."""
     with selectors.DefaultSelector() as selector:
         for fd in sinks:
             selector.register(fd, selectors.EVENT_READ)
@@ -52,6 +54,8 @@ def pump(sinks: dict[int, CappedSink], deadline: float) -> bool:
                 return False
             for key, _ in selector.select(timeout=remaining_s):
                 chunk = os.read(key.fd, READ_CHUNK_BYTES)
+                if chunk and anchor is not None and key.fd == anchor[0]:
+                    deadline, anchor = time.monotonic() + anchor[1], None
                 if chunk:
                     sinks[key.fd].feed(chunk)
                     continue

@@ -52,6 +52,7 @@ SYSCALL_FILTER = filter_program()  # seccomp.py: the same bytes for every server
 MAX_JOBS_PER_SERVER = 1000  # then a fresh server: fresh hash seed, no slow memory creep
 REPORT_CAP_BYTES = 1 << 20
 GRACE_S = 2.0
+STARTUP_TIMEOUT_S = 15.0  # from sending a job (cold: spawning bwrap) to the program's start line
 STOP_WAIT_S = 0.5  # for a server told to exit (EOF on its control socket), before killing it
 FS_SLACK_BYTES = 64 << 10  # /tmp with less than this free at the end counts as full
 
@@ -168,8 +169,8 @@ class SlotWorker:
         }
         named = dict(zip(("stdout", "stderr", "report", "status"), sinks.values()))
         reading = dict(sinks)
-        try:
-            is_complete = pump(reading, start_s + limits.timeout_s)
+        try:  # the program's clock starts at its start line (boot.py): start-up is not its time
+            is_complete = pump(reading, start_s + STARTUP_TIMEOUT_S, anchor=(pipes.status, limits.timeout_s))
             if not is_complete:
                 self.kill_job()
                 pump(reading, time.monotonic() + GRACE_S)
