@@ -1,6 +1,6 @@
 """Sandbox speed: the fastest path against a cold sandbox per job and against a bare subprocess.
 
-    python bench/sandbox.py [--rounds 6] [--batch 96] [--concurrency 4 x cpus]
+    python bench/sandbox.py [--rounds 6] [--batch 96] [--concurrency 4 x cpus] [--baseline REF]
 
 Three ways to run the trivial program `print(1)`, measured side by side in one run:
 - warm: `BwrapSandbox(warm=True)`, each job forked from a pre-started server in its slot;
@@ -16,6 +16,12 @@ this process, its reaped children (bwrap, python) and, for the warm path, the sl
 runs; CPU per job does not, and `capacity_per_s` = cpus / CPU per job is the throughput the
 variant would reach on an otherwise idle machine. A second table splits a cold run into its
 parts (sequential medians): bwrap alone, bwrap + an interpreter, the interpreter alone.
+
+`--baseline REF` (a git commit, e.g. the one before a sandbox change) adds, in the same run and
+the same rotation, the warm path of that commit's code and, for the code environment, one
+judged job of an io task (envs/code.py: judge + candidate processes) against that commit's way
+of scoring the same completion; `*_over_baseline` ratios compare them (the commit's
+`src/gapless` is extracted under bench/out/ as the package `gapless_baseline`).
 
 Needs root (slot uids, cgroups) and bwrap for the sandbox variants. The last line printed is
 one JSON object with every figure.
@@ -44,6 +50,9 @@ from gapless.sandbox.launch import ROOT_LINK_ARGS  # noqa: E402
 PYTHON = "/usr/bin/python3"
 PROGRAM = "print(1)\n"
 UID_BASE = 240000  # away from services and tests
+WARM_UID_BASES = {"warm": UID_BASE, "warm_baseline": UID_BASE + 2000, "judged": UID_BASE + 3000,
+                  "judged_baseline": UID_BASE + 4000}  # slot cgroups whose CPU a variant owns
+JUDGED_TEXT = "sorted(x)[::-1]"  # an io task's completion: reverse-sorted list
 
 
 def timed(run: Callable[[], bool]) -> tuple[float, bool]:
@@ -98,12 +107,64 @@ def breakdown(samples: int) -> dict[str, float]:
     return medians
 
 
+def baseline_variants(ref: str, concurrency: int, pools: dict[str, object]) -> dict[str, Callable[[], bool]]:
+    """warm_baseline, judged and judged_baseline (see the module docstring)."""
+    from gapless.envs.code import CodeEnvironment
+    from gapless.envs.problems import CodeProblem
+    from gapless.sandbox import SandboxLimits
+
+    base_sandbox, base_code = load_baseline(ref)
+    problem = CodeProblem(uid="bench", level=1, prompt="def f(x):\n    return ", solution=JUDGED_TEXT,
+                          overfit_solution=JUDGED_TEXT, entry_point="f",
+                          test_inputs=("[[3, 1, 2]]", "[[5]]", "[[]]"), test_outputs=("[3, 2, 1]", "[5]", "[]"))  # fmt: skip
+    limits, base_limits = SandboxLimits(timeout_s=5.0), base_sandbox.SandboxLimits(timeout_s=5.0)
+    base_warm = base_sandbox.BwrapSandbox(slot_uid_base=WARM_UID_BASES["warm_baseline"], warm=True,
+                                          max_concurrency=concurrency)  # fmt: skip
+    judged = CodeEnvironment(BwrapSandbox(slot_uid_base=WARM_UID_BASES["judged"], max_concurrency=concurrency),
+                             limits, concurrency=1)  # fmt: skip
+    base_judged = base_code.CodeEnvironment(base_sandbox.BwrapSandbox(
+        slot_uid_base=WARM_UID_BASES["judged_baseline"], max_concurrency=concurrency), base_limits, concurrency=1)
+    pools.update(warm_baseline=base_warm, judged=judged, judged_baseline=base_judged)
+    return {
+        "warm_baseline": lambda: base_warm.run_python({"m.py": PROGRAM}, "m.py").status.value == "ok",
+        "judged": lambda: judged.score_text(problem, JUDGED_TEXT)[1] == "ok",
+        "judged_baseline": lambda: base_judged.score_text(problem, JUDGED_TEXT)[1] == "ok",
+    }
+
+
+def load_baseline(ref: str):
+    """The `gapless` package of commit `ref`, importable as `gapless_baseline`."""
+    import importlib
+    import io
+    import re
+    import tarfile
+
+    root = Path(__file__).resolve().parents[1]
+    target = root / "bench" / "out" / f"baseline-{ref}"
+    if not (target / "gapless_baseline").is_dir():
+        archive = subprocess.run(["git", "-C", str(root), "archive", ref, "src/gapless"], check=True,
+                                 capture_output=True).stdout  # fmt: skip
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            for member in tar.getmembers():
+                if not member.isfile():
+                    continue
+                path = target / "gapless_baseline" / Path(member.name).relative_to("src/gapless")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                text = tar.extractfile(member).read()
+                if path.suffix == ".py":
+                    text = re.sub(rb"\bgapless\.", b"gapless_baseline.", text)
+                path.write_bytes(text)
+    sys.path.insert(0, str(target))
+    return importlib.import_module("gapless_baseline.sandbox"), importlib.import_module("gapless_baseline.envs.code")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--batch", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=4 * (os.cpu_count() or 1))
     parser.add_argument("--breakdown-samples", type=int, default=20)
+    parser.add_argument("--baseline", default=None, help="git commit whose warm path runs beside")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if os.geteuid() != 0:
@@ -111,6 +172,7 @@ def main() -> int:
         return 2
     warm = BwrapSandbox(slot_uid_base=UID_BASE, warm=True, max_concurrency=args.concurrency)
     cold = BwrapSandbox(slot_uid_base=UID_BASE + 1000, warm=False, max_concurrency=args.concurrency)
+    pools: dict[str, object] = {}  # the baseline's and the code environments' (closed below)
     try:
         variants: dict[str, Callable[[], bool]] = {
             "warm": lambda: warm.run_python({"m.py": PROGRAM}, "m.py").status is Status.OK,
@@ -119,6 +181,8 @@ def main() -> int:
                 [PYTHON, "-c", PROGRAM], capture_output=True, timeout=30
             ).stdout == b"1\n",
         }
+        if args.baseline:
+            variants.update(baseline_variants(args.baseline, args.concurrency, pools))
         for run in variants.values():  # warm-up: slots prepared, servers started, caches hot
             batch(run, args.concurrency * 2, args.concurrency)
         walls = {name: 0.0 for name in variants}
@@ -127,9 +191,9 @@ def main() -> int:
         failures = {name: 0 for name in variants}
         names = list(variants)
         for round_index in range(args.rounds):
-            order = names[round_index % 3:] + names[:round_index % 3]
+            order = names[round_index % len(names):] + names[:round_index % len(names)]
             for name in order:
-                warm_base = UID_BASE if name == "warm" else None
+                warm_base = WARM_UID_BASES.get(name)
                 cpu_before = cpu_s(warm_base)
                 wall, times, failed = batch(variants[name], args.batch, args.concurrency)
                 cpus[name] += cpu_s(warm_base) - cpu_before
@@ -138,9 +202,12 @@ def main() -> int:
                 failures[name] += failed
         parts = breakdown(args.breakdown_samples)
         sandbox_metrics = {"warm": warm.metrics(), "cold": cold.metrics()}
+        sandbox_metrics.update({name: pool.metrics() for name, pool in pools.items()})  # type: ignore[attr-defined]
     finally:
         warm.close()
         cold.close()
+        for pool in pools.values():
+            pool.close()  # type: ignore[attr-defined]
     figures: dict[str, object] = {"rounds": args.rounds, "batch": args.batch,
                                   "concurrency": args.concurrency, "cpus": os.cpu_count()}  # fmt: skip
     print(f"{'variant':<12}{'exec/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'cpu ms/job':>12}"
@@ -160,6 +227,13 @@ def main() -> int:
         rate = {name: figures[name][key] for name in names}  # type: ignore[index]
         figures[f"warm_over_cold_{key}"] = round(rate["warm"] / rate["cold"], 2)
         figures[f"warm_over_subprocess_{key}"] = round(rate["warm"] / rate["subprocess"], 2)
+    for name in ("warm", "judged"):
+        if f"{name}_baseline" in figures:
+            for key in ("executions_per_s", "capacity_per_s"):
+                figures[f"{name}_over_baseline_{key}"] = round(
+                    figures[name][key] / figures[f"{name}_baseline"][key], 3)  # type: ignore[index]
+            figures[f"{name}_cpu_ms_per_job_over_baseline"] = round(
+                figures[name]["cpu_ms_per_job"] / figures[f"{name}_baseline"]["cpu_ms_per_job"], 3)  # type: ignore[index]
     figures["cold_parts_ms"] = parts
     figures["infra_errors"] = {k: v["sandbox/infra_errors_total"] for k, v in sandbox_metrics.items()}
     figures["load_average_1m"] = round(os.getloadavg()[0], 2)

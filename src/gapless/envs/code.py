@@ -45,7 +45,9 @@ or that uses a name only the completion defines, is not meaningful); timing side
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal, NamedTuple, Protocol, Sequence
@@ -58,11 +60,26 @@ from gapless.types import Completion, Rollout
 
 _HERE = Path(__file__).parent
 HARNESSES = {"io": (_HERE / "code_harness.py").read_text(), "asserts": (_HERE / "assert_harness.py").read_text()}
-JUDGE_FILES = {  # shipped with every judged job, under the names the harnesses import
+
+
+def _with_bytecode(files: dict[str, str]) -> dict[str, str | bytes]:
+    """Each module with its bytecode beside it (`__pycache__`, unchecked hash-based pyc, PEP 552),
+    so the judge and the candidate do not compile them again in every job. A sandbox python of
+    another version ignores a pyc whose magic number or cache tag is not its own."""
+    shipped: dict[str, str | bytes] = dict(files)
+    for name, source in files.items():
+        data = source.encode("utf-8")
+        code = compile(data, name, "exec", dont_inherit=True)
+        pyc = importlib._bootstrap_external._code_to_hash_pyc(code, importlib.util.source_hash(data), False)
+        shipped[f"__pycache__/{name[:-3]}.{sys.implementation.cache_tag}.pyc"] = bytes(pyc)
+    return shipped
+
+
+JUDGE_FILES = _with_bytecode({  # shipped with every judged job, under the names the harnesses import
     "gapless_values.py": (_HERE / "code_values.py").read_text(),
     "gapless_judge.py": (_HERE / "code_judge.py").read_text(),
     "gapless_candidate.py": (_HERE / "code_candidate.py").read_text(),
-}
+})
 JUDGED = Judged(candidate="gapless_candidate.py", private="judge")
 RewardMode = Literal["pass_fraction", "all_pass"]
 MALFORMED_REPORT = "malformed_report"

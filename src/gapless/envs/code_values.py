@@ -29,8 +29,8 @@ MAX_DEPTH = 100
 MAX_INT_DIGITS = 4000
 _MAX_INT_BITS = int(MAX_INT_DIGITS * 3.32)  # 10**4000 needs 13288 bits
 # A JSON string (unrolled-loop form: linear time, no backtracking) and the brackets outside one.
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
-_BRACKET = re.compile(r"[\[\]{}]")
+_STRING = r'"[^"\\]*(?:\\.[^"\\]*)*"'
+_BRACKET = r"[\[\]{}]"
 _DELTA = {"[": 1, "{": 1, "]": -1, "}": -1}
 _FLOAT_NAMES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
@@ -45,7 +45,7 @@ class Unrepresentable(ValueError):
 
 def nesting_depth(text: str) -> int:
     """Deepest bracket nesting of JSON text, brackets inside strings excluded."""
-    brackets = _BRACKET.findall(_STRING.sub("", text))
+    brackets = re.findall(_BRACKET, re.sub(_STRING, "", text, flags=re.S))  # compiled once, on first use
     return max(accumulate(_DELTA[b] for b in brackets), default=0)
 
 
@@ -61,7 +61,7 @@ def loads_bounded(data: bytes | str) -> object:
         raise Malformed(f"message over {MAX_MESSAGE_BYTES} bytes")
     text = data.decode("utf-8", errors="replace") if isinstance(data, (bytes, bytearray)) else data
     try:
-        if nesting_depth(text) > MAX_DEPTH:
+        if text.count("[") + text.count("{") > MAX_DEPTH and nesting_depth(text) > MAX_DEPTH:
             raise Malformed(f"nested deeper than {MAX_DEPTH}")
         return json.loads(text, parse_int=_bounded_int)
     except Malformed:
