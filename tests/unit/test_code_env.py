@@ -87,3 +87,35 @@ def test_report_parser_counts_garbage_and_ignores_duplicates():
     report = b'garbage\n{"i": 0, "out": 1}\n{"i": 0, "out": 5}\n[1]\n{"i": 7, "out": 2}\n\xff\n'
     passed, complete, compile_error, malformed = parse_report(report, expected)
     assert (passed, complete, compile_error, malformed) == (1, False, None, 3)  # garbage, [1], \xff
+
+
+def _assert_task(tests):
+    from gapless.envs.code_dataset import parse_code_record
+
+    return parse_code_record({"prompt": "def pair(a, b):\n", "entry_point": "pair", "tests": tests})
+
+
+def test_literal_asserts_are_compared_on_the_host_with_the_asserts_meaning(env):
+    from gapless.envs.code_asserts import host_compared
+
+    tests = ["assert pair(1, 2) == (1, 2)", "assert (2, 1) == candidate(2, 1)", "assert pair(0, 0.0) == (0, 0)"]
+    task = _assert_task(tests)
+    assert host_compared(task.entry_point, task.test_inputs) is not None
+    assert host_compared(task.entry_point, _assert_task([*tests, "assert pair(1, 1)"]).test_inputs) is None
+    cases = {
+        "    return (a, b)": ("ok", 1.0),  # `(0, 0.0) == (0, 0)` holds, as in the assert
+        "    return [a, b]": ("wrong_answer", 0.0),  # a list is not a tuple
+        "    class Any(tuple):\n        def __eq__(self, other):\n            return True\n    return Any((9,))": (
+            "wrong_answer", 0.0),  # a tuple subclass crosses as the plain tuple it holds
+        "    return a +": ("compile_error", 0.0),
+        "    import os\n    os._exit(0)": ("harness_incomplete", 0.0),
+    }
+    for text, (status, reward) in cases.items():
+        got_reward, got_status, _ = env.score_text(task, text)
+        assert (got_status, got_reward) == (status, reward), text
+
+
+def test_asserts_that_are_not_literal_comparisons_still_run_in_the_judge(env):
+    task = _assert_task(["assert pair(1, 2)[0] == 1", "x = pair(3, 4)\nassert x == (3, 4)"])
+    assert env.score_text(task, "    return (a, b)")[:2] == (1.0, "ok")
+    assert env.score_text(task, "    return (b, a)")[:2] == (0.0, "wrong_answer")

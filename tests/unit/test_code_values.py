@@ -116,3 +116,14 @@ def test_bounds_are_enforced_on_both_sides():
         decode('{"__eq__": 1}')  # an object that is not a tagged value
     assert decode(encode(float("nan"))) != decode(encode(float("nan")))  # still a real NaN
     assert decode(encode({(1, 2): {3}})) == {(1, 2): {3}}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(
+    st.binary(max_size=64),
+    plain_values.map(lambda v: json.dumps({"i": 0, "value": encode(v)}).encode()),
+    st.text(max_size=64).map(lambda t: json.dumps({"i": 1, "value": t}).encode()),
+    st.integers(0, 6000).map(lambda n: json.dumps({"i": 2, "value": "7" * n}).encode()),
+), max_size=6))
+def test_typed_reports_never_raise(lines):
+    parse_report(b"\n".join(lines), EXPECTED, typed_expected=((1, 2), {"a": {3}}, 7))

@@ -15,7 +15,9 @@ A task (`SandboxedTask`) names its harness and its tests:
     asserts  `assert_harness.py` runs each test's source (assert statements, or a `check(candidate)`
              function as in HumanEval) in the judge, in a namespace made from the prompt alone,
              with the entry point as a proxy, and reports which ones finished without raising;
-             every expected output is `true`.
+             every expected output is `true`. A task whose every test is one
+             `assert f(<literals>) == <literal>` is instead run as calls whose typed results the
+             host compares with `==` (code_asserts.py): no test code enters the sandbox at all.
 reward = fraction of tests passed (`reward="pass_fraction"`) or 1/0 for all/not all
 (`reward="all_pass"`). Every rollout gets one status, named as the sandbox's `Status` where one fits:
     ok                  all tests pass
@@ -54,7 +56,8 @@ from typing import Literal, NamedTuple, Protocol, Sequence
 
 from gapless.config import ConfigError
 from gapless.envs.base import InfraUnavailable, Split, check_infra
-from gapless.envs.code_values import Malformed, loads_bounded
+from gapless.envs.code_asserts import host_compared
+from gapless.envs.code_values import Malformed, decode, loads_bounded
 from gapless.sandbox import BwrapSandbox, Judged, SandboxLimits, SandboxResult, Status
 from gapless.types import Completion, Rollout
 
@@ -115,9 +118,12 @@ class Report(NamedTuple):
     malformed: int  # lines that were not a bounded JSON record (code_values.loads_bounded)
 
 
-def parse_report(report: bytes, expected: tuple[str, ...]) -> Report:
-    """Read the report channel; never raises, whatever the bytes (a property test checks it)."""
-    outputs: dict[int, str] = {}
+def parse_report(report: bytes, expected: tuple[str, ...], typed_expected: tuple[object, ...] | None = None) -> Report:
+    """Read the report channel; never raises, whatever the bytes (a property test checks it).
+    `expected`: canonical JSON per test, compared with the record's `out`; `typed_expected`
+    (host-compared asserts, code_asserts.py): values compared with `==` to the record's
+    `value`, a typed plain value (code_values.decode)."""
+    records: dict[int, dict] = {}
     compile_error = None
     malformed = 0
     for raw in report.splitlines():
@@ -130,12 +136,20 @@ def parse_report(report: bytes, expected: tuple[str, ...]) -> Report:
             if "compile_error" in record and compile_error is None:
                 compile_error = str(record["compile_error"])[:500]
             index = record.get("i")
-            if type(index) is int and 0 <= index < len(expected) and index not in outputs:
-                outputs[index] = json.dumps(record["out"], sort_keys=True) if "out" in record else "<error>"
+            if type(index) is int and 0 <= index < len(expected) and index not in records:
+                records[index] = record
         except (Malformed, ValueError, TypeError, RecursionError):
             malformed += 1
-    passed = sum(1 for i, want in enumerate(expected) if outputs.get(i) == want)
-    return Report(passed, len(outputs) == len(expected), compile_error, malformed)
+    passed = 0
+    for index, record in records.items():
+        try:
+            if typed_expected is None:
+                passed += "out" in record and json.dumps(record["out"], sort_keys=True) == expected[index]
+            elif type(record.get("value")) is str:
+                passed += bool(decode(record["value"]) == typed_expected[index])  # builtin values only
+        except (Malformed, ValueError, TypeError, RecursionError):
+            malformed += 1
+    return Report(passed, len(records) == len(expected), compile_error, malformed)
 
 
 class CodeEnvironment:
@@ -194,16 +208,22 @@ class CodeEnvironment:
             "solution.py": problem.program(text),
             "judge/tests.json": "[" + ",".join(problem.test_inputs) + "]",
         }
-        if problem.harness == "asserts":
+        args = [problem.entry_point]
+        host = host_compared(problem.entry_point, problem.test_inputs) if problem.harness == "asserts" else None
+        if host is not None:  # calls whose results the host compares: no test code in the sandbox
+            files["harness.py"], args = HARNESSES["io"], [problem.entry_point, "typed"]
+            files["judge/tests.json"] = "\n".join(host.args)
+        elif problem.harness == "asserts":
             files["judge/prompt.py"] = problem.prompt
         for _attempt in range(self.retries + 1):
-            result = self.sandbox.run_python(files, "harness.py", [problem.entry_point], self.limits, judged=JUDGED)
+            result = self.sandbox.run_python(files, "harness.py", args, self.limits, judged=JUDGED)
             if result.status is not Status.INFRA_ERROR:
                 break
         info = _record(result)
         if result.status is Status.INFRA_ERROR:  # no reward at all: masked from the group
             return 0.0, Status.INFRA_ERROR.value, {**info, "error": result.stderr.strip()[:300] + " (run `gapless sandbox check`)"}
-        passed, complete, compile_error, malformed = parse_report(result.report, problem.test_outputs)
+        typed_expected = host.expected if host is not None else None
+        passed, complete, compile_error, malformed = parse_report(result.report, problem.test_outputs, typed_expected)
         reward = passed / len(problem.test_outputs)
         info["passed"] = passed
         if compile_error is not None:
