@@ -254,7 +254,7 @@ PROBES: tuple[Probe, ...] = (
                 except OSError as error:
                     print(path, name, error.errno)
     """, "ok", check=_all_failed),
-    _probe("ptrace, bpf, perf, userfaultfd, mounts, modules, kexec", """
+    _probe("ptrace/bpf/perf/uffd/mount/module/kexec", """
         calls = {"ptrace": (16, 1, 0, 0), "bpf": (0, None, 0), "perf_event_open": (None, 0, -1, -1, 0),
                  "userfaultfd": (0,), "mount": (b"none", b"/tmp", b"tmpfs", 0, None),
                  "umount2": (b"/tmp", 2), "fsopen": (b"tmpfs", 0), "open_tree": (-100, b"/tmp", 1),
