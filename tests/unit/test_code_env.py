@@ -33,7 +33,7 @@ def int_problem():
         ("0", "wrong_answer", 0.0),
         ("x +* 2", "compile_error", 0.0),
         ("1/0", "wrong_answer", 0.0),  # raises on every test: each test fails
-        ("exit(0)", "harness_incomplete", 0.0),  # exits before any result is reported
+        ("exit(0)", "wrong_answer", 0.0),  # SystemExit in a call: that call's failure, in its own process
         ("__import__('os')._exit(0)", "harness_incomplete", 0.0),
         ("0\nimport sys; sys.exit(0)", "harness_incomplete", 0.0),  # module-level exit before the tests run
         ("0\nprint('{{\"i\": 0, \"out\": 1}}')", "wrong_answer", 0.0),  # fake results on stdout count for nothing

@@ -24,7 +24,7 @@ reward = fraction of tests passed (`reward="pass_fraction"`) or 1/0 for all/not 
     wrong_answer        the program ran and reported every test; some failed or raised
     compile_error       the completion does not compile
     harness_incomplete  the candidate's process ended before every test was reported (an
-                        exception at import, exit(0), os._exit(0), SystemExit in a call)
+                        exception at import, exit(0) at import, os._exit(0))
     malformed_report    the report held a line the host could not parse within its bounds
     timeout, memory_limit, process_limit, disk_limit, inode_limit, output_limit: that limit
     infra_error         the sandbox failed (after its own retry on another slot), or the judge

@@ -61,6 +61,7 @@ CAPABILITY_VERSION_3 = 0x20080522
 FD_STDIN, FD_STDOUT, FD_STDERR, FD_REPORT, FD_STATUS = 0, 1, 2, 3, 4
 FD_CANDIDATE = 5  # a judged job's judge: its channel to the candidate's process
 EXIT_INFRA = 70  # init or the program's start-up failed before main ran: the sandbox's fault
+CANDIDATE_GRACE_S = 1.0  # for a judged job's candidate to end after its judge (then it is killed)
 EXIT_CANDIDATE_GONE = 75  # the judge's exit when its candidate's channel closed (envs/code_judge.py)
 _libc = ctypes.CDLL(None, use_errno=True)
 _FILTER = None  # the program's syscall filter (bytes), from the server's spec
@@ -346,20 +347,32 @@ def _write_files(files_fd, job_dir):
 
 def _reap_until(program_pid, candidate_pid=None):
     """Reap every child (orphans are re-parented to us) until the program itself is reaped;
-    pid -> (wait status, rusage) of the program and, if it ended, the candidate. When the judge
-    says its candidate is gone, wait for the candidate too: its wait status says who ended it."""
+    pid -> (wait status, rusage) of the program and, if it ended, the candidate. A candidate
+    ends on its own once the judge has closed the channel (and so flushes its output): wait for
+    that a moment; when the judge says its candidate is gone, wait for it until it ends (the
+    host's deadline bounds that), since its wait status says who ended it."""
     ended = {}
-    while program_pid not in ended or (candidate_pid is not None and candidate_pid not in ended
-                                       and os.waitstatus_to_exitcode(ended[program_pid][0])
-                                       == EXIT_CANDIDATE_GONE):  # fmt: skip
+    while program_pid not in ended:
         pid, wait_status, rusage = os.wait4(-1, 0)
         if pid in (program_pid, candidate_pid):
             ended[pid] = (wait_status, rusage)
     if candidate_pid is not None and candidate_pid not in ended:
+        is_gone = os.waitstatus_to_exitcode(ended[program_pid][0]) == EXIT_CANDIDATE_GONE
+        _await_exit(candidate_pid, None if is_gone else CANDIDATE_GRACE_S)
         pid, wait_status, rusage = os.wait4(candidate_pid, os.WNOHANG)
         if pid == candidate_pid:
             ended[pid] = (wait_status, rusage)
     return ended
+
+
+def _await_exit(pid, timeout_s):
+    import select
+
+    pidfd = os.pidfd_open(pid)
+    try:
+        select.select([pidfd], [], [], timeout_s)
+    finally:
+        os.close(pidfd)
 
 
 def _full_filesystem(request):
