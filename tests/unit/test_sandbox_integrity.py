@@ -241,3 +241,25 @@ def test_two_concurrent_jobs_cannot_signal_through_locks_or_watch_file_opens():
     assert {r.slot for r in results} == {0, 1}  # really two jobs at once, in two slots
     for result in results:
         assert result.status.value == "ok" and "REACHED" not in result.stdout, (result.stdout, result.stderr)
+
+
+@pytest.mark.slow
+def test_forgeries_score_zero_on_all_of_humaneval():
+    """Every forgery on all 164 (those that return `True`, a plausible answer to some task,
+    return None instead: a forgery must not pass whatever it returns)."""
+    from gapless.types import Completion
+
+    tasks = humaneval_tasks()["eval"]
+    names = list(FORGERIES)
+    limits = SandboxLimits(timeout_s=10.0)
+    environment = CodeEnvironment(BwrapSandbox(limits, slot_uid_base=SLOT_UID_BASE + 48, max_concurrency=8), limits,
+                                  concurrency=8)  # fmt: skip
+    try:
+        texts = [FORGERIES[name][0].replace("return True", "return None") for name in names]
+        groups = environment.score_groups(tasks, [[Completion([], [], [], [], "stop", text) for text in texts]
+                                                  for _ in tasks])  # fmt: skip
+    finally:
+        environment.close()
+    leaks = [(r.prompt_uid, name, r.status) for group in groups for name, r in zip(names, group) if r.reward != 0.0]
+    assert leaks == []
+    assert all(r.status != "infra_error" for group in groups for r in group)
