@@ -22,7 +22,7 @@ from sandbox_host import IS_ROOT, SLOT_UID_BASE, needs_bwrap
 from gapless.envs.code import CodeEnvironment
 from gapless.envs.code_dataset import humaneval_tasks
 from gapless.envs.problems import CodeProblem
-from gapless.sandbox import BwrapSandbox, SandboxLimits, procs  # noqa: F401
+from gapless.sandbox import BwrapSandbox, SandboxLimits, procs
 
 pytestmark = needs_bwrap
 LIMITS = SandboxLimits(timeout_s=5.0)
