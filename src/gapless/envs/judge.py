@@ -31,6 +31,7 @@ from gapless.config import Config
 from gapless.envs.base import Split
 from gapless.envs.judge_client import HttpJudgeClient, JudgeClient, SchedulerJudgeClient
 from gapless.envs.judge_parse import parse_score
+from gapless.errors import InfrastructureError
 from gapless.types import Completion, Rollout
 
 DEFAULT_RUBRIC = (
@@ -42,7 +43,7 @@ DEFAULT_RUBRIC = (
 )
 
 
-class JudgeUnavailable(RuntimeError):
+class JudgeUnavailable(InfrastructureError):
     """No rollout of a step could be judged; the message says what to check."""
 
 

@@ -30,6 +30,8 @@ import signal
 from dataclasses import asdict, dataclass, replace
 from enum import Enum
 
+from gapless.errors import InfrastructureError
+
 
 EXIT_CANDIDATE_GONE = 75  # a judge's exit when its candidate's process is gone (boot.py, code_judge.py)
 
@@ -50,7 +52,7 @@ class Status(str, Enum):
     INFRA_ERROR = "infra_error"  # the sandbox failed; retried once on another slot, never scored
 
 
-class SandboxError(RuntimeError):
+class SandboxError(InfrastructureError):
     """The sandbox cannot work on this machine; the message says what to do about it."""
 
 
