@@ -104,7 +104,7 @@ def test_a_slow_server_times_out_within_the_bound(server):
     (reply,) = client(server, "slow", max_retries=1).judge(["p"])
     elapsed = time.monotonic() - started
     assert reply.text is None and reply.attempts == 2 and "timed out" in reply.error
-    assert elapsed < 2 * 0.3 + 0.05 + 0.5  # two timeouts, one capped backoff, slack
+    assert elapsed < 2 * 1.0  # cut by the 0.3 s timeouts: waiting the server out would take 2 x 1 s
 
 
 def test_a_dropped_connection_is_retried_then_reported(server):

@@ -1,10 +1,12 @@
 """1,024 concurrent submissions through the event-loop API: all complete, none is an
-infra_error, nothing deadlocks, the loop stays responsive, the host is clean after. Queue and
-run latency percentiles are printed (pytest -s) for the record."""
+infra_error, nothing deadlocks, no job runs on the loop's thread, the host is clean after. Queue
+and run latency percentiles and the worst event-loop lag are printed (pytest -s) for the record:
+the lag is a measurement of the machine as much as of the code, so it is not asserted here."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -22,9 +24,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def submit_all(box: BwrapSandbox) -> tuple[list[SandboxResult], float, float]:
+async def submit_all(box: BwrapSandbox) -> tuple[list[SandboxResult], float, float, set[int]]:
     loop = asyncio.get_running_loop()
     worst_lag = 0.0
+    run_threads: set[int] = set()
+    pool_run = box._pool.run
+
+    def recording_run(*args, **kwargs):  # the real run, noting which thread it ran on
+        run_threads.add(threading.get_ident())
+        return pool_run(*args, **kwargs)
+
+    box._pool.run = recording_run
 
     async def ticker() -> None:
         nonlocal worst_lag
@@ -39,12 +49,13 @@ async def submit_all(box: BwrapSandbox) -> tuple[list[SandboxResult], float, flo
     results = await asyncio.wait_for(asyncio.gather(*jobs), DEADLOCK_GUARD_S)
     wall_s = time.monotonic() - start
     tick.cancel()
-    return results, wall_s, worst_lag
+    return results, wall_s, worst_lag, run_threads
 
 
 def run_burst(warm: bool) -> None:
     with BwrapSandbox(slot_uid_base=SLOT_UID_BASE, warm=warm) as box:
-        results, wall_s, worst_lag = asyncio.run(submit_all(box))
+        loop_thread = threading.get_ident()  # asyncio.run runs the loop on this thread
+        results, wall_s, worst_lag, run_threads = asyncio.run(submit_all(box))
         assert [r.status for r in results] == [Status.OK] * SUBMISSIONS
         assert [r.stdout for r in results] == [f"{i}\n" for i in range(SUBMISSIONS)]
         metrics = box.metrics()
@@ -57,7 +68,7 @@ def run_burst(warm: bool) -> None:
               f"queue p50/p99 {percentile(queue, 50):.2f}/{percentile(queue, 99):.2f}s; "
               f"run p50/p99 {percentile(run, 50) * 1000:.0f}/{percentile(run, 99) * 1000:.0f}ms; "
               f"worst event-loop lag {worst_lag * 1000:.0f}ms")
-        assert worst_lag < 1.0  # spawning never ran on the loop
+        assert run_threads and loop_thread not in run_threads  # spawning never ran on the loop
 
 
 def test_1024_concurrent_submissions_warm(clean_host):
