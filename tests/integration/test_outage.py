@@ -1,5 +1,6 @@
 """Infrastructure outages in the pipeline: retried with backoff, never trained on, and a
-sustained one stops the run with an InfraUnavailable (exit code 3 from the CLI).
+sustained one stops the run with an InfraUnavailable (exit code 3 from the CLI); held-out
+evaluation during an outage leaves the failures out of pass@1 and counts them.
 
 The judge task against a real local HTTP judge that answers 503 while it is 'down': a short
 outage is ridden out by the environment's retries (every group is trained, none on a failed
@@ -10,7 +11,7 @@ group with an infra_error rollout.
 from __future__ import annotations
 
 import json
-import shutil
+import math
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -80,6 +81,10 @@ def test_a_short_outage_is_retried_not_trained_on(tmp_path, judge_url):
     FlakyJudge.refused, FlakyJudge.down_until = 0, time.monotonic() + 4.0  # down as the run starts
     pipeline.run()
     assert FlakyJudge.refused > 0  # the outage happened
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    start, end = metrics[0], metrics[-1]  # the first eval ran during the outage, the last after it
+    assert start["eval/infra_errors"] > 0 and (math.isnan(start["eval/pass@1"]) or 0 <= start["eval/pass@1"] <= 1)
+    assert end["eval/infra_errors"] == 0 and 0 <= end["eval/pass@1"] <= 1
     events = read_events(run / "groups.jsonl")
     check_ledger(events, 4, cfg.loop.prompts_per_step)
     assert _trained_on_infra(run) == []

@@ -5,7 +5,7 @@
   equal the run's cumulative drop metrics; the prompt pick counts come from the ledger's uids;
 - dynamic sampling where no group can have signal stops within pipeline.max_resamples with a
   message naming the fix, every admitted group still ended once;
-- SIGTERM ends the run with exit code 143, in-flight groups dropped as 'run_stopped' (none left
+- SIGTERM (SIGINT) sent to the run's process group ends it with exit code 143 (130), in-flight groups dropped as 'run_stopped' (none left
   open for the resume to call lost), and a checkpoint `--resume` continues from.
 """
 
@@ -74,22 +74,23 @@ def test_dynamic_sampling_without_any_signal_stops_within_its_bound(tmp_path, wa
     assert sorted(admitted) == sorted(ended)  # still exactly once: the rest ended as run_failed
 
 
-def test_sigterm_checkpoints_drops_in_flight_as_run_stopped_and_resumes(tmp_path, warm_cache):
+@pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_stop_signal_checkpoints_drops_in_flight_as_run_stopped_and_resumes(tmp_path, warm_cache, signum, exit_code):
     run = tmp_path / "run"
     args = [str(SMOKE), "--run-dir", str(run), "--warmstart.cache_dir", str(warm_cache), "--loop.steps", "40",
             "--loop.eval_every", "100", "--loop.checkpoint_every", "100", "--pipeline.max_staleness", "1",
             "--trainer.threads", "1", "--pipeline.generator_threads", "1", "--pipeline.trainer_threads", "1"]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.Popen([sys.executable, "-m", "gapless.cli", "train", *args], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and (not metrics.is_file() or metrics.read_text().count("perf/step_s") < 3):
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signum)  # to the whole group, as a terminal's Ctrl-C or a scheduler does
     _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 143, stderr[-2000:]
-    assert "stopped by SIGTERM" in stderr
+    assert proc.returncode == exit_code, stderr[-2000:]
+    assert f"stopped by {signal.Signals(signum).name}" in stderr
     state = json.loads((run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip() / "trainer_state.json").read_text())
     assert 3 <= state["step"] < 40
     done = subprocess.run([sys.executable, "-m", "gapless.cli", "train", *args, "--loop.steps", str(state["step"] + 2),

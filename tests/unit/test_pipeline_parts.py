@@ -156,3 +156,16 @@ def test_shared_weights_cross_a_process_boundary():
     assert weights.fetch_into(lambda s, v: None, have_version=2) is None  # nothing newer
     with pytest.raises(ValueError, match="not newer"):
         weights.publish({"w": torch.zeros(3), "b": torch.zeros(2)}, 2)
+
+
+def test_eval_leaves_infra_errors_out_of_pass_at_1():
+    from gapless.orchestrate.evaluate import EvalScore
+
+    def rollout(status: str) -> Rollout:
+        return Rollout("t", Completion([1], [2], [-0.1], [0], "stop", ""), 1.0 if status == "ok" else 0.0, status)
+
+    # 2 ok, 1 wrong, 3 infra: pass@1 = 2 / 3 over what could be scored, 3 counted beside
+    score = EvalScore.of([rollout(s) for s in ("ok", "ok", "wrong_answer", "infra_error", "infra_error", "infra_error")])
+    assert (score.pass_at_1, score.infra_errors, score.scored) == (pytest.approx(2 / 3), 3, 3)
+    nothing = EvalScore.of([rollout("infra_error")] * 4)  # a total outage is no verdict: NaN, never 0
+    assert nothing.pass_at_1 != nothing.pass_at_1 and nothing.infra_errors == 4

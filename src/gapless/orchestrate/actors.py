@@ -112,6 +112,10 @@ def _report_crash(spec: ActorSpec, actor: str) -> None:
 
 def _start_actor(spec: ActorSpec, actor: str) -> None:
     _die_with_trainer(spec)
+    # Ctrl-C and a scheduler's SIGTERM reach the whole process group: the trainer alone decides
+    # (it finishes the step, checkpoints, then stops the actors through `spec.stop`)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     spec.heartbeats.register(actor)
     install_stack_dump(Path(spec.cfg.run_dir), actor)
 
