@@ -88,7 +88,7 @@ class Pipeline(SyncLoop):
         self.watch = StallWatch(self.heartbeats, cfg.pipeline.stall_timeout_s, self.run_dir, ("generator", "environment"))
         self.max_resamples = cfg.pipeline.max_resamples or 8 * cfg.loop.prompts_per_step
         self.step_resamples = 0  # zero-variance drops while assembling the current step
-        self.step_drops: Counter[str] = Counter()  # drops by reason since the last step's metrics
+        self.drops_reported: dict[str, int] = {}  # buffer.drops at the last step's metrics
         self.assembling = self.start_step  # the step whose batch the buffer is filling
         self.staleness_counts: Counter[int] = Counter()
         self.gen_stats: list[dict] = []
@@ -191,7 +191,6 @@ class Pipeline(SyncLoop):
             self.infra_since = None  # something was scored: not an outage
         if reason is None:
             return
-        self.step_drops[reason] += 1
         # a backfill born now is due at step born + budget: it must not be due before the step being assembled
         self.spec.to_generator.put(Dropped(1, self.assembling - self.cfg.pipeline.max_staleness))
         if reason == "infra_error":
@@ -240,16 +239,15 @@ class Pipeline(SyncLoop):
             while not self.buffer.is_batch_ready(step):
                 self._receive(0.05, f"step {step + 1}'s rollouts")
         waited = time.perf_counter() - wait_start
-        drops_before = dict(self.buffer.drops)
+        drops_before = self.buffer.num_dropped
         groups, cut = self.buffer.take(step)
         fault_point("trainer", "step")
         if cut:
             self.spec.to_generator.put(Abort(tuple(cut)))
             self.spec.env_control.put(CancelScoring(tuple(cut)))
-        freed = {r: n - drops_before.get(r, 0) for r, n in self.buffer.drops.items() if n > drops_before.get(r, 0)}
-        self.step_drops.update(freed)
-        if freed:  # stragglers and surplus free places; a backfill must be born after this step's weights
-            self.spec.to_generator.put(Dropped(sum(freed.values()), step + 1 - self.cfg.pipeline.max_staleness))
+        freed = self.buffer.num_dropped - drops_before  # stragglers and surplus free places to backfill,
+        if freed:  # each born no earlier than this step's weights allow
+            self.spec.to_generator.put(Dropped(freed, step + 1 - self.cfg.pipeline.max_staleness))
         rollouts = [r for g in groups for r in g.rollouts]
         infra_errors = check_infra(rollouts, hint=f" in environment {self.env.name!r}")
         t1 = time.perf_counter()
@@ -263,10 +261,8 @@ class Pipeline(SyncLoop):
                 waiting_for = f"the generator to release the weight buffer (publishing version {self.trainer.version})"
                 push_wait = self.weights.publish(self.trainer.state_for_push(), self.trainer.version,
                                                  self.cfg.pipeline.stall_timeout_s, lambda: self._check_waiting(waiting_for))
-            except TimeoutError:
-                self.watch.progress_at = 0.0  # the publish waited the whole stall timeout: diagnose now
-                self.watch.check(waiting_for)
-                raise
+            except TimeoutError:  # the publish waited the whole stall timeout
+                self.watch.stall(waiting_for, self.cfg.pipeline.stall_timeout_s, ["generator"])
         t3 = time.perf_counter()
         self._last_step_end = t3
         staleness = [step - r.completion.oldest_version for r in rollouts]
@@ -309,8 +305,8 @@ class Pipeline(SyncLoop):
             })
         for reason, count in self.buffer.drops.items():
             metrics[f"drops/{reason}_total"] = float(count)  # since the start of this run segment
-            metrics[f"drops/{reason}_step"] = float(self.step_drops.get(reason, 0))  # since the previous step
-        self.step_drops = Counter()
+            metrics[f"drops/{reason}_step"] = float(count - self.drops_reported.get(reason, 0))  # since the previous step
+        self.drops_reported = dict(self.buffer.drops)
         return metrics
 
 

@@ -117,8 +117,11 @@ class StallWatch:
         stale = [a for a in self.actors
                  if self.heartbeats.age_s(a) > (self.timeout_s if self.heartbeats.pid(a) else self.startup_s)]
         waited = time.monotonic() - self.progress_at
-        if not stale and waited <= (self.startup_s if starting else self.timeout_s):
-            return
+        if stale or waited > (self.startup_s if starting else self.timeout_s):
+            self.stall(waiting_for, waited, stale)
+
+    def stall(self, waiting_for: str, waited: float, stale: list[str]) -> None:
+        """Write the diagnosis and the stacks, then raise PipelineStalled."""
         who = " and ".join(stale) if stale else "the generator and the environment"
         lines = [f"pipeline stalled: the trainer has waited {waited:.1f} s for {waiting_for} "
                  f"(since {time.strftime('%H:%M:%S', time.localtime(time.time() - waited))}); waiting on {who}"]
