@@ -57,9 +57,9 @@ WORKLOADS = {
 REFERENCE = """
 import sys
 from gapless.config import load_config
-from gapless.orchestrate.loop import SyncLoop
+from gapless.orchestrate.loop import RunLoop
 overrides = dict(zip(sys.argv[1::2], sys.argv[2::2]))
-SyncLoop(load_config(None, overrides), log=lambda *a: None).run()
+RunLoop(load_config(None, overrides), log=lambda *a: None, source="inline").run()
 """
 
 

@@ -43,7 +43,7 @@ Not aligned:
     completion length per side is reported to show the work was comparable)
   - the advantage epsilon (gapless 1e-6, TRL 1e-4) and TRL's per-step logging and metric
     gathering, which are part of TRL's step and counted
-  - what a step times: gapless `SyncLoop.train_step` (generate, score, train, weight push to its
+  - what a step times: gapless `RunLoop.train_step` (inline source) (generate, score, train, weight push to its
     generator); TRL the interval between optimizer steps (generate, score, train)
 Prints one line per side per round, then one JSON object on the last line.
 """

@@ -4,7 +4,7 @@
 
 Both sides load the policy from the same local checkpoint directory, draw prompts from the same
 procedural training split and score completions with the same sandboxed `CodeEnvironment`.
-`gapless` times `SyncLoop.train_step` (generate, score, train, push; no evaluation); `trl` times
+`gapless` times `RunLoop.train_step` (inline source) (generate, score, train, push; no evaluation); `trl` times
 `GRPOTrainer` optimizer steps (the interval between consecutive `on_step_end` callbacks). The
 first W steps are warm-up and not reported. The last line printed is one JSON object: per-step
 wall seconds and process CPU seconds (all threads; less sensitive to other tenants than wall
@@ -24,7 +24,7 @@ import torch
 from gapless.config import Config
 from gapless.envs.base import check_infra
 from gapless.envs.registry import make_environment
-from gapless.orchestrate.loop import SyncLoop
+from gapless.orchestrate.loop import RunLoop
 from gapless.types import Completion
 
 def peak_rss_mb() -> float:
@@ -74,7 +74,7 @@ def gapless_config(model_dir: str, run_dir: str, threads: int, steps: int) -> Co
 
 def run_gapless(model_dir: str, warmup: int, steps: int, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
-        loop = SyncLoop(gapless_config(model_dir, run_dir, threads, warmup + steps), log=lambda *_: None)
+        loop = RunLoop(gapless_config(model_dir, run_dir, threads, warmup + steps), log=lambda *_: None, source="inline")
         marks, per_step = [clock()], {"generate_s": [], "score_s": [], "completion_len": []}
         for step in range(warmup + steps):
             metrics = loop.train_step(step)

@@ -51,7 +51,7 @@ class ReverseEnvironment:
 
 if __name__ == "__main__":
     from gapless.config import load_config
-    from gapless.orchestrate.loop import SyncLoop
+    from gapless.orchestrate.loop import RunLoop
 
     cfg = load_config("configs/smoke.toml", {"run_dir": '"runs/reverse"', "loop.steps": "5"})
-    print(SyncLoop(cfg, env=ReverseEnvironment()).run())
+    print(RunLoop(cfg, env=ReverseEnvironment()).run())

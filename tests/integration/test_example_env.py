@@ -6,7 +6,7 @@ from pathlib import Path
 
 from gapless.config import load_config
 from gapless.envs.base import Environment, Teacher
-from gapless.orchestrate.loop import SyncLoop
+from gapless.orchestrate.loop import RunLoop
 
 ROOT = Path(__file__).parents[2]
 
@@ -24,7 +24,7 @@ def test_example_environment_trains_for_a_few_steps(tmp_path, warm_cache):
     assert len((ROOT / "examples" / "reverse_env.py").read_text().splitlines()) < 60  # docstring and runner included
     cfg = load_config(ROOT / "configs" / "smoke.toml", {"run_dir": json.dumps(str(tmp_path / "run")), "loop.steps": "3",
                                                       "warmstart.cache_dir": json.dumps(str(warm_cache))})
-    summary = SyncLoop(cfg, log=lambda *_: None, env=env).run()
+    summary = RunLoop(cfg, log=lambda *_: None, env=env, source="inline").run()
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [line for line in lines if "rollout/reward_mean" in line]
     assert len(steps) == 3 and summary["steps"] == 3

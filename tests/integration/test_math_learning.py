@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from gapless.config import load_config
-from gapless.orchestrate.loop import SyncLoop
+from gapless.orchestrate.loop import RunLoop
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 
@@ -29,7 +29,7 @@ def test_math_reward_rises_on_repeated_prompts(tmp_path, warm_cache):
         "loop.checkpoint_every": "100",
         "trainer.lr": "3e-3",
     }
-    loop = SyncLoop(load_config(CONFIGS / "smoke.toml", overrides), log=lambda *_: None)
+    loop = RunLoop(load_config(CONFIGS / "smoke.toml", overrides), log=lambda *_: None, source="inline")
     loop.run()
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rewards = [line["rollout/reward_mean"] for line in lines if "rollout/reward_mean" in line]

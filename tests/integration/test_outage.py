@@ -22,7 +22,7 @@ import pytest
 from gapless.config import load_config
 from gapless.envs.base import InfraUnavailable
 from gapless.orchestrate.ledger import check_ledger, read_events
-from gapless.orchestrate.pipeline import Pipeline
+from gapless.orchestrate.loop import RunLoop
 
 SMOKE = Path(__file__).parents[2] / "configs" / "smoke.toml"
 
@@ -81,7 +81,7 @@ def _trained_on_infra(run: Path) -> list[dict]:
 def test_a_short_outage_is_retried_not_trained_on(tmp_path, judge_url):
     run = tmp_path / "run"
     cfg = _cfg(run, judge_url, **{"pipeline.infra_retries": 4, "pipeline.outage_s": 60})
-    pipeline = Pipeline(cfg, log=lambda *_: None)
+    pipeline = RunLoop(cfg, log=lambda *_: None, source="process")
     FlakyJudge.refused, FlakyJudge.down_s, FlakyJudge.down_until = 0, 4.0, None  # down as the run starts
     pipeline.run()
     assert FlakyJudge.refused > 0  # the outage happened
@@ -98,7 +98,7 @@ def test_a_short_outage_is_retried_not_trained_on(tmp_path, judge_url):
 def test_a_sustained_outage_stops_the_run(tmp_path, judge_url):
     run = tmp_path / "run"
     cfg = _cfg(run, judge_url, **{"pipeline.infra_retries": 1, "pipeline.outage_s": 3})
-    pipeline = Pipeline(cfg, log=lambda *_: None)
+    pipeline = RunLoop(cfg, log=lambda *_: None, source="process")
     FlakyJudge.down_s, FlakyJudge.down_until = 3600.0, None
     with pytest.raises(InfraUnavailable, match="pipeline.outage_s"):
         pipeline.run()

@@ -17,8 +17,7 @@ import torch
 
 from gapless.config import load_config
 from gapless.models import load_local
-from gapless.orchestrate.loop import SyncLoop
-from gapless.orchestrate.pipeline import Pipeline
+from gapless.orchestrate.loop import RunLoop
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
@@ -48,8 +47,8 @@ def _ledger(run: Path) -> list[dict]:
 
 
 def test_budget_zero_equals_the_synchronous_loop(tmp_path, warm_cache):
-    SyncLoop(_cfg(tmp_path, "sync", warm_cache), log=lambda *_: None).run()
-    Pipeline(_cfg(tmp_path, "pipe", warm_cache), log=lambda *_: None).run()
+    RunLoop(_cfg(tmp_path, "sync", warm_cache), log=lambda *_: None, source="inline").run()
+    RunLoop(_cfg(tmp_path, "pipe", warm_cache), log=lambda *_: None, source="process").run()
     sync, pipe = _metrics(tmp_path / "sync"), _metrics(tmp_path / "pipe")
     for key in ("rollout/reward_mean", "rollout/completion_len_mean", "train/loss"):
         assert [m[key] for m in sync] == [m[key] for m in pipe], key
@@ -65,7 +64,7 @@ def test_async_run_respects_the_budget_and_ends_every_group_once(tmp_path, warm_
                "pipeline.oversample": oversample, "pipeline.dynamic_sampling": str(dynamic).lower(),
                "pipeline.partial_rollout_tokens": 3, "pipeline.partial_rollout_s": partial_s,
                "generator.max_batch": 4})  # fmt: skip
-    Pipeline(cfg, log=lambda *_: None).run()
+    RunLoop(cfg, log=lambda *_: None, source="process").run()
     run = tmp_path / "run"
     events = _ledger(run)
     admitted = [e["group"] for e in events if e["event"] == "admitted"]

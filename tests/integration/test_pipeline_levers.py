@@ -25,7 +25,8 @@ import pytest
 
 from gapless.config import load_config
 from gapless.orchestrate.ledger import check_ledger, read_events
-from gapless.orchestrate.pipeline import Pipeline, ResamplesExhausted
+from gapless.orchestrate.loop import RunLoop
+from gapless.orchestrate.pipeline import ResamplesExhausted
 
 ROOT = Path(__file__).parents[2]
 SMOKE = ROOT / "configs" / "smoke.toml"
@@ -43,7 +44,7 @@ def test_oversampling_holds_the_budget_and_the_ledger_audits_the_run(tmp_path, w
     run = tmp_path / "run"
     cfg = load_config(SMOKE, _overrides(run, warm_cache, **{"loop.steps": 10, "pipeline.max_staleness": budget,
                                                              "pipeline.oversample": 1.0}))
-    Pipeline(cfg, log=lambda *_: None).run()
+    RunLoop(cfg, log=lambda *_: None, source="process").run()
     events = read_events(run / "groups.jsonl")
     check_ledger(events, 10, cfg.loop.prompts_per_step)
     trained = [e for e in events if e["event"] == "trained"]
@@ -65,7 +66,7 @@ def test_dynamic_sampling_without_any_signal_stops_within_its_bound(tmp_path, wa
     cfg = load_config(SMOKE, _overrides(run, warm_cache, **{"loop.steps": 3, "pipeline.dynamic_sampling": "true",
                                                              "pipeline.max_resamples": 6, "generator.temperature": 0.001}))
     with pytest.raises(ResamplesExhausted, match="pipeline.max_resamples = 6"):
-        Pipeline(cfg, log=lambda *_: None).run()
+        RunLoop(cfg, log=lambda *_: None, source="process").run()
     events = read_events(run / "groups.jsonl")
     reasons = Counter(e["reason"] for e in events if e["event"] == "dropped")
     assert reasons["zero_variance"] >= 6

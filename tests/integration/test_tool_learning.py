@@ -18,14 +18,14 @@ import pytest
 
 from gapless.config import load_config
 from gapless.envs.registry import make_environment
-from gapless.orchestrate.loop import SyncLoop
+from gapless.orchestrate.loop import RunLoop
 from gapless.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
 SAMPLES = 64
 
 
-def _mean_reward(loop: SyncLoop, env) -> tuple[float, int]:
+def _mean_reward(loop: RunLoop, env) -> tuple[float, int]:
     params = SamplingParams(max_new_tokens=loop.cfg.generator.max_new_tokens, seed=12345)
     groups = env.rollout_groups(loop.sampler, loop.train, SAMPLES, params, loop.policy.encode)
     rewards = [r.reward for group in groups for r in group]
@@ -44,7 +44,7 @@ def test_tool_use_reward_rises(tmp_path, warm_cache):
         "loop.prompts_per_step": "4", "loop.steps": "20", "loop.eval_every": "100", "loop.checkpoint_every": "100",
         "trainer.lr": "3e-3", "trainer.threads": "1",
     }  # fmt: skip
-    loop = SyncLoop(load_config(None, overrides), log=lambda *_: None)
+    loop = RunLoop(load_config(None, overrides), log=lambda *_: None, source="inline")
     before, n = _mean_reward(loop, loop.env)
     loop.run()  # closes its environment at the end
     env = make_environment(loop.cfg)

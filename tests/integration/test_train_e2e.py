@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from gapless.config import Config, load_config
-from gapless.orchestrate.loop import SyncLoop, train
+from gapless.orchestrate.loop import RunLoop, train
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
@@ -26,7 +26,7 @@ def test_default_toml_is_the_embedded_default():
 
 def test_few_steps_change_parameters_and_write_metrics(tmp_path, warm_cache):
     cfg = smoke(tmp_path, warm_cache)
-    loop = SyncLoop(cfg, log=lambda *_: None)
+    loop = RunLoop(cfg, log=lambda *_: None, source="inline")
     before = {k: v.clone() for k, v in loop.policy.model.state_dict().items()}
     summary = loop.run()
     after = loop.policy.model.state_dict()
@@ -59,7 +59,7 @@ def test_checkpoint_is_loadable_and_resume_continues(tmp_path, warm_cache):
     assert sum(p.numel() for p in model.parameters()) > 0
 
     longer = smoke(tmp_path, warm_cache, **{"loop.steps": "4"})
-    loop = SyncLoop(longer, resume=True, log=lambda *_: None)
+    loop = RunLoop(longer, resume=True, log=lambda *_: None, source="inline")
     assert loop.start_step == 2 and loop.trainer.version == 2
     assert torch.equal(next(iter(loop.policy.model.state_dict().values())), next(iter(model.state_dict().values())))
     summary = loop.run()
@@ -70,8 +70,8 @@ def test_checkpoint_is_loadable_and_resume_continues(tmp_path, warm_cache):
 
 def test_warm_start_is_cached_and_deterministic(tmp_path):
     cfg = smoke(tmp_path)
-    first = SyncLoop(cfg, log=lambda *_: None)
-    second = SyncLoop(cfg, log=lambda *_: None)
+    first = RunLoop(cfg, log=lambda *_: None, source="inline")
+    second = RunLoop(cfg, log=lambda *_: None, source="inline")
     assert first.setup_info["warmstart_cached"] is False and second.setup_info["warmstart_cached"] is True
     for (k, a), b in zip(first.policy.model.state_dict().items(), second.policy.model.state_dict().values()):
         assert torch.equal(a, b), k
@@ -108,7 +108,7 @@ def test_killed_run_leaves_a_loadable_checkpoint_and_resumes(tmp_path, warm_cach
     checkpoint = latest_checkpoint(run)
     AutoModelForCausalLM.from_pretrained(checkpoint)
     step = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
-    resumed = SyncLoop(smoke(tmp_path, warm_cache, **{"run_dir": json.dumps(str(run)), "loop.steps": str(step + 1)}), resume=True, log=lambda *_: None)
+    resumed = RunLoop(smoke(tmp_path, warm_cache, **{"run_dir": json.dumps(str(run)), "loop.steps": str(step + 1)}), resume=True, log=lambda *_: None, source="inline")
     assert resumed.start_step == step
     assert resumed.run()["trained_samples"] == (step + 1) * 2 * 4
 

@@ -15,7 +15,7 @@ import torch
 from gapless.config import TrainerConfig
 from gapless.generate.sampler import TorchSampler
 from gapless.trainer.batch import build_batch
-from gapless.trainer.groups import step_targets
+from gapless.trainer.targets import step_targets
 from gapless.trainer.trainer import GRPOTrainer
 from gapless.types import Rollout, SamplingParams
 

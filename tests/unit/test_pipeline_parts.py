@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import subprocess
+import time
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from gapless.orchestrate.admission import Admission, PromptSource, sample_step_t
 from gapless.orchestrate.buffer import ScoredGroup, StalenessBuffer
 from gapless.orchestrate.curriculum import PassRateCurriculum
 from gapless.orchestrate.ledger import GroupLedger
+from gapless.orchestrate.watchdog import ACTORS, Heartbeats, PipelineStalled, StallWatch
 from gapless.orchestrate.weights import SharedWeights
 from gapless.types import Completion, Rollout
 
@@ -169,3 +172,21 @@ def test_eval_leaves_infra_errors_out_of_pass_at_1():
     assert (score.pass_at_1, score.infra_errors, score.scored) == (pytest.approx(2 / 3), 3, 3)
     nothing = EvalScore.of([rollout("infra_error")] * 4)  # a total outage is no verdict: NaN, never 0
     assert nothing.pass_at_1 != nothing.pass_at_1 and nothing.infra_errors == 4
+
+
+def test_stall_watch_allows_set_up_its_own_time(tmp_path):
+    """A set-up whose imports starve the beating thread is no stall while the actors start; the
+    same silence after start-up is one, named in the diagnosis."""
+    beats = Heartbeats(mp.get_context("spawn"))
+    actor = subprocess.Popen(["sleep", "60"])  # stands in for the actor process (its state and stack dump)
+    try:
+        beats._pids[ACTORS.index("generator")] = actor.pid
+        beats._beats[ACTORS.index("generator")] = time.monotonic() - 3.0  # silent for 3 s
+        watch = StallWatch(beats, 1.0, tmp_path, ("generator",))
+        watch.check("the actors to start", starting=True)
+        with pytest.raises(PipelineStalled, match="waiting on generator"):
+            watch.check("step 1's rollouts")
+        assert "generator: pid" in (tmp_path / "stall.txt").read_text()
+    finally:
+        actor.kill()
+        actor.wait()

@@ -112,12 +112,15 @@ class StallWatch:
         self.progress_at = time.monotonic()
 
     def check(self, waiting_for: str, starting: bool = False) -> None:
-        """`waiting_for`: what the trainer is waiting for, in words ("step 4's rollouts"). An
-        actor that has not registered yet (spawn and imports) gets the start-up allowance."""
+        """`waiting_for`: what the trainer is waiting for, in words ("step 4's rollouts"). While
+        `starting` (the actors' set-up: spawn, imports, engine, sandbox) every actor gets the
+        start-up allowance: a set-up thread beats for it, but imports that hold the GIL can starve
+        that thread for seconds on a loaded machine."""
+        limit = self.startup_s if starting else self.timeout_s
         stale = [a for a in self.actors
-                 if self.heartbeats.age_s(a) > (self.timeout_s if self.heartbeats.pid(a) else self.startup_s)]
+                 if self.heartbeats.age_s(a) > (limit if self.heartbeats.pid(a) else self.startup_s)]
         waited = time.monotonic() - self.progress_at
-        if stale or waited > (self.startup_s if starting else self.timeout_s):
+        if stale or waited > limit:
             self.stall(waiting_for, waited, stale)
 
     def stall(self, waiting_for: str, waited: float, stale: list[str]) -> None:

@@ -1,4 +1,7 @@
-"""From scored groups to training targets: reward shaping, advantages, masks, dropped groups.
+"""From scored groups to the step's batch: reward shaping, advantages, masks, dropped groups.
+
+This module is the first half of a GRPO step (scored groups -> advantages -> masked batch,
+`step_batch`); the optimizer step on that batch is trainer.py.
 
 For each group of N rollouts of one prompt, in order:
   1. shape the rewards: DAPO's soft overlong penalty (overlong = 'penalty') and the KL to the
@@ -15,8 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import Callable
+
 from gapless.config import TrainerConfig
 from gapless.trainer.advantages import group_advantages
+from gapless.trainer.batch import Batch, build_batch
 from gapless.types import Rollout
 
 
@@ -73,3 +79,20 @@ def step_targets(rollouts: list[Rollout], group_size: int, cfg: TrainerConfig, m
     if cfg.drop_zero_variance:
         metrics["rollout/dropped_groups"] = float(zero_var)
     return StepTargets(advantages, trainable, keep, zero_var, metrics)
+
+
+def step_batch(rollouts: list[Rollout], group_size: int, cfg: TrainerConfig, max_new_tokens: int, pad_id: int,
+               reference_kl: Callable[[Batch], list[float]] | None = None) -> tuple[Batch, StepTargets]:
+    """Scored rollouts (group after group) -> the step's batch: advantages set, rows that must
+    not train masked, dropped groups removed. `reference_kl(batch)` gives each rollout's KL to the
+    reference model; it is called only when the KL is folded into the reward."""
+    valid = [not r.is_infra_failure for r in rollouts]
+    group_ids = [i // group_size for i in range(len(rollouts))]
+    batch = build_batch([r.completion for r in rollouts], [0.0] * len(rollouts), valid, pad_id, group_ids)
+    ref_kl = None
+    if cfg.kl_coef > 0 and cfg.kl_placement == "reward":
+        if reference_kl is None:
+            raise ValueError("trainer.kl_placement = 'reward' needs the trainer's reference_kl")
+        ref_kl = reference_kl(batch)
+    targets = step_targets(rollouts, group_size, cfg, max_new_tokens, ref_kl)
+    return batch.with_targets(targets.advantages, targets.is_trainable).select(targets.keep), targets

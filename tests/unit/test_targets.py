@@ -3,7 +3,7 @@ import math
 import pytest
 
 from gapless.config import TrainerConfig
-from gapless.trainer.groups import overlong_penalty, step_targets
+from gapless.trainer.targets import overlong_penalty, step_targets
 from gapless.types import Completion, Rollout
 
 

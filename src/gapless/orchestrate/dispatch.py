@@ -1,0 +1,76 @@
+"""Central admission: which generator replica starts which group, decided in the trainer process.
+
+With R generator replicas (`cluster.replicas`), admission cannot live in a generator: the
+staleness budget and the backfills are one count over all of them. The `Dispatcher` holds the
+run's `Admission` and `PromptSource` (admission.py) and each replica's policy version as the
+replica last reported it (messages.Loaded), and hands out groups (messages.Assign):
+
+    a replica at version v may be given a group  iff  Admission.may_admit(v)  and  v >= min_birth
+
+`min_birth` is the born-stale guard: a group born at v is due at step v + max_staleness, which
+must not be before the step the trainer is assembling, so a replica lagging more than the budget
+behind gets no new groups until it loads newer weights (it finishes what it holds). Groups go to
+the replica holding the fewest, lowest replica index first; with one replica this reproduces the
+generator-side admission exactly (same indices, tasks, seeds and birth versions: budget 0 equals
+the reference loop bitwise). Freed places (drops) count at once: the guard, not the drop, decides
+when a backfill may be born.
+
+Guaranteed: every index is assigned once, to one replica; `lost(r)` returns exactly the groups
+assigned to replica r that have not been scored (the trainer drops them as `replica_lost`; a
+score that still arrives for one is ignored by the buffer). Not guaranteed: balance by work (a
+replica's groups may be longer than another's).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from gapless.orchestrate.admission import Admission, PromptSource
+
+
+class Dispatcher:
+    def __init__(self, admission: Admission, prompts: PromptSource, max_staleness: int, min_birth: int):
+        self.admission, self.prompts, self.max_staleness = admission, prompts, max_staleness
+        self.min_birth = min_birth
+        self.versions: dict[int, int] = {}  # replica -> the policy version it last reported holding
+        self.holder: dict[int, int] = {}  # group index -> replica, until scored or lost
+        self.held: dict[int, set[int]] = defaultdict(set)  # replica -> group indices
+
+    def loaded(self, replica: int, version: int) -> None:
+        self.versions[replica] = max(version, self.versions.get(replica, version))
+
+    def assembling(self, step: int) -> None:
+        """The trainer now fills step `step`'s batch: a group born earlier than step - budget
+        would already be due."""
+        self.min_birth = max(self.min_birth, step - self.max_staleness)
+
+    def freed(self, count: int) -> None:
+        """`count` admitted groups were dropped: as many places open for backfills."""
+        self.admission.dropped += count
+
+    def assign(self) -> dict[int, list[tuple[int, int, int]]]:
+        """Hand out every group admission allows now: replica -> [(index, task index, born)]."""
+        out: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+        while True:
+            eligible = [r for r, v in self.versions.items() if v >= self.min_birth and self.admission.may_admit(v)]
+            if not eligible:
+                return dict(out)
+            replica = min(eligible, key=lambda r: (len(self.held[r]), r))
+            index = self.admission.admit()
+            task, born = self.prompts.task_for(index), self.versions[replica]
+            self.holder[index] = replica
+            self.held[replica].add(index)
+            out[replica].append((index, task, born))
+
+    def scored(self, index: int) -> None:
+        replica = self.holder.pop(index, None)
+        if replica is not None:
+            self.held[replica].discard(index)
+
+    def lost(self, replica: int) -> list[int]:
+        """Replica `replica` is gone: forget it and return the groups it held."""
+        self.versions.pop(replica, None)
+        indices = sorted(self.held.pop(replica, set()))
+        for index in indices:
+            self.holder.pop(index, None)
+        return indices

@@ -1,0 +1,106 @@
+"""Placement: where the pipeline's actors run and how the trainer talks to them.
+
+The process source (pipeline.py) starts its generator and environment actors, opens its queues
+and watches its actors' liveness only through a `Placement`; the actor code (actors.py) does not
+know which placement it runs under. One placement exists today:
+
+    LocalPlacement   spawned processes on this machine, multiprocessing queues and events, and
+                     shared memory for the weights and heartbeats (`ctx`); never imports Ray.
+
+Guaranteed by every placement: `reserve` fails before anything starts, with an error naming the
+demand and what is available; every actor it starts dies with the trainer process (even a
+SIGKILLed one); `exited()` reports an actor that died without a word, with its exit code;
+`shutdown` stops every actor within its grace period and kills what is left. Not guaranteed:
+channels are FIFO per producer only (two producers' records interleave in arrival order).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from gapless.config import ConfigError
+
+
+class PlacementError(ConfigError):
+    """The actors' demand does not fit what the machine (or cluster) offers."""
+
+
+@dataclass(frozen=True)
+class ActorExit:
+    name: str
+    exitcode: int | None  # None: it is gone but its code is unknown
+
+
+@runtime_checkable
+class Placement(Protocol):
+    kind: str
+    ctx: Any  # the multiprocessing context the actors' shared-memory objects are made with
+
+    def reserve(self, threads: dict[str, int]) -> None:
+        """Check that actors using these thread counts at once fit (PlacementError if not)."""
+
+    def channel(self, maxsize: int = 0) -> Any:
+        """A queue to or from the actors (put/get with timeouts, queue.Full/queue.Empty)."""
+
+    def event(self) -> Any:
+        """A flag every actor can read (set/is_set)."""
+
+    def start(self, name: str, main: Callable[[Any], None], spec: Any) -> None:
+        """Run `main(spec)` as the actor `name`, dying with the trainer."""
+
+    def exited(self) -> list[ActorExit]:
+        """Actors started here that are no longer running."""
+
+    def shutdown(self, stop: Any, grace_s: float) -> None:
+        """Set `stop`, wait up to `grace_s` for every actor, then kill what is left."""
+
+
+class LocalPlacement:
+    kind = "local"
+
+    def __init__(self):
+        self.ctx = mp.get_context("spawn")
+        self.processes: list = []
+
+    def reserve(self, threads: dict[str, int]) -> None:
+        cores = len(os.sched_getaffinity(0))
+        used = sum(threads.values())
+        if used > max(cores, 2):
+            detail = " + ".join(f"{n} ({name})" for name, n in threads.items())
+            raise PlacementError(f"the actors need {detail} = {used} threads at once but {cores} cores are available; lower "
+                                 "pipeline.generator_threads / pipeline.trainer_threads (0 = split the cores automatically)")
+
+    def channel(self, maxsize: int = 0):
+        return self.ctx.Queue(maxsize)
+
+    def event(self):
+        return self.ctx.Event()
+
+    def start(self, name: str, main: Callable[[Any], None], spec: Any) -> None:
+        # actors.py's start-up asks the kernel to kill each actor when the trainer dies (PR_SET_PDEATHSIG)
+        process = self.ctx.Process(target=main, args=(spec,), name=f"gapless-{name}", daemon=True)
+        process.start()
+        self.processes.append(process)
+
+    def exited(self) -> list[ActorExit]:
+        return [ActorExit(p.name, p.exitcode) for p in self.processes if not p.is_alive()]
+
+    def pids(self) -> dict[str, int]:
+        return {p.name: p.pid for p in self.processes}
+
+    def shutdown(self, stop, grace_s: float) -> None:
+        if not self.processes:
+            return
+        stop.set()
+        deadline = time.monotonic() + grace_s
+        for process in self.processes:
+            process.join(timeout=max(0.1, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self.processes = []
+

@@ -1,0 +1,59 @@
+"""The per-step metrics every rollout source shares: rollouts, staleness, the trainer's step.
+
+Names are those of docs/observability.md (`rollout/*`, `staleness/*`, `train/*`); each function
+is pure (records in, a flat dict of floats out), so any source and the simulator compute them
+the same way.
+"""
+
+from __future__ import annotations
+
+from gapless.types import Rollout
+
+
+def env_metrics(env) -> dict[str, float]:
+    """An environment's own counters (the sandbox's: cumulative counts and recent latency
+    percentiles), for those that keep any."""
+    metrics = getattr(env, "metrics", None)
+    return metrics() if callable(metrics) else {}
+
+
+def rollout_metrics(rollouts: list[Rollout], zero_variance_groups: int, num_groups: int) -> dict[str, float]:
+    rewards = [r.reward for r in rollouts if not r.is_infra_failure]
+    lengths = [len(r.completion.token_ids) for r in rollouts]
+    metrics = {
+        "rollout/reward_mean": sum(rewards) / max(len(rewards), 1),
+        "rollout/solved_frac": sum(r.status == "ok" for r in rollouts) / len(rollouts),
+        "rollout/completion_len_mean": sum(lengths) / len(lengths),
+        "rollout/truncated_frac": sum(r.completion.finish_reason == "length" for r in rollouts) / len(rollouts),
+        "rollout/zero_variance_frac": zero_variance_groups / num_groups,
+        "sandbox/infra_errors": float(sum(r.is_infra_failure for r in rollouts)),
+    }
+    run_s = [r.info["wall_s"] for r in rollouts if "wall_s" in r.info]
+    if run_s:  # wall time of each rollout's sandbox run, as the environment recorded it
+        metrics["sandbox/run_s_mean"] = sum(run_s) / len(run_s)
+        metrics["sandbox/run_s_max"] = max(run_s)
+    for status in sorted({r.status for r in rollouts}):
+        metrics[f"rollout/status_{status}"] = float(sum(r.status == status for r in rollouts))
+    return metrics
+
+
+def staleness_metrics(staleness: list[int]) -> dict[str, float]:
+    """`staleness/mean`, `staleness/max` and `staleness/count_<k>` (rollouts consumed at staleness k)."""
+    metrics = {"staleness/mean": sum(staleness) / len(staleness), "staleness/max": float(max(staleness))}
+    for k in sorted(set(staleness)):
+        metrics[f"staleness/count_{k}"] = float(staleness.count(k))
+    return metrics
+
+
+def train_metrics(stats) -> dict[str, float]:
+    """A trainer.StepStats as `train/*` metrics."""
+    return {
+        "train/loss": stats.loss,
+        "train/grad_norm": stats.grad_norm,
+        "train/clip_frac": stats.clip_frac,
+        "train/ratio_mean": stats.ratio_mean,
+        "train/kl_ref": stats.kl_mean,
+        "train/entropy": stats.entropy_mean,
+        **stats.offpolicy,
+        "train/tokens": float(stats.num_tokens),
+    }
