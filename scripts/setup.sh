@@ -53,6 +53,10 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 $PIP install -q -e ".[test]"
+# tinker-cookbook (the RL recipes the service is tested against) requires tml-renderers>=0.4.1, which
+# PyPI does not serve; it imports it only for models gapless does not serve, so skip its dependency
+# resolution (its other dependencies come with the test extra above)
+$PIP install -q --no-deps "tinker-cookbook==0.6.1"
 rm -f .venv/.gapless-setup-*
 touch "$stamp"
 echo "setup: done (.venv/bin/gapless)"

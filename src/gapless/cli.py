@@ -1,6 +1,8 @@
 """Command line: `gapless train [CONFIG] [--run-dir DIR] [--resume] [--dotted.key value ...]`,
 `gapless serve --model.path DIR [--host H] [--port P] [--threads N] [--api-key KEY]` (an
 OpenAI-compatible server over a local checkpoint, e.g. as a judge; docs/serving.md),
+`gapless serve-training [CONFIG] [--host H] [--port P] [--api-key KEY] [--section.key VALUE ...]`
+(the Tinker-compatible training service for the official `tinker` SDK; docs/service.md),
 `gapless eval [CONFIG] [--run-dir DIR] [--dotted.key value ...]` (pass@1 of `model.path` on the
 eval split of `task.name`, written to RUN_DIR/eval.json),
 `gapless sandbox run FILE --json [--timeout-s S] [--memory-mb M]` and
@@ -66,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch", type=int, default=64, help="sequences decoded together by the engine")
     serve.add_argument("--max-seq-len", type=int, default=None,
                        help="served context, prompt + completion (default: the model's, at most 2048)")
+    sub.add_parser("serve-training", help="serve the Tinker training API (docs/service.md)")
     report = sub.add_parser("report", help="compare runs in one self-contained HTML page")
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     report.add_argument("--out", default=None, help="output directory (default: FIRST_RUN_DIR/report)")
@@ -126,6 +129,38 @@ def _cmd_eval(argv: list[str]) -> int:
     return 0
 
 
+def _cmd_serve_training(argv: list[str]) -> int:
+    """[CONFIG] [--host H] [--port P] [--api-key KEY] [--threads N] [--section.key VALUE ...]"""
+    flags = {"--host": "127.0.0.1", "--port": "8001", "--api-key": os.environ.get("TINKER_API_KEY"), "--threads": None}
+    rest, i = [], 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        if name in flags:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise _Usage(f"{name} needs a value")
+                value, i = argv[i + 1], i + 1
+            flags[name] = value
+        else:
+            rest.append(argv[i])
+        i += 1
+    key = flags["--api-key"]
+    if not key:
+        raise _Usage("no API key: set TINKER_API_KEY or pass --api-key (the SDK wants it to start with 'tml-')")
+    cfg = _load(rest)
+    from gapless.serve.listen import PortInUse, bind
+
+    try:
+        sock = bind(flags["--host"], int(flags["--port"]))
+    except (PortInUse, ValueError) as exc:
+        raise _Usage(str(exc)) from None
+    from gapless.serve.tinker_server import serve
+
+    serve(cfg, sock, key, int(flags["--threads"]) if flags["--threads"] else None)
+    print("gapless: service stopped", file=sys.stderr)
+    return 0
+
+
 def _cmd_sandbox_run(args: argparse.Namespace) -> int:
     from gapless.sandbox import BwrapSandbox, SandboxLimits
 
@@ -178,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     argv = sys.argv[1:] if argv is None else argv
     try:
-        if argv[:1] in (["train"], ["eval"]) and not {"-h", "--help"} & set(argv):
-            command = _cmd_train if argv[0] == "train" else _cmd_eval
+        if argv[:1] in (["train"], ["eval"], ["serve-training"]) and not {"-h", "--help"} & set(argv):
+            command = {"train": _cmd_train, "eval": _cmd_eval, "serve-training": _cmd_serve_training}[argv[0]]
             return command(argv[1:])  # free-form dotted overrides: parsed by hand, not argparse
         args = parser.parse_args(argv)
         if args.command == "serve":

@@ -388,6 +388,27 @@ class MetricsConfig(_Section):
     `wandb sync`); 'online' streams to the W&B server and needs a login."""
 
 
+class ServiceConfig(_Section):
+    base_models: dict[str, str] = {}
+    """`gapless serve-training`: base models by the name the SDK sends, each a local Hugging Face
+    checkpoint directory (e.g. {"my-model" = "checkpoints/base"}). Empty: the embedded tiny model,
+    built and warm-started as `gapless train` does, under the name "gapless-tiny"."""
+    checkpoint_dir: str = "runs/service"
+    """Where `save_state` checkpoints are written (one torch file per checkpoint, by model id)."""
+    max_batch: int = Field(64, ge=1, le=1024)
+    """Sequences one sampling engine decodes together (its KV cache holds this many)."""
+    max_engines: int = Field(4, ge=1, le=64)
+    """Sampling engines kept at once, one per set of weights being sampled (a base model or a
+    saved sampler snapshot); past this the least recently used idle one takes the new weights."""
+    max_seq_len: int = Field(1024, ge=16)
+    """Sampling context (prompt + completion) in tokens, at most the model's own."""
+    poll_hold_s: float = Field(20.0, gt=0, le=40)
+    """How long one `retrieve_future` poll waits for a result before answering "try again"
+    (below the SDK's 45 s poll timeout)."""
+    result_ttl_s: float = Field(600.0, gt=0)
+    """Seconds a finished call's result stays retrievable; abandoned results are dropped after it."""
+
+
 class Config(_Section):
     seed: int = 0
     """Seeds the task split, the model init, sampling and data order."""
@@ -405,6 +426,7 @@ class Config(_Section):
     eval: EvalConfig = EvalConfig()
     tools: ToolsConfig = ToolsConfig()
     judge: JudgeConfig = JudgeConfig()
+    service: ServiceConfig = ServiceConfig()
 
 
 class ConfigError(ValueError):

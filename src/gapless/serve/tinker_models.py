@@ -1,0 +1,209 @@
+"""Base models and training runs of the Tinker service: the model work behind each SDK call.
+
+    BaseModels           name -> Policy, loaded once from a local checkpoint directory (or built)
+    TrainingRun          one training client: a LoRA adapter on a private copy of a base model
+                         (or the whole copy, for full fine-tuning), its gradients and Adam state
+      forward_backward   per-datum log-probs, the summed loss (tinker_losses), gradients accumulated
+      optim_step         AdamW with the SDK's parameters on the accumulated gradients, then zero them
+      save / load        adapter (or full weights) + optimizer state, one torch file per checkpoint
+      sampler_state      full HF-named weights (adapter merged) for a sampling engine
+
+Runs share nothing but the frozen base weights they were copied from, so two clients never see
+each other's adapters, gradients or optimizer state. Every method runs on the service's one
+training thread (tinker_service.py), which executes calls in arrival order.
+Guaranteed: bad input (token ids outside the vocabulary, loss inputs whose shape differs from the
+datum's, an unknown loss) raises `UserError` before any gradient changes; a run's log-probs are
+those of the same weights the sampler gets from `sampler_state` (fp32 rounding apart).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gapless.lora import LoraSpec, adapter_state, attach_lora, load_adapter_state, merged_state
+from gapless.models import Policy, load_local
+from gapless.serve.tinker_losses import LossInputError, loss_fn
+from gapless.serve.tinker_wire import DatumIn
+
+
+class UserError(ValueError):
+    """A request the client must fix; becomes a failed future of category "user"."""
+
+
+@dataclass
+class BaseModel:
+    name: str
+    policy: Policy
+    directory: str  # where the checkpoint lives (the SDK's tokenizer_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.policy.model.config.vocab_size)
+
+
+class BaseModels:
+    """The configured base models: `{name: directory}`; `default` builds one on first use (gapless-tiny)."""
+
+    def __init__(self, directories: dict[str, str], default=None):
+        self._directories, self._default = dict(directories), default
+        self._loaded: dict[str, BaseModel] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._directories) or (["gapless-tiny"] if self._default else [])
+
+    def get(self, name: str) -> BaseModel:
+        if name in self._loaded:
+            return self._loaded[name]
+        if name in self._directories:
+            model = BaseModel(name, load_local(self._directories[name]), self._directories[name])
+        elif name == "gapless-tiny" and self._default is not None and not self._directories:
+            policy, directory = self._default()
+            model = BaseModel(name, policy, directory)
+        else:
+            raise UserError(f"unknown base model {name!r}; this service serves {', '.join(self.names) or 'nothing'} "
+                            "(name more in the service config: [service] base_models = {NAME = \"DIR\"})")
+        model.policy.model.requires_grad_(False)
+        self._loaded[name] = model
+        return model
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    learning_rate: float
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0 = no clipping
+
+
+class TrainingRun:
+    def __init__(self, model_id: str, base: BaseModel, spec: LoraSpec | None):
+        self.model_id, self.base, self.spec = model_id, base, spec
+        if spec is None:
+            self.model = copy.deepcopy(base.policy.model).requires_grad_(True)
+        else:
+            self.model = attach_lora(base.policy.model, spec)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer: torch.optim.AdamW | None = None
+        self.steps = 0
+
+    # ---- forward / backward -----------------------------------------------------------------
+    def forward_backward(self, datums: list[DatumIn], loss_name: str, config: dict[str, float], forward_only: bool
+                         ) -> tuple[list[np.ndarray], dict[str, float]]:
+        """Per-datum target log-probs and {"loss:sum": ...}; gradients are added unless `forward_only`."""
+        try:
+            fn = loss_fn(loss_name)
+        except LossInputError as exc:
+            raise UserError(str(exc)) from None
+        if not datums:
+            raise UserError("forward_backward needs at least one datum")
+        targets = [self._check(i, d) for i, d in enumerate(datums)]
+        lengths = [len(d.tokens) for d in datums]
+        width = max(lengths)
+        input_ids = torch.zeros(len(datums), width, dtype=torch.long)  # (B, L), right-padded
+        attention = torch.zeros(len(datums), width, dtype=torch.long)
+        target_ids = torch.zeros(len(datums), width, dtype=torch.long)
+        for i, (d, t) in enumerate(zip(datums, targets)):
+            input_ids[i, : lengths[i]] = torch.tensor(d.tokens)
+            attention[i, : lengths[i]] = 1
+            target_ids[i, : lengths[i]] = t
+        with torch.set_grad_enabled(not forward_only):
+            logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits.float()  # (B, L, V)
+            logp = torch.log_softmax(logits, dim=-1).gather(-1, target_ids[..., None]).squeeze(-1)  # (B, L)
+            try:
+                losses = [fn(logp[i, : lengths[i]], {k: v.float() for k, v in d.inputs.items() if k != "target_tokens"}, config)
+                          for i, d in enumerate(datums)]
+            except LossInputError as exc:
+                raise UserError(str(exc)) from None
+            total = torch.stack(losses).sum()
+            if not forward_only:
+                total.backward()
+        return [logp[i, : lengths[i]].detach().numpy().copy() for i in range(len(datums))], {"loss:sum": float(total.detach())}
+
+    def _check(self, i: int, d: DatumIn) -> torch.Tensor:
+        vocab = self.base.vocab_size
+        if not d.tokens:
+            raise UserError(f"datum {i}: model_input is empty")
+        if "target_tokens" not in d.inputs:
+            raise UserError(f"datum {i}: loss_fn_inputs has no 'target_tokens'")
+        target = d.inputs["target_tokens"].long()
+        if target.shape != (len(d.tokens),):
+            raise UserError(f"datum {i}: target_tokens has shape {tuple(target.shape)}; it must have one token per "
+                            f"model_input position, shape ({len(d.tokens)},)")
+        for what, ids in (("model_input", torch.tensor(d.tokens)), ("target_tokens", target)):
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+                bad = int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())
+                raise UserError(f"datum {i}: {what} holds token id {bad}, outside the vocabulary of "
+                                f"{self.base.name!r} (0..{vocab - 1})")
+        for name, tensor in d.inputs.items():
+            if name != "target_tokens" and tensor.shape != target.shape:
+                raise UserError(f"datum {i}: loss_fn_inputs[{name!r}] has shape {tuple(tensor.shape)}, target_tokens "
+                                f"has {tuple(target.shape)}: they must match")
+        return target
+
+    # ---- optimizer ------------------------------------------------------------------------
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        if adam.learning_rate < 0 or not 0 <= adam.beta1 < 1 or not 0 <= adam.beta2 < 1 or adam.eps <= 0:
+            raise UserError(f"Adam parameters out of range: {adam} (learning_rate >= 0, 0 <= betas < 1, eps > 0)")
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(self.params, lr=adam.learning_rate)
+        for group in self.optimizer.param_groups:
+            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                         weight_decay=adam.weight_decay)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        if adam.grad_clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, adam.grad_clip_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return {"grad_norm:mean": norm}
+
+    # ---- weights --------------------------------------------------------------------------
+    def sampler_state(self) -> dict[str, torch.Tensor]:
+        if self.spec is None:
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return merged_state(self.model)
+
+    def save(self, path: Path) -> None:
+        weights = adapter_state(self.model) if self.spec is not None else self.sampler_state()
+        payload = {"base": self.base.name, "spec": self.spec, "weights": weights, "steps": self.steps,
+                   "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(payload, tmp)
+        tmp.replace(path)
+
+    def load(self, payload: dict, with_optimizer: bool) -> None:
+        if payload["base"] != self.base.name or payload["spec"] != self.spec:
+            raise UserError(f"checkpoint is for base {payload['base']!r} with {payload['spec']}; this run is "
+                            f"{self.base.name!r} with {self.spec}")
+        if self.spec is not None:
+            load_adapter_state(self.model, payload["weights"])
+        else:
+            self.model.load_state_dict(payload["weights"])
+        self.optimizer = None
+        for p in self.params:
+            p.grad = None
+        if with_optimizer and payload["optimizer"] is not None:
+            self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
+            self.optimizer.load_state_dict(payload["optimizer"])
+            self.steps = payload["steps"]
+
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def checkpoint_file(root: Path, model_id: str, name: str) -> Path:
+    """Where `tinker://MODEL_ID/weights/NAME` is stored under `root` (names made filesystem-safe)."""
+    if not name or name in (".", "..") or "/" in name:
+        raise UserError(f"checkpoint name {name!r} must be a non-empty name without '/'")
+    return root / _SAFE.sub("_", model_id) / f"{_SAFE.sub('_', name)}.pt"
