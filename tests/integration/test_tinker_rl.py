@@ -23,7 +23,6 @@ import pytest
 import tinker
 import torch
 from tinker import types
-from transformers import PreTrainedTokenizerFast
 
 from gapless.config import load_config
 from gapless.envs.registry import make_environment
@@ -54,7 +53,7 @@ def test_rl_loop_recipe_raises_math_reward(math_service):
     server, env = math_service
     service_client = tinker.ServiceClient(base_url=server.base_url, api_key=KEY)
     training_client = service_client.create_lora_training_client(base_model="gapless-tiny", rank=8).result()
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(training_client.get_info().model_data.tokenizer_id)
+    tokenizer = training_client.get_tokenizer()  # the base model's own, loaded offline from get_info's tokenizer_id
     tasks = list(env.tasks("train"))[:4]
     adam_params = types.AdamParams(learning_rate=3e-3, beta1=0.9, beta2=0.95, eps=1e-8)
     group_size, rewards_by_step = 8, []
@@ -108,8 +107,7 @@ def test_cookbook_rl_train_runs_unchanged(math_service, tmp_path, monkeypatch):
     monkeypatch.setattr(cost_estimation, "_pricing_fetched", True, raising=False)  # its one outside request
     with tinker.ServiceClient(base_url=server.base_url, api_key=KEY) as probe:
         trainer = probe.create_lora_training_client(base_model="gapless-tiny", rank=2).result()
-        tokenizer_dir = trainer.get_info().model_data.tokenizer_id
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+        tokenizer = trainer.get_tokenizer()
     tokenizer_utils.register_tokenizer("gapless-tiny", lambda: tokenizer)
     tasks = list(env.tasks("train"))[:2]
 

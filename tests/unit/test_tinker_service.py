@@ -59,6 +59,8 @@ def test_sft_lowers_loss_and_sampler_logprobs_equal_trainer(service, client):
     _, policy = service
     trainer = client.create_lora_training_client(base_model="tiny", rank=4).result()
     assert trainer.get_info().model_data.model_name == "tiny"
+    text = "Question 12: name 3 fruits."
+    assert trainer.get_tokenizer().encode(text, add_special_tokens=False) == policy.encode(text)  # the SDK's own loader
     data = _data(policy)
     losses = []
     for _ in range(6):
@@ -166,3 +168,68 @@ def test_losses_equal_hand_computation():
     lp_g = lp.clone().requires_grad_(True)
     cispo(lp_g, inputs, {}).backward()
     assert lp_g.grad.tolist() == pytest.approx([-1.2, 0.8])
+
+
+def _idle(app, timeout_s: float = 30.0) -> bool:
+    """Wait (bounded) until no sampling engine of the service holds anything."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(s.num_handles == 0 and s.samples_in_flight == 0 for s in app.pool.schedulers):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_stops_and_a_client_that_disconnects_mid_request(service, client):
+    import httpx
+
+    server, policy = service
+    sampler = client.create_sampling_client(base_model="tiny").result()
+    prompt = types.ModelInput.from_ints(policy.encode("Question 3: name"))
+    free = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=20, seed=1, stop=[])).result()
+    assert [len(s.tokens) for s in free.sequences] == [20, 20] and {s.stop_reason for s in free.sequences} == {"length"}
+    stop_id = free.sequences[0].tokens[3]  # a token the first sample draws at position 3: stopping on it ends it there
+    stopped = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=20, seed=1, stop=[stop_id])).result().sequences[0]
+    assert stopped.stop_reason == "stop" and list(stopped.tokens) == list(free.sequences[0].tokens[: stopped.tokens.index(stop_id) + 1])
+    # raw HTTP: ask for a long sample, then give up on its result mid-poll and on the connection
+    headers = {"X-API-Key": KEY}
+    body = {"sampling_session_id": None, "base_model": "tiny", "num_samples": 4, "seq_id": 0,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt.to_ints()}]},
+            "sampling_params": {"max_tokens": 100, "stop": []}}
+    with httpx.Client(base_url=server.base_url, headers=headers, timeout=30) as http:
+        future = http.post("/api/v1/asample", json=body).json()
+        assert len(future["sample_sequence_ids"]) == 4
+        with pytest.raises(httpx.TimeoutException):
+            http.post("/api/v1/retrieve_future", json={"request_id": future["request_id"]}, timeout=0.05)
+    assert _idle(server.app)  # the abandoned samples finished and left nothing behind
+    again = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=5, seed=1, stop=[])).result()
+    assert len(again.sequences[0].tokens) == 5  # and the service goes on serving
+
+
+def test_cli_needs_an_api_key(monkeypatch, capsys):
+    from gapless.cli import main
+
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    assert main(["serve-training", "--port", "0"]) == 2
+    assert "TINKER_API_KEY" in capsys.readouterr().err
+
+
+def test_full_fine_tuning_run_learns(service):
+    """lora_config absent (a raw create_model; the SDK 0.38 creates LoRA clients only): every weight trains."""
+    from gapless.serve.tinker_models import AdamParams, BaseModel, TrainingRun
+    from gapless.serve.tinker_wire import DatumIn
+
+    _, policy = service
+    before = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    run = TrainingRun("full", BaseModel("tiny", policy, ""), spec=None)
+    tokens = policy.encode("Question 1: name 1 fruits. Answer: apple.")
+    datum = DatumIn(tokens[:-1], {"target_tokens": torch.tensor(tokens[1:])})
+    losses = []
+    for _ in range(4):
+        losses.append(run.forward_backward([datum], "cross_entropy", {}, forward_only=False)[1]["loss:sum"])
+        run.optim_step(AdamParams(learning_rate=1e-2))
+    assert losses[-1] < 0.8 * losses[0]
+    assert all(p.requires_grad for p in run.model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in policy.model.state_dict().items())  # the base is untouched

@@ -158,7 +158,7 @@ class TinkerApp:
         return JSONResponse({"type": "get_info", "model_id": run.model_id, "model_name": run.base.name,
                              "is_lora": run.spec is not None, "lora_rank": run.spec.rank if run.spec else None,
                              "model_data": {"arch": config.model_type, "model_name": run.base.name,
-                                            "tokenizer_id": run.base.directory}})
+                                            "tokenizer_id": run.base.tokenizer_dir}})
 
     async def forward_backward(self, request: Request) -> Response:
         raw = await request.body()

@@ -10,7 +10,7 @@
 
 Runs share nothing but the frozen base weights they were copied from, so two clients never see
 each other's adapters, gradients or optimizer state. Every method runs on the service's one
-training thread (tinker_service.py), which executes calls in arrival order.
+training thread (tinker_app.py), which executes calls in arrival order.
 Guaranteed: bad input (token ids outside the vocabulary, loss inputs whose shape differs from the
 datum's, an unknown loss) raises `UserError` before any gradient changes; a run's log-probs are
 those of the same weights the sampler gets from `sampler_state` (fp32 rounding apart).
@@ -40,7 +40,7 @@ class UserError(ValueError):
 class BaseModel:
     name: str
     policy: Policy
-    directory: str  # where the checkpoint lives (the SDK's tokenizer_id)
+    tokenizer_dir: str  # the tokenizer alone, saved by the service: the SDK's tokenizer_id
 
     @property
     def vocab_size(self) -> int:
@@ -48,10 +48,17 @@ class BaseModel:
 
 
 class BaseModels:
-    """The configured base models: `{name: directory}`; `default` builds one on first use (gapless-tiny)."""
+    """The configured base models: `{name: directory}`; `default` builds one on first use (gapless-tiny).
 
-    def __init__(self, directories: dict[str, str], default=None):
+    Each base model's tokenizer is also saved alone under `tokenizer_root/NAME`, and that directory
+    is what get_info reports as `tokenizer_id`: `AutoTokenizer.from_pretrained` (the SDK's
+    `get_tokenizer()`, the cookbook's) on a full checkpoint would rebuild a plain `tokenizers`
+    tokenizer as the model family's class and tokenize differently; on the tokenizer alone it
+    loads exactly the tokenizer the service uses."""
+
+    def __init__(self, directories: dict[str, str], default=None, tokenizer_root: str | Path = "runs/service/tokenizers"):
         self._directories, self._default = dict(directories), default
+        self._tokenizer_root = Path(tokenizer_root)
         self._loaded: dict[str, BaseModel] = {}
 
     @property
@@ -62,15 +69,16 @@ class BaseModels:
         if name in self._loaded:
             return self._loaded[name]
         if name in self._directories:
-            model = BaseModel(name, load_local(self._directories[name]), self._directories[name])
+            policy = load_local(self._directories[name])
         elif name == "gapless-tiny" and self._default is not None and not self._directories:
-            policy, directory = self._default()
-            model = BaseModel(name, policy, directory)
+            policy = self._default()
         else:
             raise UserError(f"unknown base model {name!r}; this service serves {', '.join(self.names) or 'nothing'} "
                             "(name more in the service config: [service] base_models = {NAME = \"DIR\"})")
-        model.policy.model.requires_grad_(False)
-        self._loaded[name] = model
+        tokenizer_dir = (self._tokenizer_root / _SAFE.sub("_", name)).resolve()
+        policy.tokenizer.save_pretrained(tokenizer_dir)
+        policy.model.requires_grad_(False)
+        model = self._loaded[name] = BaseModel(name, policy, str(tokenizer_dir))
         return model
 
 

@@ -30,10 +30,10 @@ from gapless.serve.tinker_models import BaseModels
 from gapless.serve.tinker_samplers import SamplerPool
 
 
-def default_model(cfg: Config, log=print) -> tuple[Policy, str]:
+def default_model(cfg: Config, log=print) -> Policy:
     """The embedded tiny model as `gapless train` starts from it (warm start cached by content hash)."""
     from gapless.envs.registry import make_environment
-    from gapless.orchestrate.policy_setup import prepare_policy, warmstart_key
+    from gapless.orchestrate.policy_setup import prepare_policy
 
     env = make_environment(cfg)
     try:
@@ -41,16 +41,13 @@ def default_model(cfg: Config, log=print) -> tuple[Policy, str]:
     finally:
         if callable(close := getattr(env, "close", None)):  # a code task's sandbox: not needed to serve
             close()
-    directory = Path(cfg.warmstart.cache_dir) / warmstart_key(cfg, env.name)
-    if not (directory / "config.json").is_file():  # no warm start ran (no teacher, or 0 steps): keep a copy
-        directory = Path(cfg.service.checkpoint_dir) / "base" / "gapless-tiny"
-        policy.save(directory)
-    return policy, str(directory.resolve())
+    return policy
 
 
 def build_service(cfg: Config, api_key: str, log=print) -> TinkerApp:
     s = cfg.service
-    bases = BaseModels(s.base_models, default=lambda: default_model(cfg, log))
+    bases = BaseModels(s.base_models, default=lambda: default_model(cfg, log),
+                       tokenizer_root=Path(s.checkpoint_dir) / "tokenizers")
     pool = SamplerPool(bases, max_engines=s.max_engines, max_batch=s.max_batch, max_seq_len=s.max_seq_len)
     return TinkerApp(bases, pool, api_key=api_key, checkpoint_dir=s.checkpoint_dir, hold_s=s.poll_hold_s,
                      ttl_s=s.result_ttl_s)
