@@ -400,6 +400,9 @@ class ServiceConfig(_Section):
     max_engines: int = Field(4, ge=1, le=64)
     """Sampling engines kept at once, one per set of weights being sampled (a base model or a
     saved sampler snapshot); past this the least recently used idle one takes the new weights."""
+    max_snapshots: int = Field(16, ge=1)
+    """Sampler weight snapshots (`save_weights_for_sampler`) kept in memory, a full model each;
+    older ones are dropped (an RL loop saves one per step). Raise it to sample old snapshots."""
     max_seq_len: int = Field(1024, ge=16)
     """Sampling context (prompt + completion) in tokens, at most the model's own."""
     poll_hold_s: float = Field(20.0, gt=0, le=40)

@@ -233,3 +233,38 @@ def test_full_fine_tuning_run_learns(service):
     assert losses[-1] < 0.8 * losses[0]
     assert all(p.requires_grad for p in run.model.parameters())
     assert all(torch.equal(before[k], v) for k, v in policy.model.state_dict().items())  # the base is untouched
+
+
+def test_sdk_sample_request_translation():
+    from gapless.serve.tinker_models import UserError
+    from gapless.serve.tinker_params import scheduler_request
+
+    def request(**params):
+        return types.SampleRequest(num_samples=2, prompt=types.ModelInput.from_ints([3, 4]),
+                                   sampling_params=types.SamplingParams(**params))
+
+    greedy = scheduler_request(request(temperature=0, max_tokens=5, stop=[7, 8]), 10, 64, 256)
+    assert greedy.params.greedy and greedy.params.stop_token_ids == (7, 8) and greedy.params.ignore_eos
+    strings = scheduler_request(request(stop=["\n\n"], top_k=-1), 10, 64, 256)
+    assert strings.stop == ("\n\n",) and not strings.params.ignore_eos and strings.params.top_k == 0
+    assert strings.params.max_new_tokens == 62  # no max_tokens: the rest of the 64-token context
+    assert scheduler_request(request(), 10, 64, 256).params.seed != scheduler_request(request(), 10, 64, 256).params.seed
+    assert scheduler_request(request(seed=3), 10, 64, 256).params.seed == 3
+    with pytest.raises(UserError, match="stop token id 12 is outside the vocabulary"):
+        scheduler_request(request(stop=[12]), 10, 64, 256)
+
+
+def test_sampler_snapshots_are_bounded(service, tmp_path):
+    from gapless.serve.tinker_models import BaseModels, UserError
+    from gapless.serve.tinker_samplers import SamplerPool
+
+    _, policy = service
+    pool = SamplerPool(BaseModels({}, default=lambda: policy, tokenizer_root=tmp_path), max_snapshots=2)
+    state = policy.model.state_dict()
+    for name in ("a", "b", "c"):  # an RL loop saving a snapshot per step
+        pool.register(f"tinker://run/sampler_weights/{name}", "gapless-tiny", state)
+    assert pool.base_of("tinker://run/sampler_weights/c").name == "gapless-tiny"
+    with pytest.raises(UserError, match="were dropped"):
+        pool.base_of("tinker://run/sampler_weights/a")
+    with pytest.raises(UserError, match="save them first"):
+        pool.base_of("tinker://run/sampler_weights/never")

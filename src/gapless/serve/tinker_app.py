@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import itertools
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -46,12 +45,12 @@ from starlette.routing import Route
 from tinker import types as tt
 
 from gapless.lora import LoraSpec
-from gapless.serve.protocol import SampleRequest, ServeError
+from gapless.serve.protocol import ServeError
 from gapless.serve.tinker_futures import FutureStore, Outcome
 from gapless.serve.tinker_models import AdamParams, BaseModels, TrainingRun, UserError, checkpoint_file
+from gapless.serve.tinker_params import scheduler_request
 from gapless.serve.tinker_samplers import SamplerPool
 from gapless.serve.tinker_wire import SequenceOut, WireError, decode_forward_backward, encode_forward_backward, encode_sample
-from gapless.types import SamplingParams
 
 log = logging.getLogger("gapless.serve.tinker")
 PROTO = "application/x-protobuf"
@@ -68,7 +67,6 @@ class TinkerApp:
         self.sessions: set[str] = set()
         self._trainer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-trainer")
         self._tasks: set[asyncio.Task] = set()
-        self._sample_ids = itertools.count()
         post = lambda path, fn: Route(f"/api/v1/{path}", fn, methods=["POST"])  # noqa: E731
         routes = [Route("/api/v1/healthz", lambda r: JSONResponse({"status": "ok"}), methods=["GET"]),
                   Route("/api/v1/get_server_capabilities", self.capabilities, methods=["GET"]),
@@ -325,35 +323,17 @@ class TinkerApp:
         if key is None:
             raise UserError(f"unknown sampling session {body.sampling_session_id!r}: create a sampling client first")
         base = self.pool.base_of(key)
-        prompt: list[int] = []
-        for chunk in body.prompt.chunks:
-            if not isinstance(chunk, tt.EncodedTextChunk):
-                raise UserError(f"only encoded_text prompt chunks are served (got {type(chunk).__name__})")
-            prompt += list(chunk.tokens)
-        vocab = base.vocab_size
-        if bad := [t for t in prompt if not 0 <= t < vocab]:
-            raise UserError(f"prompt token id {bad[0]} is outside the vocabulary of {base.name!r} (0..{vocab - 1})")
-        if body.num_samples < 1:
-            raise UserError(f"num_samples must be at least 1 (got {body.num_samples})")
-        sp = body.sampling_params
-        context = self.pool.context_of(key)
-        max_tokens = sp.max_tokens if sp.max_tokens is not None else min(self.default_max_tokens, context - len(prompt))
-        stop_strings, stop_ids, ignore_eos = _stops(sp.stop)
-        if bad := [t for t in stop_ids if not 0 <= t < vocab]:
-            raise UserError(f"stop token id {bad[0]} is outside the vocabulary of {base.name!r} (0..{vocab - 1})")
-        seed = sp.seed if sp.seed is not None else _seed_of(body.sampling_session_id, body.seq_id, next(self._sample_ids))
-        params = SamplingParams(temperature=sp.temperature if sp.temperature > 0 else 1.0, top_p=sp.top_p, top_k=max(sp.top_k, 0),
-                                max_new_tokens=max_tokens, greedy=sp.temperature <= 0, seed=seed,
-                                stop_token_ids=stop_ids, ignore_eos=ignore_eos)
-        handle = self.pool.submit(key, SampleRequest(tuple(prompt), params, body.num_samples, stop_strings, source="tinker"))
+        request = scheduler_request(body, base.vocab_size, self.pool.context_of(key), self.default_max_tokens)
+        prompt = list(request.prompt_ids)
+        # off the loop: the first request on new weights builds an engine (or swaps one's weights)
+        handle = await asyncio.to_thread(self.pool.submit, key, request)
         try:
             results = await handle.aresult()
         finally:
             handle.abort()  # a no-op once finished; frees the engine if this task was cancelled
         prompt_logprobs = None
         if body.prompt_logprobs:
-            scorer = self.pool.scorer(key)
-            scores, _ = await asyncio.to_thread(scorer.score, prompt, 1, 1.0, 0)
+            scores, _ = await asyncio.to_thread(lambda: self.pool.scorer(key).score(prompt, 1, 1.0, 0))
             prompt_logprobs = [float("nan")] + scores
         sequences = [SequenceOut(r.token_ids, r.logprobs, r.finish_reason == "length") for r in results]
         return encode_sample(sequences, prompt_logprobs)
@@ -373,26 +353,6 @@ class TinkerApp:
         if outcome.proto is not None:
             return Response(outcome.proto, media_type=PROTO)
         return JSONResponse(outcome.json)
-
-
-def _stops(stop) -> tuple[tuple[str, ...], tuple[int, ...], bool]:
-    """SDK stop -> (stop strings, stop token ids, ignore_eos). None: EOS only. A list of token ids
-    replaces EOS (`[]` disables every stop, as the SDK documents); strings are added to EOS."""
-    if stop is None:
-        return (), (), False
-    if isinstance(stop, str):
-        return (stop,), (), False
-    stop = list(stop)
-    if all(isinstance(s, str) for s in stop) and stop:
-        return tuple(stop), (), False
-    return (), tuple(int(s) for s in stop), True
-
-
-def _seed_of(*parts) -> int:
-    """A seed for a request that gives none: distinct for every request."""
-    import hashlib
-
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:7], "little")
 
 
 async def _json(request: Request):

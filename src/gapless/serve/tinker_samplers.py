@@ -11,10 +11,12 @@ two of its steps) instead of allocating another KV cache.
     route ── scorer(key) ──> an HF module with the key's weights (prompt log-probs, compute_logprobs)
 
 Guaranteed: a request is submitted under the same lock that re-keys engines, so it never runs on
-weights other than its key's; snapshots stay registered for the life of the process (in memory:
-full weights for a full fine-tune, merged weights otherwise). Not guaranteed: one batch across
-different weights (no multi-LoRA batching: requests on different snapshots run in different
-engines), or any snapshot after a restart (`save_state` checkpoints are the durable ones).
+weights other than its key's; the `max_snapshots` most recently saved or sampled snapshots stay
+registered (in memory, full HF-named weights each), older ones are dropped and sampling them is a
+user error that says to save them again (an RL loop saves one per step: without the bound memory
+would grow by a model per step). Not guaranteed: one batch across different weights (no
+multi-LoRA batching: requests on different snapshots run in different engines), or any snapshot
+after a restart (`save_state` checkpoints are the durable ones).
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ from gapless.serve.tinker_models import BaseModel, BaseModels, UserError
 
 class SamplerPool:
     def __init__(self, bases: BaseModels, *, max_engines: int = 4, max_batch: int = 64, max_seq_len: int = 1024,
-                 max_samples: int = 1024):
-        self.bases, self.max_engines = bases, max_engines
+                 max_samples: int = 1024, max_snapshots: int = 16):
+        self.bases, self.max_engines, self.max_snapshots = bases, max_engines, max_snapshots
         self.max_batch, self.max_seq_len, self.max_samples = max_batch, max_seq_len, max_samples
-        self._snapshots: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}  # path -> (base name, weights)
+        self._snapshots: OrderedDict[str, tuple[str, dict[str, torch.Tensor]]] = OrderedDict()  # path -> (base, weights)
+        self._dropped: set[str] = set()
         self._engines: OrderedDict[str, Scheduler] = OrderedDict()  # key -> scheduler, least recent first
         self._bases_of: dict[int, str] = {}  # id(scheduler) -> base name it was built for
         self._scorers: OrderedDict[str, Scorer] = OrderedDict()
@@ -47,11 +50,20 @@ class SamplerPool:
     def register(self, path: str, base_name: str, state: dict[str, torch.Tensor]) -> None:
         with self._lock:
             self._snapshots[path] = (base_name, state)
+            self._snapshots.move_to_end(path)
+            self._dropped.discard(path)
+            while len(self._snapshots) > self.max_snapshots:
+                old, _ = self._snapshots.popitem(last=False)
+                self._dropped.add(old)
+                self._scorers.pop(old, None)
 
     def base_of(self, key: str) -> BaseModel:
         """The base model behind `key` (UserError if the key names nothing served)."""
-        if key in self._snapshots:
-            return self.bases.get(self._snapshots[key][0])
+        if (snapshot := self._snapshots.get(key)) is not None:
+            return self.bases.get(snapshot[0])
+        if key in self._dropped:
+            raise UserError(f"the sampler weights at {key!r} were dropped: the service keeps the {self.max_snapshots} "
+                            "most recently used snapshots (service.max_snapshots); save them again")
         if key.startswith("tinker://"):
             raise UserError(f"no sampler weights at {key!r}: save them first with save_weights_for_sampler")
         return self.bases.get(key)
@@ -64,6 +76,10 @@ class SamplerPool:
             return scheduler.submit(request)
 
     def _scheduler(self, key: str, base: BaseModel) -> Scheduler:
+        if key in self._snapshots:
+            self._snapshots.move_to_end(key)
+        elif key.startswith("tinker://"):  # dropped between base_of and here
+            raise UserError(f"the sampler weights at {key!r} were dropped; save them again")
         if key in self._engines:
             self._engines.move_to_end(key)
             return self._engines[key]
@@ -96,7 +112,9 @@ class SamplerPool:
             if key in self._scorers:
                 self._scorers.move_to_end(key)
                 return self._scorers[key]
-            if key in self._snapshots:
+            if key.startswith("tinker://"):
+                if key not in self._snapshots:
+                    raise UserError(f"the sampler weights at {key!r} were dropped; save them again")
                 model = copy.deepcopy(base.policy.model)
                 model.load_state_dict(self._snapshots[key][1], strict=False)  # a tied LM head may be absent
             else:

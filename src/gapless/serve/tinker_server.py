@@ -23,7 +23,6 @@ import uvicorn
 
 from gapless.config import Config
 from gapless.models import Policy
-from gapless.serve.listen import bind
 from gapless.serve.openai_server import ServerThread, _config
 from gapless.serve.tinker_app import TinkerApp
 from gapless.serve.tinker_models import BaseModels
@@ -48,7 +47,8 @@ def build_service(cfg: Config, api_key: str, log=print) -> TinkerApp:
     s = cfg.service
     bases = BaseModels(s.base_models, default=lambda: default_model(cfg, log),
                        tokenizer_root=Path(s.checkpoint_dir) / "tokenizers")
-    pool = SamplerPool(bases, max_engines=s.max_engines, max_batch=s.max_batch, max_seq_len=s.max_seq_len)
+    pool = SamplerPool(bases, max_engines=s.max_engines, max_batch=s.max_batch, max_seq_len=s.max_seq_len,
+                       max_snapshots=s.max_snapshots)
     return TinkerApp(bases, pool, api_key=api_key, checkpoint_dir=s.checkpoint_dir, hold_s=s.poll_hold_s,
                      ttl_s=s.result_ttl_s)
 
