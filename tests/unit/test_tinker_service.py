@@ -268,3 +268,26 @@ def test_sampler_snapshots_are_bounded(service, tmp_path):
         pool.base_of("tinker://run/sampler_weights/a")
     with pytest.raises(UserError, match="save them first"):
         pool.base_of("tinker://run/sampler_weights/never")
+
+
+def test_full_sampler_is_backpressure_the_sdk_retries(service, client):
+    import httpx
+
+    server, policy = service
+    sampler = client.create_sampling_client(base_model="tiny").result()
+    prompt = types.ModelInput.from_ints(policy.encode("Question 5: name"))
+    sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2, seed=0)).result()  # the engine exists
+    scheduler = server.app.pool._engines["tiny"]
+    limit, rejected = scheduler.max_samples, scheduler.stats.rejected
+    scheduler.max_samples = 4
+    try:
+        body = {"base_model": "tiny", "num_samples": 4, "seq_id": 0,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt.to_ints()}]},
+                "sampling_params": {"max_tokens": 100, "stop": []}}
+        with httpx.Client(base_url=server.base_url, headers={"X-API-Key": KEY}, timeout=30) as http:
+            assert http.post("/api/v1/asample", json=body).status_code == 200  # fills the scheduler
+            out = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=3, seed=0, stop=[])).result()
+        assert len(out.sequences[0].tokens) == 3  # answered 429 at first, then served after the SDK's backoff
+        assert scheduler.stats.rejected > rejected
+    finally:
+        scheduler.max_samples = limit

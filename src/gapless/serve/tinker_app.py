@@ -45,7 +45,8 @@ from starlette.routing import Route
 from tinker import types as tt
 
 from gapless.lora import LoraSpec
-from gapless.serve.protocol import ServeError
+from gapless.serve.protocol import QueueFull, ServeError
+from gapless.serve.scheduler import RequestHandle
 from gapless.serve.tinker_futures import FutureStore, Outcome
 from gapless.serve.tinker_models import AdamParams, BaseModels, TrainingRun, UserError, checkpoint_file
 from gapless.serve.tinker_params import scheduler_request
@@ -298,45 +299,55 @@ class TinkerApp:
                              "model_path": key if key.startswith("tinker://") else None})
 
     async def asample(self, request: Request) -> Response:
+        """Submit before answering, so a full scheduler is a 429 the SDK backs off on and retries;
+        bad input is accepted and fails its future (a user error the SDK raises)."""
         body = await _parse(tt.SampleRequest, request)
         if isinstance(body, Response):
             return body
+        try:
+            key, handle = await self._submit(body)
+        except QueueFull as exc:
+            return JSONResponse({"error": exc.message}, status_code=429, headers={"Retry-After": "1"})
+        except (UserError, ServeError) as exc:
+            key, handle = None, getattr(exc, "message", str(exc))
         request_id = self.futures.create()
-        sequence_ids = [f"{request_id}/{j}" for j in range(body.num_samples)]
-        task = asyncio.create_task(self._sample(request_id, body))
+        task = asyncio.create_task(self._finish_sample(request_id, key, handle, body))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return JSONResponse({"request_id": request_id, "sample_sequence_ids": sequence_ids})
+        return JSONResponse({"request_id": request_id,
+                             "sample_sequence_ids": [f"{request_id}/{j}" for j in range(body.num_samples)]})
 
-    async def _sample(self, request_id: str, body: tt.SampleRequest) -> None:
+    async def _submit(self, body: tt.SampleRequest) -> tuple[str, RequestHandle]:
+        key = self.sampling_sessions.get(body.sampling_session_id or "") or body.model_path or body.base_model
+        if key is None:
+            raise UserError(f"unknown sampling session {body.sampling_session_id!r}: create a sampling client first")
+        base = self.pool.base_of(key)
+        request = scheduler_request(body, base.vocab_size, self.pool.context_of(key), self.default_max_tokens)
+        # off the loop: the first request on new weights builds an engine (or swaps one's weights)
+        return key, await asyncio.to_thread(self.pool.submit, key, request)
+
+    async def _finish_sample(self, request_id: str, key: str | None, handle: RequestHandle | str,
+                             body: tt.SampleRequest) -> None:
         try:
-            outcome = Outcome(proto=await self._sample_proto(body))
+            if isinstance(handle, str):  # refused at submit: the message
+                raise UserError(handle)
+            try:
+                results = await handle.aresult()
+            finally:
+                handle.abort()  # a no-op once finished; frees the engine if this task was cancelled
+            prompt_logprobs = None
+            if body.prompt_logprobs:
+                prompt = list(handle.request.prompt_ids)
+                scores, _ = await asyncio.to_thread(lambda: self.pool.scorer(key).score(prompt, 1, 1.0, 0))
+                prompt_logprobs = [float("nan")] + scores
+            sequences = [SequenceOut(r.token_ids, r.logprobs, r.finish_reason == "length") for r in results]
+            outcome = Outcome(proto=encode_sample(sequences, prompt_logprobs))
         except (UserError, ServeError) as exc:
             outcome = Outcome(error=getattr(exc, "message", str(exc)), category="user")
         except Exception as exc:  # noqa: BLE001 -- the client learns why; the service lives on
             log.exception("sampling failed")
             outcome = Outcome(error=f"the service failed: {type(exc).__name__}: {exc}", category="server")
         self.futures.resolve(request_id, outcome)
-
-    async def _sample_proto(self, body: tt.SampleRequest) -> bytes:
-        key = self.sampling_sessions.get(body.sampling_session_id or "") or body.model_path or body.base_model
-        if key is None:
-            raise UserError(f"unknown sampling session {body.sampling_session_id!r}: create a sampling client first")
-        base = self.pool.base_of(key)
-        request = scheduler_request(body, base.vocab_size, self.pool.context_of(key), self.default_max_tokens)
-        prompt = list(request.prompt_ids)
-        # off the loop: the first request on new weights builds an engine (or swaps one's weights)
-        handle = await asyncio.to_thread(self.pool.submit, key, request)
-        try:
-            results = await handle.aresult()
-        finally:
-            handle.abort()  # a no-op once finished; frees the engine if this task was cancelled
-        prompt_logprobs = None
-        if body.prompt_logprobs:
-            scores, _ = await asyncio.to_thread(lambda: self.pool.scorer(key).score(prompt, 1, 1.0, 0))
-            prompt_logprobs = [float("nan")] + scores
-        sequences = [SequenceOut(r.token_ids, r.logprobs, r.finish_reason == "length") for r in results]
-        return encode_sample(sequences, prompt_logprobs)
 
     # ---- futures ------------------------------------------------------------------------------
     async def retrieve_future(self, request: Request) -> Response:
