@@ -68,7 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch", type=int, default=64, help="sequences decoded together by the engine")
     serve.add_argument("--max-seq-len", type=int, default=None,
                        help="served context, prompt + completion (default: the model's, at most 2048)")
-    sub.add_parser("serve-training", help="serve the Tinker training API (docs/service.md)")
+    training = sub.add_parser("serve-training", help="serve the Tinker training API to the tinker SDK (docs/service.md)")
+    training.add_argument("args", nargs=argparse.REMAINDER,
+                          help="[CONFIG] [--host 127.0.0.1] [--port 8001] [--api-key KEY (default: $TINKER_API_KEY)] "
+                               "[--threads N] [--section.key VALUE ...]; base models: [service] base_models in CONFIG")
     report = sub.add_parser("report", help="compare runs in one self-contained HTML page")
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     report.add_argument("--out", default=None, help="output directory (default: FIRST_RUN_DIR/report)")
