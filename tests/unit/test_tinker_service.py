@@ -291,3 +291,30 @@ def test_full_sampler_is_backpressure_the_sdk_retries(service, client):
         assert scheduler.stats.rejected > rejected
     finally:
         scheduler.max_samples = limit
+
+
+def test_micro_batching_leaves_loss_and_gradient_unchanged(service):
+    from gapless.lora import LoraSpec
+    from gapless.serve.tinker_models import BaseModel, TrainingRun, micro_batches
+    from gapless.serve.tinker_wire import DatumIn
+
+    # lengths 3, 5, 2, 4 within 10 padded tokens: [3, 5] pads to 10, then [2, 4] pads to 8
+    assert micro_batches([3, 5, 2, 4], 10) == [(0, 2), (2, 4)]
+    assert micro_batches([12, 1], 10) == [(0, 1), (1, 2)]  # a long datum alone
+    _, policy = service
+    texts = [f"Question {i}: name {i} fruits." * (1 + i % 3) for i in range(5)]
+    datums = [DatumIn(t[:-1], {"target_tokens": torch.tensor(t[1:]), "advantages": torch.full((len(t) - 1,), 0.5 - i / 4),
+                               "logprobs": torch.full((len(t) - 1,), -3.0)})
+              for i, t in enumerate(policy.encode(x) for x in texts)]
+    results = []
+    for budget in (1 << 20, 16):  # one forward for all; one per datum or two
+        run = TrainingRun("m", BaseModel("tiny", policy, ""), LoraSpec(rank=2, seed=0), micro_batch_tokens=budget)
+        for name, p in run.model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(len(name)))
+        logprobs, metrics = run.forward_backward(datums, "ppo", {}, forward_only=False)
+        results.append((metrics["loss:sum"], [p.grad.clone() for p in run.params], logprobs))
+    (loss_a, grads_a, lp_a), (loss_b, grads_b, lp_b) = results
+    assert loss_a == pytest.approx(loss_b, rel=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads_a, grads_b))
+    assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(lp_a, lp_b))

@@ -59,8 +59,8 @@ PROTO = "application/x-protobuf"
 
 class TinkerApp:
     def __init__(self, bases: BaseModels, pool: SamplerPool, *, api_key: str, checkpoint_dir: str | Path,
-                 hold_s: float = 20.0, ttl_s: float = 600.0, default_max_tokens: int = 256):
-        self.bases, self.pool, self.api_key = bases, pool, api_key
+                 hold_s: float = 20.0, ttl_s: float = 600.0, default_max_tokens: int = 256, micro_batch_tokens: int = 4096):
+        self.bases, self.pool, self.api_key, self.micro_batch_tokens = bases, pool, api_key, micro_batch_tokens
         self.checkpoint_dir, self.hold_s, self.default_max_tokens = Path(checkpoint_dir), hold_s, default_max_tokens
         self.futures = FutureStore(ttl_s)
         self.runs: dict[str, TrainingRun] = {}  # model_id -> run (training thread only, after creation)
@@ -139,7 +139,7 @@ class TinkerApp:
                 spec = LoraSpec(rank=lora.rank, train_attn=lora.train_attn, train_mlp=lora.train_mlp,
                                 train_unembed=lora.train_unembed, seed=lora.seed if lora.seed is not None else 0)
             try:
-                self.runs[model_id] = TrainingRun(model_id, base, spec)
+                self.runs[model_id] = TrainingRun(model_id, base, spec, self.micro_batch_tokens)
             except ValueError as exc:
                 raise UserError(str(exc)) from None
             return {"type": "create_model", "model_id": model_id}
@@ -216,7 +216,7 @@ class TinkerApp:
             run = self.runs.get(model_id)
             if run is None:
                 base = self.bases.get(payload["base"])
-                run = self.runs[model_id] = TrainingRun(model_id, base, payload["spec"])
+                run = self.runs[model_id] = TrainingRun(model_id, base, payload["spec"], self.micro_batch_tokens)
             run.load(payload, with_optimizer=bool(body.optimizer))
             return {"type": "load_weights", "path": body.path, "model_id": model_id}
 

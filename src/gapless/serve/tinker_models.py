@@ -4,6 +4,8 @@
     TrainingRun          one training client: a LoRA adapter on a private copy of a base model
                          (or the whole copy, for full fine-tuning), its gradients and Adam state
       forward_backward   per-datum log-probs, the summed loss (tinker_losses), gradients accumulated
+                         (in micro-batches of at most `micro_batch_tokens` padded tokens: the sums,
+                         and so the gradients, are those of one batch up to float rounding)
       optim_step         AdamW with the SDK's parameters on the accumulated gradients, then zero them
       save / load        adapter (or full weights) + optimizer state, one torch file per checkpoint
       sampler_state      full HF-named weights (adapter merged) for a sampling engine
@@ -93,8 +95,9 @@ class AdamParams:
 
 
 class TrainingRun:
-    def __init__(self, model_id: str, base: BaseModel, spec: LoraSpec | None):
+    def __init__(self, model_id: str, base: BaseModel, spec: LoraSpec | None, micro_batch_tokens: int = 4096):
         self.model_id, self.base, self.spec = model_id, base, spec
+        self.micro_batch_tokens = micro_batch_tokens
         if spec is None:
             self.model = copy.deepcopy(base.policy.model).requires_grad_(True)
         else:
@@ -114,6 +117,22 @@ class TrainingRun:
         if not datums:
             raise UserError("forward_backward needs at least one datum")
         targets = [self._check(i, d) for i, d in enumerate(datums)]
+        inputs = [{k: v.float() for k, v in d.inputs.items() if k != "target_tokens"} for d in datums]
+        try:  # every datum's loss inputs checked before any gradient changes
+            for t, x in zip(targets, inputs):
+                fn(torch.zeros(len(t)), x, config)
+        except LossInputError as exc:
+            raise UserError(str(exc)) from None
+        logprobs: list[np.ndarray] = []
+        total = 0.0
+        for lo, hi in micro_batches([len(d.tokens) for d in datums], self.micro_batch_tokens):
+            out, loss = self._micro_batch(datums[lo:hi], targets[lo:hi], inputs[lo:hi], fn, config, forward_only)
+            logprobs += out
+            total += loss
+        return logprobs, {"loss:sum": total}
+
+    def _micro_batch(self, datums, targets, inputs, fn, config, forward_only) -> tuple[list[np.ndarray], float]:
+        """One padded forward (and backward) over a few datums; losses are sums, so gradients add up."""
         lengths = [len(d.tokens) for d in datums]
         width = max(lengths)
         input_ids = torch.zeros(len(datums), width, dtype=torch.long)  # (B, L), right-padded
@@ -126,15 +145,10 @@ class TrainingRun:
         with torch.set_grad_enabled(not forward_only):
             logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits.float()  # (B, L, V)
             logp = torch.log_softmax(logits, dim=-1).gather(-1, target_ids[..., None]).squeeze(-1)  # (B, L)
-            try:
-                losses = [fn(logp[i, : lengths[i]], {k: v.float() for k, v in d.inputs.items() if k != "target_tokens"}, config)
-                          for i, d in enumerate(datums)]
-            except LossInputError as exc:
-                raise UserError(str(exc)) from None
-            total = torch.stack(losses).sum()
+            total = torch.stack([fn(logp[i, : lengths[i]], x, config) for i, x in enumerate(inputs)]).sum()
             if not forward_only:
                 total.backward()
-        return [logp[i, : lengths[i]].detach().numpy().copy() for i in range(len(datums))], {"loss:sum": float(total.detach())}
+        return [logp[i, : lengths[i]].detach().numpy().copy() for i in range(len(datums))], float(total.detach())
 
     def _check(self, i: int, d: DatumIn) -> torch.Tensor:
         vocab = self.base.vocab_size
@@ -205,6 +219,18 @@ class TrainingRun:
             self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
             self.optimizer.load_state_dict(payload["optimizer"])
             self.steps = payload["steps"]
+
+
+def micro_batches(lengths: list[int], max_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive index ranges whose padded size (count x longest) stays within `max_tokens`
+    (a datum longer than that gets a range of its own)."""
+    ranges, lo, longest = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > lo and max(longest, n) * (i - lo + 1) > max_tokens:
+            ranges.append((lo, i))
+            lo, longest = i, 0
+        longest = max(longest, n)
+    return ranges + [(lo, len(lengths))] if lengths else ranges
 
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")

@@ -50,7 +50,7 @@ def build_service(cfg: Config, api_key: str, log=print) -> TinkerApp:
     pool = SamplerPool(bases, max_engines=s.max_engines, max_batch=s.max_batch, max_seq_len=s.max_seq_len,
                        max_snapshots=s.max_snapshots)
     return TinkerApp(bases, pool, api_key=api_key, checkpoint_dir=s.checkpoint_dir, hold_s=s.poll_hold_s,
-                     ttl_s=s.result_ttl_s)
+                     ttl_s=s.result_ttl_s, micro_batch_tokens=s.micro_batch_tokens)
 
 
 class ServiceThread(ServerThread):
