@@ -109,6 +109,9 @@ def test_two_clients_at_once_equal_each_alone(service, client):
         together_b.append(fb.result().metrics["loss:sum"])
         oa.result(), ob.result()
     assert together_a == alone_a and together_b == alone_b
+    runs = service[0].app.runs
+    assert runs[a.model_id].model is runs[b.model_id].model  # two adapters on one shared copy of the base
+    assert runs[a.model_id].adapter != runs[b.model_id].adapter
 
 
 def test_bad_input_gets_sdk_errors_and_service_stays_healthy(service, client):

@@ -114,7 +114,7 @@ class TinkerApp:
 
         def drop() -> None:  # on the training thread, after the session's queued calls
             for model_id in [m for m in self.runs if m.startswith(prefix)]:
-                del self.runs[model_id]
+                self.runs.pop(model_id).close()
 
         self._trainer.submit(drop)
         return JSONResponse({})

@@ -1,8 +1,9 @@
 """Base models and training runs of the Tinker service: the model work behind each SDK call.
 
     BaseModels           name -> Policy, loaded once from a local checkpoint directory (or built)
-    TrainingRun          one training client: a LoRA adapter on a private copy of a base model
-                         (or the whole copy, for full fine-tuning), its gradients and Adam state
+    TrainingRun          one training client: its own LoRA adapter on the base model's one shared
+                         peft copy (or a whole private copy, for full fine-tuning), its gradients
+                         and Adam state
       forward_backward   per-datum log-probs, the summed loss (tinker_losses), gradients accumulated
                          (in micro-batches of at most `micro_batch_tokens` padded tokens: the sums,
                          and so the gradients, are those of one batch up to float rounding)
@@ -10,8 +11,9 @@
       save / load        adapter (or full weights) + optimizer state, one torch file per checkpoint
       sampler_state      full HF-named weights (adapter merged) for a sampling engine
 
-Runs share nothing but the frozen base weights they were copied from, so two clients never see
-each other's adapters, gradients or optimizer state. Every method runs on the service's one
+LoRA runs on one base share its frozen weights (one copy, whatever the number of clients) and
+nothing else: each call activates the run's own adapter first, so two clients never see each
+other's adapters, gradients or optimizer state (lora.py's guarantee; tested). Every method runs on the service's one
 training thread (tinker_app.py), which executes calls in arrival order.
 Guaranteed: bad input (token ids outside the vocabulary, loss inputs whose shape differs from the
 datum's, an unknown loss) raises `UserError` before any gradient changes; a run's log-probs are
@@ -28,7 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gapless.lora import LoraSpec, adapter_state, attach_lora, load_adapter_state, merged_state
+from gapless.lora import (LoraSpec, activate, adapter_parameters, adapter_state, add_lora, attach_lora,
+                          load_adapter_state, merged_state, remove_lora)
 from gapless.models import Policy, load_local
 from gapless.serve.tinker_losses import LossInputError, loss_fn
 from gapless.serve.tinker_wire import DatumIn
@@ -43,6 +46,8 @@ class BaseModel:
     name: str
     policy: Policy
     tokenizer_dir: str  # the tokenizer alone, saved by the service: the SDK's tokenizer_id
+    adapted: torch.nn.Module | None = None  # one peft model holding every LoRA run's adapter on this base
+    adapters_made: int = 0
 
     @property
     def vocab_size(self) -> int:
@@ -98,13 +103,36 @@ class TrainingRun:
     def __init__(self, model_id: str, base: BaseModel, spec: LoraSpec | None, micro_batch_tokens: int = 4096):
         self.model_id, self.base, self.spec = model_id, base, spec
         self.micro_batch_tokens = micro_batch_tokens
+        self.adapter = f"run{base.adapters_made}"  # a module-name-safe key (model ids hold ':')
         if spec is None:
             self.model = copy.deepcopy(base.policy.model).requires_grad_(True)
+            self.params = list(self.model.parameters())
         else:
-            self.model = attach_lora(base.policy.model, spec)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+            if base.adapted is None:
+                base.adapted = attach_lora(base.policy.model, spec, self.adapter)
+            else:
+                add_lora(base.adapted, spec, self.adapter)
+            self.model = base.adapted
+            self.params = adapter_parameters(self.model, self.adapter)
+        base.adapters_made += 1
         self.optimizer: torch.optim.AdamW | None = None
         self.steps = 0
+
+    def _activate(self) -> None:
+        if self.spec is not None:
+            activate(self.model, self.adapter)
+
+    def close(self) -> None:
+        """Free the run's adapter (a LoRA run) or its copy of the model."""
+        if self.spec is not None:
+            others = [a for a in self.model.peft_config if a != self.adapter]
+            if not others:  # the last adapter on this base: drop the shared copy itself
+                self.base.adapted = None
+            else:
+                if self.model.active_adapter == self.adapter:
+                    activate(self.model, others[0])
+                remove_lora(self.model, self.adapter)
+        self.model, self.params, self.optimizer = None, [], None
 
     # ---- forward / backward -----------------------------------------------------------------
     def forward_backward(self, datums: list[DatumIn], loss_name: str, config: dict[str, float], forward_only: bool
@@ -123,6 +151,7 @@ class TrainingRun:
                 fn(torch.zeros(len(t)), x, config)
         except LossInputError as exc:
             raise UserError(str(exc)) from None
+        self._activate()
         logprobs: list[np.ndarray] = []
         total = 0.0
         for lo, hi in micro_batches([len(d.tokens) for d in datums], self.micro_batch_tokens):
@@ -193,10 +222,10 @@ class TrainingRun:
     def sampler_state(self) -> dict[str, torch.Tensor]:
         if self.spec is None:
             return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        return merged_state(self.model)
+        return merged_state(self.model, self.adapter)
 
     def save(self, path: Path) -> None:
-        weights = adapter_state(self.model) if self.spec is not None else self.sampler_state()
+        weights = adapter_state(self.model, self.adapter) if self.spec is not None else self.sampler_state()
         payload = {"base": self.base.name, "spec": self.spec, "weights": weights, "steps": self.steps,
                    "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -209,7 +238,7 @@ class TrainingRun:
             raise UserError(f"checkpoint is for base {payload['base']!r} with {payload['spec']}; this run is "
                             f"{self.base.name!r} with {self.spec}")
         if self.spec is not None:
-            load_adapter_state(self.model, payload["weights"])
+            load_adapter_state(self.model, payload["weights"], self.adapter)
         else:
             self.model.load_state_dict(payload["weights"])
         self.optimizer = None
