@@ -17,7 +17,6 @@ import asyncio
 import json
 from pathlib import Path
 
-import chz
 import numpy as np
 import pytest
 import tinker
@@ -29,6 +28,7 @@ from gapless.envs.registry import make_environment
 from gapless.serve.tinker_server import ServiceThread, build_service
 from gapless.types import Completion
 
+chz = pytest.importorskip("chz", reason="tinker-cookbook's dependencies come with the test extra (scripts/setup.sh)")
 CONFIGS = Path(__file__).parents[2] / "configs"
 KEY = "tml-gapless-test"
 pytestmark = pytest.mark.slow
