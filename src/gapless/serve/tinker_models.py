@@ -23,6 +23,7 @@ those of the same weights the sampler gets from `sampler_state` (fp32 rounding a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,7 +235,7 @@ class TrainingRun:
         tmp.replace(path)
 
     def load(self, payload: dict, with_optimizer: bool) -> None:
-        if payload["base"] != self.base.name or payload["spec"] != self.spec:
+        if payload["base"] != self.base.name or _shape(payload["spec"]) != _shape(self.spec):
             raise UserError(f"checkpoint is for base {payload['base']!r} with {payload['spec']}; this run is "
                             f"{self.base.name!r} with {self.spec}")
         if self.spec is not None:
@@ -248,6 +249,11 @@ class TrainingRun:
             self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
             self.optimizer.load_state_dict(payload["optimizer"])
             self.steps = payload["steps"]
+
+
+def _shape(spec: LoraSpec | None) -> LoraSpec | None:
+    """What a checkpoint must match to load: everything but the seed (it only chose the initial A)."""
+    return dataclasses.replace(spec, seed=None) if spec is not None else None
 
 
 def micro_batches(lengths: list[int], max_tokens: int) -> list[tuple[int, int]]:
