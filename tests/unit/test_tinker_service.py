@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import openai
 import pytest
 import tinker
 import torch
@@ -321,3 +322,23 @@ def test_micro_batching_leaves_loss_and_gradient_unchanged(service):
     assert loss_a == pytest.approx(loss_b, rel=1e-5)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads_a, grads_b))
     assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(lp_a, lp_b))
+
+
+def test_openai_and_tinker_requests_share_engine_steps(service, client):
+    """The OpenAI routes (/v1, bearer key) serve the base model on the scheduler Tinker samples use."""
+    server, policy = service
+    oa = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    sampler = client.create_sampling_client(base_model="tiny").result()
+    prompt = policy.encode("Question 4: name")
+    scheduler = server.app.openai.scheduler
+    assert scheduler is server.app.pool.scheduler_for("tiny")
+    mixed = frozenset({"http", "tinker"})
+    for _ in range(5):  # both long enough to overlap; a few tries make a miss on a loaded box negligible
+        future = sampler.sample(types.ModelInput.from_ints(prompt), 4, types.SamplingParams(max_tokens=60, seed=2, stop=[]))
+        out = oa.completions.create(model="tiny", prompt=prompt, max_tokens=60, n=2, seed=2, extra_body={"ignore_eos": True})
+        assert len(future.result().sequences) == 4 and len(out.choices) == 2
+        if scheduler.stats.batch_sources[mixed] > 0:
+            break
+    assert scheduler.stats.batch_sources[mixed] > 0
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0).models.list()

@@ -6,6 +6,7 @@
     POST /api/v1/create_sampling_session, asample; GET /api/v1/samplers/{id} -> the sampler pool
     POST /api/v1/retrieve_future                                         -> the future store
     GET  /api/v1/healthz, /api/v1/get_server_capabilities
+    /v1/...  the OpenAI API (openai_app.py) over the first base model's scheduler, when given
 
 Who waits for whom:
 
@@ -58,11 +59,12 @@ PROTO = "application/x-protobuf"
 
 
 class TinkerApp:
-    def __init__(self, bases: BaseModels, pool: SamplerPool, *, api_key: str, checkpoint_dir: str | Path,
+    def __init__(self, bases: BaseModels, pool: SamplerPool, *, api_key: str, checkpoint_dir: str | Path, openai=None,
                  hold_s: float = 20.0, ttl_s: float = 600.0, default_max_tokens: int = 256, micro_batch_tokens: int = 4096):
         self.bases, self.pool, self.api_key, self.micro_batch_tokens = bases, pool, api_key, micro_batch_tokens
         self.checkpoint_dir, self.hold_s, self.default_max_tokens = Path(checkpoint_dir), hold_s, default_max_tokens
         self.futures = FutureStore(ttl_s)
+        self.openai = openai  # an OpenAIApp over a base model's scheduler, served under /v1 (its own bearer check)
         self.runs: dict[str, TrainingRun] = {}  # model_id -> run (training thread only, after creation)
         self.sampling_sessions: dict[str, str] = {}  # sampling_session_id -> weights key
         self.sessions: set[str] = set()
@@ -85,6 +87,8 @@ class TinkerApp:
         self.app = Starlette(routes=routes, exception_handlers={Exception: _internal_error})
 
     async def __call__(self, scope, receive, send) -> None:
+        if self.openai is not None and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            return await self.openai(scope, receive, send)
         if scope["type"] == "http" and scope["path"] != "/api/v1/healthz":
             given = dict(scope["headers"]).get(b"x-api-key", b"").decode("latin-1")
             if not hmac.compare_digest(given.encode(), self.api_key.encode()):

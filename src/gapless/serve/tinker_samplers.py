@@ -4,8 +4,10 @@ A key names the weights: a base model's name, or the `tinker://.../sampler_weigh
 training client saved with `save_weights_for_sampler`. Every request on one key joins that key's
 scheduler, so requests of all clients on the same weights share one continuous batch (the
 scheduler of `gapless serve`). Engines are made on first use, at most `max_engines` of them;
-past that the least recently used idle engine takes the new weights (`update_weights`, between
-two of its steps) instead of allocating another KV cache.
+past that the least recently used idle snapshot engine takes the new weights (`update_weights`,
+between two of its steps) instead of allocating another KV cache. A base model's engine keeps its
+weights for the life of the service: the OpenAI routes (tinker_server.py) submit to it directly,
+so OpenAI and Tinker requests on the base model share one continuous batch.
 
     route ── submit(key, request) ──> [lock: pick/re-key a scheduler, scheduler.submit] ──> handle
     route ── scorer(key) ──> an HF module with the key's weights (prompt log-probs, compute_logprobs)
@@ -68,6 +70,12 @@ class SamplerPool:
             raise UserError(f"no sampler weights at {key!r}: save them first with save_weights_for_sampler")
         return self.bases.get(key)
 
+    def scheduler_for(self, key: str) -> Scheduler:
+        """The scheduler serving `key` (built if needed); a base model's keeps its weights for good."""
+        base = self.base_of(key)
+        with self._lock:
+            return self._scheduler(key, base)
+
     def submit(self, key: str, request: SampleRequest) -> RequestHandle:
         """Queue `request` on the scheduler serving `key`'s weights (building or re-keying one)."""
         base = self.base_of(key)
@@ -86,8 +94,8 @@ class SamplerPool:
         state = self._snapshots[key][1] if key in self._snapshots else base.policy.model.state_dict()
         self._versions += 1
         if len(self._engines) >= self.max_engines:
-            for old_key, old in self._engines.items():
-                if self._bases_of[id(old)] == base.name and old.samples_in_flight == 0:
+            for old_key, old in self._engines.items():  # base-model engines keep their weights (the OpenAI routes hold one)
+                if old_key.startswith("tinker://") and self._bases_of[id(old)] == base.name and old.samples_in_flight == 0:
                     del self._engines[old_key]
                     old.update_weights(state, self._versions)  # applied before any later submit
                     self._engines[key] = old

@@ -4,7 +4,8 @@ The same stack as `gapless serve` (openai_server.py): one process, uvicorn's loo
 (listen.bind's socket, the same uvicorn settings), the sampling schedulers' engine threads, and
 one training thread. The SDK's `base_url` is the server root (`http://HOST:PORT`).
 
-    build_service(cfg, api_key)  the app over the configured base models (none: gapless-tiny)
+    build_service(cfg, api_key)  the app over the configured base models (none: gapless-tiny), with the
+                                 OpenAI API (`/v1`, bearer KEY) over the first one's sampling scheduler
     ServiceThread(app)           the service from a background thread (tests, benchmarks)
     serve(cfg, sock, api_key)    the command: runs until Ctrl-C
 
@@ -23,7 +24,9 @@ import uvicorn
 
 from gapless.config import Config
 from gapless.models import Policy
+from gapless.serve.openai_app import OpenAIApp
 from gapless.serve.openai_server import ServerThread, _config
+from gapless.serve.scoring import Scorer
 from gapless.serve.tinker_app import TinkerApp
 from gapless.serve.tinker_models import BaseModels
 from gapless.serve.tinker_samplers import SamplerPool
@@ -49,8 +52,12 @@ def build_service(cfg: Config, api_key: str, log=print) -> TinkerApp:
                        tokenizer_root=Path(s.checkpoint_dir) / "tokenizers")
     pool = SamplerPool(bases, max_engines=s.max_engines, max_batch=s.max_batch, max_seq_len=s.max_seq_len,
                        max_snapshots=s.max_snapshots)
+    name = bases.names[0]  # the OpenAI routes serve the first base model, on its sampling scheduler
+    base = bases.get(name)
+    openai = OpenAIApp(pool.scheduler_for(name), base.policy.tokenizer, name, scorer=Scorer(base.policy.model),
+                       api_key=api_key)
     return TinkerApp(bases, pool, api_key=api_key, checkpoint_dir=s.checkpoint_dir, hold_s=s.poll_hold_s,
-                     ttl_s=s.result_ttl_s, micro_batch_tokens=s.micro_batch_tokens)
+                     ttl_s=s.result_ttl_s, micro_batch_tokens=s.micro_batch_tokens, openai=openai)
 
 
 class ServiceThread(ServerThread):
@@ -70,10 +77,11 @@ def serve(cfg: Config, sock: socket.socket, api_key: str, threads: int | None = 
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
     app = build_service(cfg, api_key, log)
     names = ", ".join(app.bases.names)
-    for name in app.bases.names:  # load (or build) every base model before taking requests
+    for name in app.bases.names[1:]:  # load every base model before taking requests (the first is loaded)
         app.bases.get(name)
     host, port = sock.getsockname()[:2]
     log(f"serving the Tinker API for {names} at http://{host}:{port} (set TINKER_BASE_URL to it)", flush=True)
+    log(f"and the OpenAI API for {app.bases.names[0]} at http://{host}:{port}/v1 (bearer: the same key)", flush=True)
     try:
         uvicorn.Server(_config(app)).run(sockets=[sock])
     except KeyboardInterrupt:
