@@ -2,9 +2,12 @@
 
 1. a loop written the way tinker-cookbook's `recipes/rl_loop.py` is (the same SDK calls:
    save_weights_and_get_sampling_client, sample with num_samples, group-centred advantages,
-   forward_backward("importance_sampling"), optim_step) raises the reward of gapless's math task;
+   forward_backward, optim_step) raises the reward of gapless's math task, with the recipe's
+   `importance_sampling` and with its `gspo` (a `sequence_ratio_mask` over the sampled tokens, as
+   the recipe builds it); its default, `stable_reinforce`, is not served (docs/service.md says why);
 2. the cookbook's own RL trainer (`tinker_cookbook.rl.train.main`) runs unchanged for a few steps
-   with a locally defined environment, saving and finishing as it does against Tinker.
+   with a locally defined environment and its default loss config (a synchronous run:
+   `importance_sampling`, no loss_fn_config), saving and finishing as it does against Tinker.
 
 The base model is the embedded gapless-tiny, warm-started on the math task as `gapless train` does
 (the smoke model; task as in test_math_learning.py: level-3 prompts the warm start answers both
@@ -49,7 +52,8 @@ def math_service(tmp_path_factory, warm_cache):
     env.close()
 
 
-def test_rl_loop_recipe_raises_math_reward(math_service):
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "gspo"])
+def test_rl_loop_recipe_raises_math_reward(math_service, loss_fn):
     server, env = math_service
     service_client = tinker.ServiceClient(base_url=server.base_url, api_key=KEY)
     training_client = service_client.create_lora_training_client(base_model="gapless-tiny", rank=8).result()
@@ -80,18 +84,22 @@ def test_rl_loop_recipe_raises_math_reward(math_service):
                 target_tokens = [0] * ob_len + list(seq.tokens)
                 padded_logprobs = [0.0] * ob_len + list(seq.logprobs)
                 padded_advantages = [0.0] * ob_len + [reward - mean] * (model_input.length - ob_len)
-                datums.append(types.Datum(model_input=model_input, loss_fn_inputs={
+                loss_fn_inputs = {
                     "target_tokens": types.TensorData.from_torch(torch.tensor(target_tokens)),
                     "logprobs": types.TensorData.from_torch(torch.tensor(padded_logprobs)),
-                    "advantages": types.TensorData.from_torch(torch.tensor(padded_advantages))}))
+                    "advantages": types.TensorData.from_torch(torch.tensor(padded_advantages))}
+                if loss_fn == "gspo":  # the sequence ratio over the sampled tokens
+                    ratio_mask = [0.0] * ob_len + [1.0] * len(seq.tokens)
+                    loss_fn_inputs["sequence_ratio_mask"] = types.TensorData.from_torch(torch.tensor(ratio_mask))
+                datums.append(types.Datum(model_input=model_input, loss_fn_inputs=loss_fn_inputs))
         if datums:
-            fwd_bwd_future = training_client.forward_backward(datums, loss_fn="importance_sampling")
+            fwd_bwd_future = training_client.forward_backward(datums, loss_fn=loss_fn)
             optim_future = training_client.optim_step(adam_params)
             fwd_bwd_future.result(), optim_future.result()
         rewards_by_step.append(float(np.mean(rewards)))
     service_client.close("success").result()
     first, last = np.mean(rewards_by_step[:5]), np.mean(rewards_by_step[-5:])
-    print("tinker rl_loop reward by step:", [round(r, 2) for r in rewards_by_step])
+    print(f"tinker rl_loop ({loss_fn}) reward by step:", [round(r, 2) for r in rewards_by_step])
     assert last > first + 0.1, rewards_by_step
 
 

@@ -1,7 +1,8 @@
 """`gapless serve-training` driven by the real `tinker` SDK (pinned 0.38.0) against a real uvicorn
 server on a loopback port, over a tiny local checkpoint: supervised loss goes down, sampled
 log-probs equal the trainer's, two clients training at once equal each alone, bad input and a
-wrong key get the SDK's error types, and the built-in losses equal a hand computation."""
+wrong key get the SDK's error types, and the built-in losses equal a hand computation (also
+through the SDK, on the trainer's own log-probs)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from tinker import types
 
 from gapless.config import load_config
-from gapless.serve.tinker_losses import cispo, cross_entropy, importance_sampling, ppo
+from gapless.serve.tinker_losses import LossInputError, cispo, cross_entropy, dro, gspo, importance_sampling, ppo
 from gapless.serve.tinker_server import ServiceThread, build_service
 from serve_model import tiny_policy
 
@@ -127,7 +128,9 @@ def test_bad_input_gets_sdk_errors_and_service_stays_healthy(service, client):
                         loss_fn_inputs={"target_tokens": np.array([2, 3], dtype=np.int64)})
     with pytest.raises(tinker.RequestFailedError, match="target_tokens has shape"):
         trainer.forward_backward([short], "cross_entropy").result()
-    with pytest.raises(tinker.RequestFailedError, match="not served here"):
+    with pytest.raises(tinker.RequestFailedError, match="not served here .*has not published"):
+        trainer.forward_backward([_datum([1, 2, 3])], "stable_reinforce").result()
+    with pytest.raises(tinker.RequestFailedError, match="needs loss_fn_config=.*beta"):
         trainer.forward_backward([_datum([1, 2, 3])], "dro").result()
     # the run is untouched by the failures and goes on
     assert trainer.forward_backward([_datum([1, 2, 3])], "cross_entropy").result().metrics["loss:sum"] > 0
@@ -173,6 +176,70 @@ def test_losses_equal_hand_computation():
     cispo(lp_g, inputs, {}).backward()
     assert lp_g.grad.tolist() == pytest.approx([-1.2, 0.8])
 
+
+
+def test_dro_and_gspo_equal_hand_computation():
+    lp = torch.tensor([math.log(0.5), math.log(0.25)])
+    q = torch.tensor([math.log(0.25), math.log(0.5)])  # log-ratios +log 2, -log 2
+    adv = torch.tensor([1.0, -1.0])
+    inputs = {"logprobs": q, "advantages": adv}
+    # dro, beta 0.5: -(log .5 * 1 - .25 (log 2)^2 + log .25 * -1 - .25 (log 2)^2) = -log 2 + 0.5 (log 2)^2
+    L2 = math.log(2)
+    assert float(dro(lp, inputs, {"beta": 0.5})) == pytest.approx(-L2 + 0.5 * L2 ** 2)
+    # its gradient: -(A_t - beta (logp_t - log q_t)) = -(1 - .5 log 2, -1 + .5 log 2)
+    lp_g = lp.clone().requires_grad_(True)
+    dro(lp_g, inputs, {"beta": 0.5}).backward()
+    assert lp_g.grad.tolist() == pytest.approx([-(1 - 0.5 * L2), 1 - 0.5 * L2])
+    with pytest.raises(LossInputError, match="beta"):
+        dro(lp, inputs, {})
+    # gspo over both tokens: s = exp(mean(log 2, -log 2)) = 1, inside [0.8, 1.2], so the loss is
+    # -(1 * 1 + 1 * -1) = 0 and each token's gradient is -s * A_t = (-1, 1)
+    both = dict(inputs, sequence_ratio_mask=torch.tensor([1.0, 1.0]))
+    lp_g = lp.clone().requires_grad_(True)
+    loss = gspo(lp_g, both, {})
+    loss.backward()
+    assert loss.item() == pytest.approx(0.0, abs=1e-7)
+    assert lp_g.grad.tolist() == pytest.approx([-1.0, 1.0])
+    # ratio over the first token only: s = 2 at both tokens (clip 1.2). Token 1 (A = 1): min(2, 1.2) = 1.2,
+    # the clipped branch, no gradient; token 2 (A = -1): min(-2, -1.2) = -2, the unclipped one,
+    # gradient -s * A = 2. Loss -(1.2 - 2) = 0.8. A token outside the mask still carries s.
+    first = dict(inputs, sequence_ratio_mask=torch.tensor([1.0, 0.0]))
+    lp_g = lp.clone().requires_grad_(True)
+    loss = gspo(lp_g, first, {})
+    loss.backward()
+    assert loss.item() == pytest.approx(0.8)
+    assert lp_g.grad.tolist() == pytest.approx([0.0, 2.0])
+    # with sequence ratio 1 and constant advantages, gspo equals ppo on on-policy tokens
+    on_policy = {"logprobs": lp, "advantages": adv, "sequence_ratio_mask": torch.ones(2)}
+    assert float(gspo(lp, on_policy, {})) == pytest.approx(float(ppo(lp, on_policy, {})))
+    with pytest.raises(LossInputError, match="sequence_ratio_mask"):
+        gspo(lp, inputs, {})
+    with pytest.raises(LossInputError, match="marks no token"):
+        gspo(lp, dict(inputs, sequence_ratio_mask=torch.zeros(2)), {})
+
+
+def test_sdk_dro_and_gspo_equal_the_formula_on_the_trainers_logprobs(client):
+    """Through the SDK: loss:sum of dro (beta via loss_fn_config) and gspo (sequence_ratio_mask over
+    the completion) equals the formula applied to the log-probs that `forward` returns."""
+    trainer = client.create_lora_training_client(base_model="tiny", rank=2, seed=3).result()
+    tokens = [5, 9, 14, 3, 22, 7, 11]
+    base = _datum(tokens)
+    logp = torch.tensor(trainer.forward([base], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy())
+    n = len(logp)
+    sampled = logp + torch.linspace(-0.3, 0.3, n)  # a sampler that disagrees a little
+    adv = torch.tensor([0.0, 0.0] + [1.0] * (n - 2))
+    mask = torch.tensor([0.0, 0.0] + [1.0] * (n - 2))
+    inputs = {"target_tokens": np.array(tokens[1:], dtype=np.int64), "logprobs": sampled.numpy(),
+              "advantages": adv.numpy()}
+    dro_out = trainer.forward([types.Datum(model_input=base.model_input, loss_fn_inputs=inputs)], "dro",
+                              loss_fn_config={"beta": 0.1}).result()
+    expect = float(dro(logp, {"logprobs": sampled, "advantages": adv}, {"beta": 0.1}))
+    assert dro_out.metrics["loss:sum"] == pytest.approx(expect, rel=1e-4, abs=1e-5)
+    gspo_in = dict(inputs, sequence_ratio_mask=mask.numpy())
+    gspo_out = trainer.forward_backward([types.Datum(model_input=base.model_input, loss_fn_inputs=gspo_in)],
+                                        "gspo").result()
+    expect = float(gspo(logp, {"logprobs": sampled, "advantages": adv, "sequence_ratio_mask": mask}, {}))
+    assert gspo_out.metrics["loss:sum"] == pytest.approx(expect, rel=1e-4, abs=1e-5)
 
 def _idle(app, timeout_s: float = 30.0) -> bool:
     """Wait (bounded) until no sampling engine of the service holds anything."""

@@ -23,8 +23,8 @@ Bad input from a client is accepted and fails its future with category "user" (t
 missing `X-API-Key` a 401 (the SDK's `AuthenticationError`), an unknown future a 404.
 A client that disconnects leaves nothing running on its behalf beyond the call it made: samples
 finish (bounded by max_tokens) and their results expire after the store's TTL.
-Not served: dro, gspo, stable_reinforce and server-side custom losses, images, top-k and prompt
-alternatives, non-Adam optimizers, copy_weights, the checkpoint listing REST API.
+Not served: stable_reinforce and server-side custom losses (tinker_losses.py says why), images,
+top-k and prompt alternatives, non-Adam optimizers, copy_weights, the checkpoint listing REST API.
 """
 
 from __future__ import annotations
