@@ -23,6 +23,7 @@ The first SIGTERM or SIGINT lets the running step finish, checkpoints, ends what
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import threading
@@ -245,23 +246,31 @@ class RunLoop:
                         {"pass@1_start": pass_start, "trained_samples": trained_samples})
 
 
-def _stop_on_signals(loop: RunLoop) -> None:
+@contextlib.contextmanager
+def _stop_on_signals(loop: RunLoop):
     """The first SIGTERM (a scheduler's time limit) or SIGINT lets the running step finish, then
-    the run checkpoints and stops (`RunStopped`); a second one interrupts at once."""
+    the run checkpoints and stops (`RunStopped`); a second one interrupts at once. The handlers
+    before the run come back after it (a caller's own, e.g. a test runner's)."""
     def request_stop(signum, _frame):
         if loop.stop_requested:
             raise KeyboardInterrupt
         loop.stop_requested = signal.Signals(signum).name
         loop.log(f"{loop.stop_requested}: stopping after the current step (send it again to stop at once)")
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, request_stop)
-        signal.signal(signal.SIGINT, request_stop)
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def train(cfg: Config, resume: bool = False, log=print) -> dict:
     """Run a training job: the pipeline (asynchronous up to `pipeline.max_staleness`; 0 is
     synchronous), or the inline reference loop where the pipeline cannot run (`source_kind`)."""
     loop = RunLoop(cfg, resume, log)
-    _stop_on_signals(loop)
-    return loop.run()
+    with _stop_on_signals(loop):
+        return loop.run()
