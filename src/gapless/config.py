@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -370,6 +371,29 @@ class PipelineConfig(_Section):
         return cores if self.max_staleness == 0 else max(1, cores - self.generator_threads_resolved)
 
 
+class ClusterConfig(_Section):
+    trainer_world_size: int = Field(1, ge=1, le=64)
+    """Trainer data-parallel ranks (docs/distributed.md). 1 trains in the run's process, as always;
+    W > 1 keeps rank 0 there and spawns ranks 1..W-1 as processes on this machine, joined by
+    torch.distributed (gloo), each training on its share of every step's rows. The gradient and
+    the weights equal world 1's up to float rounding; raise it when the trainer is the bottleneck
+    and there are cores (or devices) to spare for the extra ranks."""
+    data_parallel: Literal["ddp", "fsdp2"] = "ddp"
+    """How the ranks hold the model: 'ddp' a full replica each (gradients all-reduced); 'fsdp2'
+    one shard of every parameter and of the optimizer state each (torch's `fully_shard`: the
+    memory of the model and AdamW divided by the world size, at the price of gathering the
+    weights in every forward pass). Ignored at trainer_world_size = 1."""
+    rendezvous_timeout_s: float = Field(300.0, gt=0)
+    """Start-up bound, in seconds: spawning the ranks, importing torch, building each rank's model
+    and joining the group (on 2 busy cores importing torch alone takes several seconds per
+    process). Past it the run stops with an error naming the ranks that did not check in."""
+    op_timeout_s: float = Field(60.0, gt=0)
+    """Bound on each collective and on each wait for a rank's share of a step, in seconds: a rank
+    that stops answering (a hung or stopped process) ends the run with an error naming it after
+    at most this long; a rank that dies is reported within about a second whatever this is.
+    Raise it only for steps whose own compute takes longer."""
+
+
 class MetricsConfig(_Section):
     live: Literal["auto", "rich", "plain"] = "auto"
     """Live view during training: 'rich' redraws a panel in place (step, ETA, reward, pass@1,
@@ -432,6 +456,7 @@ class Config(_Section):
     eval: EvalConfig = EvalConfig()
     tools: ToolsConfig = ToolsConfig()
     judge: JudgeConfig = JudgeConfig()
+    cluster: ClusterConfig = ClusterConfig()
     service: ServiceConfig = ServiceConfig()
 
 
@@ -513,6 +538,7 @@ def _check_cross_field(cfg: Config) -> None:
     if m.path is not None and not Path(m.path).is_dir():
         raise ConfigError(f"model.path: directory {m.path!r} does not exist; give a local Hugging Face checkpoint directory or leave it unset for the embedded tiny model")
     _check_trainer(cfg)
+    _check_cluster(cfg)
     bad_levels = [lv for lv in cfg.task.levels if lv not in (1, 2, 3)]
     if bad_levels or not cfg.task.levels:
         raise ConfigError(f"task.levels: {cfg.task.levels} must be a non-empty list drawn from 1, 2, 3")
@@ -554,3 +580,22 @@ def _check_trainer(cfg: Config) -> None:
     if t.overlong == "penalty" and t.overlong_buffer > cfg.generator.max_new_tokens:
         raise ConfigError(f"trainer.overlong_buffer ({t.overlong_buffer}) must not exceed generator.max_new_tokens "
                           f"({cfg.generator.max_new_tokens})")
+
+
+def _check_cluster(cfg: Config) -> None:
+    c = cfg.cluster
+    if c.trainer_world_size == 1:
+        return
+    if c.data_parallel == "fsdp2":
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError(f"cluster.data_parallel = 'fsdp2' needs torch's fully_shard (torch >= 2.6), which this torch "
+                              f"lacks ({exc}); use 'ddp' or upgrade torch") from None
+    if c.op_timeout_s > c.rendezvous_timeout_s:
+        raise ConfigError(f"cluster.op_timeout_s ({c.op_timeout_s}) must not exceed cluster.rendezvous_timeout_s "
+                          f"({c.rendezvous_timeout_s}): start-up is the longer wait; raise the latter")
+    cores = os.cpu_count() or 1
+    if c.trainer_world_size > cores:
+        warnings.warn(f"cluster.trainer_world_size = {c.trainer_world_size} exceeds the {cores} cores of this machine: "
+                      "the ranks share cores, so a step is no faster than at world 1 (results are the same)", stacklevel=2)

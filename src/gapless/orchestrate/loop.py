@@ -49,7 +49,7 @@ from gapless.orchestrate.step_metrics import rollout_metrics, staleness_metrics,
 from gapless.timeline import export_chrome_trace, open_timeline
 from gapless.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from gapless.trainer.targets import step_batch
-from gapless.trainer.trainer import GRPOTrainer
+from gapless.trainer.distributed import make_trainer
 
 ACTORS = ("generator", "env", "trainer")  # timeline rows of this process
 SOURCES = ("inline", "process")
@@ -111,7 +111,7 @@ class RunLoop:
         checkpoint = latest_checkpoint(self.run_dir) if resume else None
         if checkpoint is not None:
             self.policy = load_local(checkpoint)
-        self.trainer = GRPOTrainer(self.policy.model, cfg.trainer, cfg.generator.temperature, cfg.generator.max_new_tokens)
+        self.trainer = make_trainer(cfg.trainer, self.policy.model, cfg.cluster, cfg.generator.temperature, cfg.generator.max_new_tokens)
         if checkpoint is not None:
             self.state = load_trainer_state(checkpoint, self.trainer.optimizer)
             self.start_step = self.trainer.version = self.state["step"]

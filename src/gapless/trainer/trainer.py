@@ -21,8 +21,10 @@ the same way.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
@@ -44,21 +46,38 @@ class StepStats:
     num_tokens: int
     entropy_mean: float = 0.0
     offpolicy: dict[str, float] = field(default_factory=dict)
+    offpolicy_parts: list[dict[str, float]] = field(default_factory=list)  # per micro-batch, for merging ranks
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """How one data-parallel rank runs its rows of a step (trainer/distributed.py): every rank
+    makes `num_micro_batches` forward/backward passes, hence the same collectives, padding with
+    `padding` (one row, loss mask 0: zero loss, zero gradient); `no_sync` holds the gradient
+    reduction back on all passes but the last; `loss_scale` (the world size) undoes the mean the
+    reduction takes over ranks, so the reduced gradient is the whole step's."""
+    num_micro_batches: int
+    padding: Batch
+    loss_scale: float
+    no_sync: Callable[[], contextlib.AbstractContextManager]
 
 
 class GRPOTrainer:
-    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, temperature: float = 1.0, max_new_tokens: int | None = None):
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, temperature: float = 1.0, max_new_tokens: int | None = None,
+                 wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None):
+        """`wrap`: data-parallel wrapping (DDP, fully_shard; trainer/distributed.py), applied after
+        the reference copy is taken and before the optimizer sees the parameters."""
         if cfg.loss == "drgrpo" and max_new_tokens is None:
             raise ValueError("trainer.loss = 'drgrpo' divides by generator.max_new_tokens; pass max_new_tokens")
-        self.model = model
         self.cfg = cfg
         self.temperature = temperature
         self.max_new_tokens = max_new_tokens or 0  # only Dr. GRPO's constant normaliser uses it
         self.loss_fn = LOSSES[cfg.loss]
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.reference = None
         if cfg.kl_coef > 0:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        self.model = wrap(model) if wrap is not None else model
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.version = 0
 
     def step(self, batch: Batch) -> StepStats:
@@ -70,56 +89,83 @@ class GRPOTrainer:
         norm = StepNorm.of(batch.loss_mask, batch.group_ids, self.max_new_tokens)
         stats = StepStats(0.0, 0.0, 0.0, 0.0, 0.0, 0)
         if norm.num_tokens > 0:
-            self.model.train()
-            start_logprobs = torch.zeros_like(batch.behaviour_logprobs)  # (B, T) filled by update 1
-            for epoch in range(self.cfg.epochs):
-                self.optimizer.zero_grad(set_to_none=True)
-                stats = self.accumulate_gradients(batch, norm, start_logprobs, is_first=epoch == 0)
-                stats.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
-                self.optimizer.step()
-            self.model.eval()
+            stats = self.update(batch, norm)
         self.version += 1
         return stats
 
-    def accumulate_gradients(self, batch: Batch, norm: StepNorm, start_logprobs: torch.Tensor, is_first: bool = True) -> StepStats:
-        """Forward/backward every micro-batch, adding into `.grad`; the optimizer is not touched."""
+    def update(self, batch: Batch, norm: StepNorm, shard: ShardPlan | None = None) -> StepStats:
+        """The step's `epochs` optimizer updates on `batch`: the whole step, or with `shard` one
+        data-parallel rank's rows of it (`norm` is always counted over the whole step)."""
+        self.model.train()
+        start_logprobs = torch.zeros_like(batch.behaviour_logprobs)  # (B, T) filled by update 1
+        for epoch in range(self.cfg.epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            stats = self.accumulate_gradients(batch, norm, start_logprobs, epoch == 0, shard)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a DTensor
+                grad_norm = grad_norm.full_tensor()
+            stats.grad_norm = float(grad_norm)
+            self.optimizer.step()
+        self.model.eval()
+        return stats
+
+    def accumulate_gradients(self, batch: Batch, norm: StepNorm, start_logprobs: torch.Tensor, is_first: bool = True,
+                             shard: ShardPlan | None = None) -> StepStats:
+        """Forward/backward every micro-batch, adding into `.grad`; the optimizer is not touched.
+        With `shard` (data parallel) the stats count this rank's rows only."""
         cfg = self.cfg
         totals = {"loss": 0.0, "clip": 0.0, "ratio": 0.0, "kl": 0.0, "entropy": 0.0}
-        offpolicy = []
-        for index, mb in batch.micro_batches(cfg.micro_batch_size):
-            width = mb.loss_mask.shape[1]
-            logprobs, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask, self.temperature,
-                                                           entropy_grad=cfg.entropy_coef > 0)
-            if is_first:
-                start_logprobs[index, :width] = logprobs.detach()
-            trainer_start = start_logprobs[index, :width]
-            old = trainer_start if cfg.old_logprobs == "trainer" else mb.behaviour_logprobs
-            policy = self.loss_fn(logprobs, old, mb.advantages, mb.loss_mask, norm.select(index), cfg.clip_eps, cfg.clip_high,
-                                  **({"dual_clip_c": cfg.dual_clip_c} if cfg.dual_clip_c is not None else {}))
-            rho, diagnostics = importance_weights(trainer_start, mb.behaviour_logprobs, mb.loss_mask, cfg.correction,
-                                                  cfg.correction_level, cfg.tis_cap, cfg.mis_low, cfg.mis_high)
-            offpolicy.append(diagnostics)
-            per_token = policy.per_token
-            if cfg.correction != "none":
-                per_token = per_token * rho
-            if self.reference is not None and cfg.kl_placement == "loss":
-                kl = token_kl(logprobs, self._reference_logprobs(mb), mb.loss_mask, cfg.kl_estimator)
-                per_token = per_token + cfg.kl_coef * kl
-                totals["kl"] += float((kl.detach() * mb.loss_mask).sum())
-            if cfg.entropy_coef > 0:
-                per_token = per_token - cfg.entropy_coef * entropy
-            loss = (per_token * policy.weights).sum()
-            loss.backward()
-            totals["loss"] += loss.item()
-            totals["clip"] += float((policy.is_clipped * mb.loss_mask).sum())
-            totals["ratio"] += float((policy.ratio * mb.loss_mask).sum())
-            totals["entropy"] += float((entropy.detach() * mb.loss_mask).sum())
+        offpolicy: list[dict[str, float]] = []
+        parts: list[tuple[torch.Tensor | None, Batch]] = list(batch.micro_batches(cfg.micro_batch_size))
+        scale, no_sync = 1.0, contextlib.nullcontext
+        if shard is not None:
+            parts += [(None, shard.padding)] * (shard.num_micro_batches - len(parts))
+            scale, no_sync = shard.loss_scale, shard.no_sync
+        for count, (index, mb) in enumerate(parts):
+            with no_sync() if count < len(parts) - 1 else contextlib.nullcontext():
+                self._micro_batch(mb, index, norm, start_logprobs, is_first, scale, totals, offpolicy)
         denom = max(norm.num_tokens, 1)
         return StepStats(
             loss=totals["loss"], grad_norm=0.0, clip_frac=totals["clip"] / denom, ratio_mean=totals["ratio"] / denom,
             kl_mean=totals["kl"] / denom, num_tokens=norm.num_tokens, entropy_mean=totals["entropy"] / denom,
-            offpolicy=summarise(offpolicy, cfg.correction),
+            offpolicy=summarise(offpolicy, cfg.correction), offpolicy_parts=offpolicy,
         )
+
+    def _micro_batch(self, mb: Batch, index: torch.Tensor | None, norm: StepNorm, start_logprobs: torch.Tensor,
+                     is_first: bool, loss_scale: float, totals: dict[str, float], offpolicy: list[dict[str, float]]) -> None:
+        """One forward/backward; `index` None marks a loss-free padding pass (data parallel)."""
+        cfg = self.cfg
+        width = mb.loss_mask.shape[1]
+        logprobs, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask, self.temperature,
+                                                       entropy_grad=cfg.entropy_coef > 0)
+        if index is None:
+            trainer_start, mb_norm = logprobs.detach(), replace(norm, group_sizes=torch.zeros(len(mb)))
+        else:
+            if is_first:
+                start_logprobs[index, :width] = logprobs.detach()
+            trainer_start, mb_norm = start_logprobs[index, :width], norm.select(index)
+        old = trainer_start if cfg.old_logprobs == "trainer" else mb.behaviour_logprobs
+        policy = self.loss_fn(logprobs, old, mb.advantages, mb.loss_mask, mb_norm, cfg.clip_eps, cfg.clip_high,
+                              **({"dual_clip_c": cfg.dual_clip_c} if cfg.dual_clip_c is not None else {}))
+        rho, diagnostics = importance_weights(trainer_start, mb.behaviour_logprobs, mb.loss_mask, cfg.correction,
+                                              cfg.correction_level, cfg.tis_cap, cfg.mis_low, cfg.mis_high)
+        if index is not None:
+            offpolicy.append(diagnostics)
+        per_token = policy.per_token
+        if cfg.correction != "none":
+            per_token = per_token * rho
+        if self.reference is not None and cfg.kl_placement == "loss":
+            kl = token_kl(logprobs, self._reference_logprobs(mb), mb.loss_mask, cfg.kl_estimator)
+            per_token = per_token + cfg.kl_coef * kl
+            totals["kl"] += float((kl.detach() * mb.loss_mask).sum())
+        if cfg.entropy_coef > 0:
+            per_token = per_token - cfg.entropy_coef * entropy
+        loss = (per_token * policy.weights).sum()
+        (loss * loss_scale).backward()
+        totals["loss"] += loss.item()
+        totals["clip"] += float((policy.is_clipped * mb.loss_mask).sum())
+        totals["ratio"] += float((policy.ratio * mb.loss_mask).sum())
+        totals["entropy"] += float((entropy.detach() * mb.loss_mask).sum())
 
     @torch.no_grad()
     def _reference_logprobs(self, mb: Batch) -> torch.Tensor:

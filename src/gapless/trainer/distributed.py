@@ -1,0 +1,490 @@
+"""Trainer data parallel over torch.distributed: DDP or FSDP2, gloo on CPU, ranks on this machine.
+
+Rank 0 is the run's trainer process; ranks 1..W-1 are spawned processes that die with it. Each
+step rank 0 deals the batch's rows to the ranks (sorted by length, round-robin, so each gets a
+similar token count), counts the normalisers once over the whole step (normalisers.StepNorm),
+and sends every other rank its share as a typed record. Every rank then runs the same GRPO code
+as world 1 (GRPOTrainer.update) on its rows:
+
+    rank 0 (trainer process)                       rank r (spawned, one per r)
+    StepNorm over the whole batch, deal rows ─StepShare──> inbox
+    update(own rows)  ══ gloo collectives (gradients; FSDP2 also weights) ══  update(its rows)
+    poll ranks every 0.1 s while waiting <────ShareDone── outbox (its stats; its error if any)
+    merge stats; FSDP2: full weights gathered into `model` (a collective of all ranks)
+
+Guaranteed:
+- the reduced gradient is world 1's: every rank divides by the whole step's counts and scales
+  its loss by W to undo the reduction's mean, so after a step the weights, the loss and the
+  gradient norm equal world 1's up to float rounding (tested at 1e-6 for both wrappings);
+- every rank makes the same number of forward/backward passes (padding with a loss-free row),
+  so the collectives match; the gradient is reduced once, on the last pass (no_sync before);
+- clipping uses the global gradient norm (DDP: every rank holds the full reduced gradient;
+  FSDP2: clip_grad_norm_ reduces the shards' norms) and every rank takes the optimizer step;
+- `model` is always a plain, full, current module in rank 0 (`state_for_push`, checkpoints and
+  evaluation read it as at world 1); `optimizer.state_dict()` has world 1's format (FSDP2
+  gathers the shards), so a checkpoint resumes at any world size;
+- fail fast: start-up is bounded by cluster.rendezvous_timeout_s, each step, gather and load by
+  cluster.op_timeout_s (also the gloo timeout of every collective); a rank that dies, is stopped
+  (SIGSTOP) or raises ends the call within about a second with an InfrastructureError naming it,
+  after which every rank is killed: no process is left behind, and `--resume` continues from
+  the last checkpoint. Ranks also die with the trainer (PR_SET_PDEATHSIG).
+Not guaranteed: bitwise equality with world 1 (float sums run in another order); speed (on
+2 cores the ranks share the cores: docs/distributed.md); ranks on other machines (this module
+spawns local processes; the rendezvous is a file store in a private temporary directory).
+A process holds one default process group, so it holds one DataParallelTrainer at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import ctypes
+import io
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from gapless.config import ClusterConfig, TrainerConfig
+from gapless.errors import InfrastructureError
+from gapless.orchestrate.watchdog import process_state
+from gapless.trainer.batch import Batch
+from gapless.trainer.corrections import summarise
+from gapless.trainer.normalisers import StepNorm
+from gapless.trainer.trainer import GRPOTrainer, ShardPlan, StepStats
+
+POLL_S = 0.1
+
+
+class TrainerRankFailed(InfrastructureError):
+    """A data-parallel trainer rank died, stopped, raised or timed out; the run cannot go on."""
+
+
+# -- messages (rank 0 -> rank r through its inbox; rank r -> rank 0 through the shared outbox) --
+
+@dataclass(frozen=True)
+class JoinGroup:
+    """Every rank has checked in: build the process group and wrap the model."""
+
+
+@dataclass(frozen=True)
+class StepShare:
+    batch: Batch  # this rank's rows of the step (possibly none)
+    norm: StepNorm  # the whole step's counts, selected to these rows
+    num_micro_batches: int  # the same on every rank
+    padding: Batch  # one loss-free row for the passes this rank has no rows for
+
+
+@dataclass(frozen=True)
+class LoadOptimizer:
+    state: dict  # world 1's optimizer.state_dict() format
+
+
+@dataclass(frozen=True)
+class GatherOptimizer:
+    """FSDP2: join the all-gather of the optimizer state's shards."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+@dataclass(frozen=True)
+class Ready:
+    rank: int
+
+
+@dataclass(frozen=True)
+class Done:
+    rank: int
+    stats: StepStats | None = None
+
+
+@dataclass(frozen=True)
+class Crashed:
+    rank: int
+    traceback: str
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a spawned rank needs; picklable."""
+    rank: int
+    world_size: int
+    data_parallel: str
+    trainer: TrainerConfig
+    temperature: float
+    max_new_tokens: int | None
+    model_bytes: bytes  # torch.save of the module: every rank starts from rank 0's weights
+    store_path: str
+    op_timeout_s: float
+    threads: int
+    parent_pid: int
+    inbox: Any
+    outbox: Any
+
+
+# -- what every rank runs --------------------------------------------------------------------
+
+class RankEngine:
+    """One rank's GRPOTrainer over its wrapped model (DDP replica or FSDP2 shard)."""
+
+    def __init__(self, model: torch.nn.Module, data_parallel: str, world_size: int, cfg: TrainerConfig,
+                 temperature: float, max_new_tokens: int | None):
+        self.data_parallel, self.world_size = data_parallel, world_size
+        wrap = _wrap_ddp if data_parallel == "ddp" else _wrap_fsdp2
+        self.trainer = GRPOTrainer(model, cfg, temperature, max_new_tokens, wrap=wrap)
+
+    def train(self, share: StepShare) -> StepStats:
+        plan = ShardPlan(share.num_micro_batches, share.padding, float(self.world_size), self._no_sync)
+        return self.trainer.update(share.batch, share.norm, plan)
+
+    def _no_sync(self) -> contextlib.AbstractContextManager:
+        model = self.trainer.model
+        if self.data_parallel == "ddp":
+            return model.no_sync()
+        return _fsdp_no_sync(model)
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """FSDP2: the full state dict, gathered (a collective: every rank calls it, in order)."""
+        return {name: _full(value) for name, value in self.trainer.model.state_dict().items()}
+
+    def optimizer_state(self) -> dict:
+        """World 1's optimizer.state_dict() format; FSDP2 gathers every shard (a collective)."""
+        optimizer = self.trainer.optimizer
+        params = list(self.trainer.model.parameters())
+        state = {i: {key: _full(value) for key, value in sorted(optimizer.state[p].items())}
+                 for i, p in enumerate(params) if p in optimizer.state}
+        return {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}
+
+    def load_optimizer(self, state: dict) -> None:
+        """Each rank keeps its own shard of world 1's format (no communication). A copy: the
+        optimizer updates its state in place, and `state` may be another optimizer's."""
+        state = copy.deepcopy(state)
+        if self.data_parallel == "fsdp2":
+            from torch.distributed.tensor import DTensor, distribute_tensor
+            params = list(self.trainer.model.parameters())
+            sharded = {}
+            for i, values in state["state"].items():
+                p = params[int(i)]
+                sharded[i] = {key: distribute_tensor(v, p.device_mesh, p.placements, src_data_rank=None)
+                              if isinstance(p, DTensor) and torch.is_tensor(v) and v.shape == p.shape else v
+                              for key, v in values.items()}
+            state = {"state": sharded, "param_groups": state["param_groups"]}
+        self.trainer.optimizer.load_state_dict(state)
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def _wrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+    return DistributedDataParallel(model)
+
+
+def _wrap_fsdp2(model: torch.nn.Module) -> torch.nn.Module:
+    """fully_shard each transformer block (the classes a HF model names in `_no_split_modules`),
+    then the root, which keeps the rest (embeddings, tied head, final norm)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    for module in list(model.modules()):
+        if type(module).__name__ in blocks:
+            fully_shard(module, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def join_group(rank: int, world_size: int, store_path: str, op_timeout_s: float) -> None:
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=op_timeout_s))
+
+
+def rank_main(spec: RankSpec) -> None:
+    """Entry point of ranks 1..W-1: check in, join the group, then serve rank 0's records."""
+    _die_with_parent(spec.rank, spec.parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer alone decides when to stop
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        torch.set_num_threads(spec.threads)
+        model = torch.load(io.BytesIO(spec.model_bytes), weights_only=False)
+        spec.outbox.put(Ready(spec.rank))
+        message = spec.inbox.get()
+        if isinstance(message, Stop):
+            return
+        join_group(spec.rank, spec.world_size, spec.store_path, spec.op_timeout_s)
+        engine = RankEngine(model, spec.data_parallel, spec.world_size, spec.trainer, spec.temperature, spec.max_new_tokens)
+        spec.outbox.put(Ready(spec.rank))
+        while not isinstance(message := spec.inbox.get(), Stop):
+            if isinstance(message, StepShare):
+                stats = engine.train(message)
+                if engine.data_parallel == "fsdp2":
+                    engine.full_weights()
+                spec.outbox.put(Done(spec.rank, stats))
+            elif isinstance(message, GatherOptimizer):
+                engine.optimizer_state()
+                spec.outbox.put(Done(spec.rank))
+            elif isinstance(message, LoadOptimizer):
+                engine.load_optimizer(message.state)
+                spec.outbox.put(Done(spec.rank))
+        dist.destroy_process_group()
+    except Exception:
+        spec.outbox.put(Crashed(spec.rank, traceback.format_exc()))
+        raise
+
+
+def _die_with_parent(rank: int, parent_pid: int) -> None:
+    """SIGKILL this rank when the trainer dies (exit if it already has); name it `gapless-rank<r>`
+    (what `ps -o comm` and /proc/PID/comm show)."""
+    PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    libc.prctl(PR_SET_NAME, f"gapless-rank{rank}".encode())
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+# -- rank 0 ----------------------------------------------------------------------------------
+
+def deal_rows(batch: Batch, world_size: int) -> list[list[int]]:
+    """Rows of each rank: sorted by length, dealt round-robin (similar token counts per rank)."""
+    order = torch.sort(batch.attention_mask.sum(-1), stable=True).indices.tolist()
+    return [order[rank::world_size] for rank in range(world_size)]
+
+
+def loss_free_row(batch: Batch) -> Batch:
+    """The batch's shortest row with no loss: a padding pass that computes, reduces, adds nothing."""
+    lengths = batch.attention_mask.sum(-1).clamp(min=2)
+    row = int(torch.argmin(lengths))
+    width = int(lengths[row])
+    one = batch.select([row])
+    return Batch(one.input_ids[:, :width], one.attention_mask[:, :width], torch.zeros_like(one.loss_mask[:, : width - 1]),
+                 one.behaviour_logprobs[:, : width - 1], torch.zeros_like(one.advantages), one.group_ids)
+
+
+def merge_stats(parts: list[StepStats], correction: str) -> StepStats:
+    """One step's stats from each rank's: sums over ranks (each part is already divided by the
+    whole step's token count); the gradient norm is global, the same on every rank."""
+    offpolicy = [d for p in parts for d in p.offpolicy_parts]
+    return StepStats(
+        loss=sum(p.loss for p in parts), grad_norm=parts[0].grad_norm, clip_frac=sum(p.clip_frac for p in parts),
+        ratio_mean=sum(p.ratio_mean for p in parts), kl_mean=sum(p.kl_mean for p in parts), num_tokens=parts[0].num_tokens,
+        entropy_mean=sum(p.entropy_mean for p in parts), offpolicy=summarise(offpolicy, correction), offpolicy_parts=offpolicy,
+    )
+
+
+class _GatheredOptimizer:
+    """What checkpoints touch of the optimizer (state_dict / load_state_dict), in world 1's
+    format, whatever the wrapping."""
+
+    def __init__(self, owner: "DataParallelTrainer"):
+        self._owner = owner
+
+    def state_dict(self) -> dict:
+        return self._owner.optimizer_state()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._owner.load_optimizer_state(state)
+
+
+_live: "DataParallelTrainer | None" = None  # the one default process group of this process
+
+
+class DataParallelTrainer:
+    """GRPOTrainer's interface (step, state_for_push, version, optimizer, reference_kl, model)
+    over W ranks; see the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, cluster: ClusterConfig, temperature: float = 1.0,
+                 max_new_tokens: int | None = None):
+        global _live
+        if cfg.loss == "drgrpo" and max_new_tokens is None:
+            raise ValueError("trainer.loss = 'drgrpo' divides by generator.max_new_tokens; pass max_new_tokens")
+        if _live is not None:
+            _live.close()  # an earlier run's trainer in this process (tests, notebooks)
+        self.cfg, self.cluster = cfg, cluster
+        self.world_size = cluster.trainer_world_size
+        self.model = model
+        self.version = 0
+        self.optimizer = _GatheredOptimizer(self)
+        self._closed = False
+        self._store_dir = tempfile.mkdtemp(prefix="gapless-dp-")
+        store_path = os.path.join(self._store_dir, "store")
+        ctx = mp.get_context("spawn")
+        self._outbox = ctx.Queue()
+        self._inboxes = {r: ctx.Queue() for r in range(1, self.world_size)}
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        self._ranks: dict[int, mp.Process] = {}
+        for r in self._inboxes:
+            spec = RankSpec(r, self.world_size, cluster.data_parallel, cfg, temperature, max_new_tokens, buffer.getvalue(),
+                            store_path, cluster.op_timeout_s, torch.get_num_threads(), os.getpid(), self._inboxes[r], self._outbox)
+            self._ranks[r] = ctx.Process(target=rank_main, args=(spec,), name=f"gapless-trainer-rank{r}", daemon=True)
+        _live = self
+        for process in self._ranks.values():
+            process.start()
+        self._await(lambda: None, Ready, "check in (spawn, import torch, build the model)", cluster.rendezvous_timeout_s)
+        self._send(JoinGroup())
+        engine_model = model if cluster.data_parallel == "ddp" else copy.deepcopy(model)
+
+        def build() -> None:
+            join_group(0, self.world_size, store_path, cluster.op_timeout_s)
+            self._engine = RankEngine(engine_model, cluster.data_parallel, self.world_size, cfg, temperature, max_new_tokens)
+
+        self._await(build, Ready, "join the process group and wrap the model", cluster.rendezvous_timeout_s)
+
+    # -- GRPOTrainer's interface --
+
+    def step(self, batch: Batch) -> StepStats:
+        """Like GRPOTrainer.step, the rows shared over the ranks (module docstring)."""
+        norm = StepNorm.of(batch.loss_mask, batch.group_ids, self._engine.trainer.max_new_tokens)
+        stats = StepStats(0.0, 0.0, 0.0, 0.0, 0.0, 0)
+        if norm.num_tokens > 0:
+            rows = deal_rows(batch, self.world_size)
+            shares = [batch.select(r) for r in rows]
+            count = max(len(s.micro_batches(self.cfg.micro_batch_size)) for s in shares)
+            padding = loss_free_row(batch)
+            records = [StepShare(s, norm.select(torch.tensor(r, dtype=torch.long)), count, padding) for s, r in zip(shares, rows)]
+            for rank, inbox in self._inboxes.items():
+                inbox.put(records[rank])
+            own: list[StepStats] = []
+
+            def train() -> None:
+                own.append(self._engine.train(records[0]))
+                if self.cluster.data_parallel == "fsdp2":  # refresh the plain model from the shards
+                    self.model.load_state_dict(self._engine.full_weights())
+
+            parts = self._await(train, Done, "train its share of the step", self.cluster.op_timeout_s)
+            stats = merge_stats(own + [d.stats for d in sorted(parts, key=lambda d: d.rank)], self.cfg.correction)
+        self.version += 1
+        return stats
+
+    def state_for_push(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def reference_kl(self, batch: Batch) -> list[float]:
+        return self._engine.trainer.reference_kl(batch)  # rank 0's full reference copy: no collective
+
+    def optimizer_state(self) -> dict:
+        if self.cluster.data_parallel == "ddp":  # every replica holds the same full state
+            return self._engine.optimizer_state()
+        self._send(GatherOptimizer())
+        out: list[dict] = []
+        self._await(lambda: out.append(self._engine.optimizer_state()), Done, "gather the optimizer state",
+                    self.cluster.op_timeout_s)
+        return out[0]
+
+    def load_optimizer_state(self, state: dict) -> None:
+        self._send(LoadOptimizer(state))
+        self._await(lambda: self._engine.load_optimizer(state), Done, "load the optimizer state", self.cluster.op_timeout_s)
+
+    # -- ranks --
+
+    def _send(self, message) -> None:
+        for inbox in self._inboxes.values():
+            inbox.put(message)
+
+    def _await(self, own: Callable[[], None], reply: type, what: str, timeout_s: float) -> list:
+        """Run rank 0's part `own` on a thread and collect each other rank's `reply`, polling the
+        ranks every POLL_S: a dead, stopped or failed rank, or one past `timeout_s`, aborts."""
+        if self._closed:
+            raise TrainerRankFailed("the data-parallel trainer was closed after a failure; restart the run with --resume")
+        error: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                own()
+            except BaseException as exc:  # noqa: BLE001 -- re-raised on the waiting thread
+                error.append(exc)
+
+        worker = threading.Thread(target=run, name="gapless-trainer-rank0", daemon=True)
+        worker.start()
+        replies: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while worker.is_alive() or len(replies) < len(self._ranks):
+            worker.join(POLL_S if worker.is_alive() else 0)
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    message = self._outbox.get(timeout=0 if worker.is_alive() else POLL_S)
+                    if isinstance(message, Crashed):
+                        self._fail(f"trainer rank {message.rank} raised while it was to {what}:\n{message.traceback}", worker)
+                    if isinstance(message, reply):
+                        replies[message.rank] = message
+            for rank, process in self._ranks.items():
+                state = process_state(process.pid)
+                if not process.is_alive() or state.startswith(("Z", "gone")):
+                    self._fail(f"trainer rank {rank} (pid {process.pid}) died with exit code {process.exitcode} "
+                               f"while it was to {what}", worker)
+                if state.startswith(("T", "t")):
+                    self._fail(f"trainer rank {rank} (pid {process.pid}) is {state} while it was to {what}", worker)
+            if error:
+                self._fail(f"trainer rank 0 failed to {what}: {error[0]!r}", worker)
+            if time.monotonic() > deadline:
+                missing = sorted(set(self._ranks) - set(replies)) or [0]
+                self._fail(f"trainer rank(s) {missing} did not {what} within {timeout_s:g} s "
+                           "(cluster.op_timeout_s / cluster.rendezvous_timeout_s)", worker)
+        if error:
+            self._fail(f"trainer rank 0 failed to {what}: {error[0]!r}", worker)
+        return list(replies.values())
+
+    def _fail(self, why: str, worker: threading.Thread | None = None) -> None:
+        self.close(kill=True, worker=worker)
+        raise TrainerRankFailed(f"{why}\nThe trainer's ranks are stopped; fix the cause, then restart with --resume "
+                                "(the last checkpoint is intact).")
+
+    def close(self, kill: bool = False, worker: threading.Thread | None = None) -> None:
+        """Stop every rank (kill at once when `kill`: after a failure) and free the group."""
+        global _live
+        if self._closed:
+            return
+        self._closed = True
+        if not kill:
+            self._send(Stop())
+        for process in self._ranks.values():
+            process.join(timeout=5.0 if not kill else 0)
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=5.0)
+        if worker is not None:
+            worker.join(timeout=self.cluster.op_timeout_s)  # its collective fails once the peers are gone
+        if dist.is_initialized() and (worker is None or not worker.is_alive()):
+            dist.destroy_process_group()
+        shutil.rmtree(self._store_dir, ignore_errors=True)
+        if _live is self:
+            _live = None
+
+    def __enter__(self) -> "DataParallelTrainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def make_trainer(cfg: TrainerConfig, model: torch.nn.Module, cluster: ClusterConfig, temperature: float = 1.0,
+                 max_new_tokens: int | None = None) -> GRPOTrainer | DataParallelTrainer:
+    """GRPOTrainer at cluster.trainer_world_size 1 (the code path of every single-process run),
+    the data-parallel trainer above it."""
+    if cluster.trainer_world_size == 1:
+        return GRPOTrainer(model, cfg, temperature, max_new_tokens)
+    return DataParallelTrainer(model, cfg, cluster, temperature, max_new_tokens)

@@ -1,0 +1,141 @@
+"""Trainer data parallel (gloo, 2 ranks on this machine) against the world-1 trainer: one step
+gives the same weights, loss, gradient norm and optimizer state; a rank that dies or stops ends
+the next call within 2 s with an error naming it, and no rank process is left behind.
+
+Each test spawns one world-2 trainer (the spawn and torch import dominate its time) and checks
+several properties on it."""
+
+import copy
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from gapless.config import ClusterConfig, ConfigError, TrainerConfig, load_config
+from gapless.generate.sampler import TorchSampler
+from gapless.orchestrate.watchdog import process_state
+from gapless.trainer.batch import build_batch
+from gapless.trainer.distributed import DataParallelTrainer, TrainerRankFailed, deal_rows, make_trainer
+from gapless.trainer.trainer import GRPOTrainer
+from gapless.types import SamplingParams
+
+MAX_NEW_TOKENS = 10
+TOLERANCE = 1e-6
+
+
+@pytest.fixture(scope="module")
+def sampled(tiny_policy, problems):
+    """9 rows the tiny policy sampled (3 prompts, groups of 3), one an infrastructure failure:
+    2 ranks get 5 and 4 rows, at micro_batch_size 2 that is 3 and 2 passes (one padded)."""
+    model = copy.deepcopy(tiny_policy.model)
+    sampler = TorchSampler(model, tiny_policy.eos_id, tiny_policy.pad_id)
+    prompts = [tiny_policy.encode(p.prompt) for p in problems[:3] for _ in range(3)]
+    completions = sampler.generate(prompts, SamplingParams(temperature=0.7, max_new_tokens=MAX_NEW_TOKENS, seed=5))
+    advantages = torch.randn(len(completions), generator=torch.Generator().manual_seed(0)).tolist()
+    batch = build_batch(completions, advantages, [i != 4 for i in range(9)], tiny_policy.pad_id, [i // 3 for i in range(9)])
+    return model, batch
+
+
+def max_abs_difference(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def optimizer_difference(a: dict, b: dict) -> float:
+    assert a["state"].keys() == b["state"].keys() and a["param_groups"] == b["param_groups"]
+    return max(float((a["state"][i][k] - b["state"][i][k]).abs().max()) for i in a["state"] for k in a["state"][i])
+
+
+def assert_same_step(world_1: GRPOTrainer, world_2: DataParallelTrainer, batch) -> None:
+    one, two = world_1.step(batch), world_2.step(batch)
+    assert two.num_tokens == one.num_tokens == batch.num_tokens
+    assert two.loss == pytest.approx(one.loss, abs=TOLERANCE)
+    assert two.grad_norm == pytest.approx(one.grad_norm, abs=TOLERANCE) and one.grad_norm > 0
+    for name in ("clip_frac", "ratio_mean", "kl_mean", "entropy_mean"):
+        assert getattr(two, name) == pytest.approx(getattr(one, name), abs=TOLERANCE), name
+    assert two.offpolicy == pytest.approx(one.offpolicy, abs=TOLERANCE)
+    assert max_abs_difference(world_1.state_for_push(), world_2.state_for_push()) < TOLERANCE
+    assert optimizer_difference(world_1.optimizer.state_dict(), world_2.optimizer.state_dict()) < TOLERANCE
+    assert world_2.version == world_1.version
+
+
+def fails_within(trainer: DataParallelTrainer, batch, rank: int) -> float:
+    started = time.monotonic()
+    with pytest.raises(TrainerRankFailed, match=f"rank {rank}"):
+        trainer.step(batch)
+    return time.monotonic() - started
+
+
+def assert_no_rank_left(pids: list[int]) -> None:
+    for pid in pids:
+        assert process_state(pid) == "gone", f"rank process {pid} left behind: {process_state(pid)}"
+
+
+def test_deal_rows_covers_every_row_once_with_similar_token_counts(sampled):
+    _, batch = sampled
+    rows = deal_rows(batch, 2)
+    assert sorted(rows[0] + rows[1]) == list(range(len(batch))) and [len(r) for r in rows] == [5, 4]
+    lengths = batch.attention_mask.sum(-1)
+    assert abs(int(lengths[rows[0]].sum()) - int(lengths[rows[1]].sum())) <= int(lengths.max())
+
+
+def test_world_1_is_the_plain_trainer(sampled):
+    trainer = make_trainer(TrainerConfig(), copy.deepcopy(sampled[0]), ClusterConfig(), 0.7, MAX_NEW_TOKENS)
+    assert type(trainer) is GRPOTrainer
+
+
+@pytest.mark.slow  # spawning a rank and importing torch there: ~15-35 s on 2 busy cores
+def test_ddp_world_2_equals_world_1_and_a_killed_rank_is_named(sampled):
+    """Uneven split, two epochs and a KL term in the loss; then rank 1 is killed."""
+    model, batch = sampled
+    cfg = TrainerConfig(micro_batch_size=2, epochs=2, kl_coef=0.05, entropy_coef=0.01)
+    world_1 = GRPOTrainer(copy.deepcopy(model), cfg, 0.7, MAX_NEW_TOKENS)
+    world_2 = DataParallelTrainer(copy.deepcopy(model), cfg, ClusterConfig(trainer_world_size=2, op_timeout_s=30), 0.7,
+                                  MAX_NEW_TOKENS)
+    pids = [p.pid for p in world_2._ranks.values()]
+    try:
+        assert_same_step(world_1, world_2, batch)
+        assert world_2.reference_kl(batch) == pytest.approx(world_1.reference_kl(batch), abs=TOLERANCE)
+        os.kill(pids[0], signal.SIGKILL)
+        assert fails_within(world_2, batch, rank=1) < 2.0
+        assert_no_rank_left(pids)
+        with pytest.raises(TrainerRankFailed, match="--resume"):
+            world_2.step(batch)  # a failed trainer stays failed
+    finally:
+        world_2.close()
+    assert_no_rank_left(pids)
+
+
+@pytest.mark.slow
+def test_fsdp2_world_2_equals_world_1_resumes_optimizer_state_and_a_stopped_rank_is_named(sampled):
+    """GRPO's per-sequence normaliser, trainer old log-probs with a correction; the optimizer state
+    round-trips through world 1's format (what checkpoints store); then rank 1 is stopped."""
+    model, batch = sampled
+    cfg = TrainerConfig(micro_batch_size=2, loss="grpo", old_logprobs="trainer", correction="tis")
+    world_1 = GRPOTrainer(copy.deepcopy(model), cfg, 0.7, MAX_NEW_TOKENS)
+    cluster = ClusterConfig(trainer_world_size=2, data_parallel="fsdp2", op_timeout_s=30)
+    world_2 = DataParallelTrainer(copy.deepcopy(model), cfg, cluster, 0.7, MAX_NEW_TOKENS)
+    pids = [p.pid for p in world_2._ranks.values()]
+    try:
+        assert_same_step(world_1, world_2, batch)
+        world_2.load_optimizer_state(world_1.optimizer.state_dict())  # as --resume does
+        assert optimizer_difference(world_1.optimizer.state_dict(), world_2.optimizer.state_dict()) == 0.0
+        assert_same_step(world_1, world_2, batch)
+        os.kill(pids[0], signal.SIGSTOP)
+        assert fails_within(world_2, batch, rank=1) < 2.0
+    finally:
+        world_2.close(kill=True)
+    assert_no_rank_left(pids)
+
+
+def test_cluster_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="cluster.trainer_world_size"):
+        load_config(None, {"cluster.trainer_world_size": "0"})
+    with pytest.raises(ConfigError, match="cluster.op_timeout_s .* cluster.rendezvous_timeout_s"):
+        load_config(None, {"cluster.trainer_world_size": "2", "cluster.op_timeout_s": "600", "cluster.rendezvous_timeout_s": "60"})
+    with pytest.raises(ConfigError, match="cluster.data_parallel"):
+        load_config(None, {"cluster.data_parallel": "'zero3'"})
+    cores = os.cpu_count()
+    with pytest.warns(UserWarning, match=f"exceeds the {cores} cores"):
+        assert load_config(None, {"cluster.trainer_world_size": str(cores + 1)}).cluster.trainer_world_size == cores + 1
