@@ -1,7 +1,9 @@
 """`gapless train --cluster.trainer_world_size 2` end to end on the smoke job: the run trains
-and checkpoints as at world 1; a killed trainer rank ends it within seconds with exit code 3 and
-an error naming the rank, no process is left behind, and `--resume` finishes the job."""
+and checkpoints as at world 1 (FSDP2); the checkpoint resumes under DDP; a killed trainer rank
+ends that run with exit code 3 and an error naming the rank, no process is left behind, and
+`--resume` finishes the job."""
 
+import contextlib
 import json
 import os
 import signal
@@ -40,6 +42,18 @@ def comm(pid: int) -> str:
         return ""
 
 
+def orphan_ranks() -> list[int]:
+    """Live rank processes whose trainer is gone (re-parented to init)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and comm(int(proc.name)).startswith("gapless-rank"):
+            with contextlib.suppress(OSError):
+                status = dict(line.split(":\t", 1) for line in (proc / "status").read_text().splitlines() if ":\t" in line)
+                if status.get("PPid", "").strip() == "1" and not status.get("State", "").startswith("Z"):
+                    out.append(int(proc.name))
+    return out
+
+
 def trained_steps(run: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines() if "train/loss" in line]
 
@@ -47,10 +61,12 @@ def trained_steps(run: Path) -> list[int]:
 def test_world_2_trains_and_a_killed_rank_stops_the_run_which_resumes(tmp_path, warm_cache):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     run = tmp_path / "run"
-    done = subprocess.run(gapless_train(run, warm_cache, "--loop.steps", "2"), env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(gapless_train(run, warm_cache, "--loop.steps", "2", "--cluster.data_parallel", "fsdp2"), env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert trained_steps(run) == [1, 2]
     AutoModelForCausalLM.from_pretrained(latest_checkpoint(run))  # plain HF format, gathered on rank 0
+    assert not orphan_ranks(), "a rank outlived its run"
 
     proc = subprocess.Popen(gapless_train(run, warm_cache, "--loop.steps", "40", "--loop.checkpoint_every", "1", "--resume"),
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -68,10 +84,11 @@ def test_world_2_trains_and_a_killed_rank_stops_the_run_which_resumes(tmp_path, 
         proc.kill()
     assert proc.returncode == 3, stderr[-3000:]
     assert "trainer rank 1" in stderr and "--resume" in stderr
-    assert not [pid for pid in children if process_state(pid) != "gone"], "processes outlived the run"
+    assert not [pid for pid in children if process_state(pid) not in ("gone",) and not process_state(pid).startswith("Z")], \
+        "processes outlived the run"
 
     step = json.loads((latest_checkpoint(run) / "trainer_state.json").read_text())["step"]
     done = subprocess.run(gapless_train(run, warm_cache, "--loop.steps", str(step + 1), "--resume"), env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert trained_steps(run)[-1] == step + 1

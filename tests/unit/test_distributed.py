@@ -18,7 +18,7 @@ from gapless.generate.sampler import TorchSampler
 from gapless.orchestrate.watchdog import process_state
 from gapless.trainer.batch import build_batch
 from gapless.trainer.distributed import DataParallelTrainer, TrainerRankFailed, deal_rows, make_trainer
-from gapless.trainer.trainer import GRPOTrainer
+from gapless.trainer.trainer import GRPOTrainer, Trainer
 from gapless.types import SamplingParams
 
 MAX_NEW_TOKENS = 10
@@ -139,3 +139,36 @@ def test_cluster_config_errors_name_the_field():
     cores = os.cpu_count()
     with pytest.warns(UserWarning, match=f"exceeds the {cores} cores"):
         assert load_config(None, {"cluster.trainer_world_size": str(cores + 1)}).cluster.trainer_world_size == cores + 1
+
+
+@pytest.mark.parametrize("placement", ["world_1", pytest.param("ddp", marks=pytest.mark.slow),
+                                       pytest.param("fsdp2", marks=pytest.mark.slow)])
+def test_trainer_contract(sampled, placement):
+    """What the run loop touches, on every implementation of the Trainer protocol."""
+    model, batch = sampled
+    cfg = TrainerConfig(micro_batch_size=4, kl_coef=0.05, lr=1e-2)
+    cluster = ClusterConfig() if placement == "world_1" else ClusterConfig(trainer_world_size=2, data_parallel=placement)
+    trainer = make_trainer(cfg, copy.deepcopy(model), cluster, 0.7, MAX_NEW_TOKENS)
+    try:
+        assert isinstance(trainer, Trainer)
+        before = {k: v.clone() for k, v in trainer.state_for_push().items()}
+        assert before.keys() == model.state_dict().keys()
+        stats = trainer.step(batch.select([4]))  # the infrastructure failure alone: no loss token
+        assert stats.num_tokens == 0 and trainer.version == 1
+        assert all(torch.equal(before[k], v) for k, v in trainer.state_for_push().items())
+        stats = trainer.step(batch)
+        assert stats.num_tokens == batch.num_tokens and trainer.version == 2
+        after = trainer.state_for_push()
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+        assert all(torch.equal(after[k], v) for k, v in trainer.model.state_dict().items())  # `model` is current
+        state = trainer.optimizer.state_dict()
+        assert len(state["param_groups"]) == 1 and len(state["state"]) == len(list(model.parameters()))
+        trainer.optimizer.load_state_dict(state)
+        assert optimizer_difference(state, trainer.optimizer.state_dict()) == 0.0
+        assert len(trainer.reference_kl(batch)) == len(batch)
+        trainer.version = 7  # as --resume sets it
+        trainer.step(batch)
+        assert trainer.version == 8
+    finally:
+        if placement != "world_1":
+            trainer.close()

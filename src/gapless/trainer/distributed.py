@@ -36,6 +36,7 @@ A process holds one default process group, so it holds one DataParallelTrainer a
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import ctypes
@@ -62,7 +63,7 @@ from gapless.orchestrate.watchdog import process_state
 from gapless.trainer.batch import Batch
 from gapless.trainer.corrections import summarise
 from gapless.trainer.normalisers import StepNorm
-from gapless.trainer.trainer import GRPOTrainer, ShardPlan, StepStats
+from gapless.trainer.trainer import GRPOTrainer, ShardPlan, StepStats, Trainer
 
 POLL_S = 0.1
 
@@ -312,6 +313,14 @@ class _GatheredOptimizer:
 _live: "DataParallelTrainer | None" = None  # the one default process group of this process
 
 
+@atexit.register
+def _close_at_exit() -> None:
+    """The run loop does not close its trainer: stop the ranks before multiprocessing's own exit
+    handler, which would wait for them forever (they ignore the SIGTERM it sends)."""
+    if _live is not None:
+        _live.close()
+
+
 class DataParallelTrainer:
     """GRPOTrainer's interface (step, state_for_push, version, optimizer, reference_kl, model)
     over W ranks; see the module docstring."""
@@ -482,7 +491,7 @@ class DataParallelTrainer:
 
 
 def make_trainer(cfg: TrainerConfig, model: torch.nn.Module, cluster: ClusterConfig, temperature: float = 1.0,
-                 max_new_tokens: int | None = None) -> GRPOTrainer | DataParallelTrainer:
+                 max_new_tokens: int | None = None) -> Trainer:
     """GRPOTrainer at cluster.trainer_world_size 1 (the code path of every single-process run),
     the data-parallel trainer above it."""
     if cluster.trainer_world_size == 1:

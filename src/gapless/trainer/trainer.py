@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -60,6 +60,25 @@ class ShardPlan:
     padding: Batch
     loss_scale: float
     no_sync: Callable[[], contextlib.AbstractContextManager]
+
+
+class OptimizerState(Protocol):
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """Everything the run loop touches of a trainer. GRPOTrainer runs in one process;
+    DataParallelTrainer (trainer/distributed.py) over W ranks; one contract test covers both
+    (tests/unit/test_distributed.py)."""
+    model: torch.nn.Module  # plain and full, holding the current weights
+    version: int  # published steps; the loop sets it on --resume
+    optimizer: OptimizerState  # what checkpoints save and load (world 1's format)
+
+    def step(self, batch: Batch) -> StepStats: ...
+    def state_for_push(self) -> dict[str, torch.Tensor]: ...
+    def reference_kl(self, batch: Batch) -> list[float]: ...
 
 
 class GRPOTrainer:
