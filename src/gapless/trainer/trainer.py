@@ -3,7 +3,9 @@
 A step makes `epochs` updates on its batch (stats are those of the last update). Each update
 splits the batch into micro-batches and accumulates gradients with normalisers counted once over
 the whole step (normalisers.StepNorm), so the result equals one big batch for every loss; then
-it clips the global gradient norm and takes one AdamW step. `version` counts published steps;
+it clips the global gradient norm and takes one AdamW step. At cluster.trainer_world_size > 1
+every rank runs this same `update` on its rows of the step, with the whole step's normalisers
+and a `ShardPlan` (trainer/distributed.py). `version` counts published steps;
 `state_for_push` hands the weights to the generator. The reference model for the KL term is a
 frozen copy taken at creation.
 
