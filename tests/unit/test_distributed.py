@@ -105,6 +105,7 @@ def test_ddp_world_2_equals_world_1_and_a_killed_rank_is_named(sampled):
     finally:
         world_2.close()
     assert_no_rank_left(pids)
+    assert not os.path.exists(world_2._store_dir)
 
 
 @pytest.mark.slow
@@ -127,6 +128,7 @@ def test_fsdp2_world_2_equals_world_1_resumes_optimizer_state_and_a_stopped_rank
     finally:
         world_2.close(kill=True)
     assert_no_rank_left(pids)
+    assert not os.path.exists(world_2._store_dir)
 
 
 def test_cluster_config_errors_name_the_field():

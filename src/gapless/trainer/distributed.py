@@ -278,13 +278,15 @@ class DataParallelTrainer:
             if process.is_alive():
                 process.kill()
             process.join(timeout=5.0)
-        if worker is not None:
-            worker.join(timeout=self.cluster.op_timeout_s)  # its collective fails once the peers are gone
-        if dist.is_initialized() and (worker is None or not worker.is_alive()):
-            dist.destroy_process_group()
-        shutil.rmtree(self._store_dir, ignore_errors=True)
-        if _live is self:
-            _live = None
+        try:
+            if worker is not None:
+                worker.join(timeout=self.cluster.op_timeout_s)  # its collective fails once the peers are gone
+            if dist.is_initialized() and (worker is None or not worker.is_alive()):
+                dist.destroy_process_group()
+        finally:  # a broken group may refuse to be destroyed: the store and the slot are freed anyway
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+            if _live is self:
+                _live = None
 
     def __enter__(self) -> "DataParallelTrainer":
         return self
