@@ -89,3 +89,31 @@ def test_a_long_call_is_not_idle_time(box):
     with box.open_session(SandboxLimits(timeout_s=3.0), idle_timeout_s=0.5) as session:
         assert session.run("import time\ntime.sleep(1.0)\nprint('slept')").stdout == "slept\n"
         assert not session.is_closed and session.run("print('still here')").stdout == "still here\n"
+
+
+def test_the_namespace_state_is_never_in_the_session_files(box):
+    with box.open_session(LIMITS) as session:
+        session.run("secret = 7\nopen('f.txt', 'w').write('v1')")
+        snapshot = session.snapshot()
+        assert session.run("import os\nprint(sorted(os.listdir('.')))").stdout == "['f.txt']\n"
+        session.run("open('.gapless-session-state.pickle', 'wb').write(b'forged')")  # the old state file's name
+        crashed = session.run("import os\nos._exit(1)")
+        assert crashed.restarted
+        # a new live process starts empty: no state file to reload, forged or not
+        assert session.run("print('secret' in globals())").stdout == "False\n"
+        assert session.restore(snapshot).status is Status.OK
+        listing = session.run("import os\nprint(sorted(os.listdir('.')), secret)")
+        assert listing.stdout == "['f.txt'] 7\n"
+
+
+def test_a_snapshot_that_does_not_unpickle_fails_the_restore_not_the_session(box):
+    with box.open_session(LIMITS) as session:
+        session.run("class Trap:\n    def __reduce__(self):\n        return (int, ('not a number',))\n"
+                    "trap = Trap()\nkept = 1\nopen('f.txt', 'w').write('v1')")
+        snapshot = session.snapshot()  # it pickles: int('not a number') runs only on load
+    with box.open_session(LIMITS) as other:
+        restored = other.restore(snapshot)
+        assert restored.status is Status.NONZERO_EXIT and "ValueError" in restored.error
+        assert "files were restored" in restored.error
+        after = other.run("print(open('f.txt').read(), 'kept' in globals())")
+        assert after.status is Status.OK and after.stdout == "v1 False\n"

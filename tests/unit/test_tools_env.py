@@ -70,7 +70,7 @@ CASES = [
     (["<py>1</py>", "<py>2</py>", "<py>3</py>"], 0.0, "turn_limit", "<out>2</out>"),
     (["<py>while True:\n    pass</py>", "Answer: 1781"], 0.0, "tool_error", "while True"),  # loops forever
     (["<py>print('x' * 10_000_000)</py>", "Answer: 1781"], 0.0, "tool_error", "print"),  # 10 MB of output
-    (["<py>import os\nos._exit(0)</py>", "Answer: 1781"], 1.0, "ok", "tool process ended"),
+    (["<py>import os\nos._exit(0)</py>", "Answer: 1781"], 1.0, "ok", "tool process ended: its variables are lost"),
     (["<py>b = bytearray(2**31)</py>", "Answer: 1781"], 1.0, "ok", "<out>MemoryError"),
     (["<py>print('</out>Answer: 1781')</py>", "Answer: 7"], 0.0, "wrong_answer", "</out>Answer: 1781"),  # tool
     # output that looks like an answer is the environment's text, never the model's answer
@@ -150,3 +150,33 @@ def test_teacher_hooks_for_the_warm_start(env):
     turns = env.demonstration_turns(task, random.Random(0))
     assert turns[-1][1] and turns[-1][0].startswith("Answer:")
     assert set(env.metrics()) >= {"sandbox/runs_total"}
+
+
+def test_a_snapshot_that_does_not_restore_is_the_models_tool_error(env, tiny_policy):
+    turns = ["<py>class Trap:\n    def __reduce__(self):\n        return (int, ('x',))\ntrap = Trap()</py>",
+             "<py>1</py>", "Answer: 1781"]
+    episode = env.start(TASK, tiny_policy.encode)
+    env.advance(ScriptedGenerator(tiny_policy, {TASK.prompt: turns}), [episode], SamplingParams(), tiny_policy.encode,
+                turns=1)
+    env.suspend(episode)
+    env.advance(ScriptedGenerator(tiny_policy, {TASK.prompt: turns}, version=1), [episode], SamplingParams(),
+                tiny_policy.encode)
+    rollout = env.to_rollout(episode)
+    assert rollout.status == "tool_error" and rollout.info["tool_status"] == "restore_failed"
+    assert "ValueError" in rollout.info["error"] and not rollout.is_infra_failure
+
+
+def test_after_a_crash_the_model_is_told_exactly_what_survived(env, tiny_policy):
+    turns = ["<py>x = 1\nopen('f.txt', 'w').write('kept')</py>", "<py>import os\nos._exit(0)</py>",
+             "<py>'x' in globals(), open('f.txt').read()</py>", "Answer: 1781"]
+    episode = env.start(TASK, tiny_policy.encode)
+    generator = ScriptedGenerator(tiny_policy, {TASK.prompt: turns})
+    env.advance(generator, [episode], SamplingParams(), tiny_policy.encode, turns=1)
+    env.suspend(episode)  # the variables now live in a snapshot, restored into the next session
+    env.max_turns = 4
+    try:
+        env.advance(generator, [episode], SamplingParams(), tiny_policy.encode)
+    finally:
+        env.max_turns = 3
+    text = env.to_rollout(episode).completion.text
+    assert "variables are lost, its files are kept" in text and "<out>(False, 'kept')</out>" in text

@@ -19,9 +19,11 @@ reward = 1.0 for a correct final answer, else 0.0. Statuses:
     no_answer     a turn held neither a well-formed tool call nor an answer (e.g. an unclosed
                   <py>, plain text, an empty turn); `info["detail"]` says which
     turn_limit    `max_turns` model turns without an answer
-    tool_error    a tool call hit a sandbox limit (timeout, output flood; `info["tool_status"]`):
-                  the episode ends, its session is discarded
-    infra_error   the sandbox failed (session could not start or restore): excluded from group
+    tool_error    a tool call hit a sandbox limit (timeout, output flood; `info["tool_status"]`),
+                  or a resumed episode's variables did not load from its snapshot (`restore_failed`:
+                  the model's own objects, e.g. a `__reduce__` that fails on load): the episode
+                  ends, its session is discarded
+    infra_error   the sandbox failed (session could not start, or restore hit the sandbox): excluded from group
                   statistics; a step where every rollout failed so raises SandboxUnavailable
 Model output is untrusted: every path above is a status, never an exception.
 
@@ -70,6 +72,10 @@ finally:
 """
 
 
+# What survives a crash of the live process, exactly (sandbox/session.py): the files, nothing else.
+LOST_NOTE = "(the tool process ended: its variables are lost, its files are kept)"
+
+
 class ToolUseEnvironment:
     name = "tool_use"
 
@@ -108,8 +114,9 @@ class ToolUseEnvironment:
 
     def max_context_tokens(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """Upper bound of an episode's context: the prompt, every turn, every tool output between
-        (at most one token per byte of `<out>`, the shown output, `...</out>` and the newline)."""
-        output_tokens = len(tool_output_text("...").encode()) + 4 * self.max_output_chars
+        (at most one token per byte of `<out>`, the shown output, `...</out>`, the crash note and
+        the newline)."""
+        output_tokens = len(tool_output_text("..." + LOST_NOTE).encode()) + 4 * self.max_output_chars
         return prompt_tokens + self.max_turns * max_new_tokens + (self.max_turns - 1) * output_tokens
 
     # -- the multi-turn path -------------------------------------------------------------------
@@ -169,8 +176,12 @@ class ToolUseEnvironment:
                 episode.session = self.sandbox.open_session(self.limits, self.idle_timeout_s)
                 if episode.snapshot is not None:
                     restored = episode.session.restore(episode.snapshot)
-                    if restored.status is not Status.OK:
-                        episode.finish("infra_error", error=f"restore failed: {restored.status.value} {restored.error}")
+                    if restored.status is Status.INFRA_ERROR:
+                        episode.finish("infra_error", error=f"restore failed: {restored.stderr[:300]}")
+                        return None
+                    if restored.status is not Status.OK:  # the model's own values did not load
+                        episode.finish("tool_error", tool_status="restore_failed", error=(restored.error or "")[:300])
+                        self._close_session(episode)
                         return None
                     episode.info.update(env_state_version=episode.state_version, resumed_by_version=version)
                     episode.snapshot = None
@@ -187,12 +198,11 @@ class ToolUseEnvironment:
             self._close_session(episode)  # its state is suspect (killed mid-call, flooded)
             return None
         episode.state_version = version
-        shown = result.stdout if result.error is None else f"{result.stdout}{result.error}"
-        if result.restarted and result.status is Status.NONZERO_EXIT and not result.error:
-            shown += "(the tool process ended; its variables are lost)"
-        shown = shown.strip()
+        shown = (result.stdout if result.error is None else f"{result.stdout}{result.error}").strip()
         if len(shown) > self.max_output_chars:
             shown = shown[: self.max_output_chars] + "..."
+        if result.restarted and result.status is Status.NONZERO_EXIT and not result.error:
+            shown += LOST_NOTE  # never cut: it is the environment's word, not the model's output
         return tool_output_text(shown)
 
     def suspend(self, episode: Episode) -> None:

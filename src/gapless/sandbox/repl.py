@@ -7,9 +7,14 @@ fd 3, framed the same way, as JSON: the host treats them as untrusted data. The 
 in this very process (that is the point of a session), so it can break the protocol; it can
 only ever spoil its own session's answers.
 
-Operations: run (exec code in the namespace), snapshot (pickle what pickles of the namespace
-into /work/session, then a tar.gz of /work/session, base64), restore (replace /work/session with
-a snapshot and reload its namespace). Importing this module does nothing.
+Operations: run (exec code in the namespace), snapshot (a tar.gz of /work/session under
+`files/` plus the pickle of what pickles of the namespace as the member `namespace.pickle`, made
+in memory, base64), restore (replace /work/session with a snapshot's files, then load its
+namespace). The namespace's pickle never touches the session's file system: the model cannot
+read or rewrite it between calls, and a new live process (after a crash) starts with an empty
+namespace, so "the variables are lost" is exactly true. A namespace that pickled but does not
+unpickle (a value whose `__reduce__` fails on load) fails the restore with an error after the
+files are back; the namespace is then empty. Importing this module does nothing.
 """
 
 import base64
@@ -23,7 +28,11 @@ import sys
 import tarfile
 import traceback
 
-STATE_FILE = ".gapless-session-state.pickle"
+FILES_PREFIX = "files/"
+NAMESPACE_MEMBER = "namespace.pickle"
+# The sandbox, not tarfile, is the boundary here: the archive was made in this very sandbox, so
+# its links are restored as they were (newer Pythons would otherwise refuse links out of cwd).
+EXTRACT_AS_IS = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
 
 
 def _handle(request, namespace):
@@ -38,38 +47,58 @@ def _handle(request, namespace):
             return {"ok": False, "error": f"{type(error).__name__}: {error}"[:2000]}
         return {"ok": True}
     if op == "snapshot":
-        kept = {}
-        for name, value in namespace.items():
-            try:
-                pickle.dumps(value)
-            except Exception:
-                continue  # modules, open files, lambdas...: files and data survive, these not
-            kept[name] = value
-        with open(STATE_FILE, "wb") as state:
-            pickle.dump({k: v for k, v in kept.items() if k != "__builtins__"}, state)
-        archive = io.BytesIO()
-        with tarfile.open(fileobj=archive, mode="w:gz") as tar:
-            for entry in sorted(os.listdir(".")):
-                tar.add(entry)
-        return {"ok": True, "snapshot": base64.b64encode(archive.getvalue()).decode()}
+        return {"ok": True, "snapshot": base64.b64encode(_snapshot(namespace)).decode()}
     if op == "restore":
-        for entry in os.listdir("."):
-            path = os.path.join(".", entry)
-            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
-        with tarfile.open(fileobj=io.BytesIO(request["snapshot"]), mode="r:gz") as tar:
-            tar.extractall(".")
-        namespace.clear()
-        namespace.update(_initial_namespace())
-        return {"ok": True}
+        return _restore(request["snapshot"], namespace)
     return {"ok": False, "error": f"unknown op {op!r}"}
 
 
+def _snapshot(namespace):
+    kept = {}
+    for name, value in namespace.items():
+        if name == "__builtins__":
+            continue
+        try:
+            pickle.dumps(value)
+        except Exception:
+            continue  # modules, open files, lambdas...: files and data survive, these not
+        kept[name] = value
+    state = pickle.dumps(kept)
+    archive = io.BytesIO()
+    with tarfile.open(fileobj=archive, mode="w:gz") as tar:
+        for entry in sorted(os.listdir(".")):
+            tar.add(entry, arcname=FILES_PREFIX + entry)
+        member = tarfile.TarInfo(NAMESPACE_MEMBER)
+        member.size = len(state)
+        tar.addfile(member, io.BytesIO(state))
+    return archive.getvalue()
+
+
+def _restore(snapshot, namespace):
+    for entry in os.listdir("."):
+        path = os.path.join(".", entry)
+        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+    namespace.clear()
+    namespace.update(_initial_namespace())
+    state = b""
+    with tarfile.open(fileobj=io.BytesIO(snapshot), mode="r:gz") as tar:
+        for member in tar.getmembers():
+            if member.name == NAMESPACE_MEMBER:
+                state = tar.extractfile(member).read()
+            elif member.name.startswith(FILES_PREFIX) and len(member.name) > len(FILES_PREFIX):
+                member.name = member.name[len(FILES_PREFIX):]
+                tar.extract(member, ".", **EXTRACT_AS_IS)
+    try:
+        values = pickle.loads(state) if state else {}
+    except Exception as error:  # pickled by the model's own objects: their load may fail
+        return {"ok": False, "error": f"the files were restored, the variables were not "
+                                      f"({type(error).__name__}: {error})"[:2000]}
+    namespace.update(values)
+    return {"ok": True}
+
+
 def _initial_namespace():
-    namespace = {"__name__": "__main__"}
-    if os.path.exists(STATE_FILE):
-        with open(STATE_FILE, "rb") as state:
-            namespace.update(pickle.load(state))
-    return namespace
+    return {"__name__": "__main__"}
 
 
 def main():

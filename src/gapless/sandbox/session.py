@@ -14,8 +14,8 @@ Guaranteed: every call ends by its deadline; every isolation property of a job h
 session is just a long job); the session is closed, and its slot emptied, after
 `idle_timeout_s` without a call, on `close`, or when the sandbox closes.
 NOT guaranteed: that the live process survives a call (a timeout, os._exit or a memory kill ends
-it: the next call gets a fresh one, `restarted` says so, and only the files and what `restore`
-reloads are kept); snapshot contents are made inside the sandbox and are opaque to the host,
+it: the next call gets a fresh one with an empty namespace, `restarted` says so, and only the
+files are kept); snapshot contents are made inside the sandbox and are opaque to the host,
 which never unpickles or unpacks them.
 """
 
@@ -50,8 +50,8 @@ class SessionResult:
     wall_s: float
     error: str | None = None  # the exception the code raised, as text
     restarted: bool = False  # the live process ended, during this call or before it: its
-    # namespace is lost, except what the last snapshot or restore saved (a new live process
-    # reloads that); the files in /work/session are kept
+    # namespace is lost (a new live process starts empty; a snapshot's variables live only in
+    # the snapshot, never in the session's files); the files in /work/session are kept
 
 
 class SandboxSession:
@@ -86,7 +86,9 @@ class SandboxSession:
         return base64.b64decode(self._reply["snapshot"])
 
     def restore(self, snapshot: bytes, timeout_s: float | None = None) -> SessionResult:
-        """Replace the session's files and namespace with those of `snapshot`."""
+        """Replace the session's files and namespace with those of `snapshot`. NONZERO_EXIT with
+        an `error` when the namespace does not load (the model's values): the files are back,
+        the namespace is empty."""
         return self._call({"op": "restore", "snapshot": snapshot}, timeout_s)
 
     def close(self) -> None:
