@@ -44,7 +44,8 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["procedural_code", "code_dataset", "humaneval", "math", "reasoning_gym", "tool_use", "judge"] = "procedural_code"
+    name: Literal["procedural_code", "code_dataset", "humaneval", "math", "reasoning_gym", "tool_use", "judge",
+                  "repo"] = "procedural_code"
     """Which environment scores the rollouts (docs/environments.md): 'procedural_code' (the
     embedded default: generated code problems with hidden unit tests), 'code_dataset' (code
     problems from the JSONL/Parquet file `path`), 'humaneval' (OpenAI HumanEval, an eval-only set
@@ -52,7 +53,8 @@ class TaskConfig(_Section):
     procedural arithmetic task, or the file `path`), 'reasoning_gym' (a reasoning-gym data set,
     see `reasoning_gym_dataset`), 'tool_use' (multi-turn: the model calls Python in a sandbox
     session; [tools]), 'judge' (an LLM judge grades against a rubric; [judge]); the last two in
-    docs/environments_judge_tools.md."""
+    docs/environments_judge_tools.md; 'repo' (multi-turn coding agent: fix a generated Python
+    repository with file and shell tools, graded by hidden tests; [repo], docs/agentic.md)."""
     path: str | None = None
     """Data file (.jsonl or .parquet) for 'code_dataset' (required) and 'math' (optional: without
     it, the procedural arithmetic task). Schema in docs/environments.md."""
@@ -272,6 +274,36 @@ class ToolsConfig(_Section):
     """Held-out expressions (split 'eval', disjoint from 'train') for greedy pass@1."""
 
 
+class RepoConfig(_Section):
+    max_turns: int = Field(5, ge=1, le=64)
+    """Model turns per repo episode (tool commands, `done` included); past it the episode ends
+    and its files are graded as they are."""
+    timeout_s: float = Field(3.0, gt=0, le=600)
+    """Wall-clock deadline of one tool call in the session; a `run`/`test` command gets this
+    minus a second of margin, then its whole process group is killed."""
+    max_output_bytes: int = Field(160, ge=16, le=65536)
+    """Bytes of a tool's output shown to the model (longer output keeps its head and tail with
+    '...' between); every byte is at most one token, which bounds the context."""
+    max_file_bytes: int = Field(4096, ge=64, le=1 << 20)
+    """Largest file the tools write or read, and that grading collects; a bigger write is
+    refused with a message to the model."""
+    sessions: int = Field(8, ge=1, le=1024)
+    """Sandbox sessions held at once; episodes run in waves of this many."""
+    missing_frac: float = Field(0.3, ge=0, le=1)
+    """Fraction of generated repositories whose task is a missing function body (the rest have
+    a wrong operator to fix)."""
+    skip_frac: float = Field(0.3, ge=0, le=1)
+    """Fraction of warm-start demonstrations that patch without reading the file first, guessing
+    the broken line (usually wrong: the patch fails and the teacher gives up)."""
+    typo_frac: float = Field(0.2, ge=0, le=1)
+    """Fraction of warm-start demonstrations whose patch writes a wrong operator (the visible
+    test then fails and the teacher gives up)."""
+    num_train_prompts: int = Field(500, ge=1)
+    """Distinct generated repositories for training (split 'train')."""
+    num_eval_prompts: int = Field(50, ge=1)
+    """Held-out repositories (split 'eval', disjoint from 'train') for pass@1."""
+
+
 class JudgeConfig(_Section):
     base_url: str | None = None
     """OpenAI-compatible endpoint of the judge, e.g. 'http://127.0.0.1:8000/v1' (vLLM, SGLang,
@@ -455,6 +487,7 @@ class Config(_Section):
     metrics: MetricsConfig = MetricsConfig()
     eval: EvalConfig = EvalConfig()
     tools: ToolsConfig = ToolsConfig()
+    repo: RepoConfig = RepoConfig()
     judge: JudgeConfig = JudgeConfig()
     cluster: ClusterConfig = ClusterConfig()
     service: ServiceConfig = ServiceConfig()
@@ -574,9 +607,9 @@ def _check_trainer(cfg: Config) -> None:
     if t.correction != "none" and t.old_logprobs != "trainer":
         raise ConfigError(f"trainer.correction = '{t.correction}' reweights behaviour against trainer log-probs; "
                           "it needs trainer.old_logprobs = 'trainer' (with 'behaviour' the PPO ratio already divides by them)")
-    if cfg.task.name == "tool_use" and t.overlong == "penalty":
+    if cfg.task.name in ("tool_use", "repo") and t.overlong == "penalty":
         raise ConfigError("trainer.overlong = 'penalty' counts a completion's length against generator.max_new_tokens, "
-                          "which bounds one turn of task 'tool_use', not the episode; use 'keep' or 'mask'")
+                          f"which bounds one turn of task {cfg.task.name!r}, not the episode; use 'keep' or 'mask'")
     if t.overlong == "penalty" and t.overlong_buffer > cfg.generator.max_new_tokens:
         raise ConfigError(f"trainer.overlong_buffer ({t.overlong_buffer}) must not exceed generator.max_new_tokens "
                           f"({cfg.generator.max_new_tokens})")

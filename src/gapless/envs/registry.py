@@ -41,6 +41,10 @@ def _make(cfg: Config) -> Environment:
         from gapless.envs.tools import make_tool_environment
 
         return make_tool_environment(cfg)
+    if task.name == "repo":
+        from gapless.envs.repo import make_repo_environment
+
+        return make_repo_environment(cfg)
     if task.name == "judge":
         from gapless.envs.judge import make_judge_environment
 
