@@ -26,10 +26,11 @@ def code_file(tmp_path):
     ("math", {}, True),
     ("reasoning_gym", {"task.reasoning_gym_dataset": '"chain_sum"'}, False),
     ("tool_use", {"tools.num_train_prompts": "40", "tools.num_eval_prompts": "10"}, True),
+    ("repo", {"repo.num_train_prompts": "40", "repo.num_eval_prompts": "10"}, True),
     ("judge", {"judge.base_url": '"http://127.0.0.1:9/v1"'}, True),
 ])
 def test_each_name_builds_its_environment(name, extra, teacher, code_file):
-    if name in ("procedural_code", "humaneval", "code_dataset", "tool_use") and shutil.which("bwrap") is None:
+    if name in ("procedural_code", "humaneval", "code_dataset", "tool_use", "repo") and shutil.which("bwrap") is None:
         pytest.skip("bubblewrap (bwrap) is not installed")
     overrides = {"task.name": json.dumps(name), "task.num_train_prompts": "40", "task.num_eval_prompts": "10",
                  **{k: json.dumps(str(code_file)) if v == "CODE" else v for k, v in extra.items()}}

@@ -170,3 +170,8 @@ def test_generated_repositories_grade_as_designed(env):
     train, held_out = generate_repo_tasks(0, "train", 200), generate_repo_tasks(0, "eval", 200)
     assert {t.prompt + t.files[t.path] for t in train}.isdisjoint({t.prompt + t.files[t.path] for t in held_out})
     assert [t.files for t in generate_repo_tasks(0, "eval", 5)] == [t.files for t in held_out[:5]]
+
+
+def test_the_single_turn_path_is_refused_loudly(env):
+    with pytest.raises(TypeError, match="multi-turn"):
+        env.score_groups(TASKS[:1], [[]])

@@ -228,13 +228,10 @@ class RepoEnvironment:
     # -- the single-turn protocol --------------------------------------------------------------
 
     def score_groups(self, tasks: Sequence[RepoTask], groups: Sequence[Sequence[Completion]]) -> list[list[Rollout]]:
-        """Transcripts cannot be re-graded without their session: the repository is graded as
-        given (no tool ran), so every completion gets the unfixed repository's score."""
-        out = []
-        for task, completions in zip(tasks, groups):
-            reward, status, info = self.grade(task, dict(task.files))
-            out.append([Rollout(task.uid, c, reward, status, dict(info)) for c in completions])
-        return out
+        """Not available: a transcript cannot be graded without the session its commands ran
+        in. Raised loudly, since a caller here has taken the single-turn path by mistake."""
+        raise TypeError("the repo task is multi-turn: drive it with rollout_groups (the reference loop, SyncLoop); "
+                        "a single-turn path (generate + score_groups) would grade repositories no tool has touched")
 
     @staticmethod
     def check_infra(rollouts: list[Rollout]) -> int:
