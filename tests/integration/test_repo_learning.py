@@ -28,5 +28,5 @@ def _bench():
 
 
 def test_repo_held_out_pass_at_1_rises(tmp_path):
-    result = _bench().measure(0, tmp_path, steps=24, samples=8)
+    result = _bench().measure(0, tmp_path, steps=40, samples=8)
     assert result["gain"] > 3 * result["stderr"], result

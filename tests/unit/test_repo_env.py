@@ -22,7 +22,8 @@ from gapless.sandbox import BwrapSandbox, SandboxLimits
 from gapless.types import Completion, SamplingParams
 
 pytestmark = needs_bwrap
-LIMITS = SandboxLimits(timeout_s=3.0, memory_mb=256, max_processes=16, tmp_size_mb=4)
+# 5 s per call: a loaded 2-core host can take seconds to start python in a sandbox
+LIMITS = SandboxLimits(timeout_s=5.0, memory_mb=256, max_processes=16, tmp_size_mb=4)
 TASKS = list({t.prompt: t for t in reversed(generate_repo_tasks(0, "train", 48))}.values())[::-1][:24]  # one per prompt
 
 

@@ -167,9 +167,11 @@ def _one_task(rng: random.Random, missing_frac: float, uid: str) -> RepoTask:
     target_index = rng.randrange(3)
     target, module = functions[target_index], module_names[target_index]
     kind: Literal["bug", "missing"] = "missing" if rng.random() < missing_frac else "bug"
-    broken_line = MISSING_BODY if kind == "missing" else target.line(rng.choice([o for o in OPERATORS if o != target.operator]))
+    wrong = [o for o in OPERATORS if o != target.operator]
+    broken_line = MISSING_BODY if kind == "missing" else target.line(rng.choice(wrong))  # no draw for a missing body
     calls = {f.name: _arguments(rng) for f in functions}
-    visible = tuple(HiddenTest(m, f.name, calls[f.name], f.value(*calls[f.name])) for m, fs in modules.items() for f in fs)
+    visible = tuple(HiddenTest(m, f.name, calls[f.name], f.value(*calls[f.name]))
+                    for m, fs in modules.items() for f in fs)
     files = {f"{m}.py": module_source(fs, target if m == module else None, broken_line) for m, fs in modules.items()}
     files[CHECK_FILE] = check_source(list(visible))
     hidden = []
