@@ -32,7 +32,7 @@ from pathlib import Path
 from gapless.config import load_config
 from gapless.envs.registry import make_environment
 from gapless.orchestrate.evaluate import multi_turn_pass_at_1
-from gapless.orchestrate.loop import SyncLoop
+from gapless.orchestrate.loop import RunLoop
 from gapless.types import SamplingParams
 
 EVAL_TASKS = 16
@@ -52,7 +52,7 @@ def overrides(seed: int, run_dir: Path, cache_dir: Path, steps: int, lr: float) 
     }  # fmt: skip
 
 
-def sampled_pass_at_1(loop: SyncLoop, env, samples: int) -> tuple[float, int]:
+def sampled_pass_at_1(loop: RunLoop, env, samples: int) -> tuple[float, int]:
     params = SamplingParams(max_new_tokens=loop.cfg.generator.max_new_tokens, seed=4242)
     groups = env.rollout_groups(loop.sampler, list(env.tasks("eval")), samples, params, loop.policy.encode)
     scored = [r for group in groups for r in group if not r.is_infra_failure]
@@ -62,7 +62,7 @@ def sampled_pass_at_1(loop: SyncLoop, env, samples: int) -> tuple[float, int]:
 def measure(seed: int, work: Path, steps: int, samples: int, cache: Path | None = None, lr: float = 1e-3) -> dict:
     started = time.perf_counter()
     cfg = load_config(None, overrides(seed, work / f"run{seed}", cache or work / "cache", steps, lr))
-    loop = SyncLoop(cfg, log=lambda *_: None)
+    loop = RunLoop(cfg, log=lambda *_: None, source="inline")
     before, n = sampled_pass_at_1(loop, loop.env, samples)
     greedy_before = multi_turn_pass_at_1(loop.sampler, loop.env, loop.eval, loop.policy.encode,
                                          loop.cfg.generator.max_new_tokens).pass_at_1

@@ -230,7 +230,7 @@ class RepoEnvironment:
     def score_groups(self, tasks: Sequence[RepoTask], groups: Sequence[Sequence[Completion]]) -> list[list[Rollout]]:
         """Not available: a transcript cannot be graded without the session its commands ran
         in. Raised loudly, since a caller here has taken the single-turn path by mistake."""
-        raise TypeError("the repo task is multi-turn: drive it with rollout_groups (the reference loop, SyncLoop); "
+        raise TypeError("the repo task is multi-turn: drive it with rollout_groups (the run loop picks the inline source for it); "
                         "a single-turn path (generate + score_groups) would grade repositories no tool has touched")
 
     @staticmethod
