@@ -11,6 +11,8 @@ the hostile probes (gapless.sandbox.probes) on this host and prints probe, statu
 the host stayed clean; it exits 0 only if every probe ended as expected with a clean host.
 `gapless report RUN_DIR [RUN_DIR ...] [--out DIR]` writes one self-contained HTML page (and a
 PNG per chart) comparing the runs (gapless.report); default DIR is FIRST_RUN_DIR/report.
+`gapless simulate [CONFIG] [--dotted.key value ...]` and `gapless simulate --calibrate RUN_DIR ...`
+run the capacity simulator (gapless.simulate, docs/simulator.md).
 
 User errors (bad config, missing model path, malformed TOML) print one line `gapless: error: ...`
 and exit with code 2; infrastructure failures (sandbox cannot start) exit with code 3 and say
@@ -72,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     training.add_argument("args", nargs=argparse.REMAINDER,
                           help="[CONFIG] [--host 127.0.0.1] [--port 8001] [--api-key KEY (default: $TINKER_API_KEY)] "
                                "[--threads N] [--section.key VALUE ...]; base models: [service] base_models in CONFIG")
+    simulate = sub.add_parser("simulate", help="simulate the pipeline on a simulated clock (capacity planning)")
+    simulate.add_argument("args", nargs=argparse.REMAINDER,
+                          help="[CONFIG] [--section.key VALUE ...] | --calibrate RUN_DIR [RUN_DIR ...]")
     report = sub.add_parser("report", help="compare runs in one self-contained HTML page")
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     report.add_argument("--out", default=None, help="output directory (default: FIRST_RUN_DIR/report)")
@@ -216,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     argv = sys.argv[1:] if argv is None else argv
     try:
+        if argv[:1] == ["simulate"] and not {"-h", "--help"} & set(argv):
+            from gapless.simulate import main as simulate_main
+
+            return simulate_main(argv[1:], _load)
         if argv[:1] in (["train"], ["eval"], ["serve-training"]) and not {"-h", "--help"} & set(argv):
             command = {"train": _cmd_train, "eval": _cmd_eval, "serve-training": _cmd_serve_training}[argv[0]]
             return command(argv[1:])  # free-form dotted overrides: parsed by hand, not argparse

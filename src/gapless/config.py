@@ -426,6 +426,70 @@ class ClusterConfig(_Section):
     Raise it only for steps whose own compute takes longer."""
 
 
+class SimulateConfig(_Section):
+    """`gapless simulate`: the capacity simulator (docs/simulator.md). The rest of the config (loop,
+    generator, pipeline, task) describes the job being simulated, exactly as for `gapless train`."""
+
+    placement: Literal["shared", "split"] = "shared"
+    """'shared': every actor on one pool of `cores` (a single machine such as this project's
+    2-core CPU box; actors share it by threads); 'split': generator replicas and trainer ranks
+    each on their own devices (a cluster)."""
+    cores: int = Field(0, ge=0, le=65536)
+    """Shared placement: cores (or devices) in the pool; 0 = this machine's cores."""
+    replicas: int = Field(1, ge=1, le=65536)
+    """Generator replicas (engines), each with `gpus_per_replica` devices in the split placement."""
+    gpus_per_replica: int = Field(1, ge=1, le=64)
+    """Devices per generator replica (tensor parallel); counts toward `device_budget`."""
+    trainer_ranks: int = Field(1, ge=1, le=65536)
+    """Trainer devices (data parallel); a roofline trainer step is divided among them."""
+    steps: int = Field(0, ge=0)
+    """Trainer steps to simulate; 0 = loop.steps."""
+    reference_loop: bool = False
+    """Simulate the one-process reference loop instead of the pipeline: generation, scoring of
+    the whole step, then training, each with every core (bench/pipeline.py's 'ref')."""
+    costs_path: str | None = None
+    """JSON cost model (`gapless simulate --calibrate RUN_DIR` writes one); None = this machine's
+    built-in calibration for 'shared', the roofline below for 'split'."""
+    device_flops: float = Field(989e12, gt=0)
+    """Roofline: dense peak FLOP/s of one device at the training precision (H100 SXM bf16: 989e12)."""
+    device_memory_bw: float = Field(3.35e12, gt=0)
+    """Roofline: memory bandwidth of one device, bytes/s (H100 SXM: 3.35e12)."""
+    interconnect_bw: float = Field(50e9, gt=0)
+    """Roofline: bytes/s at which weights reach the generators (NCCL broadcast across nodes)."""
+    relay_latency_s: float = Field(0.1, ge=0)
+    """Roofline: fixed cost of one weight update besides its bytes (pause, barrier)."""
+    params: float = Field(0.0, ge=0)
+    """Roofline: model parameters; 0 = from the [model] section."""
+    kv_bytes_per_token: float = Field(0.0, ge=0)
+    """Roofline: KV-cache bytes per token of context; 0 = from the [model] section
+    (2 x layers x kv heads x head dim x 2 bytes)."""
+    gen_efficiency: float = Field(0.4, gt=0, le=1)
+    """Roofline: share of peak FLOP/s a decode step's matmuls reach."""
+    train_mfu: float = Field(0.4, gt=0, le=1)
+    """Roofline: trainer model FLOP utilisation (6N FLOPs per trained token)."""
+    prompt_tokens: int = Field(64, ge=1)
+    """Roofline: mean prompt length in tokens."""
+    response_mean: float = Field(0.0, ge=0)
+    """Roofline: mean length of responses that end before generator.max_new_tokens; 0 = half of it."""
+    response_sigma: float = Field(1.0, ge=0, le=4)
+    """Roofline: lognormal shape of response lengths (about 1: a reasoning model's heavy tail)."""
+    truncated_frac: float = Field(0.0, ge=0, le=1)
+    """Roofline: share of responses that run to generator.max_new_tokens."""
+    sweep_replicas: list[int] = []
+    """Sweep: generator replicas to try (empty = only `replicas`)."""
+    sweep_trainer_ranks: list[int] = []
+    """Sweep: trainer ranks to try (empty = only `trainer_ranks`)."""
+    sweep_budgets: list[int] = []
+    """Sweep: staleness budgets to try (empty = only pipeline.max_staleness)."""
+    sweep_oversample: list[float] = []
+    """Sweep: oversampling fractions to try (empty = only pipeline.oversample)."""
+    device_budget: int = Field(0, ge=0)
+    """Sweep: devices available (replicas x gpus_per_replica + trainer_ranks); the recommendation
+    is the fastest configuration that fits. 0 = no limit."""
+    timeline_steps: int = Field(20, ge=0)
+    """Steps whose spans go to the simulated run's timeline (the report's Gantt chart)."""
+
+
 class MetricsConfig(_Section):
     live: Literal["auto", "rich", "plain"] = "auto"
     """Live view during training: 'rich' redraws a panel in place (step, ETA, reward, pass@1,
@@ -491,6 +555,7 @@ class Config(_Section):
     judge: JudgeConfig = JudgeConfig()
     cluster: ClusterConfig = ClusterConfig()
     service: ServiceConfig = ServiceConfig()
+    simulate: SimulateConfig = SimulateConfig()
 
 
 class ConfigError(ValueError):

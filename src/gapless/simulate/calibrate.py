@@ -1,0 +1,211 @@
+"""Calibration: fit the cost models to real runs of this machine, by simulating those runs.
+
+`gapless simulate --calibrate RUN_DIR [RUN_DIR ...]` reads each run directory (config.json,
+metrics.jsonl and the timeline's `score` spans, as `gapless train` writes them; docs/observability.md)
+and fits a `Costs` (costs.py) for the shared placement on `simulate.cores` cores:
+
+    lengths          from rollout/completion_len_mean and rollout/truncated_frac, less the
+                     synthetic stragglers (generator.force_long_every runs to the cap)
+    weight relay     mean perf/weight_push_s
+    generation, training, scoring
+                     start from the direct estimates (busy seconds x threads / work), then
+                     repeat: simulate every calibration run, scale each cost by the geometric
+                     mean over the runs of measured / simulated (generator busy seconds per
+                     step, perf/train_s, scoring seconds per group), so contention between the
+                     actors sharing the cores is the simulator's, not a guess
+    parallel_efficiency
+                     when the runs use different thread counts (budget 0: every core per
+                     actor; budget >= 1: half), the value in 0.3..1.0 (0.4, 0.6, 0.8, 1.0, then
+                     +-0.1 around the best) whose fitted costs best predict every run's ms per
+                     trained sample
+    decode step      step_s = 12 x row_s: the fixed part of a step is worth about 12 rows on
+                     this machine (docs/engine.md: a + b x rows, fitted from the continuous and
+                     static schedules); only the scale is fitted
+
+Measured from a run the way bench/pipeline.py measures it: steps 2..S (step 1 includes the
+actors' start). Guaranteed: the fitted costs pass `Costs.check`. Not guaranteed: that a run on
+another machine, or one disturbed by other load, calibrates to the same figures (the docs give
+the machine's load during the runs used).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from gapless.config import Config, ConfigError
+from gapless.simulate.costs import Costs, EnvCost, GenerationCost, LengthModel, RelayCost, TrainerCost
+from gapless.simulate.pool import SharedPool
+from gapless.simulate.run import Simulation, resolved_threads
+from gapless.timeline import read_records
+
+STEP_ROWS = 12.0  # fixed part of a decode step, in rows (docs/engine.md)
+EFFICIENCIES = (0.4, 0.6, 0.8, 1.0)  # then +-0.1 around the best
+
+
+@dataclass
+class Measured:
+    """One real run, reduced to what the simulator predicts and what calibration fits."""
+
+    name: str
+    cfg: Config  # the run's config, with [simulate] set to replay it on this machine
+    steps: int
+    s_per_sample: float
+    trainer_idle_frac: float
+    generator_idle_frac: float
+    train_s: float  # mean per measured step
+    gen_busy_s: float  # mean per measured step
+    score_s: float  # mean per group (pipeline) or per step's scoring phase (reference loop)
+    push_s: float
+    length_mean: float
+    truncated_frac: float
+    borrowed_frac: float
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def read_run(path: str | Path, cores: int) -> Measured:
+    path = Path(path)
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    except FileNotFoundError as exc:
+        raise ConfigError(f"--calibrate {path}: not a run directory ({exc.filename} is missing); "
+                          "pass the RUN_DIR of a `gapless train` run") from None
+    steps = [r for r in records if "perf/step_s" in r]
+    if len(steps) < 2:
+        raise ConfigError(f"--calibrate {path}: {len(steps)} training steps in metrics.jsonl; calibration needs at least 2")
+    reference = "perf/generate_s" in steps[0]
+    measured = steps[1:]
+    raw.pop("simulate", None)
+    cfg = Config.model_validate(raw)
+    sim = cfg.simulate.model_copy(update={"placement": "shared", "cores": cores, "steps": len(steps),
+                                          "reference_loop": reference, "timeline_steps": 0})
+    cfg = cfg.model_copy(update={"simulate": sim})
+    samples = cfg.loop.prompts_per_step * cfg.generator.group_size
+    total = sum(m["perf/step_s"] for m in measured)
+    if reference:
+        gen_busy = [m["perf/generate_s"] for m in measured]
+        score = [m["perf/score_s"] for m in measured]
+    else:
+        gen_busy = [(1 - m.get("perf/generator_idle_frac", 0) - m.get("perf/generator_blocked_frac", 0)) * m["perf/step_s"]
+                    for m in measured]
+        start = measured[0]["time"] - measured[0]["perf/step_s"]
+        score = [s["end"] - s["start"] for s in read_records(path)
+                 if s.get("actor") == "env" and s.get("name") == "score" and s["start"] >= start]
+    return Measured(
+        path.name, cfg, len(steps), total / (len(measured) * samples),
+        sum(m["perf/trainer_idle_frac"] * m["perf/step_s"] for m in measured) / total,
+        sum(m.get("perf/generator_idle_frac", 0) * m["perf/step_s"] for m in measured) / total,
+        _mean([m["perf/train_s"] for m in measured]), _mean(gen_busy), _mean(score),
+        _mean([m.get("perf/weight_push_s", 0.0) for m in measured]),
+        _mean([m["rollout/completion_len_mean"] for m in measured]), _mean([m["rollout/truncated_frac"] for m in measured]),
+        _mean([m.get("perf/trainer_borrowed_frac", 0.0) for m in measured]))  # fmt: skip
+
+
+def lengths_of(run: Measured, sigma: float = 0.5) -> LengthModel:
+    """Response lengths of a run's own sampling, without its synthetic stragglers."""
+    cap = run.cfg.generator.max_new_tokens
+    every = run.cfg.generator.force_long_every
+    forced = 1.0 / every if every else 0.0
+    mean = (run.length_mean - forced * cap) / (1 - forced)
+    truncated = max((run.truncated_frac - forced) / (1 - forced), 0.0)
+    untruncated = (mean - truncated * cap) / (1 - truncated) if truncated < 1 else cap
+    return LengthModel(max(untruncated, 1.0), sigma, min(truncated, 1.0))
+
+
+def simulate_run(run: Measured, costs: Costs, lengths: LengthModel | None = None) -> dict[str, float]:
+    """The simulator's figures for one measured run (its config, on its machine)."""
+    if lengths is not None:
+        costs = replace(costs, lengths=lengths)
+    result = Simulation(run.cfg, costs).run()
+    steps = result.measured()
+    summary = result.summary()
+    score = [r.score_s for r in steps if r.score_s > 0]
+    if run.cfg.simulate.reference_loop:  # the scoring phase: what is neither generation nor training
+        score = [r.step_s - r.gen_busy_s - r.train_s - r.push_s for r in steps]
+    return {**summary, "train_s": _mean([r.train_s for r in steps]), "gen_busy_s": _mean([r.gen_busy_s for r in steps]),
+            "score_s": _mean(score)}
+
+
+def _gmean(values: list[float]) -> float:
+    values = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else 1.0
+
+
+def initial_costs(runs: list[Measured], cores: int, efficiency: float) -> Costs:
+    """Direct estimates from the first run: busy seconds x speed of its threads / work done."""
+    run = runs[0]
+    cfg = run.cfg
+    pool = SharedPool(cores, efficiency)
+    gen_threads, trainer_threads = resolved_threads(cfg, cores)
+    lengths = lengths_of(run)
+    samples = cfg.loop.prompts_per_step * cfg.generator.group_size
+    prompt = cfg.simulate.prompt_tokens
+    tokens = samples * run.length_mean
+    decode_steps = cfg.generator.max_new_tokens  # a step's batch fits the engine: it decodes to its longest
+    row_s = run.gen_busy_s * pool.speed_of(gen_threads) / (STEP_ROWS * decode_steps + tokens)
+    train_speed = pool.speed_of(trainer_threads + run.borrowed_frac * (gen_threads if cfg.pipeline.max_staleness else 0))
+    token_s = run.train_s * train_speed / (samples * (prompt + run.length_mean))
+    cpu_s = max(run.score_s, 1e-4) * 0.5  # refined by simulation
+    return Costs(GenerationCost(STEP_ROWS * row_s, row_s, 0.0), lengths, TrainerCost(token_s),
+                 EnvCost(cpu_s=cpu_s), RelayCost(latency_s=run.push_s), prompt, efficiency,
+                 source="calibrated").check()
+
+
+def fit(runs: list[Measured], cores: int, efficiency: float, rounds: int = 5) -> Costs:
+    costs = initial_costs(runs, cores, efficiency)
+    for _ in range(rounds):
+        predicted = [simulate_run(run, costs, lengths_of(run)) for run in runs]
+        gen = _gmean([r.gen_busy_s / p["gen_busy_s"] for r, p in zip(runs, predicted) if p["gen_busy_s"] > 0])
+        train = _gmean([r.train_s / p["train_s"] for r, p in zip(runs, predicted) if p["train_s"] > 0])
+        delay = [r.cfg.task.score_delay_s for r in runs]
+        score = _gmean([max(r.score_s - (d if not r.cfg.simulate.reference_loop else 0), 1e-5) /
+                        max(p["score_s"] - (d if not r.cfg.simulate.reference_loop else 0), 1e-5)
+                        for r, p, d in zip(runs, predicted, delay) if p["score_s"] > 0])
+        g, t = costs.generation, costs.trainer
+        costs = replace(costs, generation=GenerationCost(g.step_s * gen, g.row_s * gen, g.prefill_token_s * gen),
+                        trainer=TrainerCost(t.token_s * train, t.step_s * train),
+                        env=replace(costs.env, cpu_s=costs.env.cpu_s * score))
+    return costs.check()
+
+
+def calibrate(run_dirs: list[str | Path], cores: int = 0) -> tuple[Costs, list[dict]]:
+    """Fit costs to `run_dirs`; returns them and, per run, measured against predicted."""
+    cores = cores or os.cpu_count() or 2
+    runs = [read_run(path, cores) for path in run_dirs]
+    threads = {resolved_threads(run.cfg, cores) for run in runs}
+    tried: dict[float, tuple[float, Costs]] = {}
+
+    def attempt(efficiency: float) -> None:
+        if efficiency in tried or not 0.3 <= efficiency <= 1.0:
+            return
+        costs = fit(runs, cores, efficiency)
+        error = sum(math.log(simulate_run(run, costs, lengths_of(run))["s_per_sample"] / run.s_per_sample) ** 2
+                    for run in runs)
+        tried[efficiency] = (error, costs)
+
+    for efficiency in EFFICIENCIES if len(threads) > 1 else (1.0,):
+        attempt(efficiency)
+    if len(threads) > 1:
+        coarse = min(tried, key=lambda e: tried[e][0])
+        attempt(round(coarse - 0.1, 2))
+        attempt(round(coarse + 0.1, 2))
+    best = min(tried.values(), key=lambda pair: pair[0])
+    costs = replace(best[1], source="calibrated on " + ", ".join(run.name for run in runs))
+    return costs, [compare(run, costs) for run in runs]
+
+
+def compare(run: Measured, costs: Costs) -> dict:
+    predicted = simulate_run(run, costs, lengths_of(run))
+    return {"run": run.name, "budget": "ref" if run.cfg.simulate.reference_loop else run.cfg.pipeline.max_staleness,
+            "measured_ms_per_sample": run.s_per_sample * 1e3, "predicted_ms_per_sample": predicted["s_per_sample"] * 1e3,
+            "error": predicted["s_per_sample"] / run.s_per_sample - 1,
+            "measured_trainer_idle": run.trainer_idle_frac, "predicted_trainer_idle": predicted["trainer_idle_frac"],
+            "measured_generator_idle": run.generator_idle_frac,
+            "predicted_generator_idle": predicted["generator_idle_frac"]}

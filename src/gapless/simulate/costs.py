@@ -1,0 +1,144 @@
+"""Cost models: how long each piece of the pipeline takes, from measurement or a stated formula.
+
+Every cost is in seconds on one unit of the resource that runs it. With `placement = "split"`
+(generator replicas and trainer ranks on their own devices) a unit is a whole replica or the
+whole trainer; with `placement = "shared"` (every actor on one pool of cores or devices, as on
+this project's 2-core machine) a unit is one core (or device), and an actor given x units runs
+at speed `speed(x) = min(x, 1) + parallel_efficiency * max(x - 1, 0)`.
+
+    decode step with b running sequences   step_s + row_s * b                (continuous batching)
+    prefill of n tokens                     prefill_token_s * n
+    one group's response lengths            LengthModel: truncated at the cap with probability
+                                            truncated_frac, else lognormal(mean, sigma) below the cap
+    scoring one group                       cpu_s on the pool (shared) + a wait with no CPU,
+                                            lognormal through (wait_p50_s, wait_p99_s)
+    training step on T tokens               step_s + token_s * T
+    weight relay                            latency_s + bytes / bandwidth_bps (trainer and generator)
+
+`roofline_costs` derives them from a device spec (FLOP/s, memory bandwidth) and a model size:
+a decode step reads the weights once (memory-bound) plus, per row, its KV cache and 2N FLOPs; a
+trained token costs 6N FLOPs at the trainer's MFU. `calibrate.py` fits them to a real run.
+Guaranteed: every cost is finite and non-negative (`Costs.check`). Not guaranteed: anything the
+formulas leave out (attention FLOPs, communication inside a rank, memory limits on batch size
+other than `generator.max_batch`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+
+@dataclass
+class GenerationCost:
+    step_s: float  # fixed part of one decode step: reading the weights, per-op overhead
+    row_s: float  # added per running sequence per decode step
+    prefill_token_s: float = 0.0
+
+    def decode_step_s(self, rows: float) -> float:
+        return self.step_s + self.row_s * rows
+
+
+@dataclass
+class LengthModel:
+    mean_untruncated: float  # mean response length (tokens) of the responses that end before the cap
+    sigma: float = 0.5  # lognormal shape; > 1 is a heavy tail
+    truncated_frac: float = 0.0  # share of responses that run to the cap
+
+    def sample(self, rng: random.Random, cap: int) -> int:
+        if rng.random() < self.truncated_frac:
+            return cap
+        mu = math.log(max(self.mean_untruncated, 1.0)) - self.sigma**2 / 2
+        return max(1, min(cap - 1 if cap > 1 else 1, round(rng.lognormvariate(mu, self.sigma))))
+
+
+@dataclass
+class EnvCost:
+    cpu_s: float = 0.0  # pool seconds per group (shared placement; split: counted as wait)
+    wait_p50_s: float = 0.0  # per group, no CPU (a remote judge, a sandbox start)
+    wait_p99_s: float = 0.0
+
+    def sample_wait(self, rng: random.Random) -> float:
+        if self.wait_p50_s <= 0:
+            return 0.0
+        sigma = max(math.log(max(self.wait_p99_s, self.wait_p50_s) / self.wait_p50_s), 0.0) / 2.326  # z(0.99)
+        return rng.lognormvariate(math.log(self.wait_p50_s), sigma) if sigma > 0 else self.wait_p50_s
+
+
+@dataclass
+class TrainerCost:
+    token_s: float  # per trained token (prompt + response) on one trainer rank (split) or core (shared)
+    step_s: float = 0.0  # per optimizer step, whatever its size
+
+
+@dataclass
+class RelayCost:
+    latency_s: float = 0.0
+    bytes: float = 0.0
+    bandwidth_bps: float = float("inf")
+
+    @property
+    def push_s(self) -> float:
+        return self.latency_s + (self.bytes / self.bandwidth_bps if self.bandwidth_bps > 0 else 0.0)
+
+
+@dataclass
+class Costs:
+    generation: GenerationCost
+    lengths: LengthModel
+    trainer: TrainerCost
+    env: EnvCost = field(default_factory=EnvCost)
+    relay: RelayCost = field(default_factory=RelayCost)
+    prompt_tokens: int = 32  # mean prompt length (tokens)
+    parallel_efficiency: float = 1.0  # shared placement: value of each unit beyond the first
+    source: str = "given"  # where the figures come from (a run directory, a device spec)
+
+    def check(self) -> "Costs":
+        for part in (self.generation, self.lengths, self.trainer, self.env, self.relay):
+            for f in fields(part):
+                value = getattr(part, f.name)
+                if not (value >= 0) or (math.isinf(value) and f.name != "bandwidth_bps"):
+                    raise ValueError(f"cost {type(part).__name__}.{f.name} = {value} must be finite and >= 0")
+        if self.generation.step_s + self.generation.row_s <= 0 or self.trainer.token_s + self.trainer.step_s <= 0:
+            raise ValueError("generation and training costs must not both be zero: the simulation would not advance")
+        return self
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Costs":
+        return cls(GenerationCost(**data["generation"]), LengthModel(**data["lengths"]), TrainerCost(**data["trainer"]),
+                   EnvCost(**data.get("env", {})), RelayCost(**data.get("relay", {})),
+                   data.get("prompt_tokens", 32), data.get("parallel_efficiency", 1.0), data.get("source", "given")).check()
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Costs":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    flops: float  # dense peak FLOP/s of one device at the training precision
+    memory_bw: float  # bytes/s of one device
+    interconnect_bw: float = 50e9  # bytes/s for the weight relay (trainer -> generators)
+
+
+def roofline_costs(device: DeviceSpec, params: float, bytes_per_param: float, kv_bytes_per_token: float,
+                   gpus_per_replica: int, mean_context: float, lengths: LengthModel,
+                   gen_efficiency: float, train_mfu: float, prompt_tokens: int, relay_latency_s: float = 0.0) -> Costs:
+    """Costs of a replica of `gpus_per_replica` devices (tensor parallel, perfect scaling assumed)
+    and a trainer rank (data parallel: a step divides its tokens among the ranks), from the roofline:
+    decode step = weight bytes / bandwidth (once per step) + per row (2N FLOPs at gen_efficiency of
+    peak + its KV cache of `mean_context` tokens read once); trained token = 6N FLOPs at train_mfu."""
+    g = gpus_per_replica
+    weights_s = params * bytes_per_param / (device.memory_bw * g)
+    row_s = 2 * params / (device.flops * gen_efficiency * g) + kv_bytes_per_token * mean_context / (device.memory_bw * g)
+    prefill_s = 2 * params / (device.flops * gen_efficiency * g)
+    token_s = 6 * params / (device.flops * train_mfu)  # on one rank; the step divides by the ranks
+    relay = RelayCost(relay_latency_s, params * bytes_per_param, device.interconnect_bw)
+    return Costs(GenerationCost(weights_s, row_s, prefill_s), lengths, TrainerCost(token_s), relay=relay,
+                 prompt_tokens=prompt_tokens, source="roofline").check()

@@ -1,0 +1,91 @@
+"""The shared pool: actors on the same cores (or devices) slow each other down.
+
+With `placement = "shared"` every busy actor is a *job* holding some threads (its cap). When the
+jobs' threads fit the pool each job gets its cap; otherwise the pool is shared in proportion to
+threads, as a fair OS scheduler shares cores among runnable threads:
+
+    allocation(job) = cap(job) * min(1, units / sum of caps of busy jobs)
+    speed(job)      = min(x, 1) + parallel_efficiency * max(x - 1, 0)     for allocation x
+
+A job is told its speed through its `on_speed(speed)` callback whenever the set of busy jobs (or
+a cap) changes, and must reschedule its own completion then. With `placement = "split"` there is
+no pool: `DedicatedPool` gives every job speed 1 and never calls back.
+Not guaranteed: the cost of contention beyond the share of cores (an OpenMP barrier waiting on a
+preempted thread slows a multi-threaded job more than its share says).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+class SharedPool:
+    def __init__(self, units: float, parallel_efficiency: float = 1.0):
+        self.units, self.efficiency = units, parallel_efficiency
+        self.jobs: dict[object, tuple[float, Callable[[float], None]]] = {}  # key -> (cap, on_speed)
+        self.speeds: dict[object, float] = {}
+
+    def speed_of(self, allocation: float) -> float:
+        return min(allocation, 1.0) + self.efficiency * max(allocation - 1.0, 0.0)
+
+    def start(self, key: object, cap: float, on_speed: Callable[[float], None]) -> None:
+        self.jobs[key] = (cap, on_speed)
+        self._share()
+
+    def set_cap(self, key: object, cap: float) -> None:
+        if key in self.jobs and self.jobs[key][0] != cap:
+            self.jobs[key] = (cap, self.jobs[key][1])
+            self._share()
+
+    def stop(self, key: object) -> None:
+        if self.jobs.pop(key, None) is not None:
+            self.speeds.pop(key, None)
+            self._share()
+
+    def _share(self) -> None:
+        demand = sum(cap for cap, _ in self.jobs.values())
+        scale = min(1.0, self.units / demand) if demand > 0 else 1.0
+        for key, (cap, on_speed) in list(self.jobs.items()):
+            speed = self.speed_of(cap * scale)
+            if self.speeds.get(key) != speed:
+                self.speeds[key] = speed
+                on_speed(speed)
+
+
+class DedicatedPool:
+    """Every actor on its own devices: speed 1, no contention."""
+
+    def start(self, key: object, cap: float, on_speed: Callable[[float], None]) -> None:
+        on_speed(1.0)
+
+    def set_cap(self, key: object, cap: float) -> None:
+        pass
+
+    def stop(self, key: object) -> None:
+        pass
+
+
+class Work:
+    """A fixed amount of work (seconds at speed 1) on a pool; calls `on_done()` when finished,
+    tracking every speed change on the way."""
+
+    def __init__(self, loop, pool, cap: float, amount_s: float, on_done: Callable[[], None]):
+        self.loop, self.pool, self.on_done = loop, pool, on_done
+        self.remaining, self.speed, self.t_last, self.token = amount_s, 0.0, loop.now, None
+        self.finished = False
+        pool.start(self, cap, self._on_speed)
+
+    def _on_speed(self, speed: float) -> None:
+        now = self.loop.now
+        self.remaining -= (now - self.t_last) * self.speed
+        self.t_last, self.speed = now, speed
+        self.loop.cancel(self.token)
+        self.token = self.loop.after(max(self.remaining, 0.0) / speed, self._done) if speed > 0 else None
+
+    def set_cap(self, cap: float) -> None:
+        self.pool.set_cap(self, cap)
+
+    def _done(self) -> None:
+        self.finished = True
+        self.pool.stop(self)
+        self.on_done()

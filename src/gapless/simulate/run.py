@@ -1,0 +1,373 @@
+"""The simulated pipeline: the real admission, buffer, partial-rollout and curriculum code on a
+simulated clock, with cost models in place of the engine, the sandbox and the optimizer.
+
+    Admission + PromptSource ──groups──> Replica x R ──> environment (W workers) ──> StalenessBuffer
+       (orchestrate/admission.py)        (engine.py)     (cpu on the pool + wait)    (orchestrate/buffer.py)
+              ^         Dropped(count, min_version) on every drop, as the real trainer sends   │
+              └──────── weights (version v+1) after the relay time  <── trainer step (Work) ───┘
+
+What is real (imported, not re-implemented): `Admission` (how many groups may be in flight),
+`PromptSource` and `PassRateCurriculum` (which task each group gets, fed with the group's
+rewards), `sampling_params` (which groups are synthetic stragglers), `StalenessBuffer` (when a
+batch is ready, what is taken, what is cut or dropped and why), `PartialRollouts` (the time
+deadline, on the simulated clock), the ledger's event records, and the trainer's drop handling
+(each drop frees a place, usable from the version the real pipeline passes in `Dropped`).
+What is modelled: generation (engine.py), scoring and training durations (costs.py), rewards
+(each task has a pass probability drawn uniformly from [0, 1]; a rollout passes with it), and
+sharing of the cores (pool.py). `reference_loop` simulates the one-process reference loop
+instead: generation, then scoring of the whole step, then training, each with every core.
+Guaranteed: the ledger and staleness invariants are those of the real buffer (tested with
+`check_ledger`); a simulation is deterministic for a config, costs and seed.
+Not guaranteed: evaluation, checkpoints and actor start-up are not simulated; the environment's
+outbound queue is unbounded (the real one holds 2 P groups).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from gapless.config import Config
+from gapless.orchestrate.admission import Admission, PromptSource, sampling_params
+from gapless.orchestrate.buffer import ScoredGroup, StalenessBuffer
+from gapless.orchestrate.messages import Dropped
+from gapless.orchestrate.partial import PartialRollouts
+from gapless.simulate.clock import EventLoop
+from gapless.simulate.costs import Costs
+from gapless.simulate.engine import PartialView, Replica, SimGroup
+from gapless.simulate.pool import DedicatedPool, SharedPool, Work
+from gapless.types import Completion, Rollout
+
+
+class NullLedger:
+    """A ledger that writes nowhere (the buffer's `ledger` seam) but counts events by kind."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def write(self, event) -> None:
+        self.counts[event.event] = self.counts.get(event.event, 0) + 1
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class StepRecord:
+    step: int
+    end_s: float
+    step_s: float
+    waited_s: float
+    train_s: float
+    push_s: float
+    generator_idle_frac: float
+    gen_tokens_per_s: float
+    staleness: list[int]
+    rewards: list[float]
+    lengths: list[int]
+    trained_tokens: int
+    drops: dict[str, int]  # cumulative, by reason
+    partial_cuts: int
+    gen_busy_s: float = 0.0  # per replica, in this step's window
+    score_s: float = 0.0  # mean scoring time of the groups scored in this step's window
+
+
+@dataclass
+class SimResult:
+    steps: list[StepRecord]
+    sim_s: float
+    samples_per_step: int
+    spans: dict[str, list[tuple[str, float, float]]] = field(default_factory=dict)  # lane -> spans
+    drops: dict[str, int] = field(default_factory=dict)
+    events: int = 0
+
+    def measured(self) -> list[StepRecord]:
+        """Steps 2..S, as bench/pipeline.py measures (its step 1 includes starting the actors)."""
+        return self.steps[1:] if len(self.steps) > 1 else self.steps
+
+    def summary(self) -> dict[str, float]:
+        steps = self.measured()
+        total = sum(r.step_s for r in steps)
+        staleness = [s for r in steps for s in r.staleness]
+        return {
+            "s_per_sample": total / max(len(steps) * self.samples_per_step, 1),
+            "samples_per_s": len(steps) * self.samples_per_step / max(total, 1e-12),
+            "trainer_idle_frac": sum(r.waited_s for r in steps) / max(total, 1e-12),
+            "generator_idle_frac": sum(r.generator_idle_frac * r.step_s for r in steps) / max(total, 1e-12),
+            "staleness_mean": sum(staleness) / max(len(staleness), 1),
+            "staleness_max": float(max(staleness, default=0)),
+            "sim_s": self.sim_s,
+            **{f"drops/{k}": float(v) for k, v in sorted(self.drops.items())},
+        }
+
+
+def resolved_threads(cfg: Config, cores: int) -> tuple[int, int]:
+    """(generator, trainer) threads as the real pipeline resolves them, for a machine of `cores`."""
+    pl = cfg.pipeline
+    if cfg.simulate.reference_loop:
+        return cores, cores
+    gen = pl.generator_threads or (cores if pl.max_staleness == 0 else max(1, cores // 2))
+    trainer = pl.trainer_threads or (cores if pl.max_staleness == 0 else max(1, cores - gen))
+    return gen, trainer
+
+
+class Simulation:
+    def __init__(self, cfg: Config, costs: Costs, ledger=None, timeline_steps: int | None = None):
+        sim, pl = cfg.simulate, cfg.pipeline
+        self.cfg, self.costs = cfg, costs
+        self.P, self.G, self.s = cfg.loop.prompts_per_step, cfg.generator.group_size, pl.max_staleness
+        self.steps = sim.steps or cfg.loop.steps
+        self.cap_tokens = cfg.generator.max_new_tokens
+        self.reference = sim.reference_loop
+        self.loop = EventLoop()
+        self.rng = random.Random(f"{cfg.seed}-simulate")
+        self.shared = sim.placement == "shared"
+        cores = sim.cores or os.cpu_count() or 2
+        self.pool = SharedPool(cores, costs.parallel_efficiency) if self.shared else DedicatedPool()
+        self.gen_threads, self.trainer_threads = resolved_threads(cfg, cores) if self.shared else (1, 1)
+        self.lends = self.shared and self.s > 0 and pl.lend_idle_cores and not self.reference
+        uids = [f"task-{i}" for i in range(cfg.task.num_train_prompts)]
+        task_rng = random.Random(f"{cfg.seed}-tasks")
+        self.pass_rate = [task_rng.random() for _ in uids]
+        self.uids = uids
+        self.admission = Admission(self.P, self.s, pl.oversample)
+        self.source = PromptSource(cfg.seed, uids, self.P, pl.curriculum)
+        self.ledger = ledger if ledger is not None else NullLedger()
+        self.buffer = StalenessBuffer(self.P, self.s, pl.oversample > 0, self.ledger, pl.dynamic_sampling, uids)
+        self.partial = PartialRollouts(0, pl.partial_rollout_s, clock=self.loop.clock)
+        replicas = sim.replicas if not self.reference else 1
+        self.replicas = [Replica(r, self.loop, self.pool, self.gen_threads, costs.generation, costs.prompt_tokens,
+                                 cfg.generator.max_batch, self._generated, self._replica_busy) for r in range(replicas)]
+        self.views = [PartialView(r) for r in self.replicas]
+        self.where: dict[int, Replica] = {}  # group index -> its replica
+        self.gen_version = 0
+        self.pending_drops: list[Dropped] = []
+        self.workers = min(pl.env_workers, cfg.sandbox.concurrency)
+        self.env_queue: deque[SimGroup] = deque()
+        self.scoring = 0
+        self.free_workers = list(range(self.workers - 1, -1, -1))
+        self.score_sum, self.score_n, self.score_mark = 0.0, 0, (0.0, 0)
+        self.busy_mark = 0.0
+        self.version = 0  # trainer's policy version = steps done
+        self.training = False
+        self.work: Work | None = None
+        self.wait_start = 0.0
+        self.last_end = 0.0
+        self.idle_mark = 0.0
+        self.tokens_mark = 0.0
+        self.cuts = 0
+        self.partial_token: int | None = None
+        self.lengths_of: dict[int, list[int]] = {}  # scored groups' response lengths
+        self.records: list[StepRecord] = []
+        self.timeline_steps = sim.timeline_steps if timeline_steps is None else timeline_steps
+        self.spans: dict[str, list[tuple[str, float, float]]] = {"trainer": []}
+        self.events = 0
+        for r in self.replicas:
+            r.record_spans = self.timeline_steps > 0
+
+    # ---- generator side -------------------------------------------------------------------
+    def _release_drops(self) -> None:
+        usable = [d for d in self.pending_drops if d.min_version <= self.gen_version]
+        if usable:
+            self.admission.dropped += sum(d.count for d in usable)
+            self.pending_drops = [d for d in self.pending_drops if d.min_version > self.gen_version]
+
+    def _pick_replica(self) -> Replica:
+        if len(self.replicas) == 1:
+            return self.replicas[0]
+        a, b = self.rng.sample(self.replicas, 2)  # two random choices: near-balanced load at O(1)
+        return a if a.load() <= b.load() else b
+
+    def _admit(self) -> None:
+        if self.version >= self.steps:
+            return
+        self._release_drops()
+        while self.admission.may_admit(self.gen_version):
+            index = self.admission.admit()
+            task = self.source.task_for(index)
+            params = sampling_params(self.cfg, index)
+            if params.ignore_eos:
+                lengths = [self.cap_tokens] * self.G
+            else:
+                lengths = [self.costs.lengths.sample(self.rng, self.cap_tokens) for _ in range(self.G)]
+            group = SimGroup(index, task, self.gen_version, lengths)
+            self.buffer.admitted(index, self.gen_version, task)
+            replica = self._pick_replica()
+            self.where[index] = replica
+            replica.add(group)
+        self._arm_partial()
+
+    def _arm_partial(self) -> None:
+        """Wake up at the earliest partial-rollout deadline, so a cut happens on time."""
+        if not self.partial.enabled:
+            return
+        for view in self.views:
+            self.cuts += len(self.partial.cut(view, lambda rid: sampling_params(self.cfg, int(rid))))
+        self.loop.cancel(self.partial_token)
+        self.partial_token = None
+        future = [since + self.partial.deadline_s for since in self.partial.running_since.values()
+                  if since + self.partial.deadline_s > self.loop.now]
+        if future and self.version < self.steps:  # a deadline already past waits for a queue change
+            self.partial_token = self.loop.at(min(future), self._partial_tick)
+
+    def _partial_tick(self) -> None:
+        self.partial_token = None
+        self._arm_partial()
+
+    def _replica_busy(self, rid: int, busy: bool) -> None:
+        if self.lends and self.work is not None and not self.work.finished:
+            self.work.set_cap(self._trainer_cap())
+
+    def _trainer_cap(self) -> float:
+        if self.lends and not any(r.is_busy for r in self.replicas):
+            return self.trainer_threads + self.gen_threads
+        return self.trainer_threads
+
+    # ---- environment ----------------------------------------------------------------------
+    def _generated(self, group: SimGroup) -> None:
+        self.events += 1
+        self.where.pop(group.index, None)
+        self.env_queue.append(group)
+        self._score_next()
+        self._arm_partial()  # groups that just got a slot start their deadline now
+
+    def _score_next(self) -> None:
+        if self.reference and any(r.running or r.waiting for r in self.replicas):
+            return  # the reference loop scores the step's groups once all are generated
+        while self.env_queue and self.scoring < self.workers:
+            group = self.env_queue.popleft()
+            self.scoring += 1
+            worker = self.free_workers.pop()
+            wait = self.cfg.task.score_delay_s + self.costs.env.sample_wait(self.rng)
+            self.loop.after(wait, lambda g=group, w=worker, t=self.loop.now: self._score_cpu(g, w, t))
+
+    def _score_cpu(self, group: SimGroup, worker: int, start: float) -> None:
+        cpu = self.costs.env.cpu_s
+        if cpu <= 0:
+            self._scored(group, worker, start)
+        elif self.shared:
+            Work(self.loop, self.pool, 1.0, cpu, lambda: self._scored(group, worker, start))
+        else:
+            self.loop.after(cpu, lambda: self._scored(group, worker, start))
+
+    def _scored(self, group: SimGroup, worker: int, start: float) -> None:
+        self.scoring -= 1
+        self.free_workers.append(worker)
+        self.score_sum += self.loop.now - start
+        self.score_n += 1
+        self._span(f"env-{worker}", "score", start, self.loop.now, self.version)
+        p = self.pass_rate[group.task_index]
+        completion = Completion([], [], [], [group.oldest if group.oldest is not None else group.born], "stop", "")
+        rollouts = []
+        for _ in range(self.G):
+            passed = self.rng.random() < p
+            rollouts.append(Rollout(self.uids[group.task_index], completion, 1.0 if passed else 0.0,
+                                    "ok" if passed else "wrong_answer"))
+        scored = ScoredGroup(group.index, group.task_index, group.born, rollouts)
+        self.lengths_of[group.index] = group.lengths  # for the step's token count and length metrics
+        if group.index not in self.buffer.closed:
+            self.source.feedback(self.uids[group.task_index], [r.reward for r in rollouts])
+        reason = self.buffer.arrived(scored)
+        if reason is not None:  # a drop frees a place; a backfill must not be due before this step
+            self.pending_drops.append(Dropped(1, self.version - self.s))
+            self._admit()
+        self._score_next()
+        self._try_step()
+
+    # ---- trainer --------------------------------------------------------------------------
+    def _try_step(self) -> None:
+        if self.training or self.version >= self.steps or len(self.buffer.ready) < self.P:
+            return
+        if not self.buffer.is_batch_ready(self.version):
+            return
+        step = self.version
+        now = self.loop.now
+        waited = now - self.wait_start
+        drops_before = self.buffer.num_dropped
+        groups, cut = self.buffer.take(step)
+        if cut:
+            for index in cut:
+                replica = self.where.pop(index, None)
+                if replica is not None:
+                    replica.abort([index])
+            cut_set = set(cut)
+            self.env_queue = deque(g for g in self.env_queue if g.index not in cut_set)
+        freed = self.buffer.num_dropped - drops_before
+        if freed:
+            self.pending_drops.append(Dropped(freed, step + 1 - self.s))
+        lengths = [self.lengths_of.pop(g.index) for g in groups]
+        for index in [i for i in self.lengths_of if i in self.buffer.closed]:
+            del self.lengths_of[index]  # dropped after scoring
+        tokens = sum(self.costs.prompt_tokens * self.G + sum(n) for n in lengths)
+        cost = self.costs.trainer
+        self.training = True
+        train_start = now
+
+        def trained() -> None:
+            push_s = self.costs.relay.push_s
+            train_s = self.loop.now - train_start
+            self._span("trainer", "train", train_start, self.loop.now, step)
+            self.loop.after(push_s, lambda: self._published(step, groups, lengths, waited, train_s, push_s, tokens))
+
+        self._span("trainer", "wait_rollouts", self.wait_start, now, step)
+        ranks = 1 if self.shared else self.cfg.simulate.trainer_ranks  # split: data parallel over the ranks
+        self.work = Work(self.loop, self.pool, self._trainer_cap(), cost.step_s + cost.token_s * tokens / ranks, trained)
+
+    def _published(self, step, groups, lengths, waited, train_s, push_s, tokens) -> None:
+        now = self.loop.now
+        self._span("trainer", "weight_push", now - push_s, now, step)
+        self.version = step + 1
+        self.training = False
+        self.gen_version = self.version
+        for replica in self.replicas:
+            replica.update_weights(self.version, push_s)
+        idle = sum(r.idle_s for r in self.replicas)
+        gen_tokens = sum(r.tokens for r in self.replicas)
+        step_s = now - self.last_end
+        window = max(step_s, 1e-12) * len(self.replicas)
+        self.records.append(StepRecord(
+            step, now, step_s, waited, train_s, push_s,
+            (idle - self.idle_mark) / window,
+            (gen_tokens - self.tokens_mark) / max(step_s, 1e-12),
+            [s for g in groups for s in [step - g.oldest_version] * len(g.rollouts)],
+            [r.reward for g in groups for r in g.rollouts], [n for group in lengths for n in group], tokens,
+            dict(self.buffer.drops), self.cuts))
+        record = self.records[-1]
+        busy = sum(r.busy_s for r in self.replicas)
+        record.gen_busy_s = (busy - self.busy_mark) / len(self.replicas)
+        scored = self.score_n - self.score_mark[1]
+        record.score_s = (self.score_sum - self.score_mark[0]) / scored if scored else 0.0
+        self.busy_mark, self.score_mark = busy, (self.score_sum, self.score_n)
+        if self.reference:
+            record.waited_s = step_s - train_s  # the reference loop: trainer idle = not training
+        self.idle_mark, self.tokens_mark, self.last_end, self.wait_start = idle, gen_tokens, now, now
+        if self.version >= self.steps:
+            return
+        if self.timeline_steps and self.version == self.timeline_steps:
+            for r in self.replicas:
+                r.close_spans()
+                r.record_spans = False
+        self._admit()
+        self._try_step()
+
+    def _span(self, lane: str, name: str, start: float, end: float, step: int) -> None:
+        if step < self.timeline_steps:
+            self.spans.setdefault(lane, []).append((name, start, end))
+
+    # ---- run ------------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        self._admit()
+        horizon = 1e6 * max(self.steps, 1) * max(self.costs.trainer.step_s + 1.0, 1.0)
+        self.loop.run(until=lambda: self.version >= self.steps, max_time_s=horizon)
+        if self.version < self.steps:
+            raise RuntimeError(f"the simulation stopped at step {self.version} of {self.steps} with no event left: "
+                               "nothing was admitted or scored (check loop.prompts_per_step and the costs)")
+        self.buffer.close(self.version)
+        self.ledger.close()
+        spans = dict(self.spans)
+        for r in self.replicas:
+            if r.spans:
+                spans[f"generator-{r.rid}"] = r.spans
+        return SimResult(self.records, self.loop.now, self.P * self.G, spans, dict(self.buffer.drops), self.events)

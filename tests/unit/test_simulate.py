@@ -1,0 +1,177 @@
+"""The capacity simulator: closed-form pipelines, reuse of the real admission and buffer code,
+calibration round trips, and the simulated run directory."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from gapless.config import load_config
+from gapless.orchestrate.admission import Admission
+from gapless.orchestrate.buffer import StalenessBuffer
+from gapless.orchestrate.ledger import GroupLedger, check_ledger, read_events
+from gapless.simulate import simulate
+from gapless.simulate.calibrate import calibrate
+from gapless.simulate.costs import Costs, EnvCost, GenerationCost, LengthModel, RelayCost, TrainerCost
+from gapless.simulate.record import write_run
+from gapless.simulate.run import Simulation
+
+P, G, L = 4, 2, 10  # groups per step, group size, response length
+
+
+def constant_costs(decode_step_s: float, train_step_s: float) -> Costs:
+    """Every decode step costs the same whatever the batch; every response is L tokens; scoring
+    and the weight relay are free; a trainer step costs train_step_s whatever its size."""
+    return Costs(GenerationCost(decode_step_s, 0.0), LengthModel(L, sigma=0.0), TrainerCost(0.0, train_step_s),
+                 EnvCost(), RelayCost(), prompt_tokens=8).check()
+
+
+def config(budget: int, steps: int = 8, **extra: str):
+    overrides = {"loop.prompts_per_step": str(P), "generator.group_size": str(G), "generator.max_new_tokens": "32",
+                 "generator.max_batch": "256", "pipeline.max_staleness": str(budget), "loop.steps": str(steps),
+                 "simulate.placement": '"split"', "task.num_train_prompts": "50", **extra}
+    return load_config(None, overrides)
+
+
+def test_sync_constant_costs_closed_form():
+    # g = L x 0.01 = 0.1 s to generate a step (all groups decode together), T = 0.3 s to train:
+    # a synchronous step is g + T = 0.4 s; the trainer waits g of it, the generator T.
+    result = Simulation(config(0), constant_costs(0.01, 0.3)).run()
+    s = result.summary()
+    assert s["s_per_sample"] == pytest.approx(0.4 / (P * G))
+    assert s["trainer_idle_frac"] == pytest.approx(0.1 / 0.4)
+    assert s["generator_idle_frac"] == pytest.approx(0.3 / 0.4)
+    assert s["staleness_max"] == 0
+
+
+def test_async_trainer_bound_closed_form():
+    # budget 1, g = 0.1 < T = 0.3: from step 2 on the next batch is always generated while the
+    # trainer trains, so a step takes T, the trainer never waits, the generator idles 1 - g / T.
+    result = Simulation(config(1), constant_costs(0.01, 0.3)).run()
+    s = result.summary()
+    assert s["s_per_sample"] == pytest.approx(0.3 / (P * G))
+    assert s["trainer_idle_frac"] == pytest.approx(0.0, abs=1e-12)
+    assert s["generator_idle_frac"] == pytest.approx(1 - 0.1 / 0.3)
+    assert s["staleness_max"] == 1
+
+
+def test_async_generator_bound_two_batches_in_flight():
+    # budget 1, g = 0.5 > T = 0.1, and a decode step costs the same for any batch: the real
+    # admission bound (v + 2) P keeps two batches in flight, so two steps take g + T in steady state.
+    result = Simulation(config(1, steps=12), constant_costs(0.05, 0.1)).run()
+    ends = [r.end_s for r in result.steps]
+    assert ends[11] - ends[9] == pytest.approx(0.5 + 0.1)
+    assert ends[10] - ends[8] == pytest.approx(0.5 + 0.1)
+
+
+def test_shared_cores_sync_closed_form():
+    # shared placement on 2 cores, costs given per core, perfect scaling: each actor uses both
+    # cores in its turn, so a synchronous step is (g + T) / 2.
+    cfg = config(0, **{"simulate.placement": '"shared"', "simulate.cores": "2"})
+    costs = replace(constant_costs(0.01, 0.3), parallel_efficiency=1.0)
+    assert Simulation(cfg, costs).run().summary()["s_per_sample"] == pytest.approx(0.2 / (P * G))
+
+
+def test_shared_cores_contention_slows_both():
+    # budget 1 on 1 core: generator and trainer run at once and share the core, so nothing
+    # overlaps: the async step costs the same as the synchronous one, g + T.
+    costs = replace(constant_costs(0.01, 0.3), parallel_efficiency=1.0)
+    shared = {"simulate.placement": '"shared"', "simulate.cores": "1", "pipeline.lend_idle_cores": "false"}
+    sync = Simulation(config(0, **shared), costs).run().summary()["s_per_sample"]
+    async_ = Simulation(config(1, steps=12, **shared), costs).run().summary()["s_per_sample"]
+    assert sync == pytest.approx(0.4 / (P * G))
+    assert async_ == pytest.approx(sync, rel=1e-6)
+
+
+def heavy_costs() -> Costs:
+    return Costs(GenerationCost(1e-3, 1e-4, 1e-5), LengthModel(12, sigma=1.2, truncated_frac=0.1), TrainerCost(1e-5),
+                 EnvCost(cpu_s=0.002, wait_p50_s=0.01, wait_p99_s=0.05), RelayCost(latency_s=1e-3), prompt_tokens=8)
+
+
+@pytest.mark.parametrize("budget,levers", [
+    (0, {}),
+    (2, {"pipeline.oversample": "0.5"}),
+    (1, {"pipeline.dynamic_sampling": "true", "pipeline.curriculum": '"pass_rate"'}),
+    (3, {"pipeline.partial_rollout_s": "0.02", "generator.max_batch": "8", "generator.force_long_every": "3"}),
+])
+def test_real_buffer_ledger_rules_hold(tmp_path, budget, levers):
+    # the simulator drives the real StalenessBuffer and Admission: the ledger it writes obeys
+    # the same rules as a real run's, and no trained group is staler than the budget
+    cfg = config(budget, steps=15, **levers)
+    ledger = GroupLedger(tmp_path / "groups.jsonl")
+    sim = Simulation(cfg, heavy_costs(), ledger)
+    assert type(sim.buffer) is StalenessBuffer and type(sim.admission) is Admission
+    result = sim.run()
+    events = read_events(tmp_path / "groups.jsonl")
+    check_ledger(events, 15, P)
+    trained = [e for e in events if e["event"] == "trained"]
+    assert max(e["staleness"] for e in trained) <= budget
+    assert all(e["staleness"] == e["step"] - e["oldest_version"] for e in trained)
+    admitted = sum(e["event"] == "admitted" for e in events)
+    assert admitted == sim.admission.admitted
+    dropped = {}
+    for e in events:
+        if e["event"] == "dropped":
+            dropped[e["reason"]] = dropped.get(e["reason"], 0) + 1
+    assert dropped == result.drops
+    if "pipeline.oversample" in levers:
+        assert dropped.get("straggler", 0) + dropped.get("surplus", 0) > 0
+    if "pipeline.dynamic_sampling" in levers:
+        assert dropped.get("zero_variance", 0) > 0
+    if "pipeline.partial_rollout_s" in levers:
+        assert result.steps[-1].partial_cuts > 0
+
+
+def test_curriculum_is_fed_by_simulated_rewards(tmp_path):
+    # pass_rate picks depend on the rewards fed back; uniform picks are the reference loop's order
+    picks = {}
+    for curriculum in ("uniform", "pass_rate"):
+        cfg = config(1, steps=10, **{"pipeline.curriculum": f'"{curriculum}"', "task.num_train_prompts": "6"})
+        ledger = GroupLedger(tmp_path / f"{curriculum}.jsonl")
+        Simulation(cfg, heavy_costs(), ledger).run()
+        picks[curriculum] = [e["uid"] for e in read_events(tmp_path / f"{curriculum}.jsonl") if e["event"] == "admitted"]
+    assert picks["uniform"] != picks["pass_rate"]
+
+
+def test_deterministic():
+    a = Simulation(config(2, steps=10), heavy_costs()).run().summary()
+    b = Simulation(config(2, steps=10), heavy_costs()).run().summary()
+    assert a == b
+
+
+def test_calibration_round_trip(tmp_path):
+    # a run simulated with known costs, written as a run directory, calibrates back to costs
+    # that predict it (the fit is by simulation, so it must recover its own model)
+    truth = Costs(GenerationCost(1.2e-3, 1e-4), LengthModel(15, 0.5, 0.3), TrainerCost(1.5e-4),
+                  EnvCost(cpu_s=0.01), RelayCost(latency_s=2e-4), prompt_tokens=64, parallel_efficiency=0.7)
+    runs = []
+    for budget in (0, 1):
+        cfg = load_config(None, {"pipeline.max_staleness": str(budget), "loop.steps": "8", "simulate.cores": "2",
+                                 "simulate.timeline_steps": "8"})
+        run_dir = tmp_path / f"b{budget}"
+        write_run(Simulation(cfg, truth).run(), run_dir, cfg.model_dump(mode="json"), truth)
+        runs.append(run_dir)
+    costs, rows = calibrate(runs, cores=2)
+    for row in rows:
+        assert abs(row["error"]) < 0.03
+        assert row["predicted_trainer_idle"] == pytest.approx(row["measured_trainer_idle"], abs=0.03)
+        assert row["predicted_generator_idle"] == pytest.approx(row["measured_generator_idle"], abs=0.03)
+    assert costs.lengths.truncated_frac == pytest.approx(0.3, abs=0.08)
+
+
+def test_simulate_writes_a_run_the_report_draws(tmp_path):
+    cfg = load_config(None, {"run_dir": json.dumps(str(tmp_path / "sim")), "loop.steps": "4", "simulate.cores": "2",
+                             "pipeline.max_staleness": "1", "simulate.sweep_budgets": "[0, 1]"})
+    out = simulate(cfg, log=lambda *a: None)
+    run_dir = tmp_path / "sim"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(4))
+    assert {"perf/trainer_idle_frac", "perf/generator_idle_frac", "staleness/max"} <= set(metrics[0])
+    lanes = {p.name for p in (run_dir / "timeline").glob("*.jsonl")}
+    assert {"trainer-0.jsonl", "generator-0.jsonl", "env-0.jsonl"} <= lanes
+    check_ledger(read_events(run_dir / "groups.jsonl"), 4, cfg.loop.prompts_per_step)
+    assert (run_dir / "report" / "report.html").is_file()
+    assert [row["max_staleness"] for row in out["sweep"]] == [0, 1]
+    assert out["recommended"] is not None
