@@ -10,7 +10,9 @@ at speed `speed(x) = min(x, 1) + parallel_efficiency * max(x - 1, 0)`.
     prefill of n tokens                     prefill_token_s * n
     one group's response lengths            LengthModel: truncated at the cap with probability
                                             truncated_frac, else lognormal(mean, sigma) below the cap
-    scoring one group                       cpu_s on the pool (shared) + a wait with no CPU,
+    scoring one group                       cpu_s on the pool (shared; its G programs use up to
+                                            min(G, sandbox.concurrency) cores; lognormal across
+                                            groups with mean cpu_s, shape cpu_sigma) + a wait with no CPU,
                                             lognormal through (wait_p50_s, wait_p99_s)
     training step on T tokens               step_s + token_s * T
     weight relay                            latency_s + bytes / bandwidth_bps (trainer and generator)
@@ -30,6 +32,9 @@ import math
 import random
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from statistics import NormalDist
+
+QUANTILES = 1024
 
 
 @dataclass
@@ -48,11 +53,27 @@ class LengthModel:
     sigma: float = 0.5  # lognormal shape; > 1 is a heavy tail
     truncated_frac: float = 0.0  # share of responses that run to the cap
 
-    def sample(self, rng: random.Random, cap: int) -> int:
-        if rng.random() < self.truncated_frac:
-            return cap
+    def sample(self, rng: random.Random, cap: int, n: int = 1) -> list[int]:
+        """n lengths, drawn from the distribution's 1,024 quantiles (exact enough for costs, and
+        one C call per group instead of n lognormal draws)."""
+        return rng.choices(self.quantiles(cap), k=n)
+
+    def quantiles(self, cap: int) -> list[int]:
+        cached = self.__dict__.get("_quantiles")
+        if cached is not None and cached[0] == cap:
+            return cached[1]
         mu = math.log(max(self.mean_untruncated, 1.0)) - self.sigma**2 / 2
-        return max(1, min(cap - 1 if cap > 1 else 1, round(rng.lognormvariate(mu, self.sigma))))
+        normal = NormalDist()
+        table = []
+        for i in range(QUANTILES):
+            u = (i + 0.5) / QUANTILES
+            if u >= 1 - self.truncated_frac:
+                table.append(cap)
+                continue
+            z = normal.inv_cdf(u / (1 - self.truncated_frac))
+            table.append(max(1, min(cap - 1 if cap > 1 else 1, round(math.exp(mu + self.sigma * z)))))
+        self.__dict__["_quantiles"] = (cap, table)
+        return table
 
 
 @dataclass
@@ -60,6 +81,12 @@ class EnvCost:
     cpu_s: float = 0.0  # pool seconds per group (shared placement; split: counted as wait)
     wait_p50_s: float = 0.0  # per group, no CPU (a remote judge, a sandbox start)
     wait_p99_s: float = 0.0
+    cpu_sigma: float = 0.5  # lognormal spread of cpu_s across groups (programs differ); 0 = constant
+
+    def sample_cpu(self, rng: random.Random) -> float:
+        if self.cpu_s <= 0 or self.cpu_sigma <= 0:
+            return self.cpu_s
+        return rng.lognormvariate(math.log(self.cpu_s) - self.cpu_sigma**2 / 2, self.cpu_sigma)
 
     def sample_wait(self, rng: random.Random) -> float:
         if self.wait_p50_s <= 0:
@@ -107,7 +134,8 @@ class Costs:
         return self
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+        data = asdict(self)
+        return json.dumps(data, indent=2)
 
     @classmethod
     def from_dict(cls, data: dict) -> "Costs":

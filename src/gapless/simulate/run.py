@@ -138,13 +138,15 @@ class Simulation:
         self.buffer = StalenessBuffer(self.P, self.s, pl.oversample > 0, self.ledger, pl.dynamic_sampling, uids)
         self.partial = PartialRollouts(0, pl.partial_rollout_s, clock=self.loop.clock)
         replicas = sim.replicas if not self.reference else 1
-        self.replicas = [Replica(r, self.loop, self.pool, self.gen_threads, costs.generation, costs.prompt_tokens,
+        cap = self.gen_threads / replicas  # shared: the generator's threads (or devices) split among its replicas
+        self.replicas = [Replica(r, self.loop, self.pool, cap, costs.generation, costs.prompt_tokens,
                                  cfg.generator.max_batch, self._generated, self._replica_busy) for r in range(replicas)]
         self.views = [PartialView(r) for r in self.replicas]
         self.where: dict[int, Replica] = {}  # group index -> its replica
         self.gen_version = 0
         self.pending_drops: list[Dropped] = []
         self.workers = min(pl.env_workers, cfg.sandbox.concurrency)
+        self.score_cap = float(min(self.G, cfg.sandbox.concurrency))
         self.env_queue: deque[SimGroup] = deque()
         self.scoring = 0
         self.free_workers = list(range(self.workers - 1, -1, -1))
@@ -177,7 +179,8 @@ class Simulation:
     def _pick_replica(self) -> Replica:
         if len(self.replicas) == 1:
             return self.replicas[0]
-        a, b = self.rng.sample(self.replicas, 2)  # two random choices: near-balanced load at O(1)
+        n = len(self.replicas)  # two random choices: near-balanced load at O(1)
+        a, b = self.replicas[self.rng.randrange(n)], self.replicas[self.rng.randrange(n)]
         return a if a.load() <= b.load() else b
 
     def _admit(self) -> None:
@@ -191,7 +194,7 @@ class Simulation:
             if params.ignore_eos:
                 lengths = [self.cap_tokens] * self.G
             else:
-                lengths = [self.costs.lengths.sample(self.rng, self.cap_tokens) for _ in range(self.G)]
+                lengths = self.costs.lengths.sample(self.rng, self.cap_tokens, self.G)
             group = SimGroup(index, task, self.gen_version, lengths)
             self.buffer.admitted(index, self.gen_version, task)
             replica = self._pick_replica()
@@ -244,11 +247,12 @@ class Simulation:
             self.loop.after(wait, lambda g=group, w=worker, t=self.loop.now: self._score_cpu(g, w, t))
 
     def _score_cpu(self, group: SimGroup, worker: int, start: float) -> None:
-        cpu = self.costs.env.cpu_s
+        cpu = self.costs.env.sample_cpu(self.rng)
         if cpu <= 0:
             self._scored(group, worker, start)
         elif self.shared:
-            Work(self.loop, self.pool, 1.0, cpu, lambda: self._scored(group, worker, start))
+            # a group's G programs run on the sandbox's processes: up to min(G, sandbox.concurrency) at once
+            Work(self.loop, self.pool, self.score_cap, cpu, lambda: self._scored(group, worker, start))
         else:
             self.loop.after(cpu, lambda: self._scored(group, worker, start))
 
@@ -260,11 +264,9 @@ class Simulation:
         self._span(f"env-{worker}", "score", start, self.loop.now, self.version)
         p = self.pass_rate[group.task_index]
         completion = Completion([], [], [], [group.oldest if group.oldest is not None else group.born], "stop", "")
-        rollouts = []
-        for _ in range(self.G):
-            passed = self.rng.random() < p
-            rollouts.append(Rollout(self.uids[group.task_index], completion, 1.0 if passed else 0.0,
-                                    "ok" if passed else "wrong_answer"))
+        uid = self.uids[group.task_index]
+        passed, failed = Rollout(uid, completion, 1.0, "ok"), Rollout(uid, completion, 0.0, "wrong_answer")
+        rollouts = self.rng.choices((passed, failed), cum_weights=(p, 1.0), k=self.G)  # the group's G rollouts
         scored = ScoredGroup(group.index, group.task_index, group.born, rollouts)
         self.lengths_of[group.index] = group.lengths  # for the step's token count and length metrics
         if group.index not in self.buffer.closed:

@@ -1,0 +1,292 @@
+"""The capacity simulator against measurements: bench/pipeline.py's cells, published async
+speed-ups, and the speed of a 1,000-GPU simulation.
+
+    PYTHONPATH=src python bench/simulator.py [--part error,published,scale] [--measured FILE]
+                                             [--lengths-from RUN_DIR] [--scale-steps 10000]
+
+error      calibrate on some (workload, budget) cells of bench/pipeline.py, predict the others:
+           ms per trained sample, trainer and generator idle. The measured cells are those of
+           docs/performance.md (2026-11-29, a quiet machine, medians of 3 rounds), or the last
+           JSON line of a bench/pipeline.py run (--measured FILE). The fit: machine costs
+           (decode row cost, trainer cost per token, scoring CPU per group and the part of
+           scoring that waits without CPU, parallel efficiency) minimise the squared log error
+           of ms/sample plus the squared idle error over the calibration cells (Nelder-Mead on
+           the simulator itself); the heavy-tailed workload's
+           one extra figure (the share of its natural responses that run to the 192-token cap)
+           is fitted on its budget-0 cell. Lengths of the default workload come from a run's
+           metrics (--lengths-from) or the figures below.
+published  AReaL (1.5B and 7B, 1,000 PPO steps) and PipelineRL setups from their papers and
+           READMEs (docs/simulator.md has the sources): the simulator's async/sync time ratio
+           against the reported speed-up, with roofline costs of an H800/H100.
+scale      a 1,000-GPU split (96 replicas x 8 GPUs + 232 trainer ranks) simulated for
+           --scale-steps steps; prints its wall seconds and groups per second.
+The last line printed is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from gapless.config import load_config  # noqa: E402
+from gapless.simulate import resolve_costs  # noqa: E402
+from gapless.simulate.costs import Costs, EnvCost, GenerationCost, LengthModel, RelayCost, TrainerCost  # noqa: E402
+from gapless.simulate.run import Simulation  # noqa: E402
+
+WORKLOADS = {  # bench/pipeline.py's workloads
+    "default": {},
+    "heavy_tail": {"generator.force_long_every": "8", "generator.max_new_tokens": "192"},
+    "latency": {"task.score_delay_s": "0.1"},
+    "latency_200ms": {"task.score_delay_s": "0.2"},
+}
+BUDGETS = ["ref", "0", "1", "2", "4"]
+# docs/performance.md, bench/pipeline.py --steps 12 --rounds 3, 2026-11-29 18:38-19:20 UTC, no other jobs
+DOCS_MEASURED = {
+    "default": {"ms": [5.55, 5.99, 6.12, 6.79, 5.71], "trainer_idle": [0.49, 0.51, 0.00, 0.00, 0.00],
+                "generator_idle": [0.91, 0.73, 0.77, 0.78, 0.59]},
+    "heavy_tail": {"ms": [10.97, 11.47, 10.81, 10.61, 12.09]},
+    "latency": {"ms": [8.72, 8.86, 6.76, 6.82, 6.71]},
+    "latency_200ms": {"ms": [11.38, 11.44, 7.92, 7.81, 6.50]},
+}
+CALIBRATION = [("default", "ref"), ("default", "0"), ("default", "1"), ("latency_200ms", "1")]
+TAIL_CALIBRATION = ("heavy_tail", "0")
+
+
+def cell_config(workload: str, budget: str, steps: int = 12):
+    overrides = {"loop.steps": str(steps), "simulate.cores": "2", "simulate.timeline_steps": "0", **WORKLOADS[workload]}
+    if budget == "ref":
+        overrides["simulate.reference_loop"] = "true"
+    else:
+        overrides["pipeline.max_staleness"] = budget
+    return load_config(None, overrides)
+
+
+def simulate_cell(costs: Costs, workload: str, budget: str, tail: float) -> dict:
+    if workload == "heavy_tail":
+        costs = replace(costs, lengths=replace(costs.lengths, truncated_frac=tail))
+    return Simulation(cell_config(workload, budget), costs).run().summary()
+
+
+def measured_cells(measured: dict) -> dict:
+    cells = {}
+    for workload, figures in measured.items():
+        for i, budget in enumerate(BUDGETS):
+            cell = {"ms": figures["ms"][i]}
+            for key in ("trainer_idle", "generator_idle"):
+                if key in figures:
+                    cell[key] = figures[key][i]
+            cells[(workload, budget)] = cell
+    return cells
+
+
+def from_bench_json(path: str) -> dict:
+    """The last JSON line of bench/pipeline.py: runs[workload][budget] -> figures."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.startswith("{")]
+    runs = json.loads(lines[-1])["runs"]
+    return {w: {"ms": [runs[w][b]["s_per_sample"] * 1e3 for b in BUDGETS],
+                "trainer_idle": [runs[w][b]["trainer_idle_frac"] for b in BUDGETS],
+                "generator_idle": [runs[w][b]["generator_idle_frac"] or 0.0 for b in BUDGETS]} for w in runs}
+
+
+def costs_from(x: list[float], lengths: LengthModel) -> Costs:
+    row_s, token_s, cpu_s, efficiency = math.exp(x[0]), math.exp(x[1]), math.exp(x[2]), min(max(x[3], 0.2), 1.0)
+    wait_s = math.exp(x[4])  # the part of scoring a group that holds its worker without CPU
+    return Costs(GenerationCost(12 * row_s, row_s), lengths, TrainerCost(token_s),
+                 EnvCost(cpu_s=cpu_s, wait_p50_s=wait_s, wait_p99_s=wait_s),
+                 RelayCost(latency_s=2e-4), prompt_tokens=64, parallel_efficiency=efficiency).check()
+
+
+def loss(costs: Costs, cells: dict, names) -> float:
+    total = 0.0
+    for workload, budget in names:
+        want = cells[(workload, budget)]
+        got = simulate_cell(costs, workload, budget, 0.0)
+        total += math.log(got["s_per_sample"] * 1e3 / want["ms"]) ** 2
+        for key in ("trainer_idle", "generator_idle"):
+            if key in want:
+                total += (got[f"{key}_frac"] - want[key]) ** 2
+    return total
+
+
+def nelder_mead(f, x0: list[float], step: list[float], iterations: int) -> list[float]:
+    simplex = [x0] + [[v + (step[i] if i == j else 0.0) for i, v in enumerate(x0)] for j in range(len(x0))]
+    values = [f(x) for x in simplex]
+    for _ in range(iterations):
+        order = sorted(range(len(simplex)), key=lambda i: values[i])
+        simplex, values = [simplex[i] for i in order], [values[i] for i in order]
+        centroid = [sum(p[i] for p in simplex[:-1]) / (len(simplex) - 1) for i in range(len(x0))]
+        worst = simplex[-1]
+        reflected = [c + (c - w) for c, w in zip(centroid, worst)]
+        fr = f(reflected)
+        if fr < values[0]:
+            expanded = [c + 2 * (c - w) for c, w in zip(centroid, worst)]
+            fe = f(expanded)
+            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
+        elif fr < values[-2]:
+            simplex[-1], values[-1] = reflected, fr
+        else:
+            contracted = [c + 0.5 * (w - c) for c, w in zip(centroid, worst)]
+            fc = f(contracted)
+            if fc < values[-1]:
+                simplex[-1], values[-1] = contracted, fc
+            else:
+                best = simplex[0]
+                simplex = [best] + [[b + 0.5 * (p - b) for b, p in zip(best, pt)] for pt in simplex[1:]]
+                values = [values[0]] + [f(p) for p in simplex[1:]]
+    return simplex[min(range(len(simplex)), key=lambda i: values[i])]
+
+
+def part_error(measured: dict, lengths: LengthModel, iterations: int) -> dict:
+    cells = measured_cells(measured)
+    x0 = [math.log(8e-5), math.log(7e-5), math.log(0.02), 0.9, math.log(0.005)]
+    x = nelder_mead(lambda v: loss(costs_from(v, lengths), cells, CALIBRATION), x0, [0.3, 0.3, 0.6, 0.15, 1.0], iterations)
+    costs = costs_from(x, lengths)
+    # the heavy tail's natural truncation at the 192-token cap, from its budget-0 cell (bisection)
+    want = cells[TAIL_CALIBRATION]["ms"]
+    lo, hi = 0.0, 1.0
+    for _ in range(14):
+        mid = (lo + hi) / 2
+        got = simulate_cell(costs, *TAIL_CALIBRATION, mid)["s_per_sample"] * 1e3
+        lo, hi = (mid, hi) if got < want else (lo, mid)
+    tail = (lo + hi) / 2
+    rows = []
+    for (workload, budget), want in cells.items():
+        got = simulate_cell(costs, workload, budget, tail)
+        row = {"workload": workload, "budget": budget,
+               "role": "calibration" if (workload, budget) in CALIBRATION or (workload, budget) == TAIL_CALIBRATION else "test",
+               "measured_ms": want["ms"], "predicted_ms": got["s_per_sample"] * 1e3,
+               "error": got["s_per_sample"] * 1e3 / want["ms"] - 1,
+               "predicted_trainer_idle": got["trainer_idle_frac"], "predicted_generator_idle": got["generator_idle_frac"],
+               "staleness_mean": got["staleness_mean"]}
+        for key in ("trainer_idle", "generator_idle"):
+            if key in want:
+                row[f"measured_{key}"] = want[key]
+        rows.append(row)
+        print(f"{workload:<14} {budget:>3} {row['role']:<11} measured {want['ms']:6.2f} predicted {row['predicted_ms']:6.2f} "
+              f"({row['error']:+6.1%})  trainer idle {want.get('trainer_idle', float('nan')):.2f}/{got['trainer_idle_frac']:.2f}  "
+              f"generator idle {want.get('generator_idle', float('nan')):.2f}/{got['generator_idle_frac']:.2f}", flush=True)
+    tests = [r for r in rows if r["role"] == "test"]
+    idle_errors = [abs(r[f"predicted_{k}"] - r[f"measured_{k}"]) for r in tests for k in ("trainer_idle", "generator_idle")
+                   if f"measured_{k}" in r]
+    return {"costs": json.loads(costs.to_json()), "heavy_tail_truncated_frac": tail, "cells": rows,
+            "test_max_abs_error": max(abs(r["error"]) for r in tests),
+            "test_within_15pct": sum(abs(r["error"]) <= 0.15 for r in tests), "tests": len(tests),
+            "test_max_idle_error": max(idle_errors, default=None)}
+
+
+# Published setups (docs/simulator.md gives the sources). Model shapes of the Qwen2 family.
+PUBLISHED = {
+    "AReaL 1.5B (16 nodes, 41.0 h -> 14.8 h)": {
+        "reported": 41.0 / 14.8, "devices": 128, "params": 1.78e9, "kv": 28 * 2 * 2 * 128 * 2, "prompts": 512,
+        "group": 16, "max_new_tokens": 27648, "mean": 9000, "sigma": 0.9, "truncated": 0.05, "budget": 4,
+        "flops": 989e12, "bw": 3.35e12},
+    "AReaL 7B (24 nodes, 57.7 h -> 25.4 h)": {
+        "reported": 57.7 / 25.4, "devices": 192, "params": 7.6e9, "kv": 28 * 4 * 2 * 128 * 2, "prompts": 512,
+        "group": 16, "max_new_tokens": 27648, "mean": 9000, "sigma": 0.9, "truncated": 0.05, "budget": 4,
+        "flops": 989e12, "bw": 3.35e12},
+    "PipelineRL 7B (128 H100, ~2x)": {
+        "reported": 2.0, "devices": 128, "params": 7.6e9, "kv": 28 * 4 * 2 * 128 * 2, "prompts": 512,
+        "group": 8, "max_new_tokens": 8192, "mean": 3000, "sigma": 0.9, "truncated": 0.05, "budget": 4,
+        "flops": 989e12, "bw": 3.35e12},
+}
+
+
+def published_config(setup: dict, placement: str, budget: int, replicas: int, ranks: int, steps: int):
+    return load_config(None, {
+        "simulate.placement": json.dumps(placement), "simulate.cores": str(setup["devices"]),
+        "simulate.replicas": str(replicas), "simulate.trainer_ranks": str(ranks), "simulate.params": str(setup["params"]),
+        "simulate.kv_bytes_per_token": str(setup["kv"]), "simulate.device_flops": str(setup["flops"]),
+        "simulate.device_memory_bw": str(setup["bw"]), "simulate.response_mean": str(setup["mean"]),
+        "simulate.response_sigma": str(setup["sigma"]), "simulate.truncated_frac": str(setup["truncated"]),
+        "simulate.prompt_tokens": "256", "simulate.timeline_steps": "0", "loop.steps": str(steps),
+        "loop.prompts_per_step": str(setup["prompts"]), "generator.group_size": str(setup["group"]),
+        "generator.max_new_tokens": str(setup["max_new_tokens"]), "generator.max_batch": "512",
+        "pipeline.max_staleness": str(budget), "pipeline.lend_idle_cores": "false", "task.num_train_prompts": "20000"})
+
+
+def part_published(steps: int) -> dict:
+    out = {}
+    for name, setup in PUBLISHED.items():
+        devices = setup["devices"]
+        # synchronous: generation on every device, then training on every device (colocated, shared)
+        sync_cfg = published_config(setup, "split", 0, devices, devices, steps)
+        sync_costs = resolve_costs(sync_cfg)
+        sync_cfg = published_config(setup, "shared", 0, devices, devices, steps)
+        sync = Simulation(sync_cfg, replace(sync_costs, parallel_efficiency=1.0)).run().summary()
+        best = None
+        for gen_share in (0.5, 0.625, 0.75, 0.875):  # asynchronous: devices split between generation and training
+            replicas = round(devices * gen_share)
+            cfg = published_config(setup, "split", setup["budget"], replicas, devices - replicas, steps)
+            result = Simulation(cfg, resolve_costs(cfg)).run().summary()
+            if best is None or result["s_per_sample"] < best[1]["s_per_sample"]:
+                best = (gen_share, result)
+        ratio = sync["s_per_sample"] / best[1]["s_per_sample"]
+        out[name] = {"reported_speedup": setup["reported"], "simulated_speedup": ratio,
+                     "error": ratio / setup["reported"] - 1, "async_generation_share": best[0],
+                     "sync_s_per_step": sync["s_per_sample"] * setup["prompts"] * setup["group"],
+                     "async_s_per_step": best[1]["s_per_sample"] * setup["prompts"] * setup["group"],
+                     "sync_trainer_idle": sync["trainer_idle_frac"], "async_trainer_idle": best[1]["trainer_idle_frac"],
+                     "async_generator_idle": best[1]["generator_idle_frac"]}
+        print(f"{name}: reported {setup['reported']:.2f}x, simulated {ratio:.2f}x ({ratio / setup['reported'] - 1:+.0%}); "
+              f"sync {out[name]['sync_s_per_step']:.0f} s/step, async {out[name]['async_s_per_step']:.0f} s/step "
+              f"with {best[0]:.0%} of the devices generating", flush=True)
+    return out
+
+
+def part_scale(steps: int) -> dict:
+    cfg = load_config(None, {
+        "simulate.placement": '"split"', "simulate.replicas": "96", "simulate.gpus_per_replica": "8",
+        "simulate.trainer_ranks": "232", "loop.steps": str(steps), "loop.prompts_per_step": "32",
+        "generator.group_size": "16", "generator.max_new_tokens": "16384", "simulate.params": "7.6e9",
+        "simulate.kv_bytes_per_token": str(28 * 4 * 2 * 128 * 2), "generator.max_batch": "512",
+        "pipeline.max_staleness": "2", "task.num_train_prompts": "20000", "simulate.timeline_steps": "0"})
+    started, cpu_started = time.perf_counter(), time.process_time()
+    result = Simulation(cfg, resolve_costs(cfg)).run()
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    groups = steps * cfg.loop.prompts_per_step
+    print(f"1,000 GPUs (96 x 8 generating, 232 training), {steps} steps of 32 x 16: {wall:.1f} s wall "
+          f"({groups / wall:,.0f} groups/s), {cpu:.1f} s of CPU, {result.sim_s / 3600:.1f} simulated hours", flush=True)
+    return {"gpus": 1000, "steps": steps, "wall_s": wall, "cpu_s": cpu, "groups_per_s": groups / wall,
+            "simulated_h": result.sim_s / 3600, "summary": result.summary(),
+            "load_avg_1m": os.getloadavg()[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", default="error,published,scale")
+    parser.add_argument("--measured", default=None, help="output of bench/pipeline.py (its last line is used)")
+    parser.add_argument("--lengths-from", default=None, help="a run directory of the default workload")
+    parser.add_argument("--iterations", type=int, default=60)
+    parser.add_argument("--published-steps", type=int, default=12)
+    parser.add_argument("--scale-steps", type=int, default=10000)
+    args = parser.parse_args()
+    figures: dict = {"cores": os.cpu_count(), "load_avg_1m_start": os.getloadavg()[0]}
+    parts = args.part.split(",")
+    if "error" in parts:
+        lengths = LengthModel(15.0, 0.5, 0.3)
+        if args.lengths_from:
+            from gapless.simulate.calibrate import lengths_of, read_run
+
+            lengths = lengths_of(read_run(args.lengths_from, 2))
+        measured = from_bench_json(args.measured) if args.measured else DOCS_MEASURED
+        figures["error"] = {"measured_from": args.measured or "docs/performance.md (2026-11-29)",
+                            "lengths": lengths.__dict__ | {}, **part_error(measured, lengths, args.iterations)}
+        figures["error"]["lengths"].pop("_quantiles", None)
+    if "published" in parts:
+        figures["published"] = part_published(args.published_steps)
+    if "scale" in parts:
+        figures["scale"] = part_scale(args.scale_steps)
+    figures["load_avg_1m_end"] = os.getloadavg()[0]
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
