@@ -16,7 +16,6 @@ by their timestamps, and two simulations of the same config write identical file
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 from gapless.simulate.costs import Costs
@@ -26,10 +25,10 @@ from gapless.timeline import TIMELINE_DIR
 EPOCH = 946684800.0  # 2000-01-01 UTC
 
 
-def step_metrics(result: SimResult, cap_tokens: int) -> list[dict]:
+def step_metrics(result: SimResult) -> list[dict]:
     out = []
     for r in result.steps:
-        staleness = Counter(r.staleness)
+        rollouts = max(sum(r.staleness.values()), 1)
         record = {
             "step": r.step, "time": EPOCH + r.end_s,
             "perf/step_s": r.step_s, "perf/train_s": r.train_s, "perf/weight_push_s": r.push_s,
@@ -37,12 +36,12 @@ def step_metrics(result: SimResult, cap_tokens: int) -> list[dict]:
             "perf/generator_idle_frac": r.generator_idle_frac,
             "perf/gen_tokens_per_s": r.gen_tokens_per_s,
             "perf/trained_tokens_per_s": r.trained_tokens / max(r.train_s, 1e-12),
-            "staleness/mean": sum(r.staleness) / max(len(r.staleness), 1),
+            "staleness/mean": sum(k * n for k, n in r.staleness.items()) / rollouts,
             "staleness/max": float(max(r.staleness, default=0)),
-            **{f"staleness/count_{k}": float(v) for k, v in sorted(staleness.items())},
-            "rollout/reward_mean": sum(r.rewards) / max(len(r.rewards), 1),
-            "rollout/completion_len_mean": sum(r.lengths) / max(len(r.lengths), 1),
-            "rollout/truncated_frac": sum(n >= cap_tokens for n in r.lengths) / max(len(r.lengths), 1),
+            **{f"staleness/count_{k}": float(v) for k, v in sorted(r.staleness.items())},
+            "rollout/reward_mean": r.reward_mean,
+            "rollout/completion_len_mean": r.length_mean,
+            "rollout/truncated_frac": r.truncated_frac,
             "generator/partial_cuts": float(r.partial_cuts),
             **{f"drops/{k}_total": float(v) for k, v in sorted(r.drops.items())},
         }  # fmt: skip
@@ -53,7 +52,7 @@ def step_metrics(result: SimResult, cap_tokens: int) -> list[dict]:
 def write_run(result: SimResult, run_dir: Path, config: dict, costs: Costs) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "metrics.jsonl", "w") as fh:
-        for record in step_metrics(result, config["generator"]["max_new_tokens"]):
+        for record in step_metrics(result):
             fh.write(json.dumps(record) + "\n")
     (run_dir / "summary.json").write_text(json.dumps({"simulated": True, **result.summary()}, indent=2))
     (run_dir / "config.json").write_text(json.dumps(config, indent=2))

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from gapless.config import Config
@@ -39,6 +39,24 @@ from gapless.simulate.costs import Costs
 from gapless.simulate.engine import PartialView, Replica, SimGroup
 from gapless.simulate.pool import DedicatedPool, SharedPool, Work
 from gapless.types import Completion, Rollout
+
+
+class SimScoredGroup(ScoredGroup):
+    """The real buffer's record, with what a simulated group knows when it is built: the oldest
+    token version (its G rollouts share one completion record) and that no rollout failed in the
+    infrastructure, so the buffer's per-step checks need not scan the rollouts again."""
+
+    def __init__(self, index: int, task_index: int, born: int, rollouts: list, oldest: int):
+        super().__init__(index, task_index, born, rollouts)
+        self._oldest = oldest
+
+    @property
+    def oldest_version(self) -> int:
+        return self._oldest
+
+    @property
+    def is_infra_failure(self) -> bool:
+        return False
 
 
 class NullLedger:
@@ -64,9 +82,10 @@ class StepRecord:
     push_s: float
     generator_idle_frac: float
     gen_tokens_per_s: float
-    staleness: list[int]
-    rewards: list[float]
-    lengths: list[int]
+    staleness: dict[int, int]  # staleness -> rollouts trained at it
+    reward_mean: float
+    length_mean: float
+    truncated_frac: float
     trained_tokens: int
     drops: dict[str, int]  # cumulative, by reason
     partial_cuts: int
@@ -90,13 +109,16 @@ class SimResult:
     def summary(self) -> dict[str, float]:
         steps = self.measured()
         total = sum(r.step_s for r in steps)
-        staleness = [s for r in steps for s in r.staleness]
+        staleness: Counter[int] = Counter()
+        for r in steps:
+            staleness.update(r.staleness)
+        rollouts = sum(staleness.values())
         return {
             "s_per_sample": total / max(len(steps) * self.samples_per_step, 1),
             "samples_per_s": len(steps) * self.samples_per_step / max(total, 1e-12),
             "trainer_idle_frac": sum(r.waited_s for r in steps) / max(total, 1e-12),
             "generator_idle_frac": sum(r.generator_idle_frac * r.step_s for r in steps) / max(total, 1e-12),
-            "staleness_mean": sum(staleness) / max(len(staleness), 1),
+            "staleness_mean": sum(k * n for k, n in staleness.items()) / max(rollouts, 1),
             "staleness_max": float(max(staleness, default=0)),
             "sim_s": self.sim_s,
             **{f"drops/{k}": float(v) for k, v in sorted(self.drops.items())},
@@ -263,11 +285,12 @@ class Simulation:
         self.score_n += 1
         self._span(f"env-{worker}", "score", start, self.loop.now, self.version)
         p = self.pass_rate[group.task_index]
-        completion = Completion([], [], [], [group.oldest if group.oldest is not None else group.born], "stop", "")
+        oldest = group.oldest if group.oldest is not None else group.born
+        completion = Completion([], [], [], [oldest], "stop", "")
         uid = self.uids[group.task_index]
         passed, failed = Rollout(uid, completion, 1.0, "ok"), Rollout(uid, completion, 0.0, "wrong_answer")
         rollouts = self.rng.choices((passed, failed), cum_weights=(p, 1.0), k=self.G)  # the group's G rollouts
-        scored = ScoredGroup(group.index, group.task_index, group.born, rollouts)
+        scored = SimScoredGroup(group.index, group.task_index, group.born, rollouts, oldest)
         self.lengths_of[group.index] = group.lengths  # for the step's token count and length metrics
         if group.index not in self.buffer.closed:
             self.source.feedback(self.uids[group.task_index], [r.reward for r in rollouts])
@@ -333,8 +356,10 @@ class Simulation:
             step, now, step_s, waited, train_s, push_s,
             (idle - self.idle_mark) / window,
             (gen_tokens - self.tokens_mark) / max(step_s, 1e-12),
-            [s for g in groups for s in [step - g.oldest_version] * len(g.rollouts)],
-            [r.reward for g in groups for r in g.rollouts], [n for group in lengths for n in group], tokens,
+            dict(Counter(step - g.oldest_version for g in groups for _ in g.rollouts)),
+            sum(r.reward for g in groups for r in g.rollouts) / (len(groups) * self.G),
+            sum(map(sum, lengths)) / (len(groups) * self.G),
+            sum(n >= self.cap_tokens for group in lengths for n in group) / (len(groups) * self.G), tokens,
             dict(self.buffer.drops), self.cuts))
         record = self.records[-1]
         busy = sum(r.busy_s for r in self.replicas)
