@@ -175,3 +175,28 @@ def test_simulate_writes_a_run_the_report_draws(tmp_path):
     assert (run_dir / "report" / "report.html").is_file()
     assert [row["max_staleness"] for row in out["sweep"]] == [0, 1]
     assert out["recommended"] is not None
+
+
+def test_replica_finishes_groups_late_in_a_long_run():
+    # after hours of simulated time the decode-step counter is large: rounding must not leave a
+    # group a hair short of its end, re-firing its finish event at the same instant forever
+    from gapless.simulate.clock import EventLoop
+    from gapless.simulate.engine import Replica, SimGroup
+    from gapless.simulate.pool import DedicatedPool
+
+    # 14 simulated hours at 10,000 decode steps/s: one clock tick (7e-12 s) is 7e-8 decode steps
+    loop = EventLoop()
+    loop.now = 5e4
+    finished = []
+    replica = Replica(0, loop, DedicatedPool(), 1.0, GenerationCost(1e-4, 1e-7), 8, 64, finished.append, lambda *a: None)
+    replica.k, replica.t_last = 5e7 + 0.123456789, loop.now
+    for i in range(8):
+        replica.add(SimGroup(i, 0, 0, [1000 + 37 * i] * 4))
+    events = [0]
+
+    def done() -> bool:
+        events[0] += 1
+        return len(finished) == 8 or events[0] > 10_000
+
+    loop.run(until=done)
+    assert len(finished) == 8 and events[0] < 100

@@ -160,7 +160,8 @@ class Replica:
         self.token = None
         self._advance()
         finished = []
-        while self.ends and self.ends[0][0] <= self.k + 1e-9:
+        tolerance = 1e-6 + 1e-12 * self.k  # steps: float rounding of a long run's counter must not leave a group
+        while self.ends and self.ends[0][0] <= self.k + tolerance:  # a hair short, re-firing at the same instant
             _, index = heapq.heappop(self.ends)
             if index in self.running:
                 group = self._remove(index)
