@@ -31,9 +31,9 @@ from gapless.simulate.costs import Costs, DeviceSpec, EnvCost, GenerationCost, L
 
 # This machine (2 cores): bench/simulator.py's fit to bench/pipeline.py's measured cells of the
 # default task (docs/simulator.md, "Measured error"); the default cost model of the shared placement.
-MACHINE_COSTS = Costs(GenerationCost(0.93e-3, 77.7e-6), LengthModel(15.0, 0.5, 0.3), TrainerCost(66.1e-6),
-                      EnvCost(cpu_s=0.0377, wait_p50_s=0.0058, wait_p99_s=0.0058), RelayCost(latency_s=2e-4),
-                      prompt_tokens=64, parallel_efficiency=0.86, source="built in: this project's 2-core machine")
+MACHINE_COSTS = Costs(GenerationCost(0.71e-3, 59.2e-6), LengthModel(8.3, 0.5, 0.0), TrainerCost(78.7e-6),
+                      EnvCost(cpu_s=0.0424, wait_p50_s=0.0028, wait_p99_s=0.0028), RelayCost(latency_s=2e-4),
+                      prompt_tokens=64, parallel_efficiency=0.91, source="built in: this project's 2-core machine")
 
 
 def model_size(cfg: Config) -> tuple[float, float]:
