@@ -200,3 +200,14 @@ def test_replica_finishes_groups_late_in_a_long_run():
 
     loop.run(until=done)
     assert len(finished) == 8 and events[0] < 100
+
+
+def test_simulate_refuses_a_real_run_dir(tmp_path):
+    from gapless.config import ConfigError
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "metrics.jsonl").write_text('{"step": 0}\n')
+    cfg = load_config(None, {"run_dir": json.dumps(str(real)), "loop.steps": "2", "simulate.cores": "2"})
+    with pytest.raises(ConfigError, match="holds a real run"):
+        simulate(cfg, log=lambda *a: None)

@@ -76,6 +76,18 @@ def _check(cfg: Config) -> None:
         raise ConfigError("simulate.reference_loop runs every actor on the same cores: use simulate.placement = 'shared'")
 
 
+def _check_not_real(run_dir: Path) -> None:
+    """A simulation never overwrites a real run (same default run_dir as `gapless train`)."""
+    if not (run_dir / "metrics.jsonl").is_file():
+        return
+    try:
+        simulated = json.loads((run_dir / "summary.json").read_text()).get("simulated", False)
+    except (FileNotFoundError, json.JSONDecodeError):
+        simulated = False
+    if not simulated:
+        raise ConfigError(f"run_dir {str(run_dir)!r} holds a real run; give the simulation its own: --run-dir runs/simulated")
+
+
 def simulate(cfg: Config, log=print) -> dict:
     """Simulate `cfg` into cfg.run_dir (run files and report), then sweep; returns the summary."""
     from gapless.orchestrate.ledger import GroupLedger
@@ -87,6 +99,7 @@ def simulate(cfg: Config, log=print) -> dict:
     if cfg.simulate.placement == "shared" and not cfg.simulate.cores:
         cfg = cfg.model_copy(update={"simulate": cfg.simulate.model_copy(update={"cores": os.cpu_count() or 2})})
     run_dir = Path(cfg.run_dir)
+    _check_not_real(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     costs = resolve_costs(cfg)
     ledger = GroupLedger(run_dir / "groups.jsonl")
