@@ -404,6 +404,12 @@ class PipelineConfig(_Section):
 
 
 class ClusterConfig(_Section):
+    replicas: int = Field(1, ge=1, le=256)
+    """Generator replicas, each its own process with its own engine and weight buffer; admission is
+    central in the trainer (orchestrate/dispatch.py) and the staleness budget holds for each. With 2
+    or more, a replica that dies or stops is evicted and its groups end as 'replica_lost'."""
+    replica_restarts: int = Field(2, ge=0, le=64)
+    """Evicted replicas the run replaces with fresh ones, in total; 0 = continue with the rest."""
     trainer_world_size: int = Field(1, ge=1, le=64)
     """Trainer data-parallel ranks (docs/distributed.md). 1 trains in the run's process, as always;
     W > 1 keeps rank 0 there and spawns ranks 1..W-1 as processes on this machine, joined by
@@ -420,10 +426,12 @@ class ClusterConfig(_Section):
     and joining the group (on 2 busy cores importing torch alone takes several seconds per
     process). Past it the run stops with an error naming the ranks that did not check in."""
     op_timeout_s: float = Field(60.0, gt=0)
-    """Bound on each collective and on each wait for a rank's share of a step, in seconds: a rank
-    that stops answering (a hung or stopped process) ends the run with an error naming it after
-    at most this long; a rank that dies is reported within about a second whatever this is.
-    Raise it only for steps whose own compute takes longer."""
+    """Bound on one operation of a placed actor, in seconds: each collective and each wait for a
+    trainer rank's share of a step (a rank that stops answering ends the run with an error naming
+    it; a rank that dies is reported within about a second whatever this is), and how long a
+    generator replica may go without a heartbeat or hold a weight publish before it is evicted
+    (with 2 or more replicas; a single replica stalls the run after pipeline.stall_timeout_s
+    instead). Raise it only for steps or decode passes whose own compute takes longer."""
 
 
 class SimulateConfig(_Section):
@@ -548,6 +556,7 @@ class Config(_Section):
     warmstart: WarmStartConfig = WarmStartConfig()
     loop: LoopConfig = LoopConfig()
     pipeline: PipelineConfig = PipelineConfig()
+    cluster: ClusterConfig = ClusterConfig()
     metrics: MetricsConfig = MetricsConfig()
     eval: EvalConfig = EvalConfig()
     tools: ToolsConfig = ToolsConfig()

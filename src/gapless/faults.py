@@ -1,8 +1,8 @@
 """Fault points: named places where the crash tests kill or stop a pipeline process on purpose.
 
-`GAPLESS_FAULT="ACTOR:POINT:N[:ACTION]"` makes process ACTOR (trainer | generator | environment)
-deliver ACTION (kill = SIGKILL, the default; stop = SIGSTOP) to itself the N-th time it passes
-POINT. The points:
+`GAPLESS_FAULT="ACTOR:POINT:N[:ACTION]"` makes process ACTOR (trainer | generator | environment,
+or one generator replica by its process name, `generator-1`) deliver ACTION (kill = SIGKILL, the
+default; stop = SIGSTOP) to itself the N-th time it passes POINT. The points:
 
     trainer      step        start of a training step, rollouts taken
                  publish     inside a weight publish: the new weights half copied, not yet flipped
@@ -36,19 +36,26 @@ def _parse(spec: str | None) -> tuple[str, str, int, int] | None:
     parts = spec.split(":")
     actor, point, count = parts[0], parts[1], int(parts[2])
     action = parts[3] if len(parts) > 3 else "kill"
-    if point not in POINTS.get(actor, ()) or action not in _ACTIONS or count < 1:
+    if point not in POINTS.get(actor.split("-")[0], ()) or action not in _ACTIONS or count < 1:
         raise ValueError(f"GAPLESS_FAULT={spec!r}: want ACTOR:POINT:N[:kill|stop] with points {POINTS}")
     return actor, point, count, _ACTIONS[action]
 
 
 _FAULT = _parse(os.environ.get("GAPLESS_FAULT"))
 _hits = 0
+_process_name: str | None = None  # an actor process's own name ('generator-1'), set at its start
+
+
+def name_process(name: str) -> None:
+    global _process_name
+    _process_name = name
 
 
 def fault_point(actor: str, point: str) -> None:
-    """Deliver the configured fault if this is its actor, point and N-th pass."""
+    """Deliver the configured fault if this is its actor (by role or by process name), point and
+    N-th pass."""
     global _hits
-    if _FAULT is None or _FAULT[0] != actor or _FAULT[1] != point:
+    if _FAULT is None or _FAULT[1] != point or _FAULT[0] not in (actor, _process_name):
         return
     _hits += 1
     if _hits == _FAULT[2]:

@@ -1,29 +1,30 @@
-"""The pipeline's generator and environment actors, each the main function of its own process.
+"""The pipeline's generator replicas and environment actor, each the main function of its own process.
 
-    generator ──(group, bounded queue)──> environment ──(scored group)──> trainer (pipeline.py)
-        ^  admitted / stats ─────────────────────────────────────────────────^   │
-        └── control: dropped (backfill), abort (stragglers), feedback (curriculum) ┘
-        └── weights: SharedWeights, fetched between decode steps
+    trainer ──Assign──> generator replica r ──(group, its own bounded queue)──> environment ──Scored──> trainer
+       ^   Loaded (version) / GenStats ───────────────────────────────────────────────────────────^
+       └── Abort (stragglers) ──> replica r;  CancelScoring ──> environment
+       └── weights: one SharedWeights per replica, fetched between decode steps
 
-Generator: holds the stepped engine; between decode steps it loads newer weights if published
-(in-flight sequences continue; their next tokens carry the new version), applies control
-messages, admits groups while `Admission` allows, and decodes. With `partial_rollout_tokens` or
-`partial_rollout_s`, a group past its token or time deadline while others wait for a slot is cut
-and resumed at the back of the queue (re-prefilled by the weights current then; partial.py). It reports
-'admitted' records and busy / idle / stall times to the trainer.
+Generator replica: holds the stepped engine; between decode steps it loads newer weights if
+published (in-flight sequences continue; their next tokens carry the new version) and reports
+the version it now holds (`Loaded`), starts the groups the trainer assigns it (admission is
+central: dispatch.py), and decodes. With `partial_rollout_tokens` or `partial_rollout_s`, a group
+past its token or time deadline while others wait for a slot is cut and resumed at the back of
+the queue (re-prefilled by the weights current then; partial.py). It reports busy / idle / stall
+times to the trainer.
 Environment: scores groups on `env_workers` threads (the sandbox runs the programs in its own
-processes) and forwards them; rewards also go back to the generator for the curriculum. A group
-whose every rollout failed in the infrastructure is scored again after 1, 2, 4, ... s
-(`pipeline.infra_retries`) before it goes to the trainer, which stops the run only when such
-groups keep coming for `pipeline.outage_s`.
+processes) and forwards them; one reader thread per replica queue, so a replica killed in the
+middle of a write blocks only its own reader. A group whose every rollout failed in the
+infrastructure is scored again after 1, 2, 4, ... s (`pipeline.infra_retries`) before it goes to
+the trainer, which stops the run only when such groups keep coming for `pipeline.outage_s`.
 
-Messages are the typed records of messages.py. Both actors send `ActorError` to the trainer and
-exit if anything raises, so a crash is an error in the trainer's process, never a silent hang
-(the trainer also notices an actor that died without a word). Both stamp their heartbeat on
-every pass of their loop, no wait of theirs blocks longer than a poll, and both dump their
-Python stacks on SIGUSR1 (watchdog.py: a stalled actor is diagnosed, not waited for). Both die
-with the trainer, even when it is SIGKILLed (the kernel's parent-death signal). Neither actor
-holds state worth keeping: the trainer's checkpoint is the run's state.
+Messages are the typed records of messages.py; every queue has one writer. Both kinds of actor
+send `ActorError` to the trainer and exit if anything raises, so a crash is an error in the
+trainer's process, never a silent hang (the trainer also notices an actor that died without a
+word). Each stamps its heartbeat on every pass of its loop, no wait of theirs blocks longer than a
+poll, and each dumps its Python stacks on SIGUSR1 (watchdog.py: a stalled actor is diagnosed, not
+waited for). All die with the trainer, even when it is SIGKILLed (the kernel's parent-death
+signal). No actor holds state worth keeping: the trainer's checkpoint is the run's state.
 """
 
 from __future__ import annotations
@@ -43,14 +44,13 @@ from typing import Any
 import torch
 
 from gapless.config import Config
-from gapless.orchestrate.admission import Admission, PromptSource, sampling_params
+from gapless.orchestrate.admission import sampling_params
 from gapless.orchestrate.buffer import ScoredGroup
-from gapless.faults import fault_point
+from gapless.faults import fault_point, name_process
 from gapless.orchestrate.lending import LendingFlags
-from gapless.orchestrate.messages import (Abort, ActorError, Admitted, CancelScoring, Dropped, Feedback, GenStats, Ready,
-                                          Scored, ToScore)
+from gapless.orchestrate.messages import Abort, ActorError, Assign, GenStats, Loaded, Ready, Scored, ToScore
 from gapless.orchestrate.partial import PartialRollouts
-from gapless.orchestrate.watchdog import Heartbeats, install_stack_dump
+from gapless.orchestrate.watchdog import Heartbeats, StopFlag, install_stack_dump
 from gapless.orchestrate.weights import SharedWeights
 from gapless.timeline import MergedSpans, open_timeline
 from gapless.types import Completion
@@ -63,20 +63,21 @@ INFRA_BACKOFF_MAX_S = 30.0  # longest pause before scoring a group that failed i
 
 @dataclass
 class ActorSpec:
-    """What every actor process needs; picklable."""
+    """What one actor process needs; picklable at spawn."""
 
     cfg: Config
+    name: str  # 'generator' (one replica), 'generator-<r>', 'environment': heartbeat, timeline, fault and process name
     prompts: list[tuple[str, str]]  # (uid, prompt text) of the train tasks, in env.tasks("train") order
     policy_dir: Path
-    start_step: int
-    weights: SharedWeights
-    to_env: Any  # queue of ToScore
-    to_trainer: Any  # queue of Admitted | Scored | Ready | GenStats | ActorError
-    to_generator: Any  # queue of Dropped | Abort | Feedback
-    env_control: Any  # queue of CancelScoring
-    stop: Any  # event
     trainer_pid: int
     heartbeats: Heartbeats
+    stop: StopFlag
+    inbox: Any  # trainer -> this actor: Assign | Abort (a replica), CancelScoring (the environment)
+    outbox: Any  # this actor -> trainer: Ready | Loaded | GenStats | Scored | ActorError
+    replica: int = 0
+    weights: SharedWeights | None = None  # a replica's own weight buffer
+    to_env: Any = None  # a replica's queue of ToScore to the environment
+    from_generators: tuple = ()  # the environment's: every replica's queue (restarts' included)
     lending: LendingFlags | None = None  # the trainer borrows the generator's threads while it idles
 
 
@@ -103,32 +104,34 @@ def _die_with_trainer(spec: ActorSpec) -> None:
         os._exit(1)
 
 
-def _report_crash(spec: ActorSpec, actor: str) -> None:
+def _report_crash(spec: ActorSpec) -> None:
     try:
-        spec.to_trainer.put(ActorError(actor, traceback.format_exc()), timeout=5)
+        spec.outbox.put(ActorError(spec.name, traceback.format_exc()), timeout=5)
     except Exception:
         pass
 
 
-def _start_actor(spec: ActorSpec, actor: str) -> None:
+def _start_actor(spec: ActorSpec) -> None:
     _die_with_trainer(spec)
     # Ctrl-C and a scheduler's SIGTERM reach the whole process group: the trainer alone decides
     # (it finishes the step, checkpoints, then stops the actors through `spec.stop`)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    spec.heartbeats.register(actor)
-    install_stack_dump(Path(spec.cfg.run_dir), actor)
+    spec.heartbeats.register(spec.name)
+    name_process(spec.name)
+    install_stack_dump(Path(spec.cfg.run_dir), spec.name)
 
 
 def generator_main(spec: ActorSpec) -> None:
-    _start_actor(spec, "generator")
+    _start_actor(spec)
     try:
-        with spec.heartbeats.beating("generator"):
+        with spec.heartbeats.beating(spec.name):
             actor = _GeneratorActor(spec)
-        spec.to_trainer.put(Ready("generator"))
+        spec.outbox.put(Ready(spec.name))
+        spec.outbox.put(Loaded(spec.replica, actor.engine.version))
         actor.run()
     except BaseException:
-        _report_crash(spec, "generator")
+        _report_crash(spec)
 
 
 class _GeneratorActor:
@@ -144,17 +147,13 @@ class _GeneratorActor:
         max_seq_len = max(map(len, self.prompts)) + cfg.generator.max_new_tokens
         self.engine = make_generator(cfg.generator, self.policy, max_seq_len, Path(cfg.run_dir))
         spec.weights.fetch_into(self.engine.update_weights, -1)
-        P = cfg.loop.prompts_per_step
-        self.admission = Admission(P, cfg.pipeline.max_staleness, cfg.pipeline.oversample, spec.start_step)
-        self.source = PromptSource(cfg.seed, [uid for uid, _ in spec.prompts], P, cfg.pipeline.curriculum)
-        self.pending_drops: list[Dropped] = []  # places freed, usable from a policy version on
         self.groups: dict[int, list[Completion]] = {}
         self.meta: dict[int, tuple[int, int]] = {}  # index -> (task index, birth version)
         self.cut: set[int] = set()
         self.partial = PartialRollouts(cfg.pipeline.partial_rollout_tokens, cfg.pipeline.partial_rollout_s)
         self.clock = {"busy_s": 0.0, "idle_s": 0.0, "stall_s": 0.0, "blocked_s": 0.0, "core_wait_s": 0.0, "tokens": 0, "groups": 0, "swaps": 0, "partial_cuts": 0}
         self.last_report = time.perf_counter()
-        self.timeline = open_timeline(cfg.run_dir, "generator", cfg.metrics.timeline)
+        self.timeline = open_timeline(cfg.run_dir, spec.name, cfg.metrics.timeline)
         self.spans = MergedSpans(self.timeline)
 
     def run(self) -> None:
@@ -167,15 +166,15 @@ class _GeneratorActor:
     def _loop(self) -> None:
         spec = self.spec
         while not spec.stop.is_set():
-            spec.heartbeats.beat("generator")
+            spec.heartbeats.beat(spec.name)
             start = time.perf_counter()
             if spec.weights.fetch_into(self.engine.update_weights, self.engine.version) is not None:
                 self.clock["stall_s"] += time.perf_counter() - start
                 self.clock["swaps"] += 1
                 self.spans.mark("weight_load")
                 self.timeline.instant("weights", version=self.engine.version)
+                _put(spec.outbox, Loaded(spec.replica, self.engine.version), spec.stop, self._beat)
             self._apply_control()
-            self._admit()
             if self.engine.has_work:
                 if spec.lending is not None:
                     self.clock["core_wait_s"] += spec.lending.want(LENDING_MAX_WAIT_S)
@@ -190,7 +189,7 @@ class _GeneratorActor:
             else:
                 if spec.lending is not None:
                     spec.lending.idle()
-                self.spans.mark("wait_weights")  # admission holds until a newer policy arrives
+                self.spans.mark("wait_weights")  # no group assigned: admission holds until a newer policy arrives
                 start = time.perf_counter()
                 self._apply_control(timeout=POLL_S)
                 self.clock["idle_s"] += time.perf_counter() - start
@@ -200,42 +199,24 @@ class _GeneratorActor:
     def _apply_control(self, timeout: float = 0.0) -> None:
         while True:
             try:
-                message = self.spec.to_generator.get(timeout=timeout) if timeout else self.spec.to_generator.get_nowait()
+                message = self.spec.inbox.get(timeout=timeout) if timeout else self.spec.inbox.get_nowait()
             except queue.Empty:
                 return
             timeout = 0.0
-            if isinstance(message, Dropped):
-                self.pending_drops.append(message)
+            if isinstance(message, Assign):
+                for index, task, born in message.groups:
+                    self.engine.add_request(self.prompts[task], sampling_params(self.cfg, index), self.cfg.generator.group_size,
+                                            request_id=str(index))
+                    self.groups[index], self.meta[index] = [], (task, born)
             elif isinstance(message, Abort):
                 ids = [i for i in message.indices if i in self.groups]
                 self.engine.abort([str(i) for i in ids])
                 for i in ids:
                     self.groups.pop(i, None)
                     self.meta.pop(i, None)
-            elif isinstance(message, Feedback):
-                self.source.feedback(message.uid, list(message.rewards))
-
-    def _release_drops(self) -> None:
-        """Freed places become admissible once this engine holds a version a backfill may be
-        born at: earlier, its group would already be due at a step the trainer has taken."""
-        usable = [d for d in self.pending_drops if d.min_version <= self.engine.version]
-        if usable:
-            self.admission.dropped += sum(d.count for d in usable)
-            self.pending_drops = [d for d in self.pending_drops if d.min_version > self.engine.version]
-
-    def _admit(self) -> None:
-        self._release_drops()
-        while self.admission.may_admit(self.engine.version):
-            index = self.admission.admit()
-            task = self.source.task_for(index)
-            self.engine.add_request(self.prompts[task], sampling_params(self.cfg, index), self.cfg.generator.group_size,
-                                    request_id=str(index))
-            self.groups[index], self.meta[index] = [], (task, self.engine.version)
-            self.clock["blocked_s"] += _put(self.spec.to_trainer, Admitted(index, task, self.engine.version), self.spec.stop,
-                                            self._beat)
 
     def _beat(self) -> None:
-        self.spec.heartbeats.beat("generator")
+        self.spec.heartbeats.beat(self.spec.name)
 
     def _collect(self, finished: list[Completion]) -> None:
         n = self.cfg.generator.group_size
@@ -261,17 +242,24 @@ class _GeneratorActor:
         now = time.perf_counter()
         stats = dict(self.clock, wall_s=now - self.last_report, version=self.engine.version,
                      running=self.engine.num_running, waiting=self.engine.num_waiting)
-        _put(self.spec.to_trainer, GenStats(stats), self.spec.stop, self._beat)
+        _put(self.spec.outbox, GenStats(stats), self.spec.stop, self._beat)
         self.clock = dict.fromkeys(self.clock, 0.0)
         self.last_report = now
 
 
 def environment_main(spec: ActorSpec) -> None:
-    _start_actor(spec, "environment")
+    _start_actor(spec)
     try:
         _environment_loop(spec)
     except BaseException:
-        _report_crash(spec, "environment")
+        _report_crash(spec)
+
+
+def _read_into(source, sink: queue.Queue) -> None:
+    """Forward one replica's groups into the environment's own queue (a thread per replica: a
+    replica killed in the middle of a write leaves only this reader waiting)."""
+    while True:
+        sink.put(source.get())
 
 
 def _environment_loop(spec: ActorSpec) -> None:
@@ -279,19 +267,22 @@ def _environment_loop(spec: ActorSpec) -> None:
 
     cfg = spec.cfg
     torch.set_num_threads(1)
-    with spec.heartbeats.beating("environment"):
+    with spec.heartbeats.beating(spec.name):
         env = make_environment(cfg)
     tasks = list(env.tasks("train"))
     if [t.uid for t in tasks] != [uid for uid, _ in spec.prompts]:
         raise RuntimeError(f"environment {env.name!r} built different train tasks in the environment process; "
                            "the pipeline needs env.tasks() to be deterministic in the config")
     timeline = open_timeline(cfg.run_dir, "env", cfg.metrics.timeline)
-    spec.to_trainer.put(Ready("environment"))
+    spec.outbox.put(Ready(spec.name))
+    groups: queue.Queue = queue.Queue(maxsize=max(1, cfg.pipeline.env_workers))
+    for i, source in enumerate(spec.from_generators):
+        threading.Thread(target=_read_into, args=(source, groups), name=f"read-replica-{i}", daemon=True).start()
     workers = cfg.pipeline.env_workers
     slots = threading.Semaphore(workers)  # back-pressure: take a group only when a worker is free
     failures: list[str] = []
     cancelled: set[int] = set()  # groups the trainer cut: not scored if queued, not sent if scoring
-    beat = lambda: spec.heartbeats.beat("environment")  # noqa: E731
+    beat = lambda: spec.heartbeats.beat(spec.name)  # noqa: E731
 
     def score(item: ToScore) -> None:
         try:
@@ -305,9 +296,7 @@ def _environment_loop(spec: ActorSpec) -> None:
             fault_point("environment", "score")
             if item.index in cancelled:
                 return
-            _put(spec.to_trainer, Scored(ScoredGroup(item.index, item.task_index, item.born, rollouts)), spec.stop, beat)
-            valid = tuple(r.reward for r in rollouts if not r.is_infra_failure)
-            spec.to_generator.put(Feedback(tasks[item.task_index].uid, valid))
+            _put(spec.outbox, Scored(ScoredGroup(item.index, item.task_index, item.born, rollouts)), spec.stop, beat)
         except BaseException:
             failures.append(traceback.format_exc())
         finally:
@@ -316,7 +305,7 @@ def _environment_loop(spec: ActorSpec) -> None:
     def take_cancellations() -> None:
         while True:
             try:
-                cancelled.update(spec.env_control.get_nowait().indices)
+                cancelled.update(spec.inbox.get_nowait().indices)
             except queue.Empty:
                 return
 
@@ -328,7 +317,7 @@ def _environment_loop(spec: ActorSpec) -> None:
                 if not slots.acquire(timeout=0.1):
                     continue
                 try:
-                    item = spec.to_env.get(timeout=0.1)
+                    item = groups.get(timeout=0.1)
                 except queue.Empty:
                     slots.release()
                     continue
@@ -338,7 +327,7 @@ def _environment_loop(spec: ActorSpec) -> None:
                     continue
                 pool.submit(score, item)
             if failures:
-                spec.to_trainer.put(ActorError("environment", failures[0]))
+                spec.outbox.put(ActorError(spec.name, failures[0]))
         finally:
             env.close()
             timeline.close()

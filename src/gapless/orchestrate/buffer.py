@@ -14,8 +14,8 @@ satisfies b <= t - max_staleness: step t is the last one that may train it. The 
 By induction no group older than t - max_staleness is alive at step t, so every trained group has
 staleness t - (oldest token version) <= max_staleness; `take` checks it for each group, with the
 staleness counted from the oldest policy version among its tokens, and drops a group that would
-break it ('over_budget', counted; never trained, never a crash) -- admission (messages.Dropped's
-min_version) is what keeps that from happening. Admission (admission.py) keeps
+break it ('over_budget', counted; never trained, never a crash) -- admission (the dispatcher's born-stale
+guard, dispatch.py) is what keeps that from happening. Admission (admission.py) keeps
 the due groups of a step within one batch, so the rule never asks for more than P + extra.
 Dynamic sampling drops zero-variance groups on arrival ('zero_variance'), and groups whose every
 rollout failed in the infrastructure ('infra_error'); each drop frees a place for a backfill.

@@ -1,12 +1,12 @@
 """Typed messages between the pipeline's processes (pickled through multiprocessing queues).
 
-    generator ──ToScore──────────────> environment ──Scored──> trainer
-        │  ──Admitted / Ready / GenStats / ActorError ─────────────^
-        ^── Dropped (backfill) / Abort (stragglers) / Feedback (curriculum) ── trainer, environment
-    environment ^── CancelScoring (stragglers the trainer cut) ──────────────── trainer
+    trainer ──Assign──> generator replica r ──ToScore (its own queue)──> environment ──Scored──> trainer
+       ^──── Loaded / Ready / GenStats / ActorError (each actor's own outbox) ─────────────────────┘
+    generator replica r <── Abort (stragglers it holds) ── trainer ── CancelScoring ──> environment
 
-Each queue carries one family of these records; receivers dispatch on the type, never on a
-string tag. Everything here is plain data: no locks, tensors or open files.
+Each queue carries one family of these records and has one writer, so an actor killed in the
+middle of a write cannot block another; receivers dispatch on the type, never on a string tag.
+Everything here is plain data: no locks, tensors or open files.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from gapless.types import Completion
 
 # ---- to the trainer ----------------------------------------------------------------------
 @dataclass(frozen=True)
-class Admitted:
-    index: int  # admission order within the segment
-    task_index: int
-    born: int  # the generator's policy version when it admitted the group
+class Loaded:
+    replica: int
+    version: int  # the policy version the replica now samples with (at start, then after every swap)
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class Scored:
 
 @dataclass(frozen=True)
 class Ready:
-    actor: str  # "generator" | "environment": set up and about to work
+    actor: str  # "generator" (or "generator-<r>") | "environment": set up and about to work
 
 
 @dataclass(frozen=True)
@@ -46,22 +45,15 @@ class ActorError:
     traceback: str
 
 
-# ---- to the generator --------------------------------------------------------------------
+# ---- to a generator replica ----------------------------------------------------------------
 @dataclass(frozen=True)
-class Dropped:
-    count: int  # places freed for backfills
-    min_version: int  # a backfill may only be born at this policy version or later (budget)
+class Assign:
+    groups: tuple[tuple[int, int, int], ...]  # (index, task index, birth version) of each group to start
 
 
 @dataclass(frozen=True)
 class Abort:
     indices: tuple[int, ...]  # groups cut as stragglers: stop generating them
-
-
-@dataclass(frozen=True)
-class Feedback:
-    uid: str
-    rewards: tuple[float, ...]  # the group's valid rewards, for the curriculum
 
 
 # ---- to the environment ------------------------------------------------------------------

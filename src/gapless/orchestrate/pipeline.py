@@ -30,22 +30,26 @@ import contextlib
 import json
 import os
 import queue
+import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from gapless.config import Config, ConfigError
 from gapless.envs.base import InfraUnavailable, Task
 from gapless.errors import InfrastructureError, RunStopped
 from gapless.orchestrate.actors import ActorSpec, environment_main, generator_main
+from gapless.orchestrate.admission import Admission, PromptSource
 from gapless.orchestrate.buffer import StalenessBuffer
+from gapless.orchestrate.dispatch import Dispatcher
 from gapless.orchestrate.ipc import clean_leftover_ipc, name_ipc_objects
 from gapless.orchestrate.ledger import GroupLedger
 from gapless.orchestrate.lending import LendingFlags, TrainerLending
-from gapless.orchestrate.messages import (Abort, ActorError, Admitted, CancelScoring, Dropped, GenStats, Ready, Scored)
+from gapless.orchestrate.messages import Abort, ActorError, Assign, CancelScoring, GenStats, Loaded, Ready, Scored
 from gapless.orchestrate.placement import LocalPlacement, Placement
 from gapless.orchestrate.source import StepRollouts
-from gapless.orchestrate.watchdog import Heartbeats, StallWatch
+from gapless.orchestrate.watchdog import Heartbeats, StallWatch, StopFlag
 from gapless.orchestrate.weights import SharedWeights
 
 SHUTDOWN_S = 10.0
@@ -62,12 +66,30 @@ class ResamplesExhausted(ConfigError):
 
 
 def actor_threads(cfg: Config) -> dict[str, int]:
-    """Threads the actors use at once: with a budget the generator and the trainer run together,
-    so their threads must fit the cores; at budget 0 they take turns (the generator waits for each
-    step's weights), so each may use every core."""
+    """Threads the actors use at once: with a budget the generators and the trainer run together;
+    at budget 0 the trainer takes turns with the generators (they wait for each step's weights)."""
+    generators = {replica_name(r, cfg.cluster.replicas): cfg.pipeline.generator_threads_resolved
+                  for r in range(cfg.cluster.replicas)}
     if cfg.pipeline.max_staleness == 0:
-        return {}
-    return {"generator": cfg.pipeline.generator_threads_resolved, "trainer": cfg.pipeline.trainer_threads_resolved}
+        return generators if cfg.cluster.replicas > 1 else {}
+    return {**generators, "trainer": cfg.pipeline.trainer_threads_resolved}
+
+
+def replica_name(slot: int, replicas: int) -> str:
+    """'generator' when the run has one replica (and no restarts can happen), else 'generator-<slot>'."""
+    return "generator" if replicas == 1 else f"generator-{slot}"
+
+
+class _Evicted(Exception):
+    """Raised inside a wait on a replica that was just evicted."""
+
+
+@dataclass
+class _Replica:
+    slot: int
+    name: str
+    spec: ActorSpec
+    alive: bool = True
 
 
 class ProcessSource:
@@ -75,66 +97,75 @@ class ProcessSource:
 
     def __init__(self, cfg: Config, train: list[Task], policy, start_step: int, resume: bool, env_name: str,
                  timelines, stop_requested, log=print, placement: Placement | None = None):
-        """`policy`: the trainer's Policy (saved for the generator; its model may lend threads);
+        """`policy`: the trainer's Policy (saved for the generators; its model may lend threads);
         `stop_requested()`: the name of a stop signal received, or None (checked in every wait)."""
         self.cfg, self.train, self.policy, self.log, self.timelines = cfg, train, policy, log, timelines
         self.env_name, self.stop_requested = env_name, stop_requested
         self.start_step, self.version = start_step, start_step
         self.run_dir = Path(cfg.run_dir)
         self.placement = placement or LocalPlacement()
-        self.placement.reserve(actor_threads(cfg))
+        if (warning := self.placement.reserve(actor_threads(cfg))):
+            log(f"warning: {warning}")
         self.ctx = self.placement.ctx
         if (removed := clean_leftover_ipc(self.run_dir)):
             log(f"removed {removed} semaphores left in /dev/shm by a crashed run in {self.run_dir}")
         name_ipc_objects(self.run_dir)
+        P, pl, R = cfg.loop.prompts_per_step, cfg.pipeline, cfg.cluster.replicas
         self.ledger = GroupLedger(self.run_dir / "groups.jsonl", resume_step=start_step if resume else None)
-        self.buffer = StalenessBuffer(cfg.loop.prompts_per_step, cfg.pipeline.max_staleness, cfg.pipeline.oversample > 0,
-                                      self.ledger, cfg.pipeline.dynamic_sampling, [t.uid for t in train])
-        self.heartbeats = Heartbeats(self.ctx)
+        self.buffer = StalenessBuffer(P, pl.max_staleness, pl.oversample > 0, self.ledger, pl.dynamic_sampling,
+                                      [t.uid for t in train])
+        self.prompts = PromptSource(cfg.seed, [t.uid for t in train], P, pl.curriculum)
+        self.dispatcher = Dispatcher(Admission(P, pl.max_staleness, pl.oversample, start_step), self.prompts,
+                                     pl.max_staleness, start_step - pl.max_staleness)
+        self.evictable = R > 1  # one replica stays today's pipeline: its death or stall ends the run
+        self.slots = R + (cfg.cluster.replica_restarts if self.evictable else 0)
+        self.names = [replica_name(slot, R) for slot in range(self.slots)]
+        self.heartbeats = Heartbeats(self.ctx, ("trainer", "environment", *self.names))
         self.heartbeats.register("trainer")
-        self.watch = StallWatch(self.heartbeats, cfg.pipeline.stall_timeout_s, self.run_dir, ("generator", "environment"))
-        self.max_resamples = cfg.pipeline.max_resamples or 8 * cfg.loop.prompts_per_step
+        self.watch = StallWatch(self.heartbeats, pl.stall_timeout_s, self.run_dir, (*self.names[:R], "environment"))
+        self.max_resamples = pl.max_resamples or 8 * P
         self.step_resamples = 0  # zero-variance drops while assembling the current step
         self.drops_reported: dict[str, int] = {}  # buffer.drops at the last step's metrics
         self.assembling = start_step  # the step whose batch the buffer is filling
         self.staleness_counts: Counter[int] = Counter()
         self.gen_stats: list[dict] = []
-        self.actors: tuple[str, ...] = ()
+        self.replicas: list[_Replica] = []
+        self.actors: set[str] = set()  # the actors that must report Ready
         self.ready_actors: set[str] = set()
+        self.inbox: queue.Queue = queue.Queue()  # every actor's messages, forwarded by one reader thread each
         self.infra_since: float | None = None  # when groups started failing in the infrastructure (None: none failing)
+        self.evictions: list[dict] = []  # replica, why, silent_s, step: written to staleness.json
         self._last_step_end: float | None = None
-        self._push_wait_s = 0.0
         self._step_started = 0.0
-        self.spec: ActorSpec | None = None
+        self._publishing: _Replica | None = None
+        self.env_spec: ActorSpec | None = None
         self.lending: TrainerLending | None = None
-        pl = cfg.pipeline
-        if pl.max_staleness > 0 and pl.lend_idle_cores:
+        if pl.max_staleness > 0 and pl.lend_idle_cores and R == 1:
             self.lending = TrainerLending(LendingFlags(self.ctx), pl.trainer_threads_resolved, pl.generator_threads_resolved)
             if not self.lending.install(policy.model):
                 self.lending = None  # no decoder layer list to hook: nothing to lend at
 
     # ---- the source protocol (source.py) --------------------------------------------------------
     def start(self, state, version: int) -> None:
-        policy_dir = self.run_dir / "generator_policy"
-        self.policy.save(policy_dir)  # architecture and tokenizer; the weights come through shared memory
-        self.weights = SharedWeights(state, version, self.ctx)
-        bound = 2 * self.cfg.loop.prompts_per_step  # groups waiting to be scored
-        prompts = [(task.uid, task.prompt) for task in self.train]
-        place = self.placement
-        self.spec = ActorSpec(self.cfg, prompts, policy_dir, self.start_step, self.weights, place.channel(bound),
-                              place.channel(INBOX_MESSAGES), place.channel(), place.channel(), place.event(),
-                              os.getpid(), self.heartbeats, self.lending.flags if self.lending else None)
-        self.actors = ("generator", "environment")
-        for name, main in (("generator", generator_main), ("environment", environment_main)):
-            place.start(name, main, self.spec)
+        self.policy_dir = self.run_dir / "generator_policy"
+        self.policy.save(self.policy_dir)  # architecture and tokenizer; the weights come through shared memory
+        self.stop = StopFlag(self.ctx)
+        self.state, self.version = state, version  # what a restarted replica starts from
+        place, bound = self.placement, 2 * self.cfg.loop.prompts_per_step  # groups waiting to be scored, per replica
+        self.to_env = [place.channel(bound) for _ in range(self.slots)]  # one per replica slot: one writer each
+        self.env_spec = self._spec("environment", inbox=place.channel(), from_generators=tuple(self.to_env))
+        self._start(self.env_spec, environment_main)
+        for slot in range(self.cfg.cluster.replicas):
+            self._start_replica(slot, state, version)
 
     def take(self, step: int) -> StepRollouts:
         t0 = self._last_step_end or time.perf_counter()
         self.assembling, self.step_resamples = step, 0
+        self.dispatcher.assembling(step)
         self.watch.progressed()  # the trainer's own work since the last wait (train, eval, checkpoint) is no stall
-        if len(self.ready_actors) < len(self.actors):
+        if not self.actors <= self.ready_actors:
             with self.timelines["trainer"].span("wait_actors_start"):  # spawn, imports, engine, sandbox
-                while len(self.ready_actors) < len(self.actors):
+                while not self.actors <= self.ready_actors:
                     self._receive(0.05, "the generator and environment processes to start", starting=True)
             t0 = time.perf_counter()
         self._check_alive()  # also when the buffer already holds the batch: a dead or stalled actor ends the run
@@ -147,11 +178,11 @@ class ProcessSource:
         drops_before = self.buffer.num_dropped
         groups, cut = self.buffer.take(step)
         if cut:
-            self.spec.to_generator.put(Abort(tuple(cut)))
-            self.spec.env_control.put(CancelScoring(tuple(cut)))
-        freed = self.buffer.num_dropped - drops_before  # stragglers and surplus free places to backfill,
-        if freed:  # each born no earlier than this step's weights allow
-            self.spec.to_generator.put(Dropped(freed, step + 1 - self.cfg.pipeline.max_staleness))
+            self._abort(cut)
+            self.env_spec.inbox.put(CancelScoring(tuple(cut)))
+        self.dispatcher.freed(self.buffer.num_dropped - drops_before)  # stragglers and surplus free places to backfill,
+        self.dispatcher.assembling(step + 1)  # each born no earlier than the next step's weights allow
+        self._assign()
         self.staleness_counts.update(step - r.completion.oldest_version for g in groups for r in g.rollouts)
         self._step_started = t0
         return StepRollouts([list(g.rollouts) for g in groups], t0, waited)
@@ -160,15 +191,25 @@ class ProcessSource:
         return self.lending.borrowing() if self.lending else contextlib.nullcontext()
 
     def publish(self, state, version: int) -> dict[str, float]:
-        waiting_for = f"the generator to release the weight buffer (publishing version {version})"
-        timeout_s = self.cfg.pipeline.stall_timeout_s
-        try:
-            self._push_wait_s = self.weights.publish(state, version, timeout_s, lambda: self._check_waiting(waiting_for))
-        except TimeoutError:  # the publish waited the whole stall timeout
-            self.watch.stall(waiting_for, timeout_s, ["generator"])
-        self.version = version
+        pl, wait = self.cfg.pipeline, 0.0
+        for replica in [r for r in self.replicas if r.alive]:
+            waiting_for = f"{replica.name} to release its weight buffer (publishing version {version})"
+            timeout_s = self.cfg.cluster.op_timeout_s if self.evictable else pl.stall_timeout_s
+            self._publishing = replica
+            try:
+                wait += replica.spec.weights.publish(state, version, timeout_s, lambda: self._check_waiting(waiting_for))
+            except _Evicted:
+                continue
+            except TimeoutError:  # the publish waited the whole timeout
+                if self._may_evict():
+                    self._evict(replica, f"it held its weight buffer for {timeout_s:g} s (cluster.op_timeout_s)")
+                    continue
+                self.watch.stall(waiting_for, timeout_s, [replica.name])
+            finally:
+                self._publishing = None
+        self.version, self.state = version, state
         self._last_step_end = time.perf_counter()
-        return {"perf/weight_push_wait_s": self._push_wait_s}
+        return {"perf/weight_push_wait_s": wait}
 
     def stats(self) -> dict[str, float]:
         gen = self.gen_stats
@@ -176,6 +217,9 @@ class ProcessSource:
         gen_wall = sum(s["wall_s"] for s in gen)
         swaps = sum(s["swaps"] for s in gen)
         metrics = {}
+        if self.evictable:
+            metrics["cluster/replicas_live"] = float(sum(r.alive for r in self.replicas))
+            metrics["cluster/evictions"] = float(len(self.evictions))
         if self.lending is not None:
             metrics["perf/trainer_borrowed_frac"] = self.lending.borrowed_frac()  # layer checks holding the generator's threads
         if gen_wall > 0:
@@ -200,10 +244,93 @@ class ProcessSource:
     def close(self, reason: str, version: int) -> None:
         self.buffer.close(version, reason)
         self.ledger.close()
-        if self.spec is not None:
-            self.placement.shutdown(self.spec.stop, SHUTDOWN_S if reason != "run_failed" else FAILED_SHUTDOWN_S)
+        if self.env_spec is not None:
+            self.placement.shutdown(self.stop, SHUTDOWN_S if reason != "run_failed" else FAILED_SHUTDOWN_S)
         (self.run_dir / "staleness.json").write_text(json.dumps(
-            {"counts": {str(k): v for k, v in sorted(self.staleness_counts.items())}, "drops": self.buffer.drops}, indent=2))
+            {"counts": {str(k): v for k, v in sorted(self.staleness_counts.items())}, "drops": self.buffer.drops,
+             "evictions": self.evictions}, indent=2))
+
+    # ---- actors ---------------------------------------------------------------------------------
+    def _spec(self, name: str, **fields) -> ActorSpec:
+        prompts = [(task.uid, task.prompt) for task in self.train]
+        return ActorSpec(self.cfg, name, prompts, self.policy_dir, os.getpid(), self.heartbeats, self.stop,
+                         outbox=self.placement.channel(INBOX_MESSAGES), **fields)
+
+    def _start(self, spec: ActorSpec, main) -> None:
+        threading.Thread(target=_forward, args=(spec.outbox, self.inbox), name=f"read-{spec.name}", daemon=True).start()
+        self.actors.add(spec.name)
+        self.placement.start(spec.name, main, spec)
+
+    def _start_replica(self, slot: int, state, version: int) -> None:
+        name = self.names[slot]
+        spec = self._spec(name, inbox=self.placement.channel(), replica=slot,
+                          weights=SharedWeights(state, version, self.ctx), to_env=self.to_env[slot],
+                          lending=self.lending.flags if self.lending else None)
+        self.replicas.append(_Replica(slot, name, spec))
+        self.heartbeats.starting(name)
+        if name not in self.watch.actors:
+            self.watch.actors.append(name)
+        self._start(spec, generator_main)
+
+    def _replica(self, slot: int) -> _Replica | None:
+        return next((r for r in self.replicas if r.slot == slot and r.alive), None)
+
+    def _assign(self) -> None:
+        """Hand every group admission allows now to the replicas (dispatch.py)."""
+        for slot, groups in self.dispatcher.assign().items():
+            for index, task, born in groups:
+                self.buffer.admitted(index, born, task)
+            self._replica(slot).spec.inbox.put(Assign(tuple(groups)))
+
+    def _abort(self, indices: list[int]) -> None:
+        by_replica: dict[int, list[int]] = {}
+        for index in indices:
+            slot = self.dispatcher.holder.get(index)
+            self.dispatcher.scored(index)  # cut: no longer held
+            if slot is not None:
+                by_replica.setdefault(slot, []).append(index)
+        for slot, held in by_replica.items():
+            if (replica := self._replica(slot)) is not None:
+                replica.spec.inbox.put(Abort(tuple(held)))
+
+    def _may_evict(self) -> bool:
+        live = sum(r.alive for r in self.replicas)
+        return self.evictable and (live > 1 or len(self.replicas) < self.slots)
+
+    def _evict(self, replica: _Replica, why: str, silent_s: float | None = None) -> None:
+        """Take a dead or silent replica out of the run: kill it, end its groups as
+        `replica_lost` (each frees a place for a backfill) and start a fresh replica if the
+        run has restarts left."""
+        self.placement.kill(replica.name)
+        replica.alive = False
+        self.evictions.append({"replica": replica.name, "why": why, "silent_s": silent_s, "step": self.assembling})
+        self.watch.actors.remove(replica.name)
+        self.actors.discard(replica.name)
+        lost = [i for i in self.dispatcher.lost(replica.slot) if i not in self.buffer.closed]
+        for index in lost:
+            self.buffer.drop(index, "replica_lost", self.assembling)
+        self.dispatcher.freed(len(lost))
+        restart = len(self.replicas) < self.slots
+        self.log(f"warning: evicted {replica.name}: {why}; {len(lost)} groups end as replica_lost"
+                 + (f"; starting {self.names[len(self.replicas)]}" if restart else ""))
+        if restart:
+            self._start_replica(len(self.replicas), self.state, self.version)
+        self._assign()
+        if replica is self._publishing:
+            raise _Evicted(replica.name)
+
+    def _check_replicas(self) -> None:
+        """Evict replicas that died or went silent for cluster.op_timeout_s (with 2 or more)."""
+        if not self.evictable:
+            return
+        exits = {gone.name: gone.exitcode for gone in self.placement.exited()}
+        for replica in [r for r in self.replicas if r.alive]:
+            if not self._may_evict():
+                return
+            if replica.name in exits:
+                self._evict(replica, f"it exited with code {exits[replica.name]}")
+            elif replica.name in self.ready_actors and (silent := self.heartbeats.age_s(replica.name)) > self.cfg.cluster.op_timeout_s:
+                self._evict(replica, f"no heartbeat for {silent:.1f} s (cluster.op_timeout_s)", silent)
 
     # ---- waits ---------------------------------------------------------------------------------
     def _receive(self, timeout: float, waiting_for: str, starting: bool = False) -> None:
@@ -212,26 +339,33 @@ class ProcessSource:
         self.heartbeats.beat("trainer")
         if (signal_name := self.stop_requested()):
             raise RunStopped(signal_name)
+        self._check_replicas()
         try:
-            message = self.spec.to_trainer.get(timeout=timeout)
+            message = self.inbox.get(timeout=timeout)
         except queue.Empty:
             self._check_alive()
             self.watch.check(waiting_for, starting)
             return
         self.watch.check(waiting_for, starting)  # also while groups still arrive: a stalled actor ends the run now
-        if isinstance(message, Admitted):
-            self.buffer.admitted(message.index, message.born, message.task_index)
-            self.watch.progressed()
+        if isinstance(message, Loaded):
+            if self._replica(message.replica) is not None:  # not from an evicted replica
+                self.dispatcher.loaded(message.replica, message.version)
+                self._assign()
         elif isinstance(message, Scored):
             self.watch.progressed()
-            self._file(message.group)
+            group = message.group
+            self.dispatcher.scored(group.index)
+            self.prompts.feedback(self.train[group.task_index].uid,
+                                  [r.reward for r in group.rollouts if not r.is_infra_failure])
+            self._file(group)
         elif isinstance(message, Ready):
             self.ready_actors.add(message.actor)
             self.watch.progressed()
         elif isinstance(message, GenStats):
             self.gen_stats.append(message.stats)
         elif isinstance(message, ActorError):
-            raise ActorFailed(f"the {message.actor} process failed:\n{message.traceback}")
+            if message.actor in self.actors:  # not an evicted replica's last words
+                raise ActorFailed(f"the {message.actor} process failed:\n{message.traceback}")
 
     def _file(self, group) -> None:
         reason = self.buffer.arrived(group)
@@ -239,8 +373,9 @@ class ProcessSource:
             self.infra_since = None  # something was scored: not an outage
         if reason is None:
             return
-        # a backfill born now is due at step born + budget: it must not be due before the step being assembled
-        self.spec.to_generator.put(Dropped(1, self.assembling - self.cfg.pipeline.max_staleness))
+        # a backfill born now is due at step born + budget: the dispatcher's guard keeps it from being due too early
+        self.dispatcher.freed(1)
+        self._assign()
         if reason == "infra_error":
             now = time.monotonic()
             self.infra_since = self.infra_since or now
@@ -266,7 +401,15 @@ class ProcessSource:
         self.watch.check(waiting_for)
 
     def _check_alive(self) -> None:
+        self._check_replicas()
         for gone in self.placement.exited():
-            raise ActorFailed(f"{gone.name} exited with code {gone.exitcode} without reporting an error "
+            raise ActorFailed(f"gapless-{gone.name} exited with code {gone.exitcode} without reporting an error "
                               "(killed by the OOM killer or a signal?); see the system log")
+
+
+def _forward(source, sink: queue.Queue) -> None:
+    """One actor's outbox into the trainer's inbox (a thread per actor: an actor killed in the
+    middle of a write leaves only its own reader waiting)."""
+    while True:
+        sink.put(source.get())
 

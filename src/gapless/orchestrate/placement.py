@@ -4,8 +4,8 @@ The process source (pipeline.py) starts its generator and environment actors, op
 and watches its actors' liveness only through a `Placement`; the actor code (actors.py) does not
 know which placement it runs under. One placement exists today:
 
-    LocalPlacement   spawned processes on this machine, multiprocessing queues and events, and
-                     shared memory for the weights and heartbeats (`ctx`); never imports Ray.
+    LocalPlacement   spawned processes on this machine, multiprocessing queues, and shared memory
+                     for the weights, heartbeats and the stop flag (`ctx`); never imports Ray.
 
 Guaranteed by every placement: `reserve` fails before anything starts, with an error naming the
 demand and what is available; every actor it starts dies with the trainer process (even a
@@ -40,20 +40,21 @@ class Placement(Protocol):
     kind: str
     ctx: Any  # the multiprocessing context the actors' shared-memory objects are made with
 
-    def reserve(self, threads: dict[str, int]) -> None:
-        """Check that actors using these thread counts at once fit (PlacementError if not)."""
+    def reserve(self, threads: dict[str, int]) -> str | None:
+        """Check that actors using these thread counts at once fit: PlacementError when one actor
+        alone needs more than there is; a warning (returned) when together they share cores."""
 
     def channel(self, maxsize: int = 0) -> Any:
         """A queue to or from the actors (put/get with timeouts, queue.Full/queue.Empty)."""
-
-    def event(self) -> Any:
-        """A flag every actor can read (set/is_set)."""
 
     def start(self, name: str, main: Callable[[Any], None], spec: Any) -> None:
         """Run `main(spec)` as the actor `name`, dying with the trainer."""
 
     def exited(self) -> list[ActorExit]:
-        """Actors started here that are no longer running."""
+        """Actors started here that are no longer running (and were not killed by `kill`)."""
+
+    def kill(self, name: str) -> None:
+        """Kill the actor `name` now and forget it (an evicted replica)."""
 
     def shutdown(self, stop: Any, grace_s: float) -> None:
         """Set `stop`, wait up to `grace_s` for every actor, then kill what is left."""
@@ -64,43 +65,49 @@ class LocalPlacement:
 
     def __init__(self):
         self.ctx = mp.get_context("spawn")
-        self.processes: list = []
+        self.processes: dict[str, Any] = {}
 
-    def reserve(self, threads: dict[str, int]) -> None:
+    def reserve(self, threads: dict[str, int]) -> str | None:
         cores = len(os.sched_getaffinity(0))
+        for name, n in threads.items():
+            if n > max(cores, 2):
+                raise PlacementError(f"the {name} needs {n} threads but {cores} cores are available; lower its threads "
+                                     "(pipeline.generator_threads / pipeline.trainer_threads; 0 = split the cores)")
         used = sum(threads.values())
         if used > max(cores, 2):
             detail = " + ".join(f"{n} ({name})" for name, n in threads.items())
-            raise PlacementError(f"the actors need {detail} = {used} threads at once but {cores} cores are available; lower "
-                                 "pipeline.generator_threads / pipeline.trainer_threads (0 = split the cores automatically)")
+            return f"the actors run {detail} = {used} threads at once on {cores} cores: they will share cores"
+        return None
 
     def channel(self, maxsize: int = 0):
         return self.ctx.Queue(maxsize)
-
-    def event(self):
-        return self.ctx.Event()
 
     def start(self, name: str, main: Callable[[Any], None], spec: Any) -> None:
         # actors.py's start-up asks the kernel to kill each actor when the trainer dies (PR_SET_PDEATHSIG)
         process = self.ctx.Process(target=main, args=(spec,), name=f"gapless-{name}", daemon=True)
         process.start()
-        self.processes.append(process)
+        self.processes[name] = process
 
     def exited(self) -> list[ActorExit]:
-        return [ActorExit(p.name, p.exitcode) for p in self.processes if not p.is_alive()]
+        return [ActorExit(name, p.exitcode) for name, p in self.processes.items() if not p.is_alive()]
+
+    def kill(self, name: str) -> None:
+        process = self.processes.pop(name, None)
+        if process is not None:
+            process.kill()
+            process.join(timeout=5)
 
     def pids(self) -> dict[str, int]:
-        return {p.name: p.pid for p in self.processes}
+        return {name: p.pid for name, p in self.processes.items()}
 
     def shutdown(self, stop, grace_s: float) -> None:
         if not self.processes:
             return
         stop.set()
         deadline = time.monotonic() + grace_s
-        for process in self.processes:
+        for process in self.processes.values():
             process.join(timeout=max(0.1, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
                 process.join()
-        self.processes = []
-
+        self.processes = {}

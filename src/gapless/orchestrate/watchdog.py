@@ -38,20 +38,47 @@ class PipelineStalled(InfrastructureError):
     """An actor stopped making progress for longer than pipeline.stall_timeout_s."""
 
 
-class Heartbeats:
-    """One monotonic timestamp and pid per actor, in shared memory; picklable to spawned actors."""
+class StopFlag:
+    """The run's stop request, readable by every actor without a lock: a process killed while
+    reading it cannot block the others (a multiprocessing.Event's lock would stay taken)."""
 
     def __init__(self, ctx):
+        self._flag = ctx.RawValue("b", 0)
+
+    def set(self) -> None:
+        self._flag.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self._flag.value)
+
+    def wait(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.is_set() and time.monotonic() < deadline:
+            time.sleep(min(0.05, max(deadline - time.monotonic(), 0.0)))
+        return self.is_set()
+
+
+class Heartbeats:
+    """One monotonic timestamp and pid per actor, in shared memory; picklable to spawned actors.
+    `actors`: every name that may beat during the run (restarted replicas included), lock-free."""
+
+    def __init__(self, ctx, actors: tuple[str, ...] = ACTORS):
         now = time.monotonic()
-        self._beats = ctx.Array("d", [now] * len(ACTORS), lock=False)
-        self._pids = ctx.Array("q", [0] * len(ACTORS), lock=False)
+        self.actors = tuple(actors)
+        self._beats = ctx.Array("d", [now] * len(self.actors), lock=False)
+        self._pids = ctx.Array("q", [0] * len(self.actors), lock=False)
 
     def register(self, actor: str) -> None:
-        self._pids[ACTORS.index(actor)] = os.getpid()
+        self._pids[self.actors.index(actor)] = os.getpid()
         self.beat(actor)
 
     def beat(self, actor: str) -> None:
-        self._beats[ACTORS.index(actor)] = time.monotonic()
+        self._beats[self.actors.index(actor)] = time.monotonic()
+
+    def starting(self, actor: str) -> None:
+        """`actor` is being spawned now (a replacement replica): its start-up allowance starts now."""
+        self._pids[self.actors.index(actor)] = 0
+        self.beat(actor)
 
     @contextlib.contextmanager
     def beating(self, actor: str, every_s: float = 0.2):
@@ -73,10 +100,10 @@ class Heartbeats:
             self.beat(actor)
 
     def age_s(self, actor: str) -> float:
-        return time.monotonic() - self._beats[ACTORS.index(actor)]
+        return time.monotonic() - self._beats[self.actors.index(actor)]
 
     def pid(self, actor: str) -> int:
-        return int(self._pids[ACTORS.index(actor)])
+        return int(self._pids[self.actors.index(actor)])
 
 
 def install_stack_dump(run_dir: Path, actor: str) -> None:
@@ -103,7 +130,7 @@ class StallWatch:
     """The trainer's side: `check` raises PipelineStalled with the diagnosis when a wait is stuck."""
 
     def __init__(self, heartbeats: Heartbeats, timeout_s: float, run_dir: Path, actors: tuple[str, ...]):
-        self.heartbeats, self.timeout_s, self.run_dir, self.actors = heartbeats, timeout_s, Path(run_dir), actors
+        self.heartbeats, self.timeout_s, self.run_dir, self.actors = heartbeats, timeout_s, Path(run_dir), list(actors)
         self.progress_at = time.monotonic()
         self.startup_s = max(timeout_s, STARTUP_S)
 

@@ -19,6 +19,7 @@ memory (`Tensor.share_memory_`) and travel by handle when the object is pickled.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import time
 from typing import Callable
@@ -50,11 +51,11 @@ class SharedWeights:
         """Make `state` the weights of `version`; returns seconds spent waiting for a reader.
         A reader holding the buffer longer than `timeout_s` raises TimeoutError (a stalled
         generator); `while_waiting` is called every 0.1 s of such a wait and may raise sooner."""
-        with self._meta.get_lock():
+        start = time.perf_counter()
+        with self._meta_lock(version, timeout_s):
             target = 1 - int(self._meta[0])
             if version <= self._meta[1]:
                 raise ValueError(f"version {version} is not newer than the published {self._meta[1]}")
-        start = time.perf_counter()
         while not self._locks[target].acquire(timeout=0.1):
             if timeout_s is not None and time.perf_counter() - start > timeout_s:
                 raise TimeoutError(f"weight publish of version {version} waited {timeout_s:g} s for the generator to "
@@ -67,13 +68,24 @@ class SharedWeights:
             self._copy(self.buffers[target], {k: state[k] for k in self.names[:half]})
             fault_point("trainer", "publish")  # half the new weights copied, nothing flipped
             self._copy(self.buffers[target], {k: state[k] for k in self.names[half:]})
-            with self._meta.get_lock():
+            with self._meta_lock(version, timeout_s):
                 self._meta[2 + target] = version
         finally:
             self._locks[target].release()
-        with self._meta.get_lock():
+        with self._meta_lock(version, timeout_s):
             self._meta[0], self._meta[1] = target, version
         return waited
+
+    @contextlib.contextmanager
+    def _meta_lock(self, version: int, timeout_s: float | None):
+        """The version record's lock, bounded: a reader killed while holding it must not block
+        the trainer for ever."""
+        if not self._meta.get_lock().acquire(True, timeout_s):
+            raise TimeoutError(f"weight publish of version {version} waited {timeout_s:g} s for the version record")
+        try:
+            yield
+        finally:
+            self._meta.get_lock().release()
 
     def fetch_into(self, load: Callable[[dict[str, torch.Tensor], int], None], have_version: int) -> int | None:
         """If a newer version than `have_version` is published, call `load(state, version)` on it

@@ -1,0 +1,48 @@
+"""Central admission over generator replicas (orchestrate/dispatch.py): closed-form cases."""
+
+from __future__ import annotations
+
+from gapless.orchestrate.admission import Admission, PromptSource
+from gapless.orchestrate.dispatch import Dispatcher
+
+P = 4
+
+
+def _dispatcher(budget: int, replicas: int, oversample: float = 0.0) -> Dispatcher:
+    d = Dispatcher(Admission(P, budget, oversample), PromptSource(0, [f"t{i}" for i in range(50)], P), budget, -budget)
+    for r in range(replicas):
+        d.loaded(r, 0)
+    return d
+
+
+def test_one_replica_gets_what_generator_side_admission_gave():
+    d = _dispatcher(budget=1, replicas=1)
+    out = d.assign()
+    prompts = PromptSource(0, [f"t{i}" for i in range(50)], P)
+    assert out == {0: [(i, prompts.task_for(i), 0) for i in range(2 * P)]}  # (v + s + 1) * P at version 0
+    assert d.assign() == {}  # nothing more until a newer version or a drop
+    d.loaded(0, 1)
+    assert [i for i, _, born in d.assign()[0]] == list(range(2 * P, 3 * P))
+
+
+def test_groups_spread_over_replicas_and_lost_ones_are_returned():
+    d = _dispatcher(budget=0, replicas=2)
+    out = d.assign()
+    assert sorted(len(v) for v in out.values()) == [P // 2, P // 2]  # least loaded first
+    held_by_1 = sorted(i for i, _, _ in out[1])
+    d.scored(held_by_1[0])
+    assert d.lost(1) == held_by_1[1:]  # exactly the unscored ones
+    assert d.assign() == {}  # no place freed yet: the trainer frees them as replica_lost drops
+    d.freed(len(held_by_1) - 1)
+    again = d.assign()
+    assert list(again) == [0] and len(again[0]) == len(held_by_1) - 1  # backfilled on the surviving replica
+
+
+def test_a_lagging_replica_gets_no_group_born_stale():
+    d = _dispatcher(budget=1, replicas=2)
+    d.assign()
+    d.loaded(0, 3)  # replica 1 still holds version 0
+    d.assembling(3)  # the trainer fills step 3: groups born before version 2 would already be due
+    d.freed(5)
+    out = d.assign()
+    assert list(out) == [0] and all(born == 3 for _, _, born in out[0])
