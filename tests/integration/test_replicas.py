@@ -40,10 +40,10 @@ def _check_run(run: Path) -> dict:
     return json.loads((run / "staleness.json").read_text())
 
 
-@pytest.mark.parametrize("action", ["kill", "stop"])
+@pytest.mark.parametrize("action", ["kill", pytest.param("stop", marks=pytest.mark.slow)])
 def test_a_lost_replica_is_evicted_and_the_run_completes(tmp_path, warm_cache, action):
     run = tmp_path / "run"
-    outcome = train(_args(run, warm_cache), tmp_path / "err.txt", f"generator-1:decode:12:{action}")
+    outcome = train(_args(run, warm_cache), tmp_path / "err.txt", f"generator-1:decode:12:{action}", timeout_s=900)
     assert outcome.fault_time is not None, outcome.stderr[-2000:]  # replica 1 was hit
     assert outcome.rc == 0, outcome.stderr[-2000:]
     assert outcome.survivors == [], outcome.survivors
@@ -56,9 +56,10 @@ def test_a_lost_replica_is_evicted_and_the_run_completes(tmp_path, warm_cache, a
     assert held == summary["drops"].get("replica_lost", 0)
 
 
+@pytest.mark.slow
 def test_two_replicas_share_one_budget(tmp_path, warm_cache):
     run = tmp_path / "run"
-    outcome = train(_args(run, warm_cache), tmp_path / "err.txt")
+    outcome = train(_args(run, warm_cache), tmp_path / "err.txt", timeout_s=900)
     assert outcome.rc == 0 and outcome.survivors == [], outcome.stderr[-2000:]
     assert _check_run(run)["evictions"] == []
     generated = {r["actor"] for r in read_records(run) if r["name"] == "generate"}
