@@ -64,3 +64,15 @@ def test_two_replicas_share_one_budget(tmp_path, warm_cache):
     assert _check_run(run)["evictions"] == []
     generated = {r["actor"] for r in read_records(run) if r["name"] == "generate"}
     assert generated == {"generator-0", "generator-1"}  # both replicas decoded
+
+
+@pytest.mark.slow
+def test_two_replicas_and_two_trainer_ranks_survive_a_killed_replica(tmp_path, warm_cache):
+    """The headline scenario on local placement: 2 replicas, the environment, trainer world 2,
+    budget 1; replica 1 is SIGKILLed mid-run."""
+    run = tmp_path / "run"
+    args = _args(run, warm_cache) + ["--cluster.trainer_world_size", "2"]
+    outcome = train(args, tmp_path / "err.txt", "generator-1:decode:12:kill", timeout_s=900)
+    assert outcome.fault_time is not None and outcome.rc == 0, outcome.stderr[-2000:]
+    assert outcome.survivors == [], outcome.survivors
+    assert [e["replica"] for e in _check_run(run)["evictions"]] == ["generator-1"]
