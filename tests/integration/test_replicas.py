@@ -43,7 +43,7 @@ def _check_run(run: Path) -> dict:
 @pytest.mark.parametrize("action", ["kill", pytest.param("stop", marks=pytest.mark.slow)])
 def test_a_lost_replica_is_evicted_and_the_run_completes(tmp_path, warm_cache, action):
     run = tmp_path / "run"
-    outcome = train(_args(run, warm_cache), tmp_path / "err.txt", f"generator-1:decode:12:{action}", timeout_s=900)
+    outcome = train(_args(run, warm_cache), tmp_path / "err.txt", f"generator-1:decode:3:{action}", timeout_s=900)
     assert outcome.fault_time is not None, outcome.stderr[-2000:]  # replica 1 was hit
     assert outcome.rc == 0, outcome.stderr[-2000:]
     assert outcome.survivors == [], outcome.survivors
@@ -72,7 +72,7 @@ def test_two_replicas_and_two_trainer_ranks_survive_a_killed_replica(tmp_path, w
     budget 1; replica 1 is SIGKILLed mid-run."""
     run = tmp_path / "run"
     args = _args(run, warm_cache) + ["--cluster.trainer_world_size", "2"]
-    outcome = train(args, tmp_path / "err.txt", "generator-1:decode:12:kill", timeout_s=900)
+    outcome = train(args, tmp_path / "err.txt", "generator-1:decode:3:kill", timeout_s=900)
     assert outcome.fault_time is not None and outcome.rc == 0, outcome.stderr[-2000:]
     assert outcome.survivors == [], outcome.survivors
     assert [e["replica"] for e in _check_run(run)["evictions"]] == ["generator-1"]
