@@ -11,6 +11,7 @@ import pytest
 from gapless.config import load_config
 from gapless.orchestrate.admission import Admission
 from gapless.orchestrate.buffer import StalenessBuffer
+from gapless.orchestrate.dispatch import Dispatcher
 from gapless.orchestrate.ledger import GroupLedger, check_ledger, read_events
 from gapless.simulate import simulate
 from gapless.simulate.calibrate import calibrate
@@ -97,12 +98,13 @@ def heavy_costs() -> Costs:
     (3, {"pipeline.partial_rollout_s": "0.02", "generator.max_batch": "8", "generator.force_long_every": "3"}),
 ])
 def test_real_buffer_ledger_rules_hold(tmp_path, budget, levers):
-    # the simulator drives the real StalenessBuffer and Admission: the ledger it writes obeys
+    # the simulator drives the real StalenessBuffer and the trainer's Dispatcher: the ledger it writes obeys
     # the same rules as a real run's, and no trained group is staler than the budget
     cfg = config(budget, steps=15, **levers)
     ledger = GroupLedger(tmp_path / "groups.jsonl")
     sim = Simulation(cfg, heavy_costs(), ledger)
-    assert type(sim.buffer) is StalenessBuffer and type(sim.admission) is Admission
+    assert type(sim.buffer) is StalenessBuffer and type(sim.dispatcher) is Dispatcher
+    assert type(sim.dispatcher.admission) is Admission
     result = sim.run()
     events = read_events(tmp_path / "groups.jsonl")
     check_ledger(events, 15, P)
@@ -110,7 +112,7 @@ def test_real_buffer_ledger_rules_hold(tmp_path, budget, levers):
     assert max(e["staleness"] for e in trained) <= budget
     assert all(e["staleness"] == e["step"] - e["oldest_version"] for e in trained)
     admitted = sum(e["event"] == "admitted" for e in events)
-    assert admitted == sim.admission.admitted
+    assert admitted == sim.dispatcher.admission.admitted
     dropped = {}
     for e in events:
         if e["event"] == "dropped":

@@ -1,17 +1,19 @@
 """The simulated pipeline: the real admission, buffer, partial-rollout and curriculum code on a
 simulated clock, with cost models in place of the engine, the sandbox and the optimizer.
 
-    Admission + PromptSource ──groups──> Replica x R ──> environment (W workers) ──> StalenessBuffer
-       (orchestrate/admission.py)        (engine.py)     (cpu on the pool + wait)    (orchestrate/buffer.py)
-              ^         Dropped(count, min_version) on every drop, as the real trainer sends   │
-              └──────── weights (version v+1) after the relay time  <── trainer step (Work) ───┘
+    Dispatcher ──groups──> Replica x R ──> environment (W workers) ──> StalenessBuffer
+    (orchestrate/dispatch.py) (engine.py) (cpu on the pool + wait)   (orchestrate/buffer.py)
+          ^     freed places on every drop, the born-stale guard as the real trainer sets it  │
+          └──────── weights (version v+1) after the relay time  <── trainer step (Work) ───────┘
 
-What is real (imported, not re-implemented): `Admission` (how many groups may be in flight),
+What is real (imported, not re-implemented): the trainer's `Dispatcher` over `Admission` (how
+many groups may be in flight, and the born-stale guard; the simulated replicas share one weight
+version, so the dispatcher sees them as one replica and the simulator spreads its groups),
 `PromptSource` and `PassRateCurriculum` (which task each group gets, fed with the group's
 rewards), `sampling_params` (which groups are synthetic stragglers), `StalenessBuffer` (when a
 batch is ready, what is taken, what is cut or dropped and why), `PartialRollouts` (the time
 deadline, on the simulated clock), the ledger's event records, and the trainer's drop handling
-(each drop frees a place, usable from the version the real pipeline passes in `Dropped`).
+(each drop frees a place; the dispatcher's guard decides when a backfill may be born).
 What is modelled: generation (engine.py), scoring and training durations (costs.py), rewards
 (each task has a pass probability drawn uniformly from [0, 1]; a rollout passes with it), and
 sharing of the cores (pool.py). `reference_loop` simulates the one-process reference loop
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 from gapless.config import Config
 from gapless.orchestrate.admission import Admission, PromptSource, sampling_params
 from gapless.orchestrate.buffer import ScoredGroup, StalenessBuffer
-from gapless.orchestrate.messages import Dropped
+from gapless.orchestrate.dispatch import Dispatcher
 from gapless.orchestrate.partial import PartialRollouts
 from gapless.simulate.clock import EventLoop
 from gapless.simulate.costs import Costs
@@ -154,8 +156,8 @@ class Simulation:
         task_rng = random.Random(f"{cfg.seed}-tasks")
         self.pass_rate = [task_rng.random() for _ in uids]
         self.uids = uids
-        self.admission = Admission(self.P, self.s, pl.oversample)
         self.source = PromptSource(cfg.seed, uids, self.P, pl.curriculum)
+        self.dispatcher = Dispatcher(Admission(self.P, self.s, pl.oversample), self.source, self.s, -self.s)
         self.ledger = ledger if ledger is not None else NullLedger()
         self.buffer = StalenessBuffer(self.P, self.s, pl.oversample > 0, self.ledger, pl.dynamic_sampling, uids)
         self.partial = PartialRollouts(0, pl.partial_rollout_s, clock=self.loop.clock)
@@ -166,7 +168,6 @@ class Simulation:
         self.views = [PartialView(r) for r in self.replicas]
         self.where: dict[int, Replica] = {}  # group index -> its replica
         self.gen_version = 0
-        self.pending_drops: list[Dropped] = []
         self.workers = min(pl.env_workers, cfg.sandbox.concurrency)
         self.score_cap = float(min(self.G, cfg.sandbox.concurrency))
         self.env_queue: deque[SimGroup] = deque()
@@ -192,12 +193,6 @@ class Simulation:
             r.record_spans = self.timeline_steps > 0
 
     # ---- generator side -------------------------------------------------------------------
-    def _release_drops(self) -> None:
-        usable = [d for d in self.pending_drops if d.min_version <= self.gen_version]
-        if usable:
-            self.admission.dropped += sum(d.count for d in usable)
-            self.pending_drops = [d for d in self.pending_drops if d.min_version > self.gen_version]
-
     def _pick_replica(self) -> Replica:
         if len(self.replicas) == 1:
             return self.replicas[0]
@@ -208,17 +203,15 @@ class Simulation:
     def _admit(self) -> None:
         if self.version >= self.steps:
             return
-        self._release_drops()
-        while self.admission.may_admit(self.gen_version):
-            index = self.admission.admit()
-            task = self.source.task_for(index)
+        self.dispatcher.loaded(0, self.gen_version)
+        for index, task, born in self.dispatcher.assign().get(0, ()):
             params = sampling_params(self.cfg, index)
             if params.ignore_eos:
                 lengths = [self.cap_tokens] * self.G
             else:
                 lengths = self.costs.lengths.sample(self.rng, self.cap_tokens, self.G)
-            group = SimGroup(index, task, self.gen_version, lengths)
-            self.buffer.admitted(index, self.gen_version, task)
+            group = SimGroup(index, task, born, lengths)
+            self.buffer.admitted(index, born, task)
             replica = self._pick_replica()
             self.where[index] = replica
             replica.add(group)
@@ -292,11 +285,12 @@ class Simulation:
         rollouts = self.rng.choices((passed, failed), cum_weights=(p, 1.0), k=self.G)  # the group's G rollouts
         scored = SimScoredGroup(group.index, group.task_index, group.born, rollouts, oldest)
         self.lengths_of[group.index] = group.lengths  # for the step's token count and length metrics
+        self.dispatcher.scored(group.index)
         if group.index not in self.buffer.closed:
             self.source.feedback(self.uids[group.task_index], [r.reward for r in rollouts])
         reason = self.buffer.arrived(scored)
-        if reason is not None:  # a drop frees a place; a backfill must not be due before this step
-            self.pending_drops.append(Dropped(1, self.version - self.s))
+        if reason is not None:  # a drop frees a place; the dispatcher's guard keeps a backfill from being due too early
+            self.dispatcher.freed(1)
             self._admit()
         self._score_next()
         self._try_step()
@@ -314,14 +308,14 @@ class Simulation:
         groups, cut = self.buffer.take(step)
         if cut:
             for index in cut:
+                self.dispatcher.scored(index)  # cut: no longer held
                 replica = self.where.pop(index, None)
                 if replica is not None:
                     replica.abort([index])
             cut_set = set(cut)
             self.env_queue = deque(g for g in self.env_queue if g.index not in cut_set)
-        freed = self.buffer.num_dropped - drops_before
-        if freed:
-            self.pending_drops.append(Dropped(freed, step + 1 - self.s))
+        self.dispatcher.freed(self.buffer.num_dropped - drops_before)
+        self.dispatcher.assembling(step + 1)  # a backfill born now must not be due before the next step
         lengths = [self.lengths_of.pop(g.index) for g in groups]
         for index in [i for i in self.lengths_of if i in self.buffer.closed]:
             del self.lengths_of[index]  # dropped after scoring
