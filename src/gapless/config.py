@@ -27,8 +27,9 @@ class ModelConfig(_Section):
     path: str | None = None
     """Local Hugging Face checkpoint directory (config.json, weights, tokenizer). None builds the
     embedded tiny model and a tokenizer trained locally on the task's text. Nothing is downloaded."""
-    architecture: Literal["qwen2", "llama"] = "qwen2"
-    """Architecture of the embedded tiny model (ignored when `path` is set)."""
+    architecture: Literal["qwen2", "llama", "qwen3", "mistral", "phi3", "olmo2", "gemma2", "gemma3"] = "qwen2"
+    """Architecture of the embedded tiny model (ignored when `path` is set): any family the engine
+    serves (docs/engine.md), randomly initialised at the sizes below."""
     hidden_size: int = Field(128, ge=8, le=4096)
     """Width of the embedded tiny model."""
     num_layers: int = Field(4, ge=1, le=64)

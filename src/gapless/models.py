@@ -1,9 +1,10 @@
 """The policy: a Hugging Face causal LM and its tokenizer, built tiny locally or loaded from disk.
 
 `build_tiny` trains a byte-level BPE tokenizer (digits kept as single tokens, so arithmetic stays
-regular) on the task's own text and creates a randomly initialised Qwen2 or Llama model from a
-config; `load_local` opens any local HF checkpoint directory. Nothing is ever downloaded: a
-missing directory is a `FileNotFoundError` that says what to give instead.
+regular) on the task's own text and creates a randomly initialised model of one of the
+`TINY_ARCHITECTURES` from its transformers config; `load_local` opens any local HF checkpoint directory. Nothing is ever downloaded: a
+missing directory is a `FileNotFoundError` that says what to give instead, and a checkpoint that
+is not a causal LM (or lacks a tokenizer) a one-line `ConfigError`, before any warm start.
 Both return a `Policy`: the model (fp32, eval mode) plus the token ids the loop needs.
 """
 
@@ -19,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
-from gapless.config import ModelConfig
+from gapless.config import ConfigError, ModelConfig
 
 PAD, EOS = "<|pad|>", "<|eos|>"
 hf_logging.disable_progress_bar()  # checkpoint writes would otherwise draw bars into the live log
@@ -75,14 +76,43 @@ def build_tiny(cfg: ModelConfig, texts: Iterable[str], seed: int, max_positions:
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.eos_token_id,
     )
-    if cfg.architecture == "qwen2":
-        from transformers import Qwen2Config as ArchConfig
-    else:
-        from transformers import LlamaConfig as ArchConfig
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(ArchConfig(**common), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(cfg.architecture, **common), dtype=torch.float32)
     model.eval()
     return Policy(model, tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id)
+
+
+TINY_ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "phi3", "olmo2", "gemma2", "gemma3")
+
+
+def tiny_config(architecture: str, **common):
+    """The transformers config of `architecture` with the shared sizes `common` and the family's
+    own features switched on at a tiny scale: mistral and the gemmas get a sliding window of 16
+    tokens (so short contexts already cross it), gemma3 alternates local and global layers."""
+    import transformers
+
+    head_dim = common["hidden_size"] // common["num_attention_heads"]
+    extra: dict = {}
+    if architecture == "qwen2":
+        cls = transformers.Qwen2Config
+    elif architecture == "llama":
+        cls = transformers.LlamaConfig
+    elif architecture == "qwen3":
+        cls, extra = transformers.Qwen3Config, dict(head_dim=head_dim)
+    elif architecture == "mistral":
+        cls, extra = transformers.MistralConfig, dict(sliding_window=16, head_dim=head_dim)
+    elif architecture == "phi3":
+        cls = transformers.Phi3Config
+    elif architecture == "olmo2":
+        cls = transformers.Olmo2Config
+    elif architecture == "gemma2":
+        cls, extra = transformers.Gemma2Config, dict(head_dim=head_dim, sliding_window=16, query_pre_attn_scalar=head_dim)
+    elif architecture == "gemma3":
+        cls, extra = transformers.Gemma3TextConfig, dict(head_dim=head_dim, sliding_window=16, query_pre_attn_scalar=head_dim,
+                                                         sliding_window_pattern=2)
+    else:
+        raise ValueError(f"model.architecture: {architecture!r} is not one of {TINY_ARCHITECTURES}")
+    return cls(**common, **extra)
 
 
 def _load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
@@ -105,8 +135,14 @@ def load_local(path: str | Path) -> Policy:
             f"{path} is not a Hugging Face checkpoint directory (no config.json); "
             "point model.path at a local directory saved with save_pretrained, or unset it for the embedded tiny model"
         )
-    tokenizer = _load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    kind = json.loads((path / "config.json").read_text()).get("model_type", "?")
+    try:
+        tokenizer = _load_tokenizer(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except (ValueError, KeyError, OSError, ImportError) as err:  # transformers' ways of saying "not this"
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"model.path {path}: cannot load model type {kind!r} as a causal LM with its tokenizer "
+                          f"({first_line[:200]}); gapless trains decoder-only checkpoints (docs/engine.md lists the families)") from None
     model.eval()
     eos_id = tokenizer.eos_token_id
     if eos_id is None:

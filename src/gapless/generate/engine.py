@@ -34,17 +34,21 @@ After a swap with the KV kept, the next tokens attend to keys/values computed by
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
 import torch
 
+from gapless.generate.families import engine_path
+from gapless.generate.hf_runner import HFRunner
 from gapless.generate.protocol import RunningSample
 from gapless.generate.runner import DecoderRunner, attention_ranges
 from gapless.generate.sampling import RowSettings, sample_rows, sample_seed, uniform_stream
 from gapless.types import Completion, FinishReason, SamplingParams
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class _Sequence:
@@ -68,14 +72,6 @@ class _Sequence:
         if len(self.tokens) >= self.params.max_new_tokens:
             return "length"
         return None
-
-
-@dataclass
-class _Prefix:
-    """Prefilled keys/values kept for sequences with the same prefix that did not fit in this step's free slots."""
-
-    keys: list[torch.Tensor]  # per layer (1, kv_heads, P, head_dim)
-    values: list[torch.Tensor]
 
 
 @dataclass
@@ -137,23 +133,31 @@ class _Slots:
 
 
 class TorchEngine:
-    """Generator over a copy of an HF Llama/Qwen2 model's weights; push new ones with `update_weights`."""
+    """Generator over a copy of an HF causal LM's weights; push new ones with `update_weights`.
+
+    `path` says which runner serves it (`families.engine_path`, logged once at creation): 'lean'
+    (`DecoderRunner`, the families it implements) or 'generic' (`HFRunner`, any other model)."""
 
     def __init__(self, model: torch.nn.Module, eos_id: int, decode: Callable[[list[int]], str] | None = None,
-                 *, max_batch: int = 64, max_seq_len: int | None = None, recompute_kv: bool = False, kernels: str = "auto"):
-        self.runner = DecoderRunner(model, max_seq_len or model.config.max_position_embeddings, kernels)
+                 *, max_batch: int = 64, max_seq_len: int | None = None, recompute_kv: bool = False, kernels: str = "auto",
+                 stop_ids: Iterable[int] = ()):
+        self.path, notice = engine_path(model.config)
+        logger.info(notice)
+        runner_class = DecoderRunner if self.path == "lean" else HFRunner
+        self.runner = runner_class(model, max_seq_len or model.config.max_position_embeddings, kernels)
         self.max_batch = max_batch
         self.max_seq_len = self.runner.max_seq_len
         self.cache = self.runner.new_cache(max_batch)
         self.slots = _Slots(max_batch, self.max_seq_len, self.runner.device)
         self.eos_id = eos_id
+        self.stop_ids = frozenset(stop_ids)  # besides eos: e.g. a chat template's end-of-turn tokens
         self.recompute_kv = recompute_kv
         self.version = 0
         self.stats = EngineStats()
         self.running: list[_Sequence] = []  # running[i] occupies slot i
         self.waiting: deque[_Sequence] = deque()
         self._decode_text = decode
-        self._prefixes: dict[tuple[int, ...], _Prefix] = {}
+        self._prefixes: dict[tuple[int, ...], object] = {}  # prefix -> its stashed prefill (the runner's stash_row)
         self._waiting_prefixes: Counter[tuple[int, ...]] = Counter()
         self._decode_rows: RowSettings | None = None  # settings of the running batch, rebuilt when it changes
         self._attention_ranges: list[tuple[int, int]] = []  # the runner's attention split, rebuilt with _decode_rows
@@ -224,7 +228,7 @@ class TorchEngine:
         return [done[i] for i in range(len(prompts))]
 
     def _stops(self, params: SamplingParams) -> frozenset[int]:
-        return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else {self.eos_id})
+        return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else {self.eos_id} | self.stop_ids)
 
     def _enqueue(self, seq: _Sequence) -> None:
         if not seq.prompt:
@@ -272,7 +276,7 @@ class TorchEngine:
 
     def _decode_step(self) -> list[Completion]:
         batch, slots = len(self.running), self.slots
-        rows = decode_rows(batch, self.max_batch)
+        rows = decode_rows(batch, self.max_batch) if self.runner.pads_rows else batch
         if self._decode_rows is None:  # the batch changed
             self._decode_rows = slots.settings(self.running)
             if self.runner.native is None:  # the native kernels read each slot's own length
@@ -309,22 +313,17 @@ class TorchEngine:
         fresh = list(dict.fromkeys(p for p in prefixes if p and p not in self._prefixes))  # distinct, in order
         if fresh:
             row = {prefix: i for i, prefix in enumerate(fresh)}
-            kv = self.runner.prefill(fresh)  # per layer (R, kv_heads, P, hd)
+            kv = self.runner.prefill(fresh)  # lean: per layer (R, kv_heads, P, hd); generic: one HF cache per row
             self.stats.prefill_tokens += sum(map(len, fresh))
             into = [(row[p], lo + i) for i, p in enumerate(prefixes) if p in row]
-            rows_t, slots_t = torch.tensor([r for r, _ in into]), torch.tensor([s for _, s in into])
-            for layer, (k, v) in enumerate(kv):
-                self.cache.write_prefix(layer, k, v, rows_t, slots_t)
+            self.runner.place(self.cache, kv, [r for r, _ in into], [s for _, s in into])
             admitted = Counter(prefixes)
             for prefix, r in row.items():
                 if self._waiting_prefixes[prefix] > admitted[prefix]:
-                    self._prefixes[prefix] = _Prefix([k[r : r + 1, :, : len(prefix)].clone() for k, _ in kv],
-                                                     [v[r : r + 1, :, : len(prefix)].clone() for _, v in kv])
+                    self._prefixes[prefix] = self.runner.stash_row(kv, r, len(prefix))
         for prefix in dict.fromkeys(p for p in prefixes if p in self._prefixes and p not in fresh):
-            stash = self._prefixes[prefix]
-            slots_t = torch.tensor([lo + i for i, p in enumerate(prefixes) if p == prefix])
-            for layer in range(self.runner.num_layers):
-                self.cache.write_prefix(layer, stash.keys[layer], stash.values[layer], torch.zeros_like(slots_t), slots_t)
+            slots = [lo + i for i, p in enumerate(prefixes) if p == prefix]
+            self.runner.place(self.cache, self._prefixes[prefix], [0] * len(slots), slots)
 
     def _record(self, tokens: list[int], logprobs: list[float]) -> list[Completion]:
         """Append one token to every running sequence; retire those that finished."""

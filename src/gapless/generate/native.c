@@ -64,10 +64,13 @@ static inline void rope(const float *x, const float *cos, const float *sin_signe
  * Returns -1 when scratch memory could not be allocated. */
 static inline __attribute__((always_inline)) int attend_slot(
     const float *row, const float *cos, const float *sin_signed, float *k_cache, float *v_cache, float *out,
-    int64_t p, int64_t heads, int64_t kv_heads, int64_t h, int64_t group, const int64_t hd, float scale) {
-    const int64_t span = p + 1;
+    int64_t p, int64_t heads, int64_t kv_heads, int64_t h, int64_t group, const int64_t hd, float scale, int64_t window) {
+    /* a sliding window of w tokens attends to positions p - w + 1 .. p; 0 = every position */
+    const int64_t first = (window > 0 && p + 1 > window) ? p + 1 - window : 0, span = p + 1 - first;
     rope(row + (heads + h) * hd, cos, sin_signed, k_cache + p * hd, hd);
     memcpy(v_cache + p * hd, row + (heads + kv_heads + h) * hd, sizeof(float) * hd);
+    k_cache += first * hd;
+    v_cache += first * hd;
     float *scratch = malloc(sizeof(float) * group * (2 * hd + span));
     if (scratch == NULL) return -1;
     float *q = scratch, *acc = q + group * hd, *scores = acc + group * hd;
@@ -112,10 +115,11 @@ static inline __attribute__((always_inline)) int attend_slot(
 /* qkv: (B, H + 2 KV, hd), the fused projection (query heads, then key heads, then value heads)
  * cos, sin_signed: (max_len, hd) rotary tables; positions: (B,)
  * keys, values: (slots >= B, KV, max_len, hd), one layer's cache; out: (B, H, hd)
+ * window: sliding-window width in tokens (0: full attention)
  * Returns 0, or -1 when scratch memory could not be allocated. */
 int gl_decode_attend(const float *qkv, const float *cos, const float *sin_signed, const int64_t *positions,
                      float *keys, float *values, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
-                     int64_t hd, int64_t max_len, float scale, int threads) {
+                     int64_t hd, int64_t max_len, float scale, int64_t window, int threads) {
     const int64_t group = heads / kv_heads;
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 2)
@@ -128,11 +132,11 @@ int gl_decode_attend(const float *qkv, const float *cos, const float *sin_signed
         float *o = out + b * heads * hd;
         int status;
         if (hd == 64)
-            status = attend_slot(row, c, s, k_cache, v_cache, o, p, heads, kv_heads, h, group, 64, scale);
+            status = attend_slot(row, c, s, k_cache, v_cache, o, p, heads, kv_heads, h, group, 64, scale, window);
         else if (hd == 128)
-            status = attend_slot(row, c, s, k_cache, v_cache, o, p, heads, kv_heads, h, group, 128, scale);
+            status = attend_slot(row, c, s, k_cache, v_cache, o, p, heads, kv_heads, h, group, 128, scale, window);
         else
-            status = attend_slot(row, c, s, k_cache, v_cache, o, p, heads, kv_heads, h, group, hd, scale);
+            status = attend_slot(row, c, s, k_cache, v_cache, o, p, heads, kv_heads, h, group, hd, scale, window);
         if (status) {
 #pragma omp atomic write
             failed = 1;

@@ -2,7 +2,7 @@
 
 Kernels (`native.c`): one decode step's attention for every running slot (RoPE on the new query
 and key, the key and value written into the slot's cache, attention over exactly that slot's
-positions); RMSNorm rows; the gated MLP's silu(gate) * up; inverse-CDF sampling of untruncated
+positions, or the last `window` of them for sliding-window layers); RMSNorm rows; the gated MLP's silu(gate) * up; inverse-CDF sampling of untruncated
 rows. In the torch path the same work is about 15 dispatched ops per
 layer (norm, RoPE, an advanced-index cache write, a mask, batched matmuls, softmax), each a few
 microseconds on tiny tensors and single-threaded below torch's parallel grain; here it is one
@@ -58,7 +58,7 @@ class NativeKernels:
         self._rms_norm.argtypes = [ptr, ptr, i64, i64, f32, cint]
         self._rms_norm.restype = None
         self._attend = library.gl_decode_attend
-        self._attend.argtypes = [ptr] * 7 + [i64] * 5 + [f32, cint]
+        self._attend.argtypes = [ptr] * 7 + [i64] * 5 + [f32, i64, cint]
         self._attend.restype = cint
         self._silu_mul = library.gl_silu_mul
         self._silu_mul.argtypes = [ptr, ptr, i64, i64, cint]
@@ -92,9 +92,11 @@ class NativeKernels:
         return tokens, logprobs
 
     def decode_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor,
-                      keys: torch.Tensor, values: torch.Tensor, heads: int, kv_heads: int, scale: float) -> torch.Tensor:
+                      keys: torch.Tensor, values: torch.Tensor, heads: int, kv_heads: int, scale: float,
+                      window: int = 0) -> torch.Tensor:
         """qkv (B, (heads + 2 kv_heads) * hd); positions (B,) int64; keys/values one layer's cache
-        (slots >= B, kv_heads, max_len, hd), written at each slot's position. Returns (B, heads * hd)."""
+        (slots >= B, kv_heads, max_len, hd), written at each slot's position; `window` > 0 attends
+        only to the last `window` positions (sliding window). Returns (B, heads * hd)."""
         batch, hd = qkv.shape[0], keys.shape[-1]
         if qkv.shape != (batch, (heads + 2 * kv_heads) * hd) or not (qkv.is_contiguous() and keys.is_contiguous() and values.is_contiguous()):
             raise ValueError(f"decode_attend: qkv {tuple(qkv.shape)} and cache {tuple(keys.shape)} do not match {heads} heads, "
@@ -102,7 +104,7 @@ class NativeKernels:
         out = torch.empty(batch, heads * hd, dtype=qkv.dtype)
         status = self._attend(qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), positions.data_ptr(),
                               keys.data_ptr(), values.data_ptr(), out.data_ptr(),
-                              batch, heads, kv_heads, hd, keys.shape[2], scale, torch.get_num_threads())
+                              batch, heads, kv_heads, hd, keys.shape[2], scale, window, torch.get_num_threads())
         if status:
             raise MemoryError("native decode attention: out of memory for its per-slot scratch")
         return out

@@ -1,11 +1,14 @@
-"""A lean forward pass over a Hugging Face Llama/Qwen2 model's weights, with a slot KV cache.
+"""A lean forward pass over a Hugging Face decoder's weights, with a slot KV cache.
 
 `DecoderRunner` copies the model's weights into its own tensors once (q/k/v fused into one
 matrix, gate/up into another, so a layer is three matmuls plus attention) and runs the same
 arithmetic as the HF modules: RMSNorm in fp32, rotary embeddings from the model's own
 `rotary_emb` (so every static RoPE variant matches), grouped-query attention with scale
 head_dim**-0.5, SiLU-gated MLP, final norm and LM head. It never calls the HF module at run
-time, which is where `generate`'s per-step overhead lives.
+time, which is where `generate`'s per-step overhead lives. The families it implements and their
+variants (q/k norms, norms after the blocks, sliding windows, fused HF weights) are read from
+the config by `families.layout_of`; any other model is refused here and served by the generic
+path (`hf_runner.py`).
 
 Two entry points: `prefill` runs right-padded contexts at positions 0..P-1 with a causal mask
 and returns their keys/values for the engine to place; `decode` feeds one token for each of
@@ -29,11 +32,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gapless.generate.families import LEAN_FAMILIES, Layout, layout_of
 from gapless.generate.kv_cache import KVCache
 from gapless.generate.native import NativeKernels, kernels_for
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-_POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")  # their tables change with sequence length
+SUPPORTED_MODEL_TYPES = LEAN_FAMILIES
 
 
 @functools.cache
@@ -125,32 +128,39 @@ class _GatedLinear(_Linear):
 
 
 class _Layer:
-    """One decoder block's weights, laid out for the fused matmuls."""
+    """One decoder block's weights, laid out for the fused matmuls. Pre-norm families fold the
+    norm before attention into `qkv` and the one before the MLP into `gate_up`; olmo2 instead
+    normalises each block's output (`attn_out_norm`, `mlp_out_norm`) before the residual add."""
 
-    def __init__(self, dim: int, q_dim: int, kv_dim: int, mlp_dim: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
-                 native: NativeKernels | None, **like):
-        self.input_norm = torch.empty(dim, **like)
-        self.qkv = _Linear(q_dim + 2 * kv_dim, dim, qkv_bias, self.input_norm, **like)  # rows: q | k | v
-        self.o = _Linear(dim, q_dim, o_bias, **like)
-        self.post_norm = torch.empty(dim, **like)
-        self.gate_up = _GatedLinear(2 * mlp_dim, dim, mlp_bias, self.post_norm, native, **like)  # rows: gate | up
-        self.down = _Linear(dim, mlp_dim, mlp_bias, **like)
+    def __init__(self, dim: int, q_dim: int, kv_dim: int, mlp_dim: int, head_dim: int, biases: dict[str, bool],
+                 layout: Layout, window: int | None, native: NativeKernels | None, **like):
+        pre = not layout.post_norms
+        self.input_norm = torch.empty(dim, **like) if pre else None
+        self.qkv = _Linear(q_dim + 2 * kv_dim, dim, biases["qkv"], self.input_norm, **like)  # rows: q | k | v
+        norm_dims = {"none": None, "head": (head_dim, head_dim), "full": (q_dim, kv_dim)}[layout.qk_norm]
+        self.q_norm, self.k_norm = (None, None) if norm_dims is None else (torch.empty(norm_dims[0], **like), torch.empty(norm_dims[1], **like))
+        self.o = _Linear(dim, q_dim, biases["o"], **like)
+        self.mlp_norm = torch.empty(dim, **like) if pre else None
+        self.gate_up = _GatedLinear(2 * mlp_dim, dim, biases["mlp"], self.mlp_norm, native, **like)  # rows: gate | up
+        self.down = _Linear(dim, mlp_dim, biases["mlp"], **like)
+        self.attn_out_norm = None if pre else torch.empty(dim, **like)
+        self.mlp_out_norm = None if pre else torch.empty(dim, **like)
+        self.window = window  # sliding-window width in tokens, None = full attention
 
     def linears(self) -> list[_Linear]:
         return [self.qkv, self.o, self.gate_up, self.down]
 
 
 class DecoderRunner:
+    pads_rows = True  # decode may run extra slots at position 0 (see engine.decode_rows)
+
     def __init__(self, model: torch.nn.Module, max_seq_len: int, kernels: str = "auto"):
         cfg = model.config
         keep_freed_memory()
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise NotImplementedError(f"torch engine supports {SUPPORTED_MODEL_TYPES}, not {cfg.model_type!r}; use generator.engine = 'reference'")
-        if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "hidden_act", "silu") != "silu":
-            raise NotImplementedError("torch engine: sliding-window attention and non-SiLU MLPs are not implemented")
-        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-        if rope.get("rope_type", rope.get("type")) in _POSITION_DEPENDENT_ROPE:
-            raise NotImplementedError(f"torch engine: RoPE type {rope.get('rope_type')!r} depends on sequence length")
+        layout, why = layout_of(cfg)
+        if layout is None:
+            raise NotImplementedError(f"lean runner: {why}; the engine serves this model on its generic path")
+        self.layout = layout
         weight = model.get_input_embeddings().weight
         self.dtype, self.device = weight.dtype, weight.device
         self.num_heads = cfg.num_attention_heads
@@ -162,13 +172,17 @@ class DecoderRunner:
         self.num_layers = cfg.num_hidden_layers
         self.vocab_size = cfg.vocab_size
         dim, q_dim, kv_dim, mlp_dim = cfg.hidden_size, self.num_heads * self.head_dim, self.kv_heads * self.head_dim, cfg.intermediate_size
-        qkv_bias = model.model.layers[0].self_attn.q_proj.bias is not None
-        o_bias = model.model.layers[0].self_attn.o_proj.bias is not None
-        mlp_bias = model.model.layers[0].mlp.gate_proj.bias is not None
+        names = set(model.state_dict())
+        first = "model.layers.0."
+        biases = {"qkv": any(first + f"self_attn.{m}.bias" in names for m in ("q_proj", "qkv_proj")),
+                  "o": first + "self_attn.o_proj.bias" in names,
+                  "mlp": first + "mlp.down_proj.bias" in names}
         like = dict(dtype=self.dtype, device=self.device)
         self.native = kernels_for(kernels, self.dtype, self.device)  # None: the torch path
-        self.layers = [_Layer(dim, q_dim, kv_dim, mlp_dim, qkv_bias, o_bias, mlp_bias, self.native, **like)
-                       for _ in range(self.num_layers)]
+        # a window at least as long as every context is full attention
+        windows = [w if w is not None and w < max_seq_len else None for w in layout.windows]
+        self.layers = [_Layer(dim, q_dim, kv_dim, mlp_dim, self.head_dim, biases, layout, windows[i], self.native, **like)
+                       for i in range(self.num_layers)]
         self.embed = torch.empty(cfg.vocab_size, dim, **like)
         self.final_norm = torch.empty(dim, **like)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -183,25 +197,30 @@ class DecoderRunner:
     def _name_map(self, q_dim: int, kv_dim: int, mlp_dim: int) -> dict[str, torch.Tensor]:
         """HF state-dict name -> the view of our tensors it fills."""
         targets = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.final_norm, "lm_head.weight": self.lm_head.weight}
+        q, k, v = slice(0, q_dim), slice(q_dim, q_dim + kv_dim), slice(q_dim + kv_dim, q_dim + 2 * kv_dim)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            q, k, v = slice(0, q_dim), slice(q_dim, q_dim + kv_dim), slice(q_dim + kv_dim, q_dim + 2 * kv_dim)
-            targets |= {
-                p + "input_layernorm.weight": layer.input_norm,
-                p + "post_attention_layernorm.weight": layer.post_norm,
-                p + "self_attn.q_proj.weight": layer.qkv.weight[q], p + "self_attn.k_proj.weight": layer.qkv.weight[k],
-                p + "self_attn.v_proj.weight": layer.qkv.weight[v], p + "self_attn.o_proj.weight": layer.o.weight,
-                p + "mlp.gate_proj.weight": layer.gate_up.weight[:mlp_dim], p + "mlp.up_proj.weight": layer.gate_up.weight[mlp_dim:],
-                p + "mlp.down_proj.weight": layer.down.weight,
+            parts: dict[str, torch.Tensor | None] = {
+                "self_attn.o_proj.weight": layer.o.weight, "self_attn.o_proj.bias": layer.o.bias,
+                "mlp.down_proj.weight": layer.down.weight, "mlp.down_proj.bias": layer.down.bias,
+                "self_attn.q_norm.weight": layer.q_norm, "self_attn.k_norm.weight": layer.k_norm,
             }
-            if layer.qkv.bias is not None:
-                targets |= {p + "self_attn.q_proj.bias": layer.qkv.bias[q], p + "self_attn.k_proj.bias": layer.qkv.bias[k],
-                            p + "self_attn.v_proj.bias": layer.qkv.bias[v]}
-            if layer.o.bias is not None:
-                targets[p + "self_attn.o_proj.bias"] = layer.o.bias
-            if layer.gate_up.bias is not None:
-                targets |= {p + "mlp.gate_proj.bias": layer.gate_up.bias[:mlp_dim], p + "mlp.up_proj.bias": layer.gate_up.bias[mlp_dim:],
-                            p + "mlp.down_proj.bias": layer.down.bias}
+            if self.layout.fused_names:  # phi3: the HF weights are already stacked as ours
+                parts |= {"self_attn.qkv_proj.weight": layer.qkv.weight, "self_attn.qkv_proj.bias": layer.qkv.bias,
+                          "mlp.gate_up_proj.weight": layer.gate_up.weight, "mlp.gate_up_proj.bias": layer.gate_up.bias}
+            else:
+                for name, rows in (("q", q), ("k", k), ("v", v)):
+                    parts[f"self_attn.{name}_proj.weight"] = layer.qkv.weight[rows]
+                    parts[f"self_attn.{name}_proj.bias"] = None if layer.qkv.bias is None else layer.qkv.bias[rows]
+                gate_up_bias = layer.gate_up.bias
+                parts |= {"mlp.gate_proj.weight": layer.gate_up.weight[:mlp_dim], "mlp.up_proj.weight": layer.gate_up.weight[mlp_dim:],
+                          "mlp.gate_proj.bias": None if gate_up_bias is None else gate_up_bias[:mlp_dim],
+                          "mlp.up_proj.bias": None if gate_up_bias is None else gate_up_bias[mlp_dim:]}
+            if self.layout.post_norms:  # olmo2's names: post_attention_layernorm normalises the attention output
+                parts |= {"post_attention_layernorm.weight": layer.attn_out_norm, "post_feedforward_layernorm.weight": layer.mlp_out_norm}
+            else:
+                parts |= {"input_layernorm.weight": layer.input_norm, "post_attention_layernorm.weight": layer.mlp_norm}
+            targets |= {p + name: t for name, t in parts.items() if t is not None}
         return targets
 
     @torch.no_grad()
@@ -233,16 +252,53 @@ class DecoderRunner:
     def new_cache(self, slots: int) -> KVCache:
         return KVCache(self.num_layers, slots, self.kv_heads, self.max_seq_len, self.head_dim, self.dtype, self.device)
 
+    def place(self, cache: KVCache, kv: list[tuple[torch.Tensor, torch.Tensor]], rows: list[int], slots: list[int]) -> None:
+        """Write prefill row `rows[i]` into slot `slots[i]` of every layer's cache."""
+        rows_t, slots_t = torch.tensor(rows), torch.tensor(slots)
+        for layer, (k, v) in enumerate(kv):
+            cache.write_prefix(layer, k, v, rows_t, slots_t)
+
+    def stash_row(self, kv: list[tuple[torch.Tensor, torch.Tensor]], row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of one prefill row's first `length` positions, placeable later as row 0."""
+        return [(k[row : row + 1, :, :length].clone(), v[row : row + 1, :, :length].clone()) for k, v in kv]
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm without its weight (the next `_Linear` applies it), in fp32 like HF."""
         if self.native is not None and x.is_contiguous():
             return self.native.rms_norm(x, self.eps)
         return F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(x.dtype)  # no copies when x is fp32
 
+    def _weighted_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), x.shape[-1:], weight.float(), self.eps).to(x.dtype)
+
+    def _qk_norm(self, qkv: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        """(T, (H + 2 KV) * hd) -> the same with queries and keys RMS-normalised (qwen3: each
+        head over head_dim; olmo2: all heads together), as a new contiguous tensor."""
+        if layer.q_norm is None:
+            return qkv
+        rows, q_dim, kv_dim = qkv.shape[0], self.num_heads * self.head_dim, self.kv_heads * self.head_dim
+        q, k, v = qkv[:, :q_dim], qkv[:, q_dim : q_dim + kv_dim], qkv[:, q_dim + kv_dim :]
+        if self.layout.qk_norm == "head":
+            q = self._weighted_norm(q.reshape(rows, self.num_heads, self.head_dim), layer.q_norm).view(rows, q_dim)
+            k = self._weighted_norm(k.reshape(rows, self.kv_heads, self.head_dim), layer.k_norm).view(rows, kv_dim)
+        else:
+            q, k = self._weighted_norm(q, layer.q_norm), self._weighted_norm(k, layer.k_norm)
+        return torch.cat([q, k, v], dim=-1)
+
+    def _project_qkv(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        return self._qk_norm(layer.qkv(x if layer.input_norm is None else self._norm(x)), layer)
+
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         return torch.addcmul(x * cos, torch.roll(x, self.head_dim // 2, dims=-1), sin_signed)
 
+    def _attention_residual(self, x: torch.Tensor, att: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        if layer.attn_out_norm is not None:
+            return x + self._weighted_norm(layer.o(att), layer.attn_out_norm)
+        return layer.o.residual(x, att)
+
     def _mlp_residual(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        if layer.mlp_out_norm is not None:
+            return x + self._weighted_norm(layer.down(layer.gate_up(x)), layer.mlp_out_norm)
         h = self._norm(x)
         return layer.down.residual(x, layer.gate_up(h))
 
@@ -262,6 +318,9 @@ class DecoderRunner:
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])  # (T,)
         padded = torch.cat([torch.arange(n, device=self.device) + i * width for i, n in enumerate(lengths)])  # (T,) into R * P
         cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # (T, 1, hd)
+        at = torch.arange(width, device=self.device)
+        window_masks = {w: (at[None] <= at[:, None]) & (at[None] > at[:, None] - w)  # (P, P): causal and within the window
+                        for w in {layer.window for layer in self.layers} if w is not None and w < width}
 
         def pad(t: torch.Tensor) -> torch.Tensor:  # (T, heads, hd) -> (R, heads, P, hd)
             out = t.new_zeros(count * width, t.shape[1], self.head_dim).index_copy_(0, padded, t)
@@ -270,15 +329,17 @@ class DecoderRunner:
         x = F.embedding(tokens, self.embed)  # (T, D)
         kv = []
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(self._norm(x)).view(len(tokens), self.num_heads + 2 * self.kv_heads, self.head_dim)
+            qkv = self._project_qkv(x, layer).view(len(tokens), self.num_heads + 2 * self.kv_heads, self.head_dim)
             k = self._rope(qkv[:, self.num_heads : self.num_heads + self.kv_heads], cos, sin)
             kv.append((pad(k), pad(qkv[:, self.num_heads + self.kv_heads :])))
             if i == self.num_layers - 1:
                 break  # the last layer's output feeds only logits, which prefill does not produce
             q = pad(self._rope(qkv[:, : self.num_heads], cos, sin))
-            att = F.scaled_dot_product_attention(q, *kv[-1], is_causal=True, enable_gqa=self.group > 1)  # (R, H, P, hd)
+            mask = window_masks.get(layer.window)
+            att = F.scaled_dot_product_attention(q, *kv[-1], attn_mask=mask, is_causal=mask is None,
+                                                 enable_gqa=self.group > 1)  # (R, H, P, hd)
             att = att.transpose(1, 2).reshape(count * width, -1).index_select(0, padded)  # (T, H * hd)
-            x = self._mlp_residual(layer.o.residual(x, att), layer)
+            x = self._mlp_residual(self._attention_residual(x, att, layer), layer)
         return kv
 
     @torch.no_grad()
@@ -294,13 +355,14 @@ class DecoderRunner:
         lengths = positions.tolist()
         ranges = ranges if ranges is not None else attention_ranges(lengths)
         spans = [max(lengths[lo:hi]) + 1 for lo, hi in ranges]
-        masks = [self._mask(positions[lo:hi], span) for (lo, hi), span in zip(ranges, spans)]  # (rows * KV, group, span)
+        masks = {w: [self._mask(positions[lo:hi], span, w) for (lo, hi), span in zip(ranges, spans)]  # (rows * KV, group, span)
+                 for w in {layer.window for layer in self.layers}}
         x = F.embedding(tokens, self.embed)  # (B, D)
         cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # (B, 1, hd)
         # cache index of (slot b, kv head h, position of b), broadcast to (B, KV)
         at = (torch.arange(batch, device=self.device)[:, None], torch.arange(kv_heads, device=self.device)[None], positions[:, None])
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(self._norm(x)).view(batch, heads + 2 * kv_heads, hd)
+            qkv = self._project_qkv(x, layer).view(batch, heads + 2 * kv_heads, hd)
             qk = self._rope(qkv[:, : heads + kv_heads], cos, sin)  # (B, H + KV, hd)
             keys, values = cache.keys[i], cache.values[i]
             keys[at] = qk[:, heads:]  # (B, KV, hd)
@@ -308,9 +370,9 @@ class DecoderRunner:
             # the `group` query heads sharing a KV head are the query rows of one small attention
             q = qk[:, :heads].reshape(batch, kv_heads, self.group, hd)
             parts = [self._attend(q[lo:hi], keys[lo:hi, :, :span], values[lo:hi, :, :span], mask)  # views, no copy
-                     for (lo, hi), span, mask in zip(ranges, spans, masks)]
+                     for (lo, hi), span, mask in zip(ranges, spans, masks[layer.window])]
             att = parts[0] if len(parts) == 1 else torch.cat(parts)  # (B, KV, group, hd)
-            x = layer.o.residual(x, att.view(batch, heads * hd))
+            x = self._attention_residual(x, att.view(batch, heads * hd), layer)
             x = self._mlp_residual(x, layer)
         return self._logits(x)
 
@@ -324,15 +386,19 @@ class DecoderRunner:
                              f"do not fit a cache of {cache.slots} slots x {limit} positions")
         x = F.embedding(tokens, self.embed)  # (B, D)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(self._norm(x))  # (B, (H + 2 KV) * hd), contiguous
+            qkv = self._project_qkv(x, layer)  # (B, (H + 2 KV) * hd), contiguous
             att = self.native.decode_attend(qkv, self.cos, self.sin_signed, positions, cache.keys[i], cache.values[i],
-                                            self.num_heads, self.kv_heads, self.head_dim**-0.5)
-            x = self._mlp_residual(layer.o.residual(x, att), layer)
+                                            self.num_heads, self.kv_heads, self.head_dim**-0.5, layer.window or 0)
+            x = self._mlp_residual(self._attention_residual(x, att, layer), layer)
         return self._logits(x)
 
-    def _mask(self, positions: torch.Tensor, span: int) -> torch.Tensor:
-        """Additive mask (rows * KV, group, span): -inf on the positions a row has not written yet."""
-        hidden = torch.arange(span, device=self.device)[None] > positions[:, None]  # (rows, span)
+    def _mask(self, positions: torch.Tensor, span: int, window: int | None = None) -> torch.Tensor:
+        """Additive mask (rows * KV, group, span): -inf on the positions a row has not written
+        yet, and with a sliding window on those `window` or more tokens behind it."""
+        at = torch.arange(span, device=self.device)[None]
+        hidden = at > positions[:, None]  # (rows, span)
+        if window is not None:
+            hidden |= at <= positions[:, None] - window
         mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(hidden, float("-inf"))
         return mask[:, None, None].expand(-1, self.kv_heads, self.group, span).reshape(-1, self.group, span)
 
