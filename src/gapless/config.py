@@ -27,6 +27,13 @@ class ModelConfig(_Section):
     path: str | None = None
     """Local Hugging Face checkpoint directory (config.json, weights, tokenizer). None builds the
     embedded tiny model and a tokenizer trained locally on the task's text. Nothing is downloaded."""
+    prompt_format: Literal["auto", "raw", "chat"] = "auto"
+    """How prompts become tokens (docs/engine.md): 'raw' encodes the prompt text as is; 'chat'
+    applies the checkpoint's chat template (system prompt, the prompt as the user's message, the
+    generation prompt) and stops on the template's end-of-turn token; 'auto' is 'chat' when the
+    tokenizer has a template. The embedded tiny model has none, so 'auto' is 'raw' there."""
+    system_prompt: str | None = None
+    """System message put before the prompt when the format is 'chat' (ignored for 'raw')."""
     architecture: Literal["qwen2", "llama", "qwen3", "mistral", "phi3", "olmo2", "gemma2", "gemma3"] = "qwen2"
     """Architecture of the embedded tiny model (ignored when `path` is set): any family the engine
     serves (docs/engine.md), randomly initialised at the sizes below."""

@@ -11,7 +11,7 @@ Both return a `Policy`: the model (fp32, eval mode) plus the token ids the loop 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
@@ -21,27 +21,42 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from transformers.utils import logging as hf_logging
 
 from gapless.config import ConfigError, ModelConfig
+from gapless.prompts import PromptEncoder
 
 PAD, EOS = "<|pad|>", "<|eos|>"
+PROMPT_FORMAT_FILE = "gapless_prompt_format.json"  # written by Policy.save beside the HF files
 hf_logging.disable_progress_bar()  # checkpoint writes would otherwise draw bars into the live log
 
 
 @dataclass
 class Policy:
+    """`encode(prompt)` applies the prompt format (prompts.py); `encode.text` / `encode.turn`
+    encode other text and an episode's environment replies; `stop_ids` are the format's
+    end-of-turn tokens (empty for 'raw'), which the generator stops on besides eos."""
+
     model: torch.nn.Module
     tokenizer: PreTrainedTokenizerFast
     eos_id: int
     pad_id: int
+    encode: PromptEncoder = field(default=None)  # type: ignore[assignment]  # None: raw
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def __post_init__(self):
+        if self.encode is None:
+            self.encode = PromptEncoder(self.tokenizer, "raw")
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self.encode.stop_ids
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def save(self, path: Path) -> None:
+        """The HF checkpoint plus the resolved prompt format, which `load_local` restores."""
         self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+        format_record = {"prompt_format": self.encode.format, "system_prompt": self.encode.system_prompt}
+        (Path(path) / PROMPT_FORMAT_FILE).write_text(json.dumps(format_record) + "\n")
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -79,7 +94,11 @@ def build_tiny(cfg: ModelConfig, texts: Iterable[str], seed: int, max_positions:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(cfg.architecture, **common), dtype=torch.float32)
     model.eval()
-    return Policy(model, tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    try:
+        encoder = PromptEncoder(tokenizer, cfg.prompt_format, cfg.system_prompt, source="the embedded tiny model's tokenizer")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return Policy(model, tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, encoder)
 
 
 TINY_ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "phi3", "olmo2", "gemma2", "gemma3")
@@ -128,7 +147,9 @@ def _load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
 _PLAIN_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
-def load_local(path: str | Path) -> Policy:
+def load_local(path: str | Path, prompt_format: str | None = None, system_prompt: str | None = None) -> Policy:
+    """`prompt_format` None or 'auto': the format a gapless checkpoint was saved with, else chat
+    when the tokenizer has a template; 'raw' / 'chat' force one."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
@@ -148,4 +169,12 @@ def load_local(path: str | Path) -> Policy:
     if eos_id is None:
         raise ValueError(f"tokenizer in {path} has no eos token; set eos_token in its tokenizer_config.json")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-    return Policy(model, tokenizer, eos_id, pad_id)
+    saved = path / PROMPT_FORMAT_FILE
+    if prompt_format in (None, "auto") and saved.is_file():
+        record = json.loads(saved.read_text())
+        prompt_format, system_prompt = record["prompt_format"], system_prompt or record["system_prompt"]
+    try:
+        encoder = PromptEncoder(tokenizer, prompt_format or "auto", system_prompt, source=f"the tokenizer in {path}")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return Policy(model, tokenizer, eos_id, pad_id, encoder)

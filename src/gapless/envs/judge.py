@@ -154,7 +154,7 @@ def _in_process_judge(j, seed: int) -> SchedulerJudgeClient:
     from gapless.serve.openai_params import Message
     from gapless.serve.scheduler import Scheduler
 
-    judge = load_local(j.model_path)
+    judge = load_local(j.model_path, "raw")  # the chat api applies the template itself (serve.chat)
     scheduler = Scheduler(TorchEngine(judge.model, judge.eos_id, judge.decode), judge.decode)
     if j.api == "chat":
         encode = lambda text: chat_prompt_ids(judge.tokenizer, [Message(role="user", content=text)])  # noqa: E731

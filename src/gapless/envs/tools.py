@@ -151,7 +151,8 @@ class ToolUseEnvironment:
             outputs = list(self.pool.map(lambda ec: self._run_tool(ec[0], ec[1], generator.version), calls))
             for (episode, _), output in zip(calls, outputs):
                 if output is not None:
-                    episode.add_environment_text(output, encode(output))
+                    # a prompt encoder (Policy.encode) writes the reply as the chat template's next turn
+                    episode.add_environment_text(output, getattr(encode, "turn", encode)(output))
         for e in episodes:
             if e.is_done:
                 self._close_session(e)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 from gapless.config import GeneratorConfig
 from gapless.generate.engine import TorchEngine
+from gapless.generate.families import engine_path
 from gapless.generate.protocol import Generator, SteppedGenerator
 from gapless.generate.sampler import TorchSampler
 from gapless.models import Policy
@@ -14,13 +16,20 @@ from gapless.models import Policy
 __all__ = ["Generator", "SteppedGenerator", "TorchEngine", "TorchSampler", "make_generator"]
 
 
-def make_generator(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_dir: Path) -> Generator:
-    """A generator holding its own copy of `policy`'s weights, for contexts up to `max_seq_len` tokens."""
+def make_generator(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_dir: Path, log=print) -> Generator:
+    """A generator holding its own copy of `policy`'s weights, for contexts up to `max_seq_len` tokens.
+    The torch engine's path (lean runner or generic) is logged in one line and recorded in
+    `work_dir/generator.json`."""
     if cfg.engine == "torch":
+        path, notice = engine_path(policy.model.config)
+        log(notice)
+        Path(work_dir).mkdir(parents=True, exist_ok=True)
+        record = {"engine": "torch", "path": path, "model_type": policy.model.config.model_type, "notice": notice}
+        (Path(work_dir) / "generator.json").write_text(json.dumps(record) + "\n")
         return TorchEngine(policy.model, policy.eos_id, policy.decode, max_batch=cfg.max_batch, max_seq_len=max_seq_len,
-                           kernels=cfg.kernels)
+                           kernels=cfg.kernels, stop_ids=policy.stop_ids)
     if cfg.engine == "reference":
-        return TorchSampler(copy.deepcopy(policy.model), policy.eos_id, policy.pad_id, policy.decode)
+        return TorchSampler(copy.deepcopy(policy.model), policy.eos_id, policy.pad_id, policy.decode, policy.stop_ids)
     from gapless.generate.vllm_engine import VLLMEngine
 
     path = Path(work_dir) / "vllm_policy"

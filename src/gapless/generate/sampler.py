@@ -54,9 +54,10 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
 class TorchSampler:
     """Holds its own copy of the policy; the trainer pushes weights with `update_weights`."""
 
-    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, decode=None):
+    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, decode=None, stop_ids=()):
         self.model = model
         self.eos_id = eos_id
+        self.stop_ids = frozenset(stop_ids)  # besides eos: e.g. a chat template's end-of-turn token
         self.pad_id = pad_id
         self.version = 0
         self._decode = decode
@@ -84,7 +85,7 @@ class TorchSampler:
         cache = DynamicCache()
         logits = self._forward(ids, mask, positions, cache)  # (B, V)
         batch = len(prompts)
-        stops = torch.tensor(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else {self.eos_id})), dtype=torch.long)
+        stops = torch.tensor(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else {self.eos_id} | self.stop_ids)), dtype=torch.long)
         tokens, logps = [], []
         done = torch.zeros(batch, dtype=torch.bool)
         for _ in range(params.max_new_tokens):

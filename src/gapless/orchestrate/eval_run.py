@@ -34,7 +34,7 @@ def run_eval(cfg: Config, log=print) -> dict:
         if cfg.eval.max_tasks:
             tasks = tasks[: cfg.eval.max_tasks]
         # a checkpoint is evaluated as it is; without one, the embedded model as `gapless train` starts it
-        policy = load_local(cfg.model.path) if cfg.model.path else prepare_policy(cfg, env, log)[0]
+        policy = load_local(cfg.model.path, cfg.model.prompt_format, cfg.model.system_prompt) if cfg.model.path else prepare_policy(cfg, env, log)[0]
         sampler = TorchSampler(policy.model, policy.eos_id, policy.pad_id, policy.decode)
         k = cfg.eval.samples
         params = SamplingParams(cfg.generator.temperature, cfg.generator.top_p, cfg.generator.max_new_tokens,

@@ -85,6 +85,6 @@ def _warm_start(cfg: Config, policy: Policy, env: Environment, train: list[Task]
 
 def _initial_policy(cfg: Config, train: list[Task], teacher: Teacher | None) -> Policy:
     if cfg.model.path is not None:
-        return load_local(cfg.model.path)
+        return load_local(cfg.model.path, cfg.model.prompt_format, cfg.model.system_prompt)
     texts = [t.prompt + (teacher.reference(t) if teacher is not None else "") for t in train]
     return build_tiny(cfg.model, texts, cfg.seed)

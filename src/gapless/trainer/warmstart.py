@@ -29,7 +29,7 @@ def supervised_batch(policy: Policy, pairs: list[tuple[str, str]]) -> Batch3:
     seqs, starts = [], []
     for prompt, target in pairs:
         p = policy.encode(prompt)
-        seqs.append(p + policy.encode(target) + [policy.eos_id])
+        seqs.append(p + policy.encode.text(target) + [policy.stop_ids[0] if policy.stop_ids else policy.eos_id])
         starts.append(len(p))
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), policy.pad_id, dtype=torch.long)  # (B, L)

@@ -27,7 +27,8 @@ def transcript_batch(policy: Policy, transcripts: list[Transcript]) -> tuple[tor
         ids, mask = policy.encode(prompt), []
         mask += [0] * len(ids)
         for text, is_model in segments:
-            piece = policy.encode(text) + ([policy.eos_id] if is_model else [])
+            end_of_turn = policy.stop_ids[0] if policy.stop_ids else policy.eos_id
+            piece = policy.encode.text(text) + [end_of_turn] if is_model else policy.encode.turn(text)
             ids += piece
             mask += [int(is_model)] * len(piece)
         seqs.append(ids)
