@@ -27,7 +27,7 @@ from gapless.trainer.warmstart_turns import warm_start_transcripts
 
 def warmstart_key(cfg: Config, env_name: str | None = None) -> str:
     material = {
-        "model": cfg.model.model_dump(mode="json"),
+        "model": cfg.model.model_dump(mode="json", exclude=_default_prompt_fields(cfg)),
         "task": cfg.task.model_dump(mode="json"),
         "warmstart": cfg.warmstart.model_dump(mode="json", exclude={"cache_dir"}),
         "seed": cfg.seed,
@@ -40,6 +40,13 @@ def warmstart_key(cfg: Config, env_name: str | None = None) -> str:
     if cfg.task.name == "repo":
         material["repo"] = {**cfg.repo.model_dump(mode="json"), "teacher": 1}
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _default_prompt_fields(cfg: Config) -> set[str]:
+    """Prompt-format fields left at their defaults stay out of the key, so caches built before
+    they existed are still found."""
+    defaults = type(cfg.model).model_fields
+    return {name for name in ("prompt_format", "system_prompt") if getattr(cfg.model, name) == defaults[name].default}
 
 
 def prepare_policy(cfg: Config, env: Environment, log=print) -> tuple[Policy, dict]:
