@@ -34,4 +34,5 @@ def make_generator(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_
 
     path = Path(work_dir) / "vllm_policy"
     policy.save(path)  # vLLM builds its model from a directory
-    return VLLMEngine(str(path), policy.eos_id, policy.decode, max_batch=cfg.max_batch, max_seq_len=max_seq_len)
+    return VLLMEngine(str(path), policy.eos_id, policy.decode, max_batch=cfg.max_batch, max_seq_len=max_seq_len,
+                      stop_ids=policy.stop_ids)

@@ -140,8 +140,9 @@ class TorchEngine:
 
     def __init__(self, model: torch.nn.Module, eos_id: int, decode: Callable[[list[int]], str] | None = None,
                  *, max_batch: int = 64, max_seq_len: int | None = None, recompute_kv: bool = False, kernels: str = "auto",
-                 stop_ids: Iterable[int] = ()):
-        self.path, notice = engine_path(model.config)
+                 stop_ids: Iterable[int] = (), path: str = "auto"):
+        """`path`: 'auto' (the family decides) or 'generic' (force the HF-module runner)."""
+        self.path, notice = engine_path(model.config) if path == "auto" else ("generic", "engine: generic path (requested)")
         logger.info(notice)
         runner_class = DecoderRunner if self.path == "lean" else HFRunner
         self.runner = runner_class(model, max_seq_len or model.config.max_position_embeddings, kernels)

@@ -7,11 +7,13 @@ weights between steps, abort stragglers and resume them later. Implementations: 
 (the simple reference, `Generator` only), `TorchEngine` and `VLLMEngine` (both stepped).
 `StreamingGenerator` adds one read-only view for the serving scheduler (`gapless.serve`): the
 tokens each running sequence holds so far, so a stream can publish them step by step.
+Every attribute a caller touches is declared here, and `tests/unit/test_generator_contract.py`
+runs one contract over every implementation (the vLLM one under `-m gpu`).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple, Protocol, runtime_checkable
+from typing import Iterable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -31,10 +33,35 @@ class Generator(Protocol):
         ...
 
 
+class InFlight(Protocol):
+    """A sample the engine holds between steps (read only: the lists are the engine's own)."""
+
+    request_id: str
+    index: int
+    tokens: list[int]
+
+
 @runtime_checkable
 class SteppedGenerator(Generator, Protocol):
+    max_seq_len: int
+
     @property
     def has_work(self) -> bool: ...
+
+    @property
+    def num_running(self) -> int:
+        """Samples decoding in this step (the pipeline's token count and report)."""
+        ...
+
+    @property
+    def num_waiting(self) -> int:
+        """Samples queued for a slot."""
+        ...
+
+    @property
+    def running(self) -> Sequence[InFlight]:
+        """The running samples in slot order (partial-rollout cuts read their request ids and tokens)."""
+        ...
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None) -> str:
         """Queue a group of `n` samples of one prompt; returns its request id."""
@@ -65,8 +92,6 @@ class RunningSample(NamedTuple):
 
 @runtime_checkable
 class StreamingGenerator(SteppedGenerator, Protocol):
-    max_seq_len: int
-
     def running_samples(self) -> Iterable[RunningSample]:
         """Every sequence in a running slot, with the tokens sampled so far (valid until the next step)."""
         ...
