@@ -34,6 +34,15 @@ class ModelConfig(_Section):
     tokenizer has a template. The embedded tiny model has none, so 'auto' is 'raw' there."""
     system_prompt: str | None = None
     """System message put before the prompt when the format is 'chat' (ignored for 'raw')."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weights of the policy (trainer and torch engine). 'auto': float32 for everything that runs
+    on the CPU (bf16 matmuls are several times slower than fp32 on CPUs without AMX/AVX512-BF16,
+    and fp32 keeps the engine's log-probs equal to the trainer's within 1e-5) and bfloat16 for
+    the vLLM engine on a GPU. 'bfloat16' halves the memory of weights, gradients and AdamW state."""
+    fp32_lm_head: bool = False
+    """Compute the LM head (the vocabulary projection) in float32 even when the weights are
+    bfloat16, for log-probs precise enough that importance ratios stay near 1; costs an fp32
+    copy of the head's weight per forward. No effect in float32."""
     architecture: Literal["qwen2", "llama", "qwen3", "mistral", "phi3", "olmo2", "gemma2", "gemma3"] = "qwen2"
     """Architecture of the embedded tiny model (ignored when `path` is set): any family the engine
     serves (docs/engine.md), randomly initialised at the sizes below."""
@@ -218,6 +227,9 @@ class TrainerConfig(_Section):
     step's longest row in padded tokens (short rows share a micro-batch with more of them)."""
     threads: int = Field(0, ge=0, le=512)
     """torch intra-op threads; 0 uses every core given to the process."""
+    gradient_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass instead of keeping them: less
+    memory for long sequences or large models, about one more forward of compute. Same gradients."""
 
     @property
     def clip_high(self) -> float:

@@ -24,7 +24,7 @@ from gapless.config import ConfigError, ModelConfig
 from gapless.prompts import PromptEncoder
 
 PAD, EOS = "<|pad|>", "<|eos|>"
-PROMPT_FORMAT_FILE = "gapless_prompt_format.json"  # written by Policy.save beside the HF files
+POLICY_FILE = "gapless_policy.json"  # prompt format and precision, written by Policy.save beside the HF files
 hf_logging.disable_progress_bar()  # checkpoint writes would otherwise draw bars into the live log
 
 
@@ -52,11 +52,36 @@ class Policy:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def save(self, path: Path) -> None:
-        """The HF checkpoint plus the resolved prompt format, which `load_local` restores."""
+        """The HF checkpoint plus the resolved prompt format and precision, which `load_local` restores."""
         self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
-        format_record = {"prompt_format": self.encode.format, "system_prompt": self.encode.system_prompt}
-        (Path(path) / PROMPT_FORMAT_FILE).write_text(json.dumps(format_record) + "\n")
+        record = {"prompt_format": self.encode.format, "system_prompt": self.encode.system_prompt,
+                  "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+                  "fp32_lm_head": isinstance(self.model.get_output_embeddings(), FP32Head)}
+        (Path(path) / POLICY_FILE).write_text(json.dumps(record) + "\n")
+
+
+class FP32Head(torch.nn.Linear):
+    """An LM head that computes in float32 whatever its weight's dtype (`model.fp32_lm_head`).
+    Swapped in as the module's class, so parameters and state-dict names are unchanged."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+
+
+def apply_precision(model: torch.nn.Module, cfg: ModelConfig | None) -> torch.nn.Module:
+    """Cast to `model.dtype` ('auto' is float32 here: this process trains on the CPU) and
+    install the float32 head if asked."""
+    if cfg is None:
+        return model
+    if cfg.dtype == "bfloat16":
+        model.to(torch.bfloat16)
+    if cfg.fp32_lm_head:
+        head = model.get_output_embeddings()
+        if not isinstance(head, torch.nn.Linear) or getattr(model.config, "final_logit_softcapping", None):
+            raise ConfigError(f"model.fp32_lm_head: the {model.config.model_type} head is not a plain linear layer; set it to false")
+        head.__class__ = FP32Head
+    return model
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -93,7 +118,7 @@ def build_tiny(cfg: ModelConfig, texts: Iterable[str], seed: int, max_positions:
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(cfg.architecture, **common), dtype=torch.float32)
-    model.eval()
+    apply_precision(model, cfg).eval()
     try:
         encoder = PromptEncoder(tokenizer, cfg.prompt_format, cfg.system_prompt, source="the embedded tiny model's tokenizer")
     except ValueError as err:
@@ -147,9 +172,11 @@ def _load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
 _PLAIN_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
-def load_local(path: str | Path, prompt_format: str | None = None, system_prompt: str | None = None) -> Policy:
+def load_local(path: str | Path, prompt_format: str | None = None, system_prompt: str | None = None,
+               precision: ModelConfig | None = None) -> Policy:
     """`prompt_format` None or 'auto': the format a gapless checkpoint was saved with, else chat
-    when the tokenizer has a template; 'raw' / 'chat' force one."""
+    when the tokenizer has a template; 'raw' / 'chat' force one. `precision` (the model section):
+    dtype and fp32 head; None restores a gapless checkpoint's own, else float32."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
@@ -164,14 +191,17 @@ def load_local(path: str | Path, prompt_format: str | None = None, system_prompt
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"model.path {path}: cannot load model type {kind!r} as a causal LM with its tokenizer "
                           f"({first_line[:200]}); gapless trains decoder-only checkpoints (docs/engine.md lists the families)") from None
-    model.eval()
+    saved = path / POLICY_FILE
+    record = json.loads(saved.read_text()) if saved.is_file() else {}
+    if precision is None and record:
+        precision = ModelConfig(dtype="bfloat16" if record.get("dtype") == "bfloat16" else "float32",
+                                fp32_lm_head=record.get("fp32_lm_head", False))
+    apply_precision(model, precision).eval()
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
         raise ValueError(f"tokenizer in {path} has no eos token; set eos_token in its tokenizer_config.json")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-    saved = path / PROMPT_FORMAT_FILE
-    if prompt_format in (None, "auto") and saved.is_file():
-        record = json.loads(saved.read_text())
+    if prompt_format in (None, "auto") and record:
         prompt_format, system_prompt = record["prompt_format"], system_prompt or record["system_prompt"]
     try:
         encoder = PromptEncoder(tokenizer, prompt_format or "auto", system_prompt, source=f"the tokenizer in {path}")

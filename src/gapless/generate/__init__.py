@@ -35,4 +35,4 @@ def make_generator(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_
     path = Path(work_dir) / "vllm_policy"
     policy.save(path)  # vLLM builds its model from a directory
     return VLLMEngine(str(path), policy.eos_id, policy.decode, max_batch=cfg.max_batch, max_seq_len=max_seq_len,
-                      stop_ids=policy.stop_ids)
+                      stop_ids=policy.stop_ids, dtype="bfloat16")  # model.dtype 'auto': bf16 on the GPU

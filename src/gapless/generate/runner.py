@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from gapless.generate.families import LEAN_FAMILIES, Layout, layout_of
 from gapless.generate.kv_cache import KVCache
 from gapless.generate.native import NativeKernels, kernels_for
+from gapless.models import FP32Head
 
 SUPPORTED_MODEL_TYPES = LEAN_FAMILIES
 
@@ -200,6 +201,7 @@ class DecoderRunner:
         self.embed = torch.empty(cfg.vocab_size, dim, **like)
         self.final_norm = torch.empty(dim, **like)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.fp32_head = isinstance(model.get_output_embeddings(), FP32Head)  # model.fp32_lm_head
         self.lm_head = _Linear(cfg.vocab_size, dim, False, self.final_norm, **like)
         if self.tied:
             self.lm_head.weight = self.embed
@@ -317,6 +319,8 @@ class DecoderRunner:
         return layer.down.residual(x, layer.gate_up(h))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp32_head:  # as models.FP32Head: the head's matmul in float32 whatever the weights' dtype
+            return F.linear(self._norm(x).float() * self.final_norm.float(), self.lm_head.weight.float())
         return self.lm_head(self._norm(x))
 
     @torch.no_grad()

@@ -27,7 +27,7 @@ from gapless.trainer.warmstart_turns import warm_start_transcripts
 
 def warmstart_key(cfg: Config, env_name: str | None = None) -> str:
     material = {
-        "model": cfg.model.model_dump(mode="json", exclude=_default_prompt_fields(cfg)),
+        "model": cfg.model.model_dump(mode="json", exclude=_default_new_fields(cfg)),
         "task": cfg.task.model_dump(mode="json"),
         "warmstart": cfg.warmstart.model_dump(mode="json", exclude={"cache_dir"}),
         "seed": cfg.seed,
@@ -42,11 +42,11 @@ def warmstart_key(cfg: Config, env_name: str | None = None) -> str:
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def _default_prompt_fields(cfg: Config) -> set[str]:
-    """Prompt-format fields left at their defaults stay out of the key, so caches built before
-    they existed are still found."""
+def _default_new_fields(cfg: Config) -> set[str]:
+    """Prompt-format and precision fields left at their defaults stay out of the key, so caches
+    built before they existed are still found."""
     defaults = type(cfg.model).model_fields
-    return {name for name in ("prompt_format", "system_prompt") if getattr(cfg.model, name) == defaults[name].default}
+    return {name for name in ("prompt_format", "system_prompt", "dtype", "fp32_lm_head") if getattr(cfg.model, name) == defaults[name].default}
 
 
 def prepare_policy(cfg: Config, env: Environment, log=print) -> tuple[Policy, dict]:
@@ -59,7 +59,7 @@ def prepare_policy(cfg: Config, env: Environment, log=print) -> tuple[Policy, di
     cached = Path(cfg.warmstart.cache_dir) / warmstart_key(cfg, env.name)
     if (cached / "config.json").is_file():
         log(f"warm start: cached at {cached}")
-        return load_local(cached), {"warmstart_s": 0.0, "warmstart_cached": True}
+        return load_local(cached, precision=cfg.model), {"warmstart_s": 0.0, "warmstart_cached": True}
     policy = _initial_policy(cfg, train, teacher)
     started = time.perf_counter()
 
@@ -92,6 +92,6 @@ def _warm_start(cfg: Config, policy: Policy, env: Environment, train: list[Task]
 
 def _initial_policy(cfg: Config, train: list[Task], teacher: Teacher | None) -> Policy:
     if cfg.model.path is not None:
-        return load_local(cfg.model.path, cfg.model.prompt_format, cfg.model.system_prompt)
+        return load_local(cfg.model.path, cfg.model.prompt_format, cfg.model.system_prompt, cfg.model)
     texts = [t.prompt + (teacher.reference(t) if teacher is not None else "") for t in train]
     return build_tiny(cfg.model, texts, cfg.seed)

@@ -94,6 +94,8 @@ class GRPOTrainer:
         self.temperature = temperature
         self.max_new_tokens = max_new_tokens or 0  # only Dr. GRPO's constant normaliser uses it
         self.loss_fn = LOSSES[cfg.loss]
+        if cfg.gradient_checkpointing:  # active in train mode only, i.e. inside `step`
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.reference = None
         if cfg.kl_coef > 0:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
