@@ -172,7 +172,7 @@ def vllm_phase(args, rows) -> dict:
     model.save_pretrained(directory)
     del model
     engine = VLLMEngine(str(directory), eos_id=0, max_batch=args.sequences, max_seq_len=args.prompt_tokens + args.new_tokens,
-                        dtype="bfloat16", gpu_memory_utilization=0.5, tokenizer=None, skip_tokenizer_init=True)
+                        dtype="bfloat16", gpu_memory_utilization=0.5, skip_tokenizer_init=True)
     params = SamplingParams(greedy=True, max_new_tokens=args.new_tokens, ignore_eos=True)
     engine.generate(rows[:2], SamplingParams(greedy=True, max_new_tokens=4, ignore_eos=True))
     torch.cuda.synchronize()

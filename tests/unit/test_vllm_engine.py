@@ -45,7 +45,7 @@ def test_logprobs_equal_trainer_logprobs(served, tiny_policy, problems):
     batch = build_batch(completions, [1.0] * len(completions), [True] * len(completions), tiny_policy.pad_id)
     with torch.no_grad():
         trainer_lp = token_logprobs(tiny_policy.model, batch.input_ids, batch.attention_mask, temperature=0.7)
-    assert ((trainer_lp - batch.old_logprobs) * batch.loss_mask).abs().max() < 1e-4
+    assert ((trainer_lp - batch.behaviour_logprobs) * batch.loss_mask).abs().max() < 1e-4
 
 
 def test_in_flight_swap_records_versions_and_abort_resumes(served, tiny_policy, problems):
@@ -64,3 +64,8 @@ def test_in_flight_swap_records_versions_and_abort_resumes(served, tiny_policy, 
     for c in done:
         assert len(c.token_ids) == 12 and c.versions[0] == 0 and c.versions[-1] == 1
         assert c.versions == sorted(c.versions)
+
+
+def test_one_engine_per_process(served, tiny_policy, tmp_path):
+    with pytest.raises(RuntimeError, match="one engine per process"):
+        VLLMEngine(str(tmp_path), tiny_policy.eos_id)
