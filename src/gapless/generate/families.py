@@ -62,6 +62,22 @@ def layout_of(config) -> tuple[Layout | None, str]:
     return Layout(family, qk_norm, family == "olmo2", family == "phi3", windows), ""
 
 
+def check_generic(model) -> str | None:
+    """Why the generic path cannot serve `model`, or None: one prefill and one cached decode
+    step of its HF forward, as `hf_runner` runs them (cheap: two tokens)."""
+    import torch
+
+    if engine_path(model.config)[0] == "lean":
+        return None
+    try:
+        with torch.no_grad():
+            first = model(input_ids=torch.tensor([[0]]), use_cache=True, logits_to_keep=1)
+            model(input_ids=torch.tensor([[0]]), cache=first.cache, use_cache=True)
+    except Exception as err:  # any failure here is the model's code refusing the engine's calls
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
+    return None
+
+
 def engine_path(config) -> tuple[str, str]:
     """("lean" | "generic", the one-line notice to log)."""
     layout, why = layout_of(config)
