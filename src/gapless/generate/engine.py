@@ -50,6 +50,7 @@ from gapless.types import Completion, FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class _Sequence:
     request_id: str
