@@ -41,11 +41,11 @@ def _overrides(model_dir: Path, run_dir: Path, budget: int) -> dict[str, str]:
 @pytest.mark.parametrize("family", ["gemma2"])
 def test_sync_loop_two_steps(family, tmp_path):
     from gapless.config import load_config
-    from gapless.orchestrate.loop import SyncLoop
+    from gapless.orchestrate.loop import RunLoop
 
     cfg = load_config(ROOT / "configs" / "smoke.toml", _overrides(_checkpoint(family, tmp_path / "model"), tmp_path / "run", 0))
     lines: list[str] = []
-    summary = SyncLoop(cfg, log=lines.append).run()
+    summary = RunLoop(cfg, log=lines.append, source="inline").run()
     assert summary["steps"] == 2 and summary["trained_samples"] == 16
     assert json.loads((tmp_path / "run" / "generator.json").read_text())["path"] == PATHS[family]
 
