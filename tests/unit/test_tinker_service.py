@@ -266,12 +266,14 @@ def test_stops_and_a_client_that_disconnects_mid_request(service, client):
     assert stopped.stop_reason == "stop" and list(stopped.tokens) == list(free.sequences[0].tokens[: stopped.tokens.index(stop_id) + 1])
     # raw HTTP: ask for a long sample, then give up on its result mid-poll and on the connection
     headers = {"X-API-Key": KEY}
-    body = {"sampling_session_id": None, "base_model": "tiny", "num_samples": 4, "seq_id": 0,
+    # 256 samples of 100 tokens: 100 decode steps of 64 rows and a queue behind them, far longer than
+    # the 50 ms poll on any machine (a short request could finish within the poll on a fast one)
+    body = {"sampling_session_id": None, "base_model": "tiny", "num_samples": 256, "seq_id": 0,
             "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt.to_ints()}]},
             "sampling_params": {"max_tokens": 100, "stop": []}}
     with httpx.Client(base_url=server.base_url, headers=headers, timeout=30) as http:
         future = http.post("/api/v1/asample", json=body).json()
-        assert len(future["sample_sequence_ids"]) == 4
+        assert len(future["sample_sequence_ids"]) == 256
         with pytest.raises(httpx.TimeoutException):
             http.post("/api/v1/retrieve_future", json={"request_id": future["request_id"]}, timeout=0.05)
     assert _idle(server.app)  # the abandoned samples finished and left nothing behind
