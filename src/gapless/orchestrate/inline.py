@@ -31,7 +31,6 @@ class InlineSource:
     def __init__(self, cfg: Config, env: Environment, train: list[Task], sampler, encode, timelines):
         self.cfg, self.env, self.train = cfg, env, train
         self.sampler, self.encode, self.timelines = sampler, encode, timelines
-        self._metrics: dict[str, float] = {}
         self._started = 0.0
 
     def start(self, state, version: int) -> None:
@@ -60,9 +59,9 @@ class InlineSource:
         gen_tokens = sum(len(r.completion.token_ids) if r.completion.loss_mask is None else sum(r.completion.loss_mask)
                          for r in rollouts)
         self._started, self._generate_s = t0, t1 - t0
-        self._metrics = {"perf/generate_s": t1 - t0, "perf/score_s": t2 - t1,
-                         "perf/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9)}
-        return StepRollouts([list(g) for g in groups], t0, t2 - t0)
+        return StepRollouts([list(g) for g in groups], t0, t2 - t0,
+                            {"perf/generate_s": t1 - t0, "perf/score_s": t2 - t1,
+                             "perf/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9)})
 
     def lend_threads(self):
         return contextlib.nullcontext()
@@ -74,7 +73,7 @@ class InlineSource:
     def stats(self) -> dict[str, float]:
         step_s = time.perf_counter() - self._started
         # idle = share of the step's wall time the generator was not generating
-        return {**self._metrics, **env_metrics(self.env), "perf/generator_idle_frac": 1.0 - self._generate_s / max(step_s, 1e-9)}
+        return {**env_metrics(self.env), "perf/generator_idle_frac": 1.0 - self._generate_s / max(step_s, 1e-9)}
 
     def close(self, reason: str, version: int) -> None:
         pass

@@ -97,9 +97,6 @@ class LocalPlacement:
             process.kill()
             process.join(timeout=5)
 
-    def pids(self) -> dict[str, int]:
-        return {name: p.pid for name, p in self.processes.items()}
-
     def shutdown(self, stop, grace_s: float) -> None:
         if not self.processes:
             return
