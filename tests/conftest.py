@@ -1,3 +1,12 @@
+"""Session fixtures shared by the unit and integration tests.
+
+Every test starts with one torch intra-op thread in the test process: these models are tiny, and on
+a busy 2-core machine a second OpenMP thread spends its time in barriers waiting for a preempted
+peer (a toy learning test ran 7x slower with 2 threads than with 1 beside other jobs). A run built
+by a test (RunLoop, the actors) still sets the threads its config asks for; this fixture puts the
+test process back to one thread before the next test.
+"""
+
 import pytest
 import torch
 
@@ -23,3 +32,11 @@ def tiny_policy(problems):
 def warm_cache(tmp_path_factory):
     """One warm-start cache for the whole session: each smoke warm start is built once."""
     return tmp_path_factory.mktemp("warmstart-cache")
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(1)
+

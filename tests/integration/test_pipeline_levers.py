@@ -39,7 +39,7 @@ def _overrides(run: Path, warm_cache: Path, **extra) -> dict[str, str]:
             "pipeline.trainer_threads": "1", "metrics.tensorboard": "false", **{k: str(v) for k, v in extra.items()}}
 
 
-@pytest.mark.parametrize("budget", [0, 1, 2])
+@pytest.mark.parametrize("budget", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])  # 0: the default
 def test_oversampling_holds_the_budget_and_the_ledger_audits_the_run(tmp_path, warm_cache, budget):
     run = tmp_path / "run"
     cfg = load_config(SMOKE, _overrides(run, warm_cache, **{"loop.steps": 10, "pipeline.max_staleness": budget,
@@ -75,7 +75,7 @@ def test_dynamic_sampling_without_any_signal_stops_within_its_bound(tmp_path, wa
     assert sorted(admitted) == sorted(ended)  # still exactly once: the rest ended as run_failed
 
 
-@pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 143), pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)])
 def test_a_stop_signal_checkpoints_drops_in_flight_as_run_stopped_and_resumes(tmp_path, warm_cache, signum, exit_code):
     run = tmp_path / "run"
     args = [str(SMOKE), "--run-dir", str(run), "--warmstart.cache_dir", str(warm_cache), "--loop.steps", "40",
