@@ -424,6 +424,28 @@ class PipelineConfig(_Section):
 
 
 class ClusterConfig(_Section):
+    placement: Literal["local", "ray"] = "local"
+    """Where the pipeline's actors run (docs/distributed.md). 'local': processes spawned on this
+    machine, with shared-memory queues and weights (never imports Ray). 'ray': the same actors as
+    Ray actors in a placement group, on the nodes of a Ray cluster (`cluster.address`); messages
+    travel in batches through a mailbox actor on the trainer's node, weights through
+    `cluster.weight_transport`. Needs Ray (`pip install 'gapless[cluster]'`; scripts/setup.sh
+    installs it)."""
+    address: str = ""
+    """Ray placement: the cluster to join. Empty: a private Ray instance on this machine that the
+    run starts and stops itself (random ports, its own temporary directory); 'auto' or
+    'HOST:PORT': an existing cluster (`ray start --head` printed the address). Ignored locally."""
+    weight_transport: Literal["auto", "shm", "object_store"] = "auto"
+    """How new weights reach the generator replicas. 'shm': one shared-memory double buffer per
+    replica (local placement only); 'object_store': the trainer copies the weights into a staging
+    buffer (its only blocking part) and a relay thread puts them into Ray's object store, from
+    which every replica pulls them into the unpublished half of its own double buffer (Ray
+    placement only). 'auto': shm locally, object_store on Ray."""
+    placement_timeout_s: float = Field(60.0, gt=0)
+    """Ray placement: the longest wait for the cluster to grant the actors' resources (the placement
+    group). Past it the run stops with an error naming the demand and what the cluster has free."""
+    object_store_mb: int = Field(0, ge=0)
+    """Ray placement with a private instance: the object store's size in MiB; 0 = Ray's default."""
     replicas: int = Field(1, ge=1, le=256)
     """Generator replicas, each its own process with its own engine and weight buffer; admission is
     central in the trainer (orchestrate/dispatch.py) and the staleness budget holds for each. With 2
@@ -711,6 +733,18 @@ def _check_trainer(cfg: Config) -> None:
 
 def _check_cluster(cfg: Config) -> None:
     c = cfg.cluster
+    if c.placement == "local" and c.weight_transport == "object_store":
+        raise ConfigError("cluster.weight_transport = 'object_store' needs cluster.placement = 'ray'; "
+                          "local placement uses 'shm' (or 'auto')")
+    if c.placement == "ray" and c.weight_transport == "shm":
+        raise ConfigError("cluster.weight_transport = 'shm' cannot reach Ray actors on other nodes; "
+                          "use 'object_store' (or 'auto') with cluster.placement = 'ray'")
+    if c.placement == "ray":
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise ConfigError("cluster.placement = 'ray' needs Ray: pip install 'gapless[cluster]' "
+                              "(scripts/setup.sh installs it)")
     if c.trainer_world_size == 1:
         return
     if c.data_parallel == "fsdp2":

@@ -69,13 +69,13 @@ class ActorSpec:
     name: str  # 'generator' (one replica), 'generator-<r>', 'environment': heartbeat, timeline, fault and process name
     prompts: list[tuple[str, str]]  # (uid, prompt text) of the train tasks, in env.tasks("train") order
     policy_dir: Path
-    trainer_pid: int
+    trainer_pid: int  # 0: not the trainer's child (a Ray actor)
     heartbeats: Heartbeats
     stop: StopFlag
     inbox: Any  # trainer -> this actor: Assign | Abort (a replica), CancelScoring (the environment)
     outbox: Any  # this actor -> trainer: Ready | Loaded | GenStats | Scored | ActorError
     replica: int = 0
-    weights: SharedWeights | None = None  # a replica's own weight buffer
+    weights: SharedWeights | None = None  # a replica's own weight buffer (the placement's: SharedWeights locally)
     to_env: Any = None  # a replica's queue of ToScore to the environment
     from_generators: tuple = ()  # the environment's: every replica's queue (restarts' included)
     lending: LendingFlags | None = None  # the trainer borrows the generator's threads while it idles
@@ -98,6 +98,8 @@ def _put(q, item, stop, beat=None) -> float:
 def _die_with_trainer(spec: ActorSpec) -> None:
     """A killed trainer must not leave actors behind (they are not its threads): ask the kernel
     to SIGKILL this process when its parent dies, and exit if that already happened."""
+    if spec.trainer_pid == 0:
+        return  # a Ray actor: Ray ties its life to the trainer (ray_placement.py)
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != spec.trainer_pid:

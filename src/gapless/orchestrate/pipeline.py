@@ -47,10 +47,9 @@ from gapless.orchestrate.ipc import clean_leftover_ipc, name_ipc_objects
 from gapless.orchestrate.ledger import GroupLedger
 from gapless.orchestrate.lending import LendingFlags, TrainerLending
 from gapless.orchestrate.messages import Abort, ActorError, Assign, CancelScoring, GenStats, Loaded, Ready, Scored
-from gapless.orchestrate.placement import LocalPlacement, Placement
+from gapless.orchestrate.placement import Placement, make_placement
 from gapless.orchestrate.source import StepRollouts
-from gapless.orchestrate.watchdog import Heartbeats, StallWatch, StopFlag
-from gapless.orchestrate.weights import SharedWeights
+from gapless.orchestrate.watchdog import StallWatch
 
 SHUTDOWN_S = 10.0
 FAILED_SHUTDOWN_S = 1.0  # after a failure or stall the actors' work is lost anyway: stop the run promptly
@@ -103,7 +102,7 @@ class ProcessSource:
         self.env_name, self.stop_requested = env_name, stop_requested
         self.start_step, self.version = start_step, start_step
         self.run_dir = Path(cfg.run_dir)
-        self.placement = placement or LocalPlacement()
+        self.placement = placement or make_placement(cfg, log)
         if (warning := self.placement.reserve(actor_threads(cfg))):
             log(f"warning: {warning}")
         self.ctx = self.placement.ctx
@@ -120,7 +119,7 @@ class ProcessSource:
         self.evictable = R > 1  # one replica stays today's pipeline: its death or stall ends the run
         self.slots = R + (cfg.cluster.replica_restarts if self.evictable else 0)
         self.names = [replica_name(slot, R) for slot in range(self.slots)]
-        self.heartbeats = Heartbeats(self.ctx, ("trainer", "environment", *self.names))
+        self.heartbeats = self.placement.heartbeats(("trainer", "environment", *self.names))
         self.heartbeats.register("trainer")
         self.watch = StallWatch(self.heartbeats, pl.stall_timeout_s, self.run_dir, (*self.names[:R], "environment"))
         self.max_resamples = pl.max_resamples or 8 * P
@@ -140,7 +139,7 @@ class ProcessSource:
         self._publishing: _Replica | None = None
         self.env_spec: ActorSpec | None = None
         self.lending: TrainerLending | None = None
-        if pl.max_staleness > 0 and pl.lend_idle_cores and R == 1:
+        if pl.max_staleness > 0 and pl.lend_idle_cores and R == 1 and self.placement.kind == "local":
             self.lending = TrainerLending(LendingFlags(self.ctx), pl.trainer_threads_resolved, pl.generator_threads_resolved)
             if not self.lending.install(policy.model):
                 self.lending = None  # no decoder layer list to hook: nothing to lend at
@@ -149,7 +148,7 @@ class ProcessSource:
     def start(self, state, version: int) -> None:
         self.policy_dir = self.run_dir / "generator_policy"
         self.policy.save(self.policy_dir)  # architecture and tokenizer; the weights come through shared memory
-        self.stop = StopFlag(self.ctx)
+        self.stop = self.placement.stop_flag()
         self.state, self.version = state, version  # what a restarted replica starts from
         place, bound = self.placement, 2 * self.cfg.loop.prompts_per_step  # groups waiting to be scored, per replica
         self.to_env = [place.channel(bound) for _ in range(self.slots)]  # one per replica slot: one writer each
@@ -244,8 +243,8 @@ class ProcessSource:
     def close(self, reason: str, version: int) -> None:
         self.buffer.close(version, reason)
         self.ledger.close()
-        if self.env_spec is not None:
-            self.placement.shutdown(self.stop, SHUTDOWN_S if reason != "run_failed" else FAILED_SHUTDOWN_S)
+        # always: a Ray placement also stops its cluster connection when no actor started
+        self.placement.shutdown(getattr(self, "stop", None), SHUTDOWN_S if reason != "run_failed" else FAILED_SHUTDOWN_S)
         (self.run_dir / "staleness.json").write_text(json.dumps(
             {"counts": {str(k): v for k, v in sorted(self.staleness_counts.items())}, "drops": self.buffer.drops,
              "evictions": self.evictions}, indent=2))
@@ -264,7 +263,7 @@ class ProcessSource:
     def _start_replica(self, slot: int, state, version: int) -> None:
         name = self.names[slot]
         spec = self._spec(name, inbox=self.placement.channel(), replica=slot,
-                          weights=SharedWeights(state, version, self.ctx), to_env=self.to_env[slot],
+                          weights=self.placement.weights(state, version), to_env=self.to_env[slot],
                           lending=self.lending.flags if self.lending else None)
         self.replicas.append(_Replica(slot, name, spec))
         self.heartbeats.starting(name)

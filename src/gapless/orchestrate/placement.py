@@ -2,10 +2,14 @@
 
 The process source (pipeline.py) starts its generator and environment actors, opens its queues
 and watches its actors' liveness only through a `Placement`; the actor code (actors.py) does not
-know which placement it runs under. One placement exists today:
+know which placement it runs under, only that its queues, stop flag, heartbeats and weight buffer
+come from the placement's factories (`channel`, `stop_flag`, `heartbeats`, `weights`):
 
     LocalPlacement   spawned processes on this machine, multiprocessing queues, and shared memory
                      for the weights, heartbeats and the stop flag (`ctx`); never imports Ray.
+    RayPlacement     Ray actors in a placement group on a Ray cluster's nodes, with batched
+                     channels and an object-store weight relay (ray_placement.py; imported only
+                     by `make_placement` when cluster.placement = 'ray').
 
 Guaranteed by every placement: `reserve` fails before anything starts, with an error naming the
 demand and what is available; every actor it starts dies with the trainer process (even a
@@ -45,7 +49,18 @@ class Placement(Protocol):
         alone needs more than there is; a warning (returned) when together they share cores."""
 
     def channel(self, maxsize: int = 0) -> Any:
-        """A queue to or from the actors (put/get with timeouts, queue.Full/queue.Empty)."""
+        """A queue to or from the actors (put/get with timeouts, queue.Full/queue.Empty); one
+        writer and one reader each."""
+
+    def stop_flag(self) -> Any:
+        """The run's stop request (watchdog.StopFlag's set / is_set / wait), readable by every actor."""
+
+    def heartbeats(self, actors: tuple[str, ...]) -> Any:
+        """watchdog.Heartbeats for these actor names (beat in the actors, age_s in the trainer)."""
+
+    def weights(self, state: dict, version: int) -> Any:
+        """One replica's weight buffer holding `state` as `version`: SharedWeights' publish (trainer)
+        and fetch_into (replica)."""
 
     def start(self, name: str, main: Callable[[Any], None], spec: Any) -> None:
         """Run `main(spec)` as the actor `name`, dying with the trainer."""
@@ -82,6 +97,21 @@ class LocalPlacement:
     def channel(self, maxsize: int = 0):
         return self.ctx.Queue(maxsize)
 
+    def stop_flag(self):
+        from gapless.orchestrate.watchdog import StopFlag
+
+        return StopFlag(self.ctx)
+
+    def heartbeats(self, actors: tuple[str, ...]):
+        from gapless.orchestrate.watchdog import Heartbeats
+
+        return Heartbeats(self.ctx, actors)
+
+    def weights(self, state: dict, version: int):
+        from gapless.orchestrate.weights import SharedWeights
+
+        return SharedWeights(state, version, self.ctx)
+
     def start(self, name: str, main: Callable[[Any], None], spec: Any) -> None:
         # actors.py's start-up asks the kernel to kill each actor when the trainer dies (PR_SET_PDEATHSIG)
         process = self.ctx.Process(target=main, args=(spec,), name=f"gapless-{name}", daemon=True)
@@ -108,3 +138,12 @@ class LocalPlacement:
                 process.kill()
                 process.join()
         self.processes = {}
+
+
+def make_placement(cfg, log=print) -> Placement:
+    """The placement `cfg.cluster.placement` names; Ray is imported only for 'ray'."""
+    if cfg.cluster.placement == "ray":
+        from gapless.orchestrate.ray_placement import RayPlacement
+
+        return RayPlacement(cfg, log)
+    return LocalPlacement()

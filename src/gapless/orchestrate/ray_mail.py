@@ -1,0 +1,358 @@
+"""Ray placement's stand-ins for the pipeline's shared-memory primitives: channels, the stop flag
+and heartbeats, all carried by one mailbox actor on the trainer's node.
+
+    writer process                      PostOffice (async actor, trainer's node)        reader process
+    put(item) ─> local list ─flusher─> put_many(box, [items]) ─> box ─> get_many(box) ─prefetch─> local queue ─> get()
+    beat(name) ─> counter ─pusher (0.2 s)─> beats{name: (count, host, pid)} <─poller (0.2 s)─ trainer: age_s(name)
+    trainer: stop.set() ─> stop = True ─> long poll ─> every actor: stop.is_set() (a local read)
+
+A multiprocessing queue, lock or shared array cannot be pickled into a Ray actor, and one Ray call
+costs milliseconds (a queue round trip is ~13 ms on this 2-core box, against ~0.3 ms for an
+`mp.Queue`), so every object here keeps the hot operation local (put, get, is_set, beat, age_s
+cost no Ray call) and a background thread per object and process moves *batches*: whatever was
+put since the last flush goes in one call, and a reader takes everything waiting in one call.
+
+Guaranteed: each channel is FIFO for its one writer and one reader (the flusher waits for each
+batch's acknowledgement before sending the next); a bounded channel (maxsize > 0) holds at most
+three times maxsize items in all (writer list, mailbox, reader queue), so a writer still feels
+back-pressure (`put` raises queue.Full at its timeout); every Ray call is bounded by a timeout;
+`flush_writers` waits until what this process put has reached the mailbox (an actor calls it
+before its main function returns, so its last words arrive). Heartbeat ages are measured on the
+trainer's clock, from when it saw a beat change, so clocks of other machines do not matter; an age
+is up to ~0.5 s older than on the local placement (push and poll periods). Not guaranteed: a pid
+for an actor on another host (`pid` returns 0 there, which the stall watch reads as "starting");
+delivery after the mailbox actor died (the run is then failing anyway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+import ray
+
+CALL_TIMEOUT_S = 30.0  # the longest any one mailbox call may take (each long poll asks for much less)
+POLL_S = 0.5  # a long poll's wait for news, in the mailbox
+PUSH_S = 0.2  # heartbeat push and poll period
+HOST = socket.gethostname()
+
+
+@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=10_000)
+class PostOffice:
+    """Boxes of items (one writer, one reader each), the run's stop flag and heartbeats."""
+
+    def __init__(self):
+        self.boxes: dict[str, deque] = {}
+        self.changed: asyncio.Condition | None = None
+        self.stop = False
+        self.beats: dict[str, tuple[int, str, int]] = {}
+
+    def _cond(self) -> asyncio.Condition:
+        if self.changed is None:
+            self.changed = asyncio.Condition()
+        return self.changed
+
+    async def put_many(self, box: str, items: list, maxsize: int, wait_s: float) -> bool:
+        """Append `items` once the box has room (maxsize 0: always); False after `wait_s` without."""
+        cond = self._cond()
+        async with cond:
+            q = self.boxes.setdefault(box, deque())
+            if maxsize > 0:
+                try:
+                    await asyncio.wait_for(cond.wait_for(lambda: len(q) < maxsize), wait_s)
+                except asyncio.TimeoutError:
+                    return False
+            q.extend(items)
+            cond.notify_all()
+        return True
+
+    async def get_many(self, box: str, limit: int, wait_s: float) -> list:
+        """Up to `limit` items (0: all), waiting up to `wait_s` for the first."""
+        cond = self._cond()
+        async with cond:
+            q = self.boxes.setdefault(box, deque())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(cond.wait_for(lambda: len(q) > 0 or self.stop), wait_s)
+            n = len(q) if limit <= 0 else min(limit, len(q))
+            items = [q.popleft() for _ in range(n)]
+            if items:
+                cond.notify_all()  # room for a waiting writer
+            return items
+
+    async def set_stop(self) -> None:
+        cond = self._cond()
+        async with cond:
+            self.stop = True
+            cond.notify_all()
+
+    async def wait_stop(self, wait_s: float) -> bool:
+        cond = self._cond()
+        async with cond:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(cond.wait_for(lambda: self.stop), wait_s)
+            return self.stop
+
+    async def beat(self, beats: dict[str, tuple[int, str, int]]) -> None:
+        self.beats.update(beats)
+
+    async def read_beats(self) -> dict[str, tuple[int, str, int]]:
+        return dict(self.beats)
+
+
+def _call(ref, timeout_s: float = CALL_TIMEOUT_S):
+    return ray.get(ref, timeout=timeout_s)
+
+
+# ---- channels ---------------------------------------------------------------------------------
+_writers: list["RayChannel"] = []  # channels this process wrote to (flush_writers)
+
+
+def flush_writers(timeout_s: float = 10.0) -> None:
+    """Wait until everything this process put has reached the mailbox (or `timeout_s` passed)."""
+    deadline = time.monotonic() + timeout_s
+    for channel in list(_writers):
+        channel.flush(max(0.0, deadline - time.monotonic()))
+
+
+class RayChannel:
+    """A queue between two processes anywhere in the cluster: `put` / `get` / `get_nowait` with the
+    semantics the actors expect of a multiprocessing queue (queue.Full, queue.Empty, timeouts)."""
+
+    def __init__(self, office, maxsize: int = 0):
+        self.office, self.maxsize, self.box = office, maxsize, uuid.uuid4().hex
+        self._local()
+
+    def __getstate__(self):
+        return {"office": self.office, "maxsize": self.maxsize, "box": self.box}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._local()
+
+    def _local(self) -> None:
+        self._lock = threading.Condition()
+        self._pending: list = []
+        self._in_flight = 0
+        self._flusher: threading.Thread | None = None
+        self._reader: threading.Thread | None = None
+        self._received: queue.Queue = queue.Queue(self.maxsize)
+
+    # writer side
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        with self._lock:
+            if self._flusher is None:
+                self._flusher = threading.Thread(target=self._flush_loop, name=f"ray-put-{self.box[:6]}", daemon=True)
+                self._flusher.start()
+                _writers.append(self)
+            if self.maxsize > 0 and not self._lock.wait_for(lambda: len(self._pending) < self.maxsize,
+                                                             timeout if block else 0):
+                raise queue.Full
+            self._pending.append(item)
+            self._lock.notify_all()
+
+    def put_nowait(self, item: Any) -> None:
+        self.put(item, block=False)
+
+    def _flush_loop(self) -> None:
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._pending)
+                items, self._pending = self._pending, []
+                self._in_flight = len(items)
+                self._lock.notify_all()  # room for a blocked put
+            try:
+                while not _call(self.office.put_many.remote(self.box, items, self.maxsize, POLL_S)):
+                    pass  # the box is full: the reader is behind (back-pressure)
+            except Exception:
+                return  # the mailbox is gone: the run is over
+            finally:
+                with self._lock:
+                    self._in_flight = 0
+                    self._lock.notify_all()
+
+    def flush(self, timeout_s: float) -> bool:
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._pending and not self._in_flight, timeout_s)
+
+    # reader side
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        if self._reader is None:
+            self._reader = threading.Thread(target=self._read_loop, name=f"ray-get-{self.box[:6]}", daemon=True)
+            self._reader.start()
+        return self._received.get(block, timeout)
+
+    def get_nowait(self) -> Any:
+        return self.get(block=False)
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                items = _call(self.office.get_many.remote(self.box, self.maxsize, POLL_S))
+            except Exception:
+                return
+            for item in items:
+                self._received.put(item)  # blocks when the reader is maxsize behind
+
+
+# ---- the stop flag ----------------------------------------------------------------------------
+class RayStopFlag:
+    """StopFlag's interface (set / is_set / wait); is_set reads a value a poller keeps current."""
+
+    def __init__(self, office):
+        self.office = office
+        self._local()
+
+    def __getstate__(self):
+        return {"office": self.office}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._local()
+
+    def _local(self) -> None:
+        self._set = threading.Event()
+        self._poller: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def set(self) -> None:
+        self._set.set()
+        with contextlib.suppress(Exception):
+            _call(self.office.set_stop.remote(), 5.0)
+
+    def _watch(self) -> None:
+        with self._start_lock:
+            if self._poller is None:
+                self._poller = threading.Thread(target=self._poll, name="ray-stop", daemon=True)
+                self._poller.start()
+
+    def _poll(self) -> None:
+        while not self._set.is_set():
+            try:
+                if _call(self.office.wait_stop.remote(POLL_S)):
+                    self._set.set()
+            except Exception:
+                self._set.set()  # the mailbox is gone: the trainer has gone, so stop
+                return
+
+    def is_set(self) -> bool:
+        self._watch()
+        return self._set.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        self._watch()
+        return self._set.wait(timeout_s)
+
+
+# ---- heartbeats -------------------------------------------------------------------------------
+class RayHeartbeats:
+    """watchdog.Heartbeats' interface. An actor's beats bump a local counter that a pusher thread
+    sends every PUSH_S when it changed; the trainer's poller records when it saw each change."""
+
+    def __init__(self, office, actors: tuple[str, ...]):
+        self.office, self.actors = office, tuple(actors)
+        self._local()
+
+    def __getstate__(self):
+        return {"office": self.office, "actors": self.actors}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._local()
+
+    def _local(self) -> None:
+        self._lock = threading.Lock()
+        self._count: dict[str, int] = {}
+        self._own: dict[str, float] = {}  # beats of this process's actors, on its clock
+        self._seen: dict[str, tuple[tuple, float]] = {}  # actor -> (last record seen, when)
+        self._pids: dict[str, int] = {}
+        self._before_start: dict[str, tuple] = {}
+        self._threads: dict[str, threading.Thread] = {}
+        now = time.monotonic()
+        for actor in self.actors:
+            self._seen[actor] = ((), now)
+
+    def _thread(self, name: str, target) -> None:
+        with self._lock:
+            if name not in self._threads:
+                self._threads[name] = threading.Thread(target=target, name=f"ray-{name}", daemon=True)
+                self._threads[name].start()
+
+    def register(self, actor: str) -> None:
+        self._pids[actor] = os.getpid()
+        self.beat(actor)
+
+    def beat(self, actor: str) -> None:
+        self._count[actor] = self._count.get(actor, 0) + 1
+        self._own[actor] = time.monotonic()
+        self._thread("beats-push", self._push)
+
+    def _push(self) -> None:
+        sent: dict[str, int] = {}
+        while True:
+            changed = {a: (n, HOST, self._pids.get(a, os.getpid())) for a, n in list(self._count.items()) if sent.get(a) != n}
+            if changed:
+                try:
+                    _call(self.office.beat.remote(changed), 5.0)
+                except Exception:
+                    return
+                sent.update({a: record[0] for a, record in changed.items()})
+            time.sleep(PUSH_S)
+
+    def _poll(self) -> None:
+        while True:
+            try:
+                beats = _call(self.office.read_beats.remote(), 5.0)
+            except Exception:
+                return
+            now = time.monotonic()
+            for actor, record in beats.items():
+                if actor in self._seen and self._seen[actor][0] != record:
+                    self._seen[actor] = (record, now)
+            time.sleep(PUSH_S)
+
+    def starting(self, actor: str) -> None:
+        """`actor` is being started now: its start-up allowance starts now, and its pid is unknown
+        until it beats (the record seen so far belongs to no live process)."""
+        record = self._seen[actor][0]
+        self._before_start[actor] = record
+        self._seen[actor] = (record, time.monotonic())
+
+    @contextlib.contextmanager
+    def beating(self, actor: str, every_s: float = 0.2):
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(every_s):
+                self.beat(actor)
+
+        thread = threading.Thread(target=beat, name=f"{actor}-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+            self.beat(actor)
+
+    def age_s(self, actor: str) -> float:
+        self._thread("beats-poll", self._poll)
+        last = max(self._seen[actor][1], self._own.get(actor, 0.0))
+        return time.monotonic() - last
+
+    def pid(self, actor: str) -> int:
+        """The actor's pid when it runs on this host and has beaten since it (re)started, else 0."""
+        if actor in self._pids:
+            return self._pids[actor]
+        record = self._seen[actor][0]
+        if not record or record == self._before_start.get(actor):
+            return 0
+        _, host, pid = record
+        return pid if host == HOST else 0

@@ -1,0 +1,231 @@
+"""Ray placement (`cluster.placement = 'ray'`): the pipeline's actors as Ray actors in one
+placement group, on the nodes of a Ray cluster; imported only when a run asks for it.
+
+    gapless train (driver, trainer rank 0) ── owns ──> placement group [gen 0 .. gen R-1, environment]
+        │                                                 each bundle {"CPU": threads}, strategy SPREAD
+        ├── PostOffice actor (its node): channels, stop flag, heartbeats   (ray_mail.py)
+        └── WeightBoard actor (its node): the newest weights' object refs  (ray_weights.py)
+
+Each actor is an `_ActorHost` that runs the same main function as a local process
+(actors.generator_main / environment_main) on its `ActorSpec`, whose queues, flag, heartbeats and
+weights are the Ray stand-ins this placement's factories make. `address` empty: the run starts a
+private Ray instance on this machine (random ports, no dashboard, its own temporary directory) and
+stops it at shutdown; else it joins that cluster and leaves it running.
+
+Guaranteed: no wait is unbounded: the placement group is granted within
+`cluster.placement_timeout_s` or the run fails with a PlacementError naming the demand and what
+the cluster has (a demand the cluster cannot hold at all fails at once); an actor killed in any
+way is reported by `exited` within a poll (its `run` call fails), one whose main function returned
+a second later (so that its last message, an ActorError, arrives first); `shutdown` kills every
+actor, removes the placement group and stops a private instance, also when the run fails before
+its actors start (atexit). Restarts are the pipeline's decision (every actor has
+max_restarts = 0): a replacement replica takes the bundle its evicted predecessor held.
+Not guaranteed: the trainer's data-parallel ranks are placed here (they stay processes on the
+trainer's machine, trainer/distributed.py); lending idle trainer cores (local placement only).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Callable
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from gapless.config import Config
+from gapless.orchestrate.placement import ActorExit, PlacementError
+from gapless.orchestrate.ray_mail import PostOffice, RayChannel, RayHeartbeats, RayStopFlag, flush_writers
+from gapless.orchestrate.ray_weights import ObjectStoreSender, ObjectStoreWeights, WeightBoard
+
+RETURNED_GRACE_S = 1.0  # an actor whose main returned is reported this long after (its last words first)
+STRATEGY = "SPREAD"
+
+
+@ray.remote(max_restarts=0, max_task_retries=0)
+class _ActorHost:
+    """One placed actor: runs its main function in the worker's main thread (signals work there)."""
+
+    def run(self, main: Callable[[Any], None], spec: Any) -> None:
+        try:
+            main(spec)
+        finally:
+            flush_writers()
+
+    def where(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), os.getpid()
+
+
+class RayPlacement:
+    kind = "ray"
+
+    def __init__(self, cfg: Config, log=print):
+        self.cfg, self.cluster, self.log = cfg, cfg.cluster, log
+        self.ctx = mp.get_context("spawn")  # only for what stays in the trainer's process
+        self.temp_dir: str | None = None
+        self.private = not self.cluster.address
+        self.hosts: dict[str, Any] = {}
+        self.runs: dict[str, Any] = {}  # name -> ObjectRef of its run()
+        self.returned: dict[str, float] = {}  # name -> when its run() was seen done
+        self.bundles: dict[str, int] = {}  # name -> bundle index it holds
+        self.pg = None
+        self.sender: ObjectStoreSender | None = None
+        self._closed = False
+        self._connect()
+        atexit.register(self._teardown)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.office = PostOffice.options(scheduling_strategy=here).remote()
+        self.board = WeightBoard.options(scheduling_strategy=here).remote()
+
+    # ---- connection ----------------------------------------------------------------------------
+    def _demand(self) -> list[dict[str, float]]:
+        pl = self.cfg.pipeline
+        return [{"CPU": float(pl.generator_threads_resolved)}] * self.cluster.replicas + [{"CPU": 1.0}]
+
+    def _connect(self) -> None:
+        if ray.is_initialized():
+            raise PlacementError("cluster.placement = 'ray': this process is already connected to Ray; a run "
+                                 "connects (and disconnects) itself")
+        options: dict[str, Any] = dict(include_dashboard=False, logging_level="warning", log_to_driver=True,
+                                       namespace=f"gapless-{os.getpid()}")
+        if self.private:
+            self.temp_dir = tempfile.mkdtemp(prefix="gapless-ray-")  # short: Ray's socket paths must fit 107 bytes
+            cores = len(os.sched_getaffinity(0))
+            # placement tokens, not cores: the actors may share this machine's cores, as on the local
+            # placement (reserve() warns as it does)
+            options.update(num_cpus=max(cores, int(sum(b["CPU"] for b in self._demand()))), _temp_dir=self.temp_dir,
+                           _node_ip_address="127.0.0.1")
+            if self.cluster.object_store_mb:
+                options["object_store_memory"] = self.cluster.object_store_mb << 20
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private instance: only this run talks to it
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        else:
+            options["address"] = self.cluster.address
+        try:
+            ray.init(**options)
+        except Exception as exc:
+            self._teardown()
+            where = f"the Ray cluster at {self.cluster.address!r} (cluster.address)" if not self.private else \
+                "a private Ray instance"
+            raise PlacementError(f"could not start or join {where}: {exc}") from exc
+
+    # ---- the Placement protocol ----------------------------------------------------------------
+    def reserve(self, threads: dict[str, int]) -> str | None:
+        """Ask the cluster for one bundle per replica and one for the environment; bounded wait."""
+        demand = self._demand()
+        total, free = ray.cluster_resources(), ray.available_resources()
+        nodes = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
+        described = f"{len(demand)} bundles {demand} ({STRATEGY}: {self.cluster.replicas} replicas + the environment)"
+        available = (f"the cluster has {free.get('CPU', 0.0):g} of {total.get('CPU', 0.0):g} CPUs free on "
+                     f"{len(nodes)} nodes (CPUs per node: {sorted(nodes, reverse=True)})")
+        fix = ("add nodes (`ray start --address ...` on each), or lower cluster.replicas / "
+               "pipeline.generator_threads")
+        biggest = max((b["CPU"] for b in demand), default=0.0)
+        if sum(b["CPU"] for b in demand) > total.get("CPU", 0.0) or biggest > max(nodes, default=0.0):
+            self._teardown()
+            raise PlacementError(f"the actors need {described} but {available}: it can never fit; {fix}")
+        self.pg = placement_group(demand, strategy=STRATEGY, name=f"gapless-{os.getpid()}")
+        ready, _ = ray.wait([self.pg.ready()], timeout=self.cluster.placement_timeout_s)
+        if not ready:
+            free = ray.available_resources()
+            self._teardown()
+            raise PlacementError(f"the actors need {described}, not granted within {self.cluster.placement_timeout_s:g} s "
+                                 f"(cluster.placement_timeout_s); the cluster has {free.get('CPU', 0.0):g} CPUs free now; "
+                                 f"{fix}")
+        used = sum(threads.values())
+        if self.private and used > len(os.sched_getaffinity(0)):
+            return f"the actors run {used} threads at once on {len(os.sched_getaffinity(0))} cores: they will share cores"
+        return None
+
+    def channel(self, maxsize: int = 0) -> RayChannel:
+        return RayChannel(self.office, maxsize)
+
+    def stop_flag(self) -> RayStopFlag:
+        return RayStopFlag(self.office)
+
+    def heartbeats(self, actors: tuple[str, ...]) -> RayHeartbeats:
+        return RayHeartbeats(self.office, actors)
+
+    def weights(self, state, version: int) -> ObjectStoreWeights:
+        if self.sender is None:
+            self.sender = ObjectStoreSender(self.board, state)
+        if version > self.sender.version:
+            self.sender.publish(state, version)
+        return ObjectStoreWeights(self.sender, self.cluster.op_timeout_s, self.cluster.rendezvous_timeout_s)
+
+    def start(self, name: str, main: Callable[[Any], None], spec: Any) -> None:
+        if self.pg is None:
+            raise RuntimeError("RayPlacement.start before reserve(): the placement group is not granted")
+        held = set(self.bundles.values())
+        replica = name != "environment"
+        candidates = range(self.cluster.replicas) if replica else [self.cluster.replicas]
+        bundle = next((i for i in candidates if i not in held), None)
+        if bundle is None:
+            raise PlacementError(f"no free bundle for {name}: bundles held {self.bundles}")
+        strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
+        cpus = self._demand()[bundle]["CPU"]
+        host = _ActorHost.options(num_cpus=cpus, scheduling_strategy=strategy, name=None).remote()
+        # the actor is not the trainer's child: Ray ties its life to this driver instead of PR_SET_PDEATHSIG
+        self.runs[name] = host.run.remote(main, dataclasses.replace(spec, trainer_pid=0))
+        self.hosts[name], self.bundles[name] = host, bundle
+
+    def exited(self) -> list[ActorExit]:
+        if not self.runs:
+            return []
+        done, _ = ray.wait(list(self.runs.values()), num_returns=len(self.runs), timeout=0)
+        done = set(done)
+        gone, now = [], time.monotonic()
+        for name, ref in self.runs.items():
+            if ref not in done:
+                continue
+            try:
+                ray.get(ref, timeout=1.0)
+            except Exception:
+                gone.append(ActorExit(name, None))  # killed (ActorDiedError) or its node lost
+                continue
+            since = self.returned.setdefault(name, now)
+            if now - since >= RETURNED_GRACE_S:
+                gone.append(ActorExit(name, 0))
+        return gone
+
+    def kill(self, name: str) -> None:
+        host = self.hosts.pop(name, None)
+        self.runs.pop(name, None)
+        self.returned.pop(name, None)
+        self.bundles.pop(name, None)
+        if host is not None:
+            ray.kill(host, no_restart=True)
+
+    def shutdown(self, stop, grace_s: float) -> None:
+        if self.runs:
+            stop.set()
+            ray.wait(list(self.runs.values()), num_returns=len(self.runs), timeout=grace_s)
+        self._teardown()
+
+    def _teardown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.sender is not None:
+            self.sender.close()
+        if ray.is_initialized():
+            for host in self.hosts.values():
+                try:
+                    ray.kill(host, no_restart=True)
+                except Exception:
+                    pass
+            if self.pg is not None:
+                try:
+                    remove_placement_group(self.pg)
+                except Exception:
+                    pass
+            ray.shutdown()
+        self.hosts, self.runs = {}, {}
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
