@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything gapless needs on a fresh Linux machine: bubblewrap, a C compiler (for the
 # engine's native decode kernels; optional), chromium (optional: the report test renders in it), a virtualenv in .venv, PyTorch (the CPU build unless an NVIDIA GPU
-# is present), and gapless itself with its test extras.
+# is present), and gapless itself with its test extras (which include Ray, for cluster.placement = 'ray').
 # Idempotent: a second run with unchanged pyproject.toml returns in well under a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."

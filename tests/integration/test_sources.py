@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,9 +29,10 @@ pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewra
 STEPS = 3
 
 
-def _loop(tmp_path, warm_cache, kind: str, budget: int) -> RunLoop:
+def _loop(tmp_path, warm_cache, kind: str, budget: int, placement: str = "local") -> RunLoop:
     overrides = {
-        "run_dir": json.dumps(str(tmp_path / f"{kind}-{budget}")),
+        "run_dir": json.dumps(str(tmp_path / f"{kind}-{placement}-{budget}")),
+        "cluster.placement": json.dumps(placement),
         "warmstart.cache_dir": json.dumps(str(warm_cache)),
         "loop.steps": str(STEPS), "trainer.threads": "1",
         "pipeline.generator_threads": "1", "pipeline.trainer_threads": "1",
@@ -79,5 +83,36 @@ def test_the_process_source_keeps_the_contract_with_a_budget(tmp_path, warm_cach
     assert not [p.name for p in multiprocessing.active_children() if p.name.startswith("gapless-")]  # close stopped the actors
 
 
+@pytest.mark.slow
+def test_the_ray_placement_keeps_the_contract_and_agrees_with_inline_at_budget_zero(tmp_path, warm_cache):
+    pytest.importorskip("ray")
+    inline = _drive(_loop(tmp_path, warm_cache, "inline", 0), 0)
+    placed = _drive(_loop(tmp_path, warm_cache, "process", 0, "ray"), 0)
+    assert inline == placed
+
+
 def test_every_placement_implements_the_protocol():
     assert isinstance(LocalPlacement(), Placement)
+    ray_placement = pytest.importorskip("gapless.orchestrate.ray_placement")
+    members = [m for m in vars(Placement) if not m.startswith("_")]
+    assert all(hasattr(ray_placement.RayPlacement, m) for m in members if m != "ctx"), members
+
+
+RUN_AND_LIST_MODULES = """
+import json, sys
+from gapless.cli import main
+rc = main(sys.argv[1:])
+print(json.dumps({"rc": rc, "ray": sorted(m for m in sys.modules if m == "ray" or m.startswith("ray."))}))
+"""
+
+
+def test_a_local_run_never_imports_ray(tmp_path, warm_cache):
+    """The default placement runs the whole pipeline (generator and environment processes) without
+    Ray in the trainer's process (the actors import only what the trainer sends them)."""
+    args = [str(CONFIGS / "smoke.toml"), "--run-dir", str(tmp_path / "run"), "--warmstart.cache_dir", str(warm_cache),
+            "--loop.steps", "1", "--loop.eval_every", "100", "--pipeline.max_staleness", "1", "--trainer.threads", "1",
+            "--pipeline.generator_threads", "1", "--pipeline.trainer_threads", "1", "--metrics.tensorboard", "false"]
+    done = subprocess.run([sys.executable, "-c", RUN_AND_LIST_MODULES, "train", *args], capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2] / "src")))
+    outcome = json.loads(done.stdout.strip().splitlines()[-1])
+    assert outcome == {"rc": 0, "ray": []}, done.stderr[-2000:]

@@ -171,7 +171,7 @@ class RayChannel:
             try:
                 while not _call(self.office.put_many.remote(self.box, items, self.maxsize, POLL_S)):
                     pass  # the box is full: the reader is behind (back-pressure)
-            except Exception:
+            except BaseException:  # noqa: BLE001 - Ray raises SystemExit in threads after shutdown
                 return  # the mailbox is gone: the run is over
             finally:
                 with self._lock:
@@ -196,7 +196,7 @@ class RayChannel:
         while True:
             try:
                 items = _call(self.office.get_many.remote(self.box, self.maxsize, POLL_S))
-            except Exception:
+            except BaseException:  # noqa: BLE001 - Ray raises SystemExit in threads after shutdown
                 return
             for item in items:
                 self._received.put(item)  # blocks when the reader is maxsize behind
@@ -224,7 +224,7 @@ class RayStopFlag:
 
     def set(self) -> None:
         self._set.set()
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(BaseException):
             _call(self.office.set_stop.remote(), 5.0)
 
     def _watch(self) -> None:
@@ -238,7 +238,7 @@ class RayStopFlag:
             try:
                 if _call(self.office.wait_stop.remote(POLL_S)):
                     self._set.set()
-            except Exception:
+            except BaseException:  # noqa: BLE001 - Ray raises SystemExit in threads after shutdown
                 self._set.set()  # the mailbox is gone: the trainer has gone, so stop
                 return
 
@@ -301,22 +301,32 @@ class RayHeartbeats:
             if changed:
                 try:
                     _call(self.office.beat.remote(changed), 5.0)
-                except Exception:
+                except BaseException:  # noqa: BLE001 - Ray raises SystemExit in threads after shutdown
                     return
                 sent.update({a: record[0] for a, record in changed.items()})
             time.sleep(PUSH_S)
 
+    def _read(self) -> None:
+        beats = _call(self.office.read_beats.remote(), 5.0)
+        now = time.monotonic()
+        for actor, record in beats.items():
+            if actor in self._seen and self._seen[actor][0] != record:
+                self._seen[actor] = (record, now)
+
     def _poll(self) -> None:
         while True:
-            try:
-                beats = _call(self.office.read_beats.remote(), 5.0)
-            except Exception:
-                return
-            now = time.monotonic()
-            for actor, record in beats.items():
-                if actor in self._seen and self._seen[actor][0] != record:
-                    self._seen[actor] = (record, now)
             time.sleep(PUSH_S)
+            try:
+                self._read()
+            except BaseException:  # noqa: BLE001 - Ray raises SystemExit in threads after shutdown
+                return
+
+    def _watch(self) -> None:
+        """The trainer's side: the first call reads the beats now, then a poller keeps them current."""
+        if "beats-poll" not in self._threads:
+            with contextlib.suppress(BaseException):
+                self._read()
+            self._thread("beats-poll", self._poll)
 
     def starting(self, actor: str) -> None:
         """`actor` is being started now: its start-up allowance starts now, and its pid is unknown
@@ -343,7 +353,7 @@ class RayHeartbeats:
             self.beat(actor)
 
     def age_s(self, actor: str) -> float:
-        self._thread("beats-poll", self._poll)
+        self._watch()
         last = max(self._seen[actor][1], self._own.get(actor, 0.0))
         return time.monotonic() - last
 
@@ -351,6 +361,7 @@ class RayHeartbeats:
         """The actor's pid when it runs on this host and has beaten since it (re)started, else 0."""
         if actor in self._pids:
             return self._pids[actor]
+        self._watch()
         record = self._seen[actor][0]
         if not record or record == self._before_start.get(actor):
             return 0

@@ -1,0 +1,150 @@
+"""The pipeline on Ray placement (slow): a local multi-node Ray cluster started by the test
+(`ray.cluster_utils.Cluster`: a head without CPUs for the trainer and three 1-CPU nodes, all on
+127.0.0.1), and a private instance that `gapless train` starts itself.
+
+Checked: at budget 0 the Ray placement reproduces the local placement bitwise (same checkpoint,
+same ledger) with its actors spread over the virtual nodes; an infeasible placement fails within
+15 s with an error naming the demand and what is available; `gapless train --cluster.placement ray
+--cluster.replicas 2` runs with no Ray running and survives a replica killed with SIGKILL (its
+groups end `replica_lost`, exactly once); no run leaves a Ray process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from gapless.orchestrate.ledger import check_ledger, read_events  # noqa: E402
+
+from crash import SRC, train  # noqa: E402
+from test_ray_placement import ray_processes  # noqa: E402
+
+CONFIG = str(Path(__file__).parents[2] / "configs" / "smoke.toml")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")]
+CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt", "trainer_state.json")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # every node on loopback (this box advertises eth0 otherwise)
+           "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    temp_dir = tempfile.mkdtemp(prefix="gapless-rc-")
+    common = dict(node_ip_address="127.0.0.1", object_store_memory=200 << 20)
+    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False, temp_dir=temp_dir, **common))
+    try:
+        for _ in range(3):
+            c.add_node(num_cpus=1, **common)
+        c.wait_for_nodes()
+        yield c
+    finally:
+        c.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        deadline = time.monotonic() + 15
+        while ray_processes(temp_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = ray_processes(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        assert not left, left
+
+
+def _args(run: Path, warm_cache: Path, steps: int, budget: int, *extra: str) -> list[str]:
+    return [CONFIG, "--run-dir", str(run), "--warmstart.cache_dir", str(warm_cache), "--loop.steps", str(steps),
+            "--loop.eval_every", "100", "--loop.checkpoint_every", str(steps), "--pipeline.max_staleness", str(budget),
+            "--trainer.threads", "1", "--pipeline.generator_threads", "1", "--pipeline.trainer_threads", "1",
+            "--metrics.tensorboard", "false", *extra]
+
+
+def _ledger(run: Path) -> list[dict]:
+    return [{k: v for k, v in e.items() if k not in ("t", "time")} for e in read_events(run / "groups.jsonl")]
+
+
+def _actor_hosts_gone(timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not [line for line in ray_processes("ray::_ActorHost")]:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_ray_placement_on_a_multi_node_cluster_reproduces_local_bitwise(tmp_path, warm_cache, cluster):
+    steps = 4
+    local = train(_args(tmp_path / "local", warm_cache, steps, 0), tmp_path / "local.txt", timeout_s=900)
+    assert local.rc == 0 and local.survivors == [], local.stderr[-2000:]
+    placed = train(_args(tmp_path / "ray", warm_cache, steps, 0, "--cluster.placement", "ray",
+                         "--cluster.address", cluster.address), tmp_path / "ray.txt", timeout_s=900)
+    assert placed.rc == 0 and placed.survivors == [], placed.stderr[-2000:]
+    for name in CHECKPOINT_FILES:
+        a = (tmp_path / "local" / "checkpoints" / f"step_{steps}" / name).read_bytes()
+        b = (tmp_path / "ray" / "checkpoints" / f"step_{steps}" / name).read_bytes()
+        assert a == b, name
+    assert _ledger(tmp_path / "local") == _ledger(tmp_path / "ray")
+    assert _actor_hosts_gone()  # the run's actors died with it; the cluster stays up
+
+
+RESERVE = """
+import json, sys, time
+from gapless.config import load_config
+from gapless.orchestrate.placement import PlacementError, make_placement
+cfg = load_config(sys.argv[1], json.loads(sys.argv[2]))
+start = time.monotonic()
+try:
+    make_placement(cfg).reserve({})
+    error = None
+except PlacementError as exc:
+    error = str(exc)
+print(json.dumps({"elapsed_s": time.monotonic() - start, "error": error}))
+"""
+
+
+def test_an_infeasible_placement_fails_fast_naming_demand_and_supply(tmp_path, cluster):
+    overrides = {"run_dir": json.dumps(str(tmp_path / "run")), "cluster.placement": '"ray"',
+                 "cluster.address": json.dumps(cluster.address), "cluster.replicas": "4",
+                 "cluster.placement_timeout_s": "10", "pipeline.generator_threads": "1"}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", RESERVE, CONFIG, json.dumps(overrides)], capture_output=True,
+                          text=True, timeout=120)
+    outcome = json.loads(done.stdout.strip().splitlines()[-1])
+    assert outcome["error"] is not None, done.stderr[-2000:]  # 4 replicas + the environment on 3 CPUs
+    assert outcome["elapsed_s"] < 15 and time.monotonic() - start < 60
+    assert "5 bundles" in outcome["error"] and "3 of 3 CPUs free" in outcome["error"], outcome["error"]
+    assert "cluster.replicas" in outcome["error"]  # the fix
+
+
+def test_gapless_train_on_a_private_ray_instance_survives_a_killed_replica(tmp_path, warm_cache):
+    steps, budget = 6, 1
+    run = tmp_path / "run"
+    outcome = train(_args(run, warm_cache, steps, budget, "--cluster.placement", "ray", "--cluster.replicas", "2",
+                          "--cluster.op_timeout_s", "5"),
+                    tmp_path / "err.txt", "generator-1:decode:3:kill", timeout_s=900)
+    assert outcome.fault_time is not None, outcome.stderr[-2000:]
+    assert outcome.rc == 0, outcome.stderr[-3000:]
+    assert outcome.survivors == [], outcome.survivors  # the private instance is gone with the run
+    events = read_events(run / "groups.jsonl")
+    check_ledger(events, steps, 2)  # every admitted group ends exactly once; each step trained once
+    trained = [e for e in events if e["event"] == "trained"]
+    assert trained and all(0 <= e["staleness"] <= budget for e in trained)
+    summary = json.loads((run / "staleness.json").read_text())
+    assert [e["replica"] for e in summary["evictions"]] == ["generator-1"], summary["evictions"]
+    lost = sum(1 for e in events if e.get("reason") == "replica_lost")
+    assert lost == summary["drops"].get("replica_lost", 0)
