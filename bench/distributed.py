@@ -1,0 +1,263 @@
+"""Ray placement figures, in one run: weight relay time against bytes and receivers, the
+trainer-blocking part of a push, failure detection, and s/step of Ray placement against local.
+
+1. Relay (`cluster.weight_transport = 'object_store'`): on a private Ray instance, receivers
+   placed as Ray actors (RayPlacement) hold an ObjectStoreWeights receiver each. The trainer
+   publishes a state of S bytes; the relay time is publish -> the last receiver flipped to it
+   (wall clock, one host). S in --sizes (MB), receivers 1 and 2, median of --reps. Fitted per
+   receiver count as T = alpha + S / B (least squares), then checked on the held-out size
+   (--held-out MB): the prediction must fall within 25% of the measurement.
+2. Trainer-blocking push: the default model's state (model.* defaults), SharedWeights.publish
+   (local placement's shared-memory double buffer, no reader) against ObjectStoreSender.publish
+   (the copy into the staging half; the relay thread does the rest), interleaved, medians.
+3. Failure detection: a placed actor killed with SIGKILL -> RayPlacement.exited() reports it;
+   one stopped with SIGSTOP -> its heartbeat age on the trainer passes a 2 s threshold (the
+   pipeline evicts at cluster.op_timeout_s the same way); the excess over 2 s is the error.
+4. s/step: `gapless train configs/smoke.toml` at one replica, budget 1, --steps steps, local
+   then Ray placement (a private instance the run starts itself); median perf/step_s of the
+   steps after the first (Ray's start-up is not a step).
+
+    PYTHONPATH=src python bench/distributed.py [--sizes 4,16,64] [--held-out 32] [--reps 5] [--steps 8]
+
+Prints one line per measurement, then one JSON object on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+MB = 1 << 20
+
+
+@dataclass
+class ReceiverSpec:
+    name: str
+    trainer_pid: int
+    inbox: Any
+    outbox: Any
+    stop: Any
+    heartbeats: Any
+    weights: dict  # key -> ObjectStoreWeights receiver
+
+
+def receiver_main(spec: ReceiverSpec) -> None:
+    """Fetch the handles the trainer activates; report each version landed with its wall time."""
+    import queue
+
+    spec.heartbeats.register(spec.name)
+    spec.outbox.put(("pid", os.getpid()))
+    active: dict[str, int] = {}
+    while not spec.stop.is_set():
+        spec.heartbeats.beat(spec.name)
+        try:
+            key = spec.inbox.get(timeout=0.001)
+            active[key] = -1
+        except queue.Empty:
+            pass
+        for key, have in list(active.items()):
+            got = spec.weights[key].fetch_into(lambda state, v: None, have)
+            if got is not None:
+                active[key] = got
+                spec.outbox.put(("landed", key, got, time.time()))
+
+
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares T = alpha + S / B over (S bytes, T s): returns (alpha s, B bytes/s)."""
+    n = len(points)
+    sx = sum(s for s, _ in points)
+    sy = sum(t for _, t in points)
+    sxx = sum(s * s for s, _ in points)
+    sxy = sum(s * t for s, t in points)
+    slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+    alpha = (sy - slope * sx) / n
+    return alpha, 1.0 / slope
+
+
+def relay_and_failures(sizes_mb: list[int], held_out_mb: int, reps: int) -> dict:
+    from gapless.config import load_config
+    from gapless.orchestrate.placement import make_placement
+    from gapless.orchestrate.ray_weights import ObjectStoreSender, ObjectStoreWeights, WeightBoard
+
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    cfg = load_config(ROOT / "configs" / "smoke.toml", {
+        "cluster.placement": '"ray"', "cluster.replicas": "2", "pipeline.generator_threads": "1",
+        "cluster.object_store_mb": "3000", "run_dir": json.dumps(tempfile.mkdtemp(prefix="gapless-bench-"))})
+    placement = make_placement(cfg)
+    out: dict = {}
+    try:
+        placement.reserve({})
+        stop, beats = placement.stop_flag(), placement.heartbeats(("trainer", "r0", "r1"))
+        senders, handles = {}, {}
+        for mb in sorted(set(sizes_mb + [held_out_mb])):
+            for receivers in (1, 2):
+                key = f"{mb}MB-R{receivers}"
+                state = {"w": torch.zeros(mb * MB // 4)}
+                senders[key] = ObjectStoreSender(WeightBoard.remote(), state)
+                senders[key].publish(state, 0)
+                handles[key] = ObjectStoreWeights(senders[key], 60.0, 600.0)
+        boxes = []
+        for r in range(2):
+            inbox, outbox = placement.channel(), placement.channel()
+            placement.start(f"generator-{r}" if r == 0 else "generator-1",
+                            receiver_main, ReceiverSpec(f"r{r}", os.getpid(), inbox, outbox, stop, beats, handles))
+            boxes.append((inbox, outbox))
+        pids = [box[1].get(timeout=300)[1] for box in boxes]
+
+        def landed(outbox, key, version, timeout_s=120.0) -> float:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                kind, k, v, t = outbox.get(timeout=deadline - time.monotonic())
+                if k == key and v == version:
+                    return t
+            raise TimeoutError(key)
+
+        relay: dict[str, dict] = {}
+        for key, sender in senders.items():
+            receivers = int(key.split("R")[1])
+            for inbox, outbox in boxes[:receivers]:
+                inbox.put(key)
+                landed(outbox, key, 0, 300)
+            times = []
+            for v in range(1, reps + 1):
+                state = {"w": torch.full((sender.layout.nbytes // 4,), float(v))}
+                t0 = time.time()
+                sender.publish(state, v)
+                times.append(max(landed(outbox, key, v) for _, outbox in boxes[:receivers]) - t0)
+            relay[key] = {"bytes": sender.layout.nbytes, "receivers": receivers, "median_s": statistics.median(times),
+                          "runs_s": [round(t, 4) for t in times]}
+            print(f"relay {key}: median {relay[key]['median_s'] * 1e3:.1f} ms  {relay[key]['runs_s']}", flush=True)
+            sender.close()
+        fits = {}
+        for receivers in (1, 2):
+            points = [(d["bytes"], d["median_s"]) for k, d in relay.items()
+                      if d["receivers"] == receivers and d["bytes"] != held_out_mb * MB]
+            alpha, bandwidth = _fit(points)
+            held = relay[f"{held_out_mb}MB-R{receivers}"]
+            predicted = alpha + held["bytes"] / bandwidth
+            error = abs(predicted - held["median_s"]) / held["median_s"]
+            fits[f"R{receivers}"] = {"alpha_s": alpha, "bandwidth_GBps": bandwidth / 1e9, "held_out_MB": held_out_mb,
+                                     "held_out_measured_s": held["median_s"], "held_out_predicted_s": predicted,
+                                     "held_out_error": error, "within_25pct": error <= 0.25}
+            print(f"fit R={receivers}: alpha {alpha * 1e3:.1f} ms, B {bandwidth / 1e9:.2f} GB/s; held-out "
+                  f"{held_out_mb} MB measured {held['median_s'] * 1e3:.1f} ms, predicted {predicted * 1e3:.1f} ms "
+                  f"({error:.0%})", flush=True)
+        out.update(relay=relay, relay_fit=fits)
+
+        # failure detection: SIGSTOP r1 (heartbeat age past 2 s), SIGKILL r0 (exited)
+        threshold = 2.0
+        beats.age_s("r1")
+        time.sleep(1.0)
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        while beats.age_s("r1") <= threshold:
+            time.sleep(0.01)
+        stop_detect = time.monotonic() - stopped
+        os.kill(pids[1], signal.SIGCONT)
+        os.kill(pids[0], signal.SIGKILL)
+        killed = time.monotonic()
+        while not any(e.name == "generator-0" for e in placement.exited()):
+            time.sleep(0.005)
+        kill_detect = time.monotonic() - killed
+        out["failure_detection"] = {"ray_actor_sigkill_s": kill_detect, "heartbeat_threshold_s": threshold,
+                                    "sigstop_detected_after_s": stop_detect,
+                                    "sigstop_excess_over_threshold_s": stop_detect - threshold}
+        print(f"detection: SIGKILL -> exited {kill_detect * 1e3:.0f} ms; SIGSTOP -> heartbeat age past {threshold:g} s "
+              f"after {stop_detect:.2f} s", flush=True)
+    finally:
+        placement.shutdown(placement.stop_flag(), 2.0)
+    return out
+
+
+def blocking_push(reps: int) -> dict:
+    import ray
+
+    from gapless.config import ModelConfig
+    from gapless.envs.problems import generate_problems
+    from gapless.models import build_tiny
+    from gapless.orchestrate.ray_weights import ObjectStoreSender, WeightBoard
+    from gapless.orchestrate.weights import SharedWeights
+
+    problems = generate_problems(0, "train", 64, [1, 2, 3])
+    torch.manual_seed(0)
+    policy = build_tiny(ModelConfig(), [p.prompt + p.solution for p in problems], seed=0)
+    state = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    temp = tempfile.mkdtemp(prefix="gapless-ray-")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=1, include_dashboard=False, _temp_dir=temp, _node_ip_address="127.0.0.1", logging_level="warning")
+    try:
+        shm = SharedWeights(state, 0)
+        sender = ObjectStoreSender(WeightBoard.remote(), state)
+        sender.publish(state, 0)
+        local, cluster = [], []
+        for v in range(1, reps + 1):
+            t = time.perf_counter()
+            shm.publish(state, v)
+            local.append(time.perf_counter() - t)
+            sender.wait_relayed(v - 1, 30)  # as in a run: the previous version has left (a step apart)
+            t = time.perf_counter()
+            sender.publish(state, v)
+            cluster.append(time.perf_counter() - t)
+        sender.close()
+    finally:
+        ray.shutdown()
+    result = {"state_bytes": nbytes, "local_shm_publish_s": statistics.median(local),
+              "object_store_blocking_publish_s": statistics.median(cluster)}
+    result["ratio"] = result["object_store_blocking_publish_s"] / result["local_shm_publish_s"]
+    print(f"blocking push of {nbytes / MB:.1f} MB: local shm {result['local_shm_publish_s'] * 1e3:.2f} ms, "
+          f"object store (staging copy) {result['object_store_blocking_publish_s'] * 1e3:.2f} ms "
+          f"({result['ratio']:.2f}x)", flush=True)
+    return result
+
+
+def step_times(steps: int) -> dict:
+    out = {}
+    work = Path(tempfile.mkdtemp(prefix="gapless-bench-steps-"))
+    for placement in ("local", "ray"):
+        run = work / placement
+        args = [sys.executable, "-m", "gapless.cli", "train", str(ROOT / "configs" / "smoke.toml"), "--run-dir", str(run),
+                "--warmstart.cache_dir", str(work / "warm"), "--loop.steps", str(steps), "--loop.eval_every", "1000",
+                "--pipeline.max_staleness", "1", "--trainer.threads", "1", "--pipeline.generator_threads", "1",
+                "--pipeline.trainer_threads", "1", "--metrics.tensorboard", "false", "--cluster.placement", placement]
+        subprocess.run(args, check=True, capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        per_step = [r["perf/step_s"] for r in rows if "perf/step_s" in r][1:]
+        out[placement] = statistics.median(per_step)
+        print(f"s/step {placement}: {out[placement]:.3f} (median of {len(per_step)})", flush=True)
+    out["ratio"] = out["ray"] / out["local"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="4,16,64")
+    parser.add_argument("--held-out", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--push-reps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    result = {"cores": len(os.sched_getaffinity(0)), "load_avg_start": os.getloadavg()[0]}
+    result["push"] = blocking_push(args.push_reps)
+    result.update(relay_and_failures([int(s) for s in args.sizes.split(",")], args.held_out, args.reps))
+    result["s_per_step"] = step_times(args.steps)
+    result["load_avg_end"] = os.getloadavg()[0]
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
