@@ -106,6 +106,7 @@ print(json.dumps({"rc": rc, "ray": sorted(m for m in sys.modules if m == "ray" o
 """
 
 
+@pytest.mark.slow
 def test_a_local_run_never_imports_ray(tmp_path, warm_cache):
     """The default placement runs the whole pipeline (generator and environment processes) without
     Ray in the trainer's process (the actors import only what the trainer sends them)."""

@@ -107,8 +107,19 @@ class PostOffice:
         return dict(self.beats)
 
 
-def _call(ref, timeout_s: float = CALL_TIMEOUT_S):
-    return ray.get(ref, timeout=timeout_s)
+def _call(make_ref, timeout_s: float = CALL_TIMEOUT_S):
+    """`make_ref()`'s result, if this process is still connected to Ray: a thread outliving the run's
+    connection must end, never start a Ray instance of its own (ray.get's auto-init)."""
+    if not ray.is_initialized():
+        raise ConnectionError("not connected to Ray (the run ended)")
+    return ray.get(make_ref(), timeout=timeout_s)
+
+
+def no_auto_init() -> None:
+    """Turn off Ray's implicit ray.init in this process (a call after shutdown must fail, not start Ray)."""
+    from ray._private import auto_init_hook
+
+    auto_init_hook.enable_auto_connect = False
 
 
 # ---- channels ---------------------------------------------------------------------------------
@@ -169,7 +180,7 @@ class RayChannel:
                 self._in_flight = len(items)
                 self._lock.notify_all()  # room for a blocked put
             try:
-                while not _call(self.office.put_many.remote(self.box, items, self.maxsize, POLL_S)):
+                while not _call(lambda: self.office.put_many.remote(self.box, items, self.maxsize, POLL_S)):
                     pass  # the box is full: the reader is behind (back-pressure)
             except BaseException:  # noqa: BLE001 - Ray raises SystemExit in threads after shutdown
                 return  # the mailbox is gone: the run is over
@@ -195,7 +206,7 @@ class RayChannel:
     def _read_loop(self) -> None:
         while True:
             try:
-                items = _call(self.office.get_many.remote(self.box, self.maxsize, POLL_S))
+                items = _call(lambda: self.office.get_many.remote(self.box, self.maxsize, POLL_S))
             except BaseException:  # noqa: BLE001 - Ray raises SystemExit in threads after shutdown
                 return
             for item in items:
@@ -225,7 +236,7 @@ class RayStopFlag:
     def set(self) -> None:
         self._set.set()
         with contextlib.suppress(BaseException):
-            _call(self.office.set_stop.remote(), 5.0)
+            _call(lambda: self.office.set_stop.remote(), 5.0)
 
     def _watch(self) -> None:
         with self._start_lock:
@@ -236,7 +247,7 @@ class RayStopFlag:
     def _poll(self) -> None:
         while not self._set.is_set():
             try:
-                if _call(self.office.wait_stop.remote(POLL_S)):
+                if _call(lambda: self.office.wait_stop.remote(POLL_S)):
                     self._set.set()
             except BaseException:  # noqa: BLE001 - Ray raises SystemExit in threads after shutdown
                 self._set.set()  # the mailbox is gone: the trainer has gone, so stop
@@ -300,14 +311,14 @@ class RayHeartbeats:
             changed = {a: (n, HOST, self._pids.get(a, os.getpid())) for a, n in list(self._count.items()) if sent.get(a) != n}
             if changed:
                 try:
-                    _call(self.office.beat.remote(changed), 5.0)
+                    _call(lambda: self.office.beat.remote(changed), 5.0)
                 except BaseException:  # noqa: BLE001 - Ray raises SystemExit in threads after shutdown
                     return
                 sent.update({a: record[0] for a, record in changed.items()})
             time.sleep(PUSH_S)
 
     def _read(self) -> None:
-        beats = _call(self.office.read_beats.remote(), 5.0)
+        beats = _call(lambda: self.office.read_beats.remote(), 5.0)
         now = time.monotonic()
         for actor, record in beats.items():
             if actor in self._seen and self._seen[actor][0] != record:

@@ -41,7 +41,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from gapless.config import Config
 from gapless.orchestrate.placement import ActorExit, PlacementError
-from gapless.orchestrate.ray_mail import PostOffice, RayChannel, RayHeartbeats, RayStopFlag, flush_writers
+from gapless.orchestrate.ray_mail import PostOffice, RayChannel, RayHeartbeats, RayStopFlag, flush_writers, no_auto_init
 from gapless.orchestrate.ray_weights import ObjectStoreSender, ObjectStoreWeights, WeightBoard
 
 RETURNED_GRACE_S = 1.0  # an actor whose main returned is reported this long after (its last words first)
@@ -77,6 +77,7 @@ class RayPlacement:
         self.pg = None
         self.sender: ObjectStoreSender | None = None
         self._closed = False
+        no_auto_init()
         self._connect()
         atexit.register(self._teardown)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)

@@ -32,7 +32,7 @@ import numpy as np
 import ray
 import torch
 
-from gapless.orchestrate.ray_mail import CALL_TIMEOUT_S, POLL_S
+from gapless.orchestrate.ray_mail import POLL_S, _call
 
 ALIGN = 64
 
@@ -133,11 +133,12 @@ class ObjectStoreSender:
                     if self._closed:
                         return
                 half = 0 if self.held[0] > self.held[1] else 1
+                if not ray.is_initialized():
+                    return  # the run's connection is closed
                 with self.locks[half]:
                     version = self.held[half]
                     ref = ray.put(self.halves[half].numpy())  # one copy into the object store
-                ray.get(self.board.post.remote(version, self.layout.nbytes, self.layout.digest, [ref]),
-                        timeout=CALL_TIMEOUT_S)
+                _call(lambda: self.board.post.remote(version, self.layout.nbytes, self.layout.digest, [ref]))
                 with self._news:
                     self.relayed = version
                     self.relay_s.append((version, time.perf_counter() - self._published_at.pop(version, time.perf_counter())))
@@ -194,14 +195,14 @@ class ObjectStoreWeights:
     def _receive(self) -> None:
         try:
             while True:
-                news = ray.get(self.board.newest.remote(self._version, POLL_S), timeout=CALL_TIMEOUT_S)
+                news = _call(lambda: self.board.newest.remote(self._version, POLL_S))
                 if news is None:
                     continue
                 version, nbytes, digest, (ref,) = news
                 if digest != self.layout.digest or nbytes != self.layout.nbytes:
                     raise RuntimeError(f"weight version {version} has layout {digest[:8]} of {nbytes} bytes; this "
                                        f"replica expects {self.layout.digest[:8]} of {self.layout.nbytes} bytes")
-                data = ray.get(ref, timeout=self.op_timeout_s)
+                data = _call(lambda: ref, self.op_timeout_s)
                 if data.nbytes != nbytes:
                     raise RuntimeError(f"weight version {version} arrived with {data.nbytes} of {nbytes} bytes")
                 target = 1 - self.current
