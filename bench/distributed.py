@@ -18,6 +18,7 @@ trainer-blocking part of a push, failure detection, and s/step of Ray placement 
    steps after the first (Ray's start-up is not a step).
 
     PYTHONPATH=src python bench/distributed.py [--sizes 4,16,64] [--held-out 32] [--reps 5] [--steps 8]
+                                               [--parts push,relay,steps]
 
 Prints one line per measurement, then one JSON object on the last line.
 """
@@ -250,11 +251,16 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--push-reps", type=int, default=30)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--parts", default="push,relay,steps", help="which of push, relay (and detection), steps")
     args = parser.parse_args()
-    result = {"cores": len(os.sched_getaffinity(0)), "load_avg_start": os.getloadavg()[0]}
-    result["push"] = blocking_push(args.push_reps)
-    result.update(relay_and_failures([int(s) for s in args.sizes.split(",")], args.held_out, args.reps))
-    result["s_per_step"] = step_times(args.steps)
+    parts = set(args.parts.split(","))
+    result = {"cores": len(os.sched_getaffinity(0)), "load_avg_start": os.getloadavg()[0], "reps": args.reps}
+    if "push" in parts:
+        result["push"] = blocking_push(args.push_reps)
+    if "relay" in parts:
+        result.update(relay_and_failures([int(s) for s in args.sizes.split(",")], args.held_out, args.reps))
+    if "steps" in parts:
+        result["s_per_step"] = step_times(args.steps)
     result["load_avg_end"] = os.getloadavg()[0]
     print(json.dumps(result))
 
