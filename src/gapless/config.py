@@ -236,6 +236,26 @@ class TrainerConfig(_Section):
         return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
 
 
+class LoraConfig(_Section):
+    rank: int = Field(0, ge=0, le=1024)
+    """LoRA rank r for the RL phase (docs/models.md, LoRA): the trainer updates only low-rank
+    adapters B @ A on `target_modules` and pushes only them to the generator, which merges them
+    into its base weights. 0 = off: full fine-tuning. 8-64 is the usual range; the warm start
+    (when one runs) always trains the full base first."""
+    alpha: float = Field(32.0, gt=0)
+    """LoRA scale numerator: the update is (alpha / rank) * B @ A, as peft defines it. Raise the
+    learning rate rather than alpha when a run learns too slowly."""
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    """Names of the linear layers to adapt (the last part of the module name, as peft matches
+    them); the default is every attention and MLP projection of the Llama/Qwen families. A name
+    that matches no linear layer of the model is an error listing the ones it has. A tied LM
+    head ('lm_head' with tie_word_embeddings) cannot be adapted."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input in the trainer's forward passes (peft's lora_dropout). The
+    generator never drops: above 0 the trainer's log-probs of a rollout no longer equal its
+    sampling log-probs, so importance ratios drift from 1. Keep 0 unless the adapters overfit."""
+
+
 class WarmStartConfig(_Section):
     steps: int = Field(250, ge=0)
     """Supervised steps on generated reference solutions before RL (0 skips the warm start).
@@ -595,6 +615,7 @@ class Config(_Section):
     sandbox: SandboxConfig = SandboxConfig()
     generator: GeneratorConfig = GeneratorConfig()
     trainer: TrainerConfig = TrainerConfig()
+    lora: LoraConfig = LoraConfig()
     warmstart: WarmStartConfig = WarmStartConfig()
     loop: LoopConfig = LoopConfig()
     pipeline: PipelineConfig = PipelineConfig()
@@ -687,6 +708,7 @@ def _check_cross_field(cfg: Config) -> None:
     if m.path is not None and not Path(m.path).is_dir():
         raise ConfigError(f"model.path: directory {m.path!r} does not exist; give a local Hugging Face checkpoint directory or leave it unset for the embedded tiny model")
     _check_trainer(cfg)
+    _check_lora(cfg)
     _check_cluster(cfg)
     bad_levels = [lv for lv in cfg.task.levels if lv not in (1, 2, 3)]
     if bad_levels or not cfg.task.levels:
@@ -729,6 +751,21 @@ def _check_trainer(cfg: Config) -> None:
     if t.overlong == "penalty" and t.overlong_buffer > cfg.generator.max_new_tokens:
         raise ConfigError(f"trainer.overlong_buffer ({t.overlong_buffer}) must not exceed generator.max_new_tokens "
                           f"({cfg.generator.max_new_tokens})")
+
+
+def _check_lora(cfg: Config) -> None:
+    lora = cfg.lora
+    if lora.rank == 0:
+        return
+    if not lora.target_modules:
+        raise ConfigError("lora.target_modules is empty: name the linear layers to adapt (e.g. ['q_proj', 'v_proj']) "
+                          "or set lora.rank = 0 for full fine-tuning")
+    if cfg.cluster.trainer_world_size > 1:
+        raise ConfigError(f"lora.rank = {lora.rank} trains in one process; set cluster.trainer_world_size = 1 "
+                          "(data-parallel LoRA is not built) or lora.rank = 0")
+    if cfg.generator.engine == "vllm":
+        raise ConfigError(f"lora.rank = {lora.rank}: the vllm engine does not take adapter pushes yet; use "
+                          "generator.engine = 'torch' or lora.rank = 0")
 
 
 def _check_cluster(cfg: Config) -> None:

@@ -1,6 +1,8 @@
 """LoRA adapters on a Hugging Face causal LM: attach, read/write the adapter, merge into full weights.
 
     attach_lora(model, LoraSpec(rank, ...), name)  -> a peft model over a copy of `model`, with adapter `name`
+                                                      (share_weights=True: the copy shares the frozen base tensors)
+    check_targets(model, targets)                  -> ValueError naming the linear layers when a target matches none
     add_lora(adapted, spec, name)                  -> another adapter on the same peft model (shared base)
     activate(adapted, name)                        -> the adapter forward passes use (and the only trainable one)
     adapter_parameters(adapted, name)              -> that adapter's tensors (what its optimizer steps)
@@ -14,13 +16,17 @@ adapters added with `add_lora` share that copy's frozen weights, and each has it
 training one never changes another (only the active adapter takes part in a forward pass and
 requires grad); a freshly added adapter leaves the model's outputs unchanged (B starts at zero,
 as in Hu et al. 2021), and with `seed` set its A matrices are the same on every call;
-`merged_state` leaves the adapter unmerged (training continues) and its weights give the same
+`share_weights=True` copies the modules but not the base weights (the copy's frozen parameters
+are the caller's own tensors, frozen there too): a trainer adapts a model without holding a
+second copy of it, and the caller's module still computes the base function, since the base
+weights never change; `merged_state` leaves the adapter unmerged (training continues) and its weights give the same
 logits as the adapted model up to fp32 rounding; `adapter_state` holds only the adapter's
 tensors, under names without the adapter's name, so a checkpoint loads into any adapter of the
 same spec. Not guaranteed: adapters on the unembedding of a model whose LM head is tied to its
 input embedding (`tie_word_embeddings`): one matrix cannot carry two different weights, so
 `train_unembed` is ignored there (`LoraSpec.targets` says which modules are adapted). Module
-names follow the Llama/Qwen2 families (q/k/v/o_proj, gate/up/down_proj, lm_head). Not
+names follow the Llama/Qwen2 families (q/k/v/o_proj, gate/up/down_proj, lm_head) unless
+`LoraSpec.target_modules` names others. Not
 thread-safe: one thread drives a shared model (activate, then forward/backward).
 """
 
@@ -30,6 +36,8 @@ import copy
 from dataclasses import dataclass
 
 import torch
+
+from gapless.config import ConfigError, LoraConfig
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -44,9 +52,17 @@ class LoraSpec:
     train_unembed: bool = True
     alpha: float = 32.0  # scale = alpha / rank, as peft defines it
     seed: int | None = None
+    target_modules: tuple[str, ...] | None = None  # set: exactly these (the train_* flags are ignored)
+    dropout: float = 0.0  # peft's lora_dropout: active in train mode only
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
 
     def targets(self, model: torch.nn.Module) -> list[str]:
         """The module names to adapt in `model` (the unembedding only when it is not tied)."""
+        if self.target_modules is not None:
+            return list(self.target_modules)
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
         names = (ATTENTION if self.train_attn else ()) + (MLP if self.train_mlp else ())
         names += UNEMBED if self.train_unembed and not tied else ()
@@ -62,7 +78,41 @@ def _config(model: torch.nn.Module, spec: LoraSpec):
     if not targets:
         raise ValueError("no module to adapt: set train_attn or train_mlp (train_unembed alone does nothing on a model "
                          "with tied embeddings)")
-    return LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=targets, lora_dropout=0.0, bias="none")
+    if spec.target_modules is not None:  # named by the user: every name must adapt something
+        check_targets(model, targets)
+    return LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=targets, lora_dropout=spec.dropout, bias="none")
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
+    """The distinct last name parts of `model`'s linear layers: what a target may name."""
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+
+
+def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
+    available = linear_names(model)
+    unknown = [t for t in targets if t not in available]
+    if unknown:
+        raise ValueError(f"{unknown} match no linear layer of this {model.config.model_type} model; it has {available}")
+    if "lm_head" in targets and getattr(model.config, "tie_word_embeddings", False):
+        raise ValueError("'lm_head' is tied to the input embedding in this model (tie_word_embeddings): one matrix "
+                         "cannot carry two weights; leave it out")
+
+
+def run_spec(cfg: LoraConfig, seed: int) -> LoraSpec | None:
+    """The run's adapter (`[lora]`), None when `lora.rank` = 0 (full fine-tuning)."""
+    if cfg.rank == 0:
+        return None
+    return LoraSpec(rank=cfg.rank, alpha=cfg.alpha, seed=seed, target_modules=tuple(cfg.target_modules), dropout=cfg.dropout)
+
+
+def check_run_targets(cfg: LoraConfig, model: torch.nn.Module) -> None:
+    """`lora.target_modules` against `model`, as a ConfigError naming the field (before any warm start)."""
+    if cfg.rank == 0:
+        return
+    try:
+        check_targets(model, list(cfg.target_modules))
+    except ValueError as err:
+        raise ConfigError(f"lora.target_modules: {err}") from None
 
 
 def _seeded(spec: LoraSpec, build):
@@ -73,12 +123,14 @@ def _seeded(spec: LoraSpec, build):
         return build()
 
 
-def attach_lora(model: torch.nn.Module, spec: LoraSpec, name: str = "default") -> torch.nn.Module:
-    """A copy of `model` with adapter `name` on `spec.targets(model)`, active; only it requires grad."""
+def attach_lora(model: torch.nn.Module, spec: LoraSpec, name: str = "default", share_weights: bool = False) -> torch.nn.Module:
+    """A copy of `model` with adapter `name` on `spec.targets(model)`, active; only it requires grad.
+    `share_weights`: the copy's base parameters are `model`'s own tensors (frozen), not copies."""
     from peft import get_peft_model
 
     config = _config(model, spec)
-    adapted = _seeded(spec, lambda: get_peft_model(copy.deepcopy(model), config, adapter_name=name))
+    memo = {id(p): p for p in model.parameters()} if share_weights else {}
+    adapted = _seeded(spec, lambda: get_peft_model(copy.deepcopy(model, memo), config, adapter_name=name))
     adapted.eval()  # no dropout anywhere: training and sampling see the same function
     return adapted
 

@@ -7,19 +7,30 @@ import json
 from pathlib import Path
 
 from gapless.config import GeneratorConfig
+from gapless.generate.adapters import AdapterMerge
 from gapless.generate.engine import TorchEngine
 from gapless.generate.families import engine_path
 from gapless.generate.protocol import Generator, SteppedGenerator
 from gapless.generate.sampler import TorchSampler
+from gapless.lora import LoraSpec
 from gapless.models import Policy
 
 __all__ = ["Generator", "SteppedGenerator", "TorchEngine", "TorchSampler", "make_generator"]
 
 
-def make_generator(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_dir: Path, log=print) -> Generator:
+def make_generator(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_dir: Path, log=print,
+                   lora: LoraSpec | None = None) -> Generator:
     """A generator holding its own copy of `policy`'s weights, for contexts up to `max_seq_len` tokens.
     The torch engine's path (lean runner or generic) is logged in one line and recorded in
-    `work_dir/generator.json`."""
+    `work_dir/generator.json`. `lora`: weight pushes are that adapter's tensors, merged into
+    `policy.model`'s weights, which must stay the unchanged base (generate/adapters.py)."""
+    generator = _make(cfg, policy, max_seq_len, work_dir, log)
+    if lora is not None:
+        generator.adapters = AdapterMerge(policy.model, lora)
+    return generator
+
+
+def _make(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_dir: Path, log) -> Generator:
     if cfg.engine == "torch":
         path, notice = engine_path(policy.model.config)
         log(notice)

@@ -7,6 +7,7 @@ Who calls what (one thread; the caller drives the steps and swaps weights betwee
     finished completions <── step(): decode one token per running slot <──────┘
     abort(ids) ──> partial completions (finish reason "abort"), resumable later
     update_weights(state, v) between steps: KV kept, or in-flight sequences re-prefilled
+                             (a LoRA run pushes adapters only: merged into the base, adapters.py)
 
 A step (1) fills the free slots from the waiting queue: the keys/values of each newcomer's
 context but its last token are prefilled in one batch, each distinct prefix once --
@@ -41,6 +42,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from gapless.generate.adapters import AdapterMerge
 from gapless.generate.families import engine_path
 from gapless.generate.hf_runner import HFRunner
 from gapless.generate.protocol import RunningSample
@@ -155,6 +157,7 @@ class TorchEngine:
         self.stop_ids = frozenset(stop_ids)  # besides eos: e.g. a chat template's end-of-turn tokens
         self.recompute_kv = recompute_kv
         self.version = 0
+        self.adapters: AdapterMerge | None = None  # set for a LoRA run (make_generator): pushes are adapters
         self.stats = EngineStats()
         self.running: list[_Sequence] = []  # running[i] occupies slot i
         self.waiting: deque[_Sequence] = deque()
@@ -252,7 +255,10 @@ class TorchEngine:
         """Swap weights between steps; in-flight sequences continue and their next tokens carry
         `version`. With `recompute_kv` (default: the engine's setting) their caches are rebuilt
         by the new weights at the next step instead of kept."""
-        self.runner.load_state(state)
+        if self.adapters is not None:  # a LoRA run's push: adapter tensors, merged into the base
+            self.adapters.load(state, lambda merged: self.runner.load_state(merged, partial=True))
+        else:
+            self.runner.load_state(state)
         self.version = version
         self._prefixes.clear()  # stashed prefills belong to the old weights
         if self.recompute_kv if recompute_kv is None else recompute_kv:

@@ -97,10 +97,11 @@ class HFRunner:
         return torch.stack(logits)  # (B, V)
 
     @torch.no_grad()
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy a full HF state dict in place; like the lean runner, a partial push is an error."""
+    def load_state(self, state: dict[str, torch.Tensor], partial: bool = False) -> None:
+        """Copy a full HF state dict in place; like the lean runner, a partial push is an error
+        unless `partial` (a LoRA merge's changed weights)."""
         unknown = set(state) - self._names
-        missing = self._names - set(state) - ({"lm_head.weight"} if self._tied else set())
+        missing = set() if partial else self._names - set(state) - ({"lm_head.weight"} if self._tied else set())
         if unknown or missing:
             raise KeyError(f"weights do not match the engine's model: unknown {sorted(unknown)[:5]}, missing {sorted(missing)[:5]}")
         own = self.model.state_dict()

@@ -29,7 +29,8 @@ class Generator(Protocol):
         ...
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Load a full HF-named state dict; tokens sampled afterwards carry `version`."""
+        """Load a full HF-named state dict (in a LoRA run: the adapter tensors, which the torch
+        engines merge into their base, generate/adapters.py); tokens sampled afterwards carry `version`."""
         ...
 
 

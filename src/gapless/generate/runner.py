@@ -240,11 +240,12 @@ class DecoderRunner:
         return targets
 
     @torch.no_grad()
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state(self, state: dict[str, torch.Tensor], partial: bool = False) -> None:
         """Copy weights in place by HF name. Every weight must be present (a tied LM head may be
-        omitted): a partial push would silently mix two policies."""
+        omitted): a partial push would silently mix two policies. `partial`: only the weights
+        that change (a LoRA merge, generate/adapters.py: the others are the frozen base)."""
         unknown = set(state) - set(self._targets)
-        missing = set(self._targets) - set(state) - ({"lm_head.weight"} if self.tied else set())
+        missing = set() if partial else set(self._targets) - set(state) - ({"lm_head.weight"} if self.tied else set())
         if unknown or missing:
             raise KeyError(f"weights do not match the engine's model: unknown {sorted(unknown)[:5]}, missing {sorted(missing)[:5]}")
         for name, tensor in state.items():

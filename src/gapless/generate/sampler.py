@@ -60,6 +60,7 @@ class TorchSampler:
         self.stop_ids = frozenset(stop_ids)  # besides eos: e.g. a chat template's end-of-turn token
         self.pad_id = pad_id
         self.version = 0
+        self.adapters = None  # an AdapterMerge in a LoRA run (make_generator)
         self._decode = decode
         # transformers >= 5.x names the cache argument `cache`; 4.x calls it `past_key_values`
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -71,7 +72,11 @@ class TorchSampler:
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         with torch.no_grad():
-            self.model.load_state_dict(state, strict=True)
+            if self.adapters is not None:  # a LoRA push (generate/adapters.py): merge layer by layer
+                own = self.model.state_dict()
+                self.adapters.load(state, lambda merged: [own[k].copy_(v) for k, v in merged.items()])
+            else:
+                self.model.load_state_dict(state, strict=True)
         self.version = version
 
     def state_dict(self) -> dict[str, torch.Tensor]:

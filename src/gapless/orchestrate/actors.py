@@ -139,6 +139,7 @@ def generator_main(spec: ActorSpec) -> None:
 class _GeneratorActor:
     def __init__(self, spec: ActorSpec):
         from gapless.generate import make_generator
+        from gapless.lora import run_spec
         from gapless.models import load_local
 
         cfg = self.cfg = spec.cfg
@@ -147,7 +148,8 @@ class _GeneratorActor:
         self.policy = load_local(spec.policy_dir)
         self.prompts = [self.policy.encode(prompt) for _, prompt in spec.prompts]
         max_seq_len = max(map(len, self.prompts)) + cfg.generator.max_new_tokens
-        self.engine = make_generator(cfg.generator, self.policy, max_seq_len, Path(cfg.run_dir))
+        self.engine = make_generator(cfg.generator, self.policy, max_seq_len, Path(cfg.run_dir),
+                                     lora=run_spec(cfg.lora, cfg.seed))  # LoRA: self.policy.model is the merge's base
         spec.weights.fetch_into(self.engine.update_weights, -1)
         self.groups: dict[int, list[Completion]] = {}
         self.meta: dict[int, tuple[int, int]] = {}  # index -> (task index, birth version)

@@ -7,7 +7,9 @@
 The loop owns the run: the environment (its eval split), the policy and the trainer, held-out
 greedy pass@1 (at the start, every `loop.eval_every` steps and at the end, on this process's own
 generator), checkpoints (every `loop.checkpoint_every` steps and at the end; `resume=True`
-continues from the last), metrics and the timeline. Where rollouts come from is the source's
+continues from the last), metrics and the timeline. In a LoRA run (`[lora]`) the trainer trains
+adapters on the policy's frozen weights and every push carries the adapters alone; the loop's
+own generator merges them as the source's do (generate/adapters.py). Where rollouts come from is the source's
 business (source.py): `inline` generates and scores in this process in turn (the reference
 loop, inline.py); `process` runs the generator and environment as actors with a staleness budget
 (the pipeline, pipeline.py). The trainer sees advantages and masks, never rewards.
@@ -47,7 +49,9 @@ from gapless.orchestrate.policy_setup import prepare_policy
 from gapless.orchestrate.source import RolloutSource
 from gapless.orchestrate.step_metrics import rollout_metrics, staleness_metrics, train_metrics
 from gapless.timeline import export_chrome_trace, open_timeline
-from gapless.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from gapless.lora import run_spec
+from gapless.trainer.checkpoint import (checkpoint_model_dir, latest_checkpoint, load_checkpoint_adapter, load_trainer_state,
+                                        save_checkpoint)
 from gapless.trainer.targets import step_batch
 from gapless.trainer.distributed import make_trainer
 
@@ -106,17 +110,23 @@ class RunLoop:
             raise
 
     def _setup(self, cfg: Config, resume: bool, log, kind: str) -> None:
+        self.lora = run_spec(cfg.lora, cfg.seed)  # None: full fine-tuning
         self.policy, self.setup_info = prepare_policy(cfg, self.env, log)
         self.start_step, self.state = 0, {}
         checkpoint = latest_checkpoint(self.run_dir) if resume else None
         if checkpoint is not None:
-            self.policy = load_local(checkpoint)
-        self.trainer = make_trainer(cfg.trainer, self.policy.model, cfg.cluster, cfg.generator.temperature, cfg.generator.max_new_tokens)
+            self.policy = load_local(checkpoint_model_dir(checkpoint, self.lora is not None))
+        self.trainer = make_trainer(cfg.trainer, self.policy.model, cfg.cluster, cfg.generator.temperature, cfg.generator.max_new_tokens,
+                                    self.lora)
         if checkpoint is not None:
+            if self.lora is not None:
+                load_checkpoint_adapter(checkpoint, self.trainer.model)
             self.state = load_trainer_state(checkpoint, self.trainer.optimizer)
             self.start_step = self.trainer.version = self.state["step"]
             log(f"resumed from {checkpoint} at step {self.start_step}")
-        self.sampler = make_generator(cfg.generator, self.policy, self.max_seq_len(), self.run_dir)
+        self.sampler = make_generator(cfg.generator, self.policy, self.max_seq_len(), self.run_dir, lora=self.lora)
+        if self.lora is not None:  # the engine holds the base: give it the (resumed) adapters
+            self.sampler.update_weights(self.trainer.state_for_push(), self.trainer.version)
         self.sampler.version = self.trainer.version
         self.stop_requested: str | None = None  # set by a signal handler (train()): the signal's name
         self.timelines = {actor: open_timeline(self.run_dir, actor, cfg.metrics.timeline) for actor in ACTORS}
@@ -129,7 +139,8 @@ class RunLoop:
             from gapless.orchestrate.pipeline import ProcessSource
 
             self.source = ProcessSource(cfg, self.train, self.policy, self.start_step, resume, self.env.name,
-                                        self.timelines, lambda: self.stop_requested, log)
+                                        self.timelines, lambda: self.stop_requested, log,
+                                        trained_model=self.trainer.model if self.lora is not None else None)
         self.sinks = open_sinks(cfg, cfg.loop.steps, append=checkpoint is not None)
 
     def max_seq_len(self) -> int:
@@ -243,7 +254,8 @@ class RunLoop:
 
     def checkpoint(self, step: int, pass_start: float, trained_samples: int) -> None:
         save_checkpoint(self.run_dir, self.policy, self.trainer.optimizer, step,
-                        {"pass@1_start": pass_start, "trained_samples": trained_samples})
+                        {"pass@1_start": pass_start, "trained_samples": trained_samples},
+                        adapted=self.trainer.model if self.lora is not None else None)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,8 @@ drain the inbound queue until the `StalenessBuffer` says step t's batch is ready
 trainer's idle time), take it (checking each group's staleness <= max_staleness), tell the
 generator what was dropped (so it backfills) and which stragglers to cut. `publish`: one memory
 copy into `SharedWeights`; the generator swaps them in between two decode steps without dropping
-sequences in flight. The actors are started and watched through a Placement (placement.py).
+sequences in flight. In a LoRA run the state is the adapter tensors alone: the generators load
+the frozen base from `generator_policy/` once and merge each version's adapters into it. The actors are started and watched through a Placement (placement.py).
 
 Guaranteed (tested): staleness of every trained group <= max_staleness, counted from its oldest
 token's version; every admitted group is trained or dropped with a reason exactly once per run
@@ -95,9 +96,11 @@ class ProcessSource:
     eval_actor = "trainer"
 
     def __init__(self, cfg: Config, train: list[Task], policy, start_step: int, resume: bool, env_name: str,
-                 timelines, stop_requested, log=print, placement: Placement | None = None):
+                 timelines, stop_requested, log=print, placement: Placement | None = None, trained_model=None):
         """`policy`: the trainer's Policy (saved for the generators; its model may lend threads);
-        `stop_requested()`: the name of a stop signal received, or None (checked in every wait)."""
+        `stop_requested()`: the name of a stop signal received, or None (checked in every wait);
+        `trained_model`: the module the trainer runs when it is not `policy.model` (a LoRA run's
+        peft model), where thread lending hooks its layers."""
         self.cfg, self.train, self.policy, self.log, self.timelines = cfg, train, policy, log, timelines
         self.env_name, self.stop_requested = env_name, stop_requested
         self.start_step, self.version = start_step, start_step
@@ -141,7 +144,8 @@ class ProcessSource:
         self.lending: TrainerLending | None = None
         if pl.max_staleness > 0 and pl.lend_idle_cores and R == 1 and self.placement.kind == "local":
             self.lending = TrainerLending(LendingFlags(self.ctx), pl.trainer_threads_resolved, pl.generator_threads_resolved)
-            if not self.lending.install(policy.model):
+            trained = trained_model.get_base_model() if trained_model is not None else policy.model
+            if not self.lending.install(trained):
                 self.lending = None  # no decoder layer list to hook: nothing to lend at
 
     # ---- the source protocol (source.py) --------------------------------------------------------

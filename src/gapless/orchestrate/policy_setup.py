@@ -6,7 +6,8 @@ second run with the same settings skips straight to RL and gets bit-identical we
 The warm start needs demonstrations, so it runs only for environments with a teacher
 (`envs.base.Teacher`: the procedural code and math tasks); for the others it is skipped with a
 log line and RL starts from the initial weights (a local checkpoint, or the random tiny model,
-whose tokenizer is then trained on the prompts alone).
+whose tokenizer is then trained on the prompts alone). The warm start trains the full model
+also in a LoRA run (`[lora]` is not in the cache key): the adapters go on the policy it makes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from gapless.config import Config
 from gapless.envs.base import Environment, Task, Teacher
+from gapless.lora import check_run_targets
 from gapless.models import Policy, build_tiny, load_local
 from gapless.trainer.warmstart import warm_start
 from gapless.trainer.warmstart_turns import warm_start_transcripts
@@ -55,12 +57,17 @@ def prepare_policy(cfg: Config, env: Environment, log=print) -> tuple[Policy, di
     if cfg.warmstart.steps > 0 and teacher is None:
         log(f"warm start: skipped (environment {env.name!r} has no teacher to write demonstrations)")
     if cfg.warmstart.steps == 0 or teacher is None:
-        return _initial_policy(cfg, train, teacher), {"warmstart_s": 0.0, "warmstart_cached": False}
+        policy = _initial_policy(cfg, train, teacher)
+        check_run_targets(cfg.lora, policy.model)
+        return policy, {"warmstart_s": 0.0, "warmstart_cached": False}
     cached = Path(cfg.warmstart.cache_dir) / warmstart_key(cfg, env.name)
     if (cached / "config.json").is_file():
         log(f"warm start: cached at {cached}")
-        return load_local(cached, precision=cfg.model), {"warmstart_s": 0.0, "warmstart_cached": True}
+        policy = load_local(cached, precision=cfg.model)
+        check_run_targets(cfg.lora, policy.model)
+        return policy, {"warmstart_s": 0.0, "warmstart_cached": True}
     policy = _initial_policy(cfg, train, teacher)
+    check_run_targets(cfg.lora, policy.model)  # before the warm start, not after it
     started = time.perf_counter()
 
     def report(step: int, loss: float) -> None:

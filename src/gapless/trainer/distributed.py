@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from gapless.config import ClusterConfig, TrainerConfig
 from gapless.errors import InfrastructureError
+from gapless.lora import LoraSpec
 from gapless.orchestrate.watchdog import process_state
 from gapless.trainer.batch import Batch
 from gapless.trainer.corrections import summarise
@@ -296,9 +297,11 @@ class DataParallelTrainer:
 
 
 def make_trainer(cfg: TrainerConfig, model: torch.nn.Module, cluster: ClusterConfig, temperature: float = 1.0,
-                 max_new_tokens: int | None = None) -> Trainer:
+                 max_new_tokens: int | None = None, lora: LoraSpec | None = None) -> Trainer:
     """GRPOTrainer at cluster.trainer_world_size 1 (the code path of every single-process run),
-    the data-parallel trainer above it."""
+    the data-parallel trainer above it. `lora`: train that adapter (world size 1 only; config.py checks)."""
     if cluster.trainer_world_size == 1:
-        return GRPOTrainer(model, cfg, temperature, max_new_tokens)
+        return GRPOTrainer(model, cfg, temperature, max_new_tokens, lora=lora)
+    if lora is not None:
+        raise ValueError("LoRA trains in one process: cluster.trainer_world_size must be 1")
     return DataParallelTrainer(model, cfg, cluster, temperature, max_new_tokens)

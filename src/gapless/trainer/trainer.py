@@ -9,6 +9,11 @@ and a `ShardPlan` (trainer/distributed.py). `version` counts published steps;
 `state_for_push` hands the weights to the generator. The reference model for the KL term is a
 frozen copy taken at creation.
 
+With `lora` (a LoRA run, `[lora]`) the trainer adapts the model with peft adapters on the same
+(frozen, shared) base tensors (lora.attach_lora with share_weights): the optimizer holds only
+the adapter parameters, `state_for_push` is the adapter tensors alone, and the KL reference is
+the same model with its adapters disabled (peft's `disable_adapter`), no second copy.
+
 Three log-probs per token, and which ratio uses which:
     behaviour   generator's sampling log-probs, recorded with the completion (Batch)
     start       the trainer's own log-probs at the start of the step -- the first update's
@@ -31,6 +36,7 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 
 from gapless.config import TrainerConfig
+from gapless.lora import LoraSpec, adapter_state, attach_lora
 from gapless.trainer.batch import Batch, token_logprobs, token_logprobs_and_entropy
 from gapless.trainer.corrections import importance_weights, summarise
 from gapless.trainer.losses import LOSSES
@@ -85,9 +91,10 @@ class Trainer(Protocol):
 
 class GRPOTrainer:
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, temperature: float = 1.0, max_new_tokens: int | None = None,
-                 wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None):
+                 wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None, lora: LoraSpec | None = None):
         """`wrap`: data-parallel wrapping (DDP, fully_shard; trainer/distributed.py), applied after
-        the reference copy is taken and before the optimizer sees the parameters."""
+        the reference copy is taken and before the optimizer sees the parameters. `lora`: train
+        that adapter on `model`'s frozen weights instead of the weights themselves."""
         if cfg.loss == "drgrpo" and max_new_tokens is None:
             raise ValueError("trainer.loss = 'drgrpo' divides by generator.max_new_tokens; pass max_new_tokens")
         self.cfg = cfg
@@ -96,11 +103,15 @@ class GRPOTrainer:
         self.loss_fn = LOSSES[cfg.loss]
         if cfg.gradient_checkpointing:  # active in train mode only, i.e. inside `step`
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        self.lora = lora
+        if lora is not None:
+            model = attach_lora(model, lora, share_weights=True)
         self.reference = None
-        if cfg.kl_coef > 0:
+        if cfg.kl_coef > 0 and lora is None:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.model = wrap(model) if wrap is not None else model
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+        self.optimizer = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.version = 0
 
     def step(self, batch: Batch) -> StepStats:
@@ -177,7 +188,7 @@ class GRPOTrainer:
         per_token = policy.per_token
         if cfg.correction != "none":
             per_token = per_token * rho
-        if self.reference is not None and cfg.kl_placement == "loss":
+        if self.has_reference and cfg.kl_placement == "loss":
             kl = token_kl(logprobs, self._reference_logprobs(mb), mb.loss_mask, cfg.kl_estimator)
             per_token = per_token + cfg.kl_coef * kl
             totals["kl"] += float((kl.detach() * mb.loss_mask).sum())
@@ -190,15 +201,22 @@ class GRPOTrainer:
         totals["ratio"] += float((policy.ratio * mb.loss_mask).sum())
         totals["entropy"] += float((entropy.detach() * mb.loss_mask).sum())
 
+    @property
+    def has_reference(self) -> bool:
+        return self.cfg.kl_coef > 0
+
     @torch.no_grad()
     def _reference_logprobs(self, mb: Batch) -> torch.Tensor:
+        if self.lora is not None:  # the base model is the reference: the adapters switched off
+            with self.model.disable_adapter():
+                return token_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature)
         return token_logprobs(self.reference, mb.input_ids, mb.attention_mask, self.temperature)
 
     @torch.no_grad()
     def reference_kl(self, batch: Batch) -> list[float]:
         """KL to the reference of each completion under its behaviour log-probs (for kl_placement =
         'reward'): the sum over its loss tokens of the per-token estimate."""
-        assert self.reference is not None, "reference_kl needs trainer.kl_coef > 0"
+        assert self.has_reference, "reference_kl needs trainer.kl_coef > 0"
         out = [0.0] * len(batch)
         for index, mb in batch.micro_batches(self.cfg.micro_batch_size):
             ref = self._reference_logprobs(mb)
@@ -207,4 +225,7 @@ class GRPOTrainer:
         return out
 
     def state_for_push(self) -> dict[str, torch.Tensor]:
+        """The full HF state dict, or in a LoRA run the adapter tensors alone (peft's names)."""
+        if self.lora is not None:
+            return adapter_state(self.model)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
