@@ -238,7 +238,7 @@ class TrainerConfig(_Section):
 
 class LoraConfig(_Section):
     rank: int = Field(0, ge=0, le=1024)
-    """LoRA rank r for the RL phase (docs/models.md, LoRA): the trainer updates only low-rank
+    """LoRA rank r for the RL phase (docs/lora.md): the trainer updates only low-rank
     adapters B @ A on `target_modules` and pushes only them to the generator, which merges them
     into its base weights. 0 = off: full fine-tuning. 8-64 is the usual range; the warm start
     (when one runs) always trains the full base first."""

@@ -29,8 +29,9 @@ pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewra
 STEPS = 3
 
 
-def _loop(tmp_path, warm_cache, kind: str, budget: int, placement: str = "local") -> RunLoop:
+def _loop(tmp_path, warm_cache, kind: str, budget: int, placement: str = "local", **extra: str) -> RunLoop:
     overrides = {
+        **extra,
         "run_dir": json.dumps(str(tmp_path / f"{kind}-{placement}-{budget}")),
         "cluster.placement": json.dumps(placement),
         "warmstart.cache_dir": json.dumps(str(warm_cache)),
@@ -76,6 +77,19 @@ def test_every_source_keeps_the_contract_and_budget_zero_sources_agree(tmp_path,
     inline = _drive(_loop(tmp_path, warm_cache, "inline", 0), 0)
     process = _drive(_loop(tmp_path, warm_cache, "process", 0), 0)
     assert inline == process  # same prompts, seeds and weights: the same tokens at every step
+
+
+@pytest.mark.slow  # about 30 s: two more loops, one spawning the actors
+def test_budget_zero_sources_agree_bitwise_with_lora(tmp_path, warm_cache):
+    """A LoRA run pushes adapters only: the process source's generator merges them into the base
+    it loaded from disk, the inline one into the trainer's own frozen base; same tokens."""
+    lora = {"lora.rank": "4", "trainer.lr": "3e-2"}
+    inline_loop = _loop(tmp_path, warm_cache, "inline", 0, **lora)
+    assert all("lora_" in name for name in inline_loop.trainer.state_for_push())
+    inline = _drive(inline_loop, 0)
+    process = _drive(_loop(tmp_path / "p", warm_cache, "process", 0, **lora), 0)
+    assert inline == process
+    assert any(float(t.abs().sum()) > 0 for name, t in inline_loop.trainer.state_for_push().items() if "lora_B" in name)
 
 
 def test_the_process_source_keeps_the_contract_with_a_budget(tmp_path, warm_cache):
