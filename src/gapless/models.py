@@ -2,7 +2,8 @@
 
 `build_tiny` trains a byte-level BPE tokenizer (digits kept as single tokens, so arithmetic stays
 regular) on the task's own text and creates a randomly initialised model of one of the
-`TINY_ARCHITECTURES` from its transformers config; `load_local` opens any local HF checkpoint directory. Nothing is ever downloaded: a
+`TINY_ARCHITECTURES` from its transformers config; `load_local` opens any local HF checkpoint directory
+(or a LoRA run's adapter checkpoint, merged into the base beside it). Nothing is ever downloaded: a
 missing directory is a `FileNotFoundError` that says what to give instead, and a checkpoint that
 is not a causal LM (or lacks a tokenizer) a one-line `ConfigError`, before any warm start.
 Both return a `Policy`: the model (fp32, eval mode) plus the token ids the loop needs.
@@ -178,6 +179,8 @@ def load_local(path: str | Path, prompt_format: str | None = None, system_prompt
     when the tokenizer has a template; 'raw' / 'chat' force one. `precision` (the model section):
     dtype and fp32 head; None restores a gapless checkpoint's own, else float32."""
     path = Path(path)
+    if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
+        return _load_adapter_checkpoint(path, prompt_format, system_prompt, precision)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"{path} is not a Hugging Face checkpoint directory (no config.json); "
@@ -213,3 +216,17 @@ def load_local(path: str | Path, prompt_format: str | None = None, system_prompt
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return Policy(model, tokenizer, eos_id, pad_id, encoder)
+
+
+def _load_adapter_checkpoint(path: Path, prompt_format, system_prompt, precision) -> Policy:
+    """A LoRA run's `checkpoints/step_N` (a peft adapter): its run's `checkpoints/base` with the
+    adapter merged in, so `gapless eval` and `gapless serve` take it as any checkpoint."""
+    from peft import PeftModel
+
+    base = path.parent / "base"
+    if not (base / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is a LoRA adapter but {base} (the base model its run writes beside it) is missing; "
+                                "load the adapter onto its base with peft's PeftModel.from_pretrained")
+    policy = load_local(base, prompt_format, system_prompt, precision)
+    policy.model = PeftModel.from_pretrained(policy.model, path).merge_and_unload().eval()
+    return policy

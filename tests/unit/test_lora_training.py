@@ -15,6 +15,7 @@ from gapless.config import ConfigError, LoraConfig, TrainerConfig, load_config
 from gapless.generate.engine import TorchEngine
 from gapless.generate.adapters import AdapterMerge
 from gapless.lora import LoraSpec, check_run_targets, run_spec
+from gapless.models import load_local
 from gapless.trainer.batch import build_batch, token_logprobs
 from gapless.trainer.checkpoint import checkpoint_model_dir, load_checkpoint_adapter, save_checkpoint
 from gapless.trainer.trainer import GRPOTrainer
@@ -126,6 +127,8 @@ def test_the_checkpoint_is_a_peft_adapter_with_the_same_log_probs_and_resumes(ba
     ours = token_logprobs(trainer.model, batch.input_ids, batch.attention_mask)
     theirs = token_logprobs(loaded, batch.input_ids, batch.attention_mask)
     assert (ours - theirs).abs().max() < 1e-5
+    merged = load_local(step).model  # what `gapless eval --model.path step_1` loads: the adapter merged into the base
+    assert (ours - token_logprobs(merged, batch.input_ids, batch.attention_mask)).abs().max() < 1e-5
     assert checkpoint_model_dir(step, True) == tmp_path / "checkpoints" / "base"
     with pytest.raises(ConfigError, match="holds a LoRA adapter"):
         checkpoint_model_dir(step, False)

@@ -14,7 +14,7 @@ business (source.py): `inline` generates and scores in this process in turn (the
 loop, inline.py); `process` runs the generator and environment as actors with a staleness budget
 (the pipeline, pipeline.py). The trainer sees advantages and masks, never rewards.
 
-Observability: each step logs `perf/step_s`, `perf/train_s`, `perf/weight_push_s`,
+Observability: each step logs `perf/step_s`, `perf/train_s`, `perf/weight_push_s`, `perf/weight_push_mb`,
 `perf/trainer_idle_frac` (the share of the step spent waiting for rollouts), `staleness/*`,
 `rollout/*`, `train/*`, and the source's own metrics (generator idle, drops, sandbox latency);
 the actors write spans to the run's timeline (timeline.py), whose gaps are the waits.
@@ -233,7 +233,8 @@ class RunLoop:
             stats = self.trainer.step(batch)
         t2 = time.perf_counter()
         with self.timelines["trainer"].span("weight_push", version=self.trainer.version):
-            push = self.source.publish(self.trainer.state_for_push(), self.trainer.version)
+            state = self.trainer.state_for_push()  # LoRA: the adapters alone
+            push = self.source.publish(state, self.trainer.version)
         t3 = time.perf_counter()
         step_s = t3 - taken.started
         return {
@@ -245,6 +246,7 @@ class RunLoop:
             "perf/step_s": step_s,  # the process source: from the end of the previous step
             "perf/train_s": t2 - t1,
             "perf/weight_push_s": t3 - t2,
+            "perf/weight_push_mb": sum(t.numel() * t.element_size() for t in state.values()) / 1e6,
             "perf/trainer_idle_frac": taken.waited_s / max(step_s, 1e-9),
             "perf/trained_tokens_per_s": stats.num_tokens / max(t2 - t1, 1e-9),
             **push,

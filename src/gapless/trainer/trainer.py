@@ -80,7 +80,7 @@ class Trainer(Protocol):
     """Everything the run loop touches of a trainer. GRPOTrainer runs in one process;
     DataParallelTrainer (trainer/distributed.py) over W ranks; one contract test covers both
     (tests/unit/test_distributed.py)."""
-    model: torch.nn.Module  # plain and full, holding the current weights
+    model: torch.nn.Module  # plain and full, holding the current weights (a LoRA run: the peft model over the base)
     version: int  # published steps; the loop sets it on --resume
     optimizer: OptimizerState  # what checkpoints save and load (world 1's format)
 
