@@ -36,4 +36,18 @@ def test_a_resumed_lora_run_equals_the_uninterrupted_one(tmp_path, warm_cache):
 
 
 def test_lora_held_out_pass_at_1_rises_on_the_default_task(tmp_path, warm_cache):
-    raise NotImplementedError
+    """The default task (procedural code, hidden tests) at the smoke model's size, 64 held-out
+    problems, rank 8 at lr 1e-3 for 30 steps. Measured (pass@1 start -> end, seeds 0 / 1 / 2):
+    0.359 -> 0.547, 0.172 -> 0.359, 0.031 -> 0.25: gains of 0.19-0.22, each past twice the
+    0.1 margin's standard error on 64 problems (about 0.06 per score); lr 1e-2 collapses to 0."""
+    overrides = {"run_dir": json.dumps(str(tmp_path / "run")), "warmstart.cache_dir": json.dumps(str(warm_cache)),
+                 "task.num_eval_prompts": "64", "generator.group_size": "8", "loop.prompts_per_step": "8", "loop.steps": "30",
+                 "loop.eval_every": "100", "loop.checkpoint_every": "100", "lora.rank": "8", "trainer.lr": "1e-3",
+                 "metrics.tensorboard": "false", "metrics.timeline": "false"}
+    loop = RunLoop(load_config(CONFIGS / "smoke.toml", overrides), log=lambda *_: None, source="inline")
+    summary = loop.run()
+    assert summary["eval/pass@1_end"] > summary["eval/pass@1_start"] + 0.1, summary
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    pushed = [line["perf/weight_push_mb"] for line in lines if "perf/weight_push_mb" in line]
+    full_mb = sum(t.numel() * t.element_size() for t in loop.policy.model.state_dict().values()) / 1e6
+    assert pushed and max(pushed) < 0.5 * full_mb  # adapters only (the tiny model's rank 8 is a large share of it)
