@@ -13,6 +13,7 @@ Phases (each in its own child process, so peak resident memory is its own):
 Prints one line per phase, then one JSON object on the last line.
 
     PYTHONPATH=src python bench/lora.py [--shapes qwen2.5-0.5b] [--rank 8] [--threads 2] [--rl-step]
+        [--micro-batch-size 64] [--gradient-checkpointing]
 """
 
 from __future__ import annotations
@@ -87,8 +88,12 @@ def rl_step(model, args) -> dict:
                               [0] * args.new_tokens, "length", "") for r in rows]
     batch = build_batch(completions, [(-1.0) ** i for i in range(len(rows))], [True] * len(rows), 0)
     with torch.no_grad():  # behaviour log-probs = the current policy's: ratios 1, as at zero staleness
-        batch.behaviour_logprobs.copy_(token_logprobs(model, batch.input_ids, batch.attention_mask) * batch.loss_mask)
-    trainer = GRPOTrainer(model, TrainerConfig(lr=1e-4), 1.0, args.new_tokens,
+        for start in range(0, len(rows), args.micro_batch_size):  # in micro-batches, as the step itself runs
+            rows_ = slice(start, start + args.micro_batch_size)
+            batch.behaviour_logprobs[rows_] = (token_logprobs(model, batch.input_ids[rows_], batch.attention_mask[rows_])
+                                               * batch.loss_mask[rows_])
+    cfg = TrainerConfig(lr=1e-4, micro_batch_size=args.micro_batch_size, gradient_checkpointing=args.gradient_checkpointing)
+    trainer = GRPOTrainer(model, cfg, 1.0, args.new_tokens,
                           lora=LoraSpec(rank=args.rank, seed=0, target_modules=TARGETS))
     started = time.perf_counter()
     stats = trainer.step(batch)
@@ -118,6 +123,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rl-step", action="store_true", help="also one LoRA RL step per shape")
+    ap.add_argument("--micro-batch-size", type=int, default=64, help="trainer.micro_batch_size of the RL step")
+    ap.add_argument("--gradient-checkpointing", action="store_true", help="trainer.gradient_checkpointing in the RL step")
     ap.add_argument("--phases", default=None, help="comma-separated subset of push, rl_step")
     ap.add_argument("--phase", help=argparse.SUPPRESS)  # child mode
     ap.add_argument("--shape", help=argparse.SUPPRESS)
@@ -132,7 +139,8 @@ def main() -> None:
         for phase in phases:
             cmd = [sys.executable, __file__, "--phase", phase, "--shape", shape, "--threads", str(args.threads),
                    "--rank", str(args.rank), "--sequences", str(args.sequences), "--prompt-tokens", str(args.prompt_tokens),
-                   "--new-tokens", str(args.new_tokens)]
+                   "--new-tokens", str(args.new_tokens), "--micro-batch-size", str(args.micro_batch_size)]
+            cmd += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = proc.stdout.strip().splitlines()
             if proc.returncode != 0 or not lines:
@@ -140,7 +148,8 @@ def main() -> None:
             else:
                 results[shape][phase] = json.loads(lines[-1])
             print(shape, phase, json.dumps(results[shape][phase]), flush=True)
-    print(json.dumps({"rank": args.rank, "threads": args.threads, "results": results}))
+    print(json.dumps({"rank": args.rank, "threads": args.threads, "micro_batch_size": args.micro_batch_size,
+                      "gradient_checkpointing": args.gradient_checkpointing, "results": results}))
 
 
 if __name__ == "__main__":
