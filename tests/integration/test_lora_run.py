@@ -26,13 +26,16 @@ def _run(run_dir: Path, warm_cache, steps: int, resume: bool = False) -> dict:
 
 
 def test_a_resumed_lora_run_equals_the_uninterrupted_one(tmp_path, warm_cache):
+    _run(tmp_path / "warm", warm_cache, 0)  # both runs below start from the cached warm start
     _run(tmp_path / "whole", warm_cache, 3)
     _run(tmp_path / "cut", warm_cache, 2)
     _run(tmp_path / "cut", warm_cache, 3, resume=True)
     whole, cut = (load_file(tmp_path / run / "checkpoints" / "step_3" / "adapter_model.safetensors") for run in ("whole", "cut"))
-    assert whole.keys() == cut.keys() and all(torch.equal(whole[k], cut[k]) for k in whole)
+    assert whole.keys() == cut.keys()
+    gap = max(float((whole[k] - cut[k]).abs().max()) for k in whole)
     first = load_file(tmp_path / "whole" / "checkpoints" / "step_1" / "adapter_model.safetensors")
-    assert any(not torch.equal(first[k], whole[k]) for k in whole)  # the adapters moved between steps
+    moved = max(float((whole[k] - first[k]).abs().max()) for k in whole)
+    assert gap == 0.0 and moved > 1e-3, (gap, moved)  # bitwise: same cached base, seeds, optimizer state
 
 
 def test_lora_held_out_pass_at_1_rises_on_the_default_task(tmp_path, warm_cache):
