@@ -140,6 +140,11 @@ class GeneratorConfig(_Section):
     max_batch: int = Field(128, ge=1, le=65536)
     """Sequences decoded together (KV-cache slots). Larger batches raise throughput until the
     matmuls are compute-bound; KV memory grows with max_batch x (longest prompt + max_new_tokens)."""
+    recompute_kv: bool = False
+    """On an in-flight weight swap, re-prefill every running sequence's context under the new
+    weights (torch engine), so each token's log-prob is exactly that of the policy version it
+    carries; off: the next tokens attend to keys/values the old weights computed (cheaper). A new
+    turn of a multi-turn episode is always prefilled by the weights current then."""
     kernels: Literal["auto", "native", "torch"] = "auto"
     """Decode kernels of the torch engine on CPU (docs/engine.md): 'auto' compiles the native C
     kernels on first use (RoPE, cache write and attention in one call per layer) and falls back to
@@ -312,6 +317,9 @@ class ToolsConfig(_Section):
     """Distinct training expressions (split 'train')."""
     num_eval_prompts: int = Field(100, ge=1)
     """Held-out expressions (split 'eval', disjoint from 'train') for greedy pass@1."""
+    latency_s: float = Field(0.0, ge=0, le=600)
+    """Latency added to every tool call, without CPU use (a remote tool or a slow sandbox), for
+    benchmarks (bench/agentic.py). 0 = off."""
 
 
 class RepoConfig(_Section):
@@ -329,6 +337,8 @@ class RepoConfig(_Section):
     refused with a message to the model."""
     sessions: int = Field(8, ge=1, le=1024)
     """Sandbox sessions held at once; episodes run in waves of this many."""
+    latency_s: float = Field(0.0, ge=0, le=600)
+    """Latency added to every tool command, without CPU use, for benchmarks. 0 = off."""
     missing_frac: float = Field(0.3, ge=0, le=1)
     """Fraction of generated repositories whose task is a missing function body (the rest have
     a wrong operator to fix)."""
@@ -426,6 +436,12 @@ class PipelineConfig(_Section):
     left by the generator (at least 1)."""
     env_workers: int = Field(4, ge=1, le=1024)
     """Groups scored concurrently by the environment process."""
+    turn_schedule: Literal["turns", "waves"] = "turns"
+    """How the pipeline schedules the turns of multi-turn episodes (tool_use, repo): 'turns' (an
+    episode's next turn joins the generator's continuous batch as soon as its tool returns; no
+    episode waits for another) or 'waves' (lock-step waves of `sessions` episodes, as the reference
+    loop: at budget 0 bitwise equal to it). 'turns' samples the same tokens, with log-probs equal
+    within float rounding (a different batch composition)."""
     lend_idle_cores: bool = True
     """With a budget: the trainer borrows the generator's threads while the generator has nothing to
     decode, and hands them back at its next decoder layer when it has (orchestrate/lending.py)."""
@@ -699,6 +715,9 @@ def _section_at(loc: tuple) -> type[BaseModel] | None:
     return model
 
 
+MULTI_TURN_TASKS = ("tool_use", "repo")  # tasks whose episodes the pipeline runs turn by turn
+
+
 def _check_cross_field(cfg: Config) -> None:
     m = cfg.model
     if m.hidden_size % m.num_heads:
@@ -722,6 +741,10 @@ def _check_cross_field(cfg: Config) -> None:
         field = "partial_rollout_tokens" if pl.partial_rollout_tokens else "partial_rollout_s"
         raise ConfigError(f"pipeline.{field} cuts running sequences, which only generator.engine = 'torch' exposes "
                           f"(not {cfg.generator.engine!r}); set it to 0 or use the torch engine")
+    if (pl.partial_rollout_tokens or pl.partial_rollout_s) and cfg.task.name in MULTI_TURN_TASKS:
+        field = "partial_rollout_tokens" if pl.partial_rollout_tokens else "partial_rollout_s"
+        raise ConfigError(f"pipeline.{field} cuts single-turn sequences; the multi-turn task {cfg.task.name!r} "
+                          "schedules whole turns instead (each ends at its tool call): set it to 0")
 
 
 def _check_task(cfg: Config) -> None:

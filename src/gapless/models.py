@@ -230,3 +230,13 @@ def _load_adapter_checkpoint(path: Path, prompt_format, system_prompt, precision
     policy = load_local(base, prompt_format, system_prompt, precision)
     policy.model = PeftModel.from_pretrained(policy.model, path).merge_and_unload().eval()
     return policy
+
+
+def load_encoder(path: str | Path) -> PromptEncoder:
+    """The prompt encoder of a checkpoint saved by `Policy.save`, without its model (a process
+    that only encodes text: the pipeline's environment, for episode replies)."""
+    path = Path(path)
+    saved = path / POLICY_FILE
+    record = json.loads(saved.read_text()) if saved.is_file() else {}
+    return PromptEncoder(_load_tokenizer(path), record.get("prompt_format", "auto"), record.get("system_prompt"),
+                         source=f"the tokenizer in {path}")

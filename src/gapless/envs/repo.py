@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import PurePosixPath
@@ -43,6 +44,7 @@ from gapless.config import Config
 from gapless.envs.base import Generator, Split
 from gapless.envs.code import HARNESSES, JUDGE_FILES, JUDGED, SandboxUnavailable, parse_report
 from gapless.envs.episode import Episode
+from gapless.envs.turns import run_waves
 from gapless.envs.repo_gen import RepoTask, generate_repo_tasks
 from gapless.envs.repo_tools import (PLAIN, Command, TurnFormat, chat_format, demonstration, observe, parse_command,
                                      path_problem, request_of, session_code)
@@ -72,8 +74,9 @@ class RepoEnvironment:
     def __init__(self, sandbox, tasks: dict[str, Sequence[RepoTask]], limits: SandboxLimits, max_turns: int = 5,
                  max_output_bytes: int = 160, max_file_bytes: int = 4096, sessions: int = 8,
                  skip_frac: float = 0.0, typo_frac: float = 0.0, idle_timeout_s: float = 300.0,
-                 turn_format: TurnFormat = PLAIN):
+                 turn_format: TurnFormat = PLAIN, latency_s: float = 0.0):
         self.sandbox, self._tasks, self.limits = sandbox, tasks, limits
+        self.latency_s = latency_s
         self.max_turns, self.max_output_bytes, self.max_file_bytes = max_turns, max_output_bytes, max_file_bytes
         self.sessions, self.idle_timeout_s = sessions, idle_timeout_s
         self.skip_frac, self.typo_frac = skip_frac, typo_frac
@@ -104,44 +107,36 @@ class RepoEnvironment:
 
     # -- the multi-turn path -------------------------------------------------------------------
 
-    def rollout_groups(self, generator: Generator, tasks: Sequence[RepoTask], group_size: int, params: SamplingParams,
-                       encode: Callable[[str], list[int]]) -> list[list[Rollout]]:
-        episodes = [Episode(task, encode(task.prompt)) for task in tasks for _ in range(group_size)]
-        for wave in range(0, len(episodes), self.sessions):
-            chunk = episodes[wave : wave + self.sessions]
-            self.advance(generator, chunk, replace(params, seed=params.seed + 104_729 * wave), encode)
-        rollouts = list(self.pool.map(self.to_rollout, episodes))
-        return [rollouts[i : i + group_size] for i in range(0, len(rollouts), group_size)]
+    def rollout_groups(self, generator: Generator, tasks: Sequence[RepoTask], group_size: int,
+                       params: SamplingParams | Sequence[SamplingParams], encode: Callable[[str], list[int]]) -> list[list[Rollout]]:
+        """The reference loop: lock-step waves of `sessions` episodes (envs/turns.py)."""
+        return run_waves(self, generator, tasks, group_size, params, encode, self.pool)
 
-    def advance(self, generator: Generator, episodes: Sequence[Episode], params: SamplingParams,
-                encode: Callable[[str], list[int]]) -> None:
-        """Run the unfinished episodes to their end, one `generate` call per turn."""
-        for _ in range(self.max_turns):
-            active = [e for e in episodes if not e.is_done]
-            if not active:
-                break
-            turn_params = replace(params, seed=params.seed + 7_919 * max(e.turns for e in active))
-            calls = []
-            for episode, completion in zip(active, generator.generate([e.context for e in active], turn_params)):
-                episode.add_model_turn(completion)
-                command = parse_command(completion.text)
-                if command.kind in ("done", "none"):
-                    self._end(episode, "done" if command.kind == "done" else "no_command")
-                else:
-                    calls.append((episode, command))
-            outputs = list(self.pool.map(lambda ec: self._tool(ec[0], ec[1]), calls))
-            for (episode, _), output in zip(calls, outputs):
-                if episode.is_done:  # the sandbox failed under it
-                    continue
-                if episode.turns >= self.max_turns:
-                    self._end(episode, "turn_limit")  # nobody would read the output
-                else:
-                    episode.add_environment_text(output, encode(output))
+    def start_episode(self, task: RepoTask, prompt_ids: list[int]) -> Episode:
+        return Episode(task, list(prompt_ids))
+
+    def take_turn(self, episode: Episode, completion: Completion, encode: Callable[[str], list[int]]) -> None:
+        """One model turn: end the episode (done, no command) or run its command in the
+        episode's session and append the output; past `max_turns` the episode ends."""
+        episode.add_model_turn(completion)
+        command = parse_command(completion.text)
+        if command.kind in ("done", "none"):
+            self._end(episode, "done" if command.kind == "done" else "no_command")
+            return
+        output = self._tool(episode, command)
+        if episode.is_done:  # the sandbox failed under it
+            return
+        if episode.turns >= self.max_turns:
+            self._end(episode, "turn_limit")  # nobody would read the output
+        else:
+            episode.add_environment_text(output, encode(output))
 
     def _tool(self, episode: Episode, command: Command) -> str:
         """Run one command; the text to append (the episode ends as infra_error if the sandbox fails)."""
         if command.kind == "invalid":
             return self._observe(f"error: {command.error}")
+        if self.latency_s:
+            time.sleep(self.latency_s)  # an added tool latency (benchmarks): a remote tool, no CPU
         episode.info["tool_calls"] = episode.info.get("tool_calls", 0) + 1
         run_timeout_s = max(self.limits.timeout_s - RUN_MARGIN_S, 0.1)
         request = request_of(command, run_timeout_s, self.max_output_bytes, self.max_file_bytes)
@@ -190,6 +185,10 @@ class RepoEnvironment:
             files = _collected(result.stdout, self.max_file_bytes)
             self._close_session(episode)
         episode.finish("pending", ended_by=ended_by, final_files=files)
+
+    def discard(self, episode: Episode) -> None:
+        """An episode the run no longer needs (its group was cut): close its session."""
+        self._close_session(episode)
 
     def _close_session(self, episode: Episode) -> None:
         if episode.session is not None:
@@ -276,4 +275,4 @@ def make_repo_environment(cfg: Config) -> RepoEnvironment:
                                                                                                 r.missing_frac)]
              for split, count in (("train", r.num_train_prompts), ("eval", r.num_eval_prompts))}
     return RepoEnvironment(sandbox, tasks, limits, r.max_turns, r.max_output_bytes, r.max_file_bytes, r.sessions,
-                           r.skip_frac, r.typo_frac, turn_format=turn_format)
+                           r.skip_frac, r.typo_frac, turn_format=turn_format, latency_s=r.latency_s)

@@ -40,6 +40,7 @@ last snapshot are lost), or live objects (sockets, generators) surviving a snaps
 from __future__ import annotations
 
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable, Sequence
@@ -48,6 +49,7 @@ from gapless.config import Config
 from gapless.envs.base import Generator, Split
 from gapless.envs.code import SandboxUnavailable
 from gapless.envs.episode import Episode
+from gapless.envs.turns import run_waves
 from gapless.envs.tool_task import ToolTask, Turn, demonstration, generate_tool_tasks, parse_turn, tool_output_text
 from gapless.sandbox import SandboxError, SandboxLimits, Status, open_sandbox
 from gapless.sandbox.worker import SlotFailure
@@ -81,8 +83,9 @@ class ToolUseEnvironment:
 
     def __init__(self, sandbox, tasks: dict[str, Sequence[ToolTask]], limits: SandboxLimits, max_turns: int = 3,
                  max_output_chars: int = 64, sessions: int = 8, idle_timeout_s: float = 300.0,
-                 skip_frac: float = 0.0, typo_frac: float = 0.0):
+                 skip_frac: float = 0.0, typo_frac: float = 0.0, latency_s: float = 0.0):
         self.sandbox = sandbox
+        self.latency_s = latency_s
         self.skip_frac, self.typo_frac = skip_frac, typo_frac
         self._tasks = tasks
         self.limits = limits
@@ -121,17 +124,30 @@ class ToolUseEnvironment:
 
     # -- the multi-turn path -------------------------------------------------------------------
 
-    def rollout_groups(self, generator: Generator, tasks: Sequence[ToolTask], group_size: int, params: SamplingParams,
-                       encode: Callable[[str], list[int]]) -> list[list[Rollout]]:
-        episodes = [self.start(task, encode) for task in tasks for _ in range(group_size)]
-        for wave in range(0, len(episodes), self.sessions):
-            chunk = episodes[wave : wave + self.sessions]
-            self.advance(generator, chunk, replace(params, seed=params.seed + 104_729 * wave), encode)
-        rollouts = [self.to_rollout(e) for e in episodes]
-        return [rollouts[i : i + group_size] for i in range(0, len(rollouts), group_size)]
+    def rollout_groups(self, generator: Generator, tasks: Sequence[ToolTask], group_size: int,
+                       params: SamplingParams | Sequence[SamplingParams], encode: Callable[[str], list[int]]) -> list[list[Rollout]]:
+        """The reference loop: lock-step waves of `sessions` episodes (envs/turns.py)."""
+        return run_waves(self, generator, tasks, group_size, params, encode, self.pool)
 
     def start(self, task: ToolTask, encode: Callable[[str], list[int]]) -> Episode:
         return Episode(task, encode(task.prompt))
+
+    def start_episode(self, task: ToolTask, prompt_ids: list[int]) -> Episode:
+        return Episode(task, list(prompt_ids))
+
+    def take_turn(self, episode: Episode, completion: Completion, encode: Callable[[str], list[int]]) -> None:
+        """One model turn: grade an answer, or run its tool call (in the episode's session, as the
+        policy version of the turn's last token) and append the output."""
+        episode.add_model_turn(completion)
+        call = self._after_turn(episode, parse_turn(completion.text))
+        if call is not None:
+            version = completion.versions[-1] if completion.versions else 0
+            output = self._run_tool(episode, call, version)
+            if output is not None:
+                # a prompt encoder (Policy.encode) writes the reply as the chat template's next turn
+                episode.add_environment_text(output, getattr(encode, "turn", encode)(output))
+        if episode.is_done:
+            self._close_session(episode)
 
     def advance(self, generator: Generator, episodes: Sequence[Episode], params: SamplingParams,
                 encode: Callable[[str], list[int]], turns: int | None = None) -> None:
@@ -142,20 +158,8 @@ class ToolUseEnvironment:
             if not active:
                 break
             turn_params = replace(params, seed=params.seed + 7_919 * max(e.turns for e in active))  # new per turn
-            calls = []
-            for episode, completion in zip(active, generator.generate([e.context for e in active], turn_params)):
-                episode.add_model_turn(completion)
-                call = self._after_turn(episode, parse_turn(completion.text))
-                if call is not None:
-                    calls.append((episode, call))
-            outputs = list(self.pool.map(lambda ec: self._run_tool(ec[0], ec[1], generator.version), calls))
-            for (episode, _), output in zip(calls, outputs):
-                if output is not None:
-                    # a prompt encoder (Policy.encode) writes the reply as the chat template's next turn
-                    episode.add_environment_text(output, getattr(encode, "turn", encode)(output))
-        for e in episodes:
-            if e.is_done:
-                self._close_session(e)
+            completions = generator.generate([e.context for e in active], turn_params)
+            list(self.pool.map(lambda ec: self.take_turn(ec[0], ec[1], encode), zip(active, completions)))
 
     def _after_turn(self, episode: Episode, turn: Turn) -> str | None:
         """Grade an answer or end the episode; return the code of a tool call to run."""
@@ -172,6 +176,8 @@ class ToolUseEnvironment:
 
     def _run_tool(self, episode: Episode, code: str, version: int) -> str | None:
         """Run one call in the episode's session; the text to append, or None if it ended."""
+        if self.latency_s:
+            time.sleep(self.latency_s)  # an added tool latency (benchmarks): a remote tool, no CPU
         try:
             if episode.session is None:
                 episode.session = self.sandbox.open_session(self.limits, self.idle_timeout_s)
@@ -210,6 +216,10 @@ class ToolUseEnvironment:
         """Snapshot the episode's session and close it; the next tool call restores it."""
         if episode.session is not None and not episode.is_done:
             episode.snapshot = episode.session.snapshot()
+        self._close_session(episode)
+
+    def discard(self, episode: Episode) -> None:
+        """An episode the run no longer needs (its group was cut): close its session."""
         self._close_session(episode)
 
     def _close_session(self, episode: Episode) -> None:
@@ -264,4 +274,4 @@ def make_tool_environment(cfg: Config) -> ToolUseEnvironment:
     tasks = {"train": generate_tool_tasks(cfg.seed, "train", cfg.tools.num_train_prompts),
              "eval": generate_tool_tasks(cfg.seed, "eval", cfg.tools.num_eval_prompts)}
     return ToolUseEnvironment(sandbox, tasks, limits, cfg.tools.max_turns, cfg.tools.max_output_chars, cfg.tools.sessions,
-                              skip_frac=cfg.tools.skip_frac, typo_frac=cfg.tools.typo_frac)
+                              skip_frac=cfg.tools.skip_frac, typo_frac=cfg.tools.typo_frac, latency_s=cfg.tools.latency_s)

@@ -38,7 +38,7 @@ def _make(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_dir: Path
         record = {"engine": "torch", "path": path, "model_type": policy.model.config.model_type, "notice": notice}
         (Path(work_dir) / "generator.json").write_text(json.dumps(record) + "\n")
         return TorchEngine(policy.model, policy.eos_id, policy.decode, max_batch=cfg.max_batch, max_seq_len=max_seq_len,
-                           kernels=cfg.kernels, stop_ids=policy.stop_ids)
+                           kernels=cfg.kernels, stop_ids=policy.stop_ids, recompute_kv=cfg.recompute_kv)
     if cfg.engine == "reference":
         return TorchSampler(copy.deepcopy(policy.model), policy.eos_id, policy.pad_id, policy.decode, policy.stop_ids)
     from gapless.generate.vllm_engine import VLLMEngine

@@ -48,7 +48,9 @@ from gapless.orchestrate.admission import sampling_params
 from gapless.orchestrate.buffer import ScoredGroup
 from gapless.faults import fault_point, name_process
 from gapless.orchestrate.lending import LendingFlags
-from gapless.orchestrate.messages import Abort, ActorError, Assign, GenStats, Loaded, Ready, Scored, ToScore
+from gapless.envs.turns import queue_turn
+from gapless.orchestrate.messages import (Abort, ActorError, Assign, GenStats, Loaded, Ready, Scored,
+                                            NextTurns, StartEpisodes, ToScore, TurnDone)
 from gapless.orchestrate.partial import PartialRollouts
 from gapless.orchestrate.watchdog import Heartbeats, StopFlag, install_stack_dump
 from gapless.orchestrate.weights import SharedWeights
@@ -79,6 +81,9 @@ class ActorSpec:
     to_env: Any = None  # a replica's queue of ToScore to the environment
     from_generators: tuple = ()  # the environment's: every replica's queue (restarts' included)
     lending: LendingFlags | None = None  # the trainer borrows the generator's threads while it idles
+    from_env: Any = None  # a replica's queue of NextTurns from the environment (multi-turn tasks only)
+    to_generators: tuple = ()  # the environment's: every replica slot's NextTurns queue (multi-turn tasks)
+    max_seq_len: int | None = None  # longest context to hold (an episode's); None: longest prompt + max_new_tokens
 
 
 def _put(q, item, stop, beat=None) -> float:
@@ -147,7 +152,9 @@ class _GeneratorActor:
         torch.set_num_threads(cfg.pipeline.generator_threads_resolved)
         self.policy = load_local(spec.policy_dir)
         self.prompts = [self.policy.encode(prompt) for _, prompt in spec.prompts]
-        max_seq_len = max(map(len, self.prompts)) + cfg.generator.max_new_tokens
+        max_seq_len = spec.max_seq_len or max(map(len, self.prompts)) + cfg.generator.max_new_tokens
+        self.multi_turn = spec.from_env is not None  # sample turns the environment asks for (episode_runner.py)
+        self.cut_groups: set[int] = set()  # multi-turn groups aborted: their late turns are ignored
         self.engine = make_generator(cfg.generator, self.policy, max_seq_len, Path(cfg.run_dir),
                                      lora=run_spec(cfg.lora, cfg.seed))  # LoRA: self.policy.model is the merge's base
         spec.weights.fetch_into(self.engine.update_weights, -1)
@@ -201,17 +208,25 @@ class _GeneratorActor:
                 self._report()
 
     def _apply_control(self, timeout: float = 0.0) -> None:
+        if self.multi_turn:
+            self._take_turns()
         while True:
             try:
                 message = self.spec.inbox.get(timeout=timeout) if timeout else self.spec.inbox.get_nowait()
             except queue.Empty:
                 return
             timeout = 0.0
-            if isinstance(message, Assign):
+            if isinstance(message, Assign) and self.multi_turn:  # the environment runs the episodes
+                self.clock["groups"] += len(message.groups)
+                _put(self.spec.to_env, StartEpisodes(self.spec.replica, message.groups), self.spec.stop, self._beat)
+            elif isinstance(message, Assign):
                 for index, task, born in message.groups:
                     self.engine.add_request(self.prompts[task], sampling_params(self.cfg, index), self.cfg.generator.group_size,
                                             request_id=str(index))
                     self.groups[index], self.meta[index] = [], (task, born)
+            elif isinstance(message, Abort) and self.multi_turn:
+                self.cut_groups.update(message.indices)
+                self.engine.abort([str(i) for i in message.indices])
             elif isinstance(message, Abort):
                 ids = [i for i in message.indices if i in self.groups]
                 self.engine.abort([str(i) for i in ids])
@@ -219,10 +234,27 @@ class _GeneratorActor:
                     self.groups.pop(i, None)
                     self.meta.pop(i, None)
 
+    def _take_turns(self) -> None:
+        """Queue every turn the environment sent (each message at once, in its order)."""
+        while True:
+            try:
+                message = self.spec.from_env.get_nowait()
+            except queue.Empty:
+                return
+            for request in message.turns:
+                if request.group not in self.cut_groups:
+                    queue_turn(self.engine, request, sampling_params(self.cfg, request.group))
+
     def _beat(self) -> None:
         self.spec.heartbeats.beat(self.spec.name)
 
     def _collect(self, finished: list[Completion]) -> None:
+        if self.multi_turn:
+            for completion in finished:
+                if int(completion.request_id) not in self.cut_groups:
+                    self.clock["blocked_s"] += _put(self.spec.to_env, TurnDone(int(completion.request_id), completion),
+                                                    self.spec.stop, self._beat)
+            return
         n = self.cfg.generator.group_size
         for completion in finished:
             index = int(completion.request_id)
@@ -277,6 +309,8 @@ def _environment_loop(spec: ActorSpec) -> None:
     if [t.uid for t in tasks] != [uid for uid, _ in spec.prompts]:
         raise RuntimeError(f"environment {env.name!r} built different train tasks in the environment process; "
                            "the pipeline needs env.tasks() to be deterministic in the config")
+    if spec.to_generators:
+        return _episode_loop(spec, env, tasks)
     timeline = open_timeline(cfg.run_dir, "env", cfg.metrics.timeline)
     spec.outbox.put(Ready(spec.name))
     groups: queue.Queue = queue.Queue(maxsize=max(1, cfg.pipeline.env_workers))
@@ -335,3 +369,40 @@ def _environment_loop(spec: ActorSpec) -> None:
         finally:
             env.close()
             timeline.close()
+
+
+def _episode_loop(spec: ActorSpec, env, tasks) -> None:
+    """The environment of a multi-turn task: runs the episodes (episode_runner.py), sampling
+    their turns on the replicas, and sends each finished group to the trainer."""
+    from gapless.models import load_encoder
+    from gapless.orchestrate.episode_runner import EpisodeRunner
+
+    cfg, beat = spec.cfg, (lambda: spec.heartbeats.beat(spec.name))
+    runner = EpisodeRunner(
+        env, tasks, load_encoder(spec.policy_dir), cfg.generator.group_size, cfg.pipeline.turn_schedule,
+        send_turns=lambda replica, turns: _put(spec.to_generators[replica], NextTurns(turns), spec.stop, beat),
+        send_scored=lambda group: _put(spec.outbox, Scored(group), spec.stop, beat))
+    messages: queue.Queue = queue.Queue()
+    for i, source in enumerate(spec.from_generators):
+        threading.Thread(target=_read_into, args=(source, messages), name=f"read-replica-{i}", daemon=True).start()
+    spec.outbox.put(Ready(spec.name))
+    try:
+        while not spec.stop.is_set() and not runner.failures:
+            beat()
+            while True:
+                try:
+                    runner.cancel(spec.inbox.get_nowait().indices)
+                except queue.Empty:
+                    break
+            try:
+                runner.handle(messages.get(timeout=POLL_S))
+                while True:  # everything that arrived, before acting on the results
+                    runner.handle(messages.get_nowait())
+            except queue.Empty:
+                pass
+            runner.poll()
+        if runner.failures:
+            spec.outbox.put(ActorError(spec.name, runner.failures[0]))
+    finally:
+        runner.close()
+        env.close()

@@ -1,8 +1,9 @@
 """The inline rollout source: the reference synchronous loop's generate-then-score, in turn.
 
     take(t):  generator.generate(N per prompt) ──> env.score_groups      (one process, strictly in turn)
-              or, for a multi-turn environment, env.rollout_groups (it drives generation itself;
-              its completions' loss masks keep the environment's tokens out of the loss)
+              or, for a multi-turn environment, env.rollout_groups (it drives generation itself, in
+              lock-step waves (envs/turns.py), each group with its own seed; its completions' loss
+              masks keep the environment's tokens out of the loss)
     publish:  generator.update_weights(state, v)
 
 Every rollout of a step is sampled by the current policy version (staleness 0, asserted), so the
@@ -45,7 +46,7 @@ class InlineSource:
         params = [sampling_params(cfg, first + g) for g in range(len(problems))]
         with self.timelines["generator"].span("generate", step=step, version=self.sampler.version):
             if isinstance(self.env, MultiTurnEnvironment):  # generation and scoring interleave, turn by turn
-                groups = self.env.rollout_groups(self.sampler, problems, n, params[0], self.encode)
+                groups = self.env.rollout_groups(self.sampler, problems, n, params, self.encode)
             else:
                 sampled = generate_groups(self.sampler, [self.encode(p.prompt) for p in problems], n, params)
         t1 = time.perf_counter()

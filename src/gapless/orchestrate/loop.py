@@ -37,6 +37,7 @@ import torch
 from gapless.config import Config, ConfigError
 from gapless.envs.base import Environment, MultiTurnEnvironment, check_infra
 from gapless.envs.registry import make_environment
+from gapless.envs.turns import EpisodeSteps
 from gapless.errors import RunStopped
 from gapless.faults import fault_point
 from gapless.generate import make_generator
@@ -61,13 +62,13 @@ SOURCES = ("inline", "process")
 
 def source_kind(cfg: Config, env: Environment, custom_env: bool = False) -> str:
     """`process` (the pipeline) unless the generator cannot be driven step by step (the
-    `reference` engine), the environment drives generation itself (multi-turn), or it is an
-    object the caller built (the actors build theirs from `task.name`): then `inline`, which only
-    runs synchronously."""
+    `reference` engine), the environment is multi-turn without running one turn at a time
+    (`EpisodeSteps`: tool_use and repo do), or it is an object the caller built (the actors build
+    theirs from `task.name`): then `inline`, which only runs synchronously."""
     why = None
     if cfg.generator.engine == "reference":
         why = "generator.engine = 'reference'"
-    elif isinstance(env, MultiTurnEnvironment):
+    elif isinstance(env, MultiTurnEnvironment) and not isinstance(env, EpisodeSteps):
         why = f"the multi-turn task {env.name!r}"
     elif custom_env:
         why = f"a custom environment object ({env.name!r})"
@@ -140,7 +141,8 @@ class RunLoop:
 
             self.source = ProcessSource(cfg, self.train, self.policy, self.start_step, resume, self.env.name,
                                         self.timelines, lambda: self.stop_requested, log,
-                                        trained_model=self.trainer.model if self.lora is not None else None)
+                                        trained_model=self.trainer.model if self.lora is not None else None,
+                                        multi_turn=self.is_multi_turn, max_seq_len=self.max_seq_len())
         self.sinks = open_sinks(cfg, cfg.loop.steps, append=checkpoint is not None)
 
     def max_seq_len(self) -> int:

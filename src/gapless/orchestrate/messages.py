@@ -4,6 +4,9 @@
        ^──── Loaded / Ready / GenStats / ActorError (each actor's own outbox) ─────────────────────┘
     generator replica r <── Abort (stragglers it holds) ── trainer ── CancelScoring ──> environment
 
+Multi-turn episodes (episode_runner.py) add a loop between a replica and the environment:
+    replica r ──StartEpisodes, TurnDone (its ToScore queue)──> environment ──NextTurns (r's own queue)──> replica r
+
 Each queue carries one family of these records and has one writer, so an actor killed in the
 middle of a write cannot block another; receivers dispatch on the type, never on a string tag.
 Everything here is plain data: no locks, tensors or open files.
@@ -14,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gapless.orchestrate.buffer import ScoredGroup
+from gapless.envs.turns import TurnRequest
 from gapless.types import Completion
 
 
@@ -68,3 +72,21 @@ class ToScore:
 @dataclass(frozen=True)
 class CancelScoring:
     indices: tuple[int, ...]  # cut groups: skip them if queued, discard them if being scored
+
+
+# ---- multi-turn episodes: replica <-> environment -------------------------------------------
+@dataclass(frozen=True)
+class StartEpisodes:
+    replica: int  # where the episodes' turns are sampled
+    groups: tuple[tuple[int, int, int], ...]  # (index, task index, birth version), as assigned
+
+
+@dataclass(frozen=True)
+class TurnDone:
+    group: int
+    completion: Completion  # one sampled turn; completion.index is the episode's sample index
+
+
+@dataclass(frozen=True)
+class NextTurns:
+    turns: tuple[TurnRequest, ...]  # to queue at once, in this order (a wave's turn, or one episode's)

@@ -96,11 +96,15 @@ class ProcessSource:
     eval_actor = "trainer"
 
     def __init__(self, cfg: Config, train: list[Task], policy, start_step: int, resume: bool, env_name: str,
-                 timelines, stop_requested, log=print, placement: Placement | None = None, trained_model=None):
+                 timelines, stop_requested, log=print, placement: Placement | None = None, trained_model=None,
+                 multi_turn: bool = False, max_seq_len: int | None = None):
         """`policy`: the trainer's Policy (saved for the generators; its model may lend threads);
         `stop_requested()`: the name of a stop signal received, or None (checked in every wait);
         `trained_model`: the module the trainer runs when it is not `policy.model` (a LoRA run's
-        peft model), where thread lending hooks its layers."""
+        peft model), where thread lending hooks its layers. `multi_turn`: the task's episodes run
+        turn by turn (episode_runner.py), each replica sampling the turns the environment sends it;
+        `max_seq_len`: the longest context then."""
+        self.multi_turn, self.max_seq_len = multi_turn, max_seq_len
         self.cfg, self.train, self.policy, self.log, self.timelines = cfg, train, policy, log, timelines
         self.env_name, self.stop_requested = env_name, stop_requested
         self.start_step, self.version = start_step, start_step
@@ -156,7 +160,10 @@ class ProcessSource:
         self.state, self.version = state, version  # what a restarted replica starts from
         place, bound = self.placement, 2 * self.cfg.loop.prompts_per_step  # groups waiting to be scored, per replica
         self.to_env = [place.channel(bound) for _ in range(self.slots)]  # one per replica slot: one writer each
-        self.env_spec = self._spec("environment", inbox=place.channel(), from_generators=tuple(self.to_env))
+        # multi-turn: the environment sends each replica the turns to sample, on a queue of its own
+        self.to_replica = [place.channel() for _ in range(self.slots)] if self.multi_turn else []
+        self.env_spec = self._spec("environment", inbox=place.channel(), from_generators=tuple(self.to_env),
+                                   to_generators=tuple(self.to_replica))
         self._start(self.env_spec, environment_main)
         for slot in range(self.cfg.cluster.replicas):
             self._start_replica(slot, state, version)
@@ -268,7 +275,8 @@ class ProcessSource:
         name = self.names[slot]
         spec = self._spec(name, inbox=self.placement.channel(), replica=slot,
                           weights=self.placement.weights(state, version), to_env=self.to_env[slot],
-                          lending=self.lending.flags if self.lending else None)
+                          lending=self.lending.flags if self.lending else None,
+                          from_env=self.to_replica[slot] if self.multi_turn else None, max_seq_len=self.max_seq_len)
         self.replicas.append(_Replica(slot, name, spec))
         self.heartbeats.starting(name)
         if name not in self.watch.actors:
