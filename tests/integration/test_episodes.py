@@ -93,6 +93,7 @@ def _ledger_checks(run: Path, budget: int, steps: int, groups_per_step: int) -> 
     assert all(0 <= e["staleness"] <= budget for e in trained)
 
 
+@pytest.mark.slow
 def test_tool_use_budget_zero_waves_equal_the_reference_loop(tmp_path, warm_cache):
     inline = _record(_drive(_loop(tmp_path, warm_cache, "tool_use", "inline", 0, "inline"), 2, 0))
     waves = _record(_drive(_loop(tmp_path, warm_cache, "tool_use", "process", 0, "waves", **{"pipeline.turn_schedule": '"waves"'}), 2, 0))

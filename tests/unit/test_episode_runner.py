@@ -1,0 +1,135 @@
+"""The pipeline's episode runner (orchestrate/episode_runner.py) on the real tool environment
+(bubblewrap sessions), with scripted model turns returned out of order, as a continuous batch
+returns them: each group is scored once, in sample order, with the rollouts the reference wave
+loop (envs/turns.py run_waves) gives for the same turns; 'waves' sends each wave's turn as one
+batch of at most `sessions` episodes, in order; 'turns' sends an episode's next turn as soon as
+its own tool returned; a cut group gets no further turn and its sessions are closed."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from sandbox_host import SLOT_UID_BASE, needs_bwrap
+
+from gapless.config import ModelConfig
+from gapless.envs.tool_task import ToolTask
+from gapless.envs.tools import ToolUseEnvironment
+from gapless.envs.turns import TurnRequest
+from gapless.models import build_tiny
+from gapless.orchestrate.episode_runner import EpisodeRunner
+from gapless.orchestrate.messages import StartEpisodes, TurnDone
+from gapless.sandbox import BwrapSandbox, SandboxLimits
+from gapless.types import Completion, SamplingParams
+
+pytestmark = needs_bwrap
+LIMITS = SandboxLimits(timeout_s=1.5, memory_mb=256, max_processes=16)
+TASKS = [ToolTask("a", "Q: 37*48+5\n", "37*48+5", "1781"), ToolTask("b", "Q: 12*13\n", "12*13", "156"),
+         ToolTask("c", "Q: 21*22-3\n", "21*22-3", "459")]
+SCRIPTS = {"a": ["<py>37*48+5</py>", "Answer: 1781"], "b": ["Answer: 150"],
+           "c": ["<py>x = 21*22</py>", "<py>x - 3</py>", "Answer: 459"]}
+N = 2
+
+
+@pytest.fixture(scope="module")
+def policy():
+    cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=300)
+    return build_tiny(cfg, [t.prompt + "".join(SCRIPTS[t.uid]) + "<out></out>" for t in TASKS], seed=0)
+
+
+@pytest.fixture(scope="module")
+def env():
+    sandbox = BwrapSandbox(LIMITS, slot_uid_base=SLOT_UID_BASE, max_concurrency=4)
+    environment = ToolUseEnvironment(sandbox, {"train": TASKS, "eval": TASKS}, LIMITS, max_turns=3, sessions=4)
+    yield environment
+    try:
+        assert sandbox.leftovers() == []  # every session's slot was emptied
+    finally:
+        environment.close()
+
+
+class Scripted:
+    """Turn k of a task's episode is its k-th script line (through the real tokenizer)."""
+
+    def __init__(self, policy, version: int = 0):
+        self.policy, self.version = policy, version
+        self.prompts = {tuple(policy.encode(t.prompt)): SCRIPTS[t.uid] for t in TASKS}
+
+    def turn(self, context, request_id: str = "", index: int = 0) -> Completion:
+        prompt = next(p for p in self.prompts if tuple(context[: len(p)]) == p)
+        text = self.prompts[prompt][list(context[len(prompt):]).count(self.policy.eos_id)]
+        ids = self.policy.encode(text) + [self.policy.eos_id]
+        return Completion(list(context), ids, [-0.5] * len(ids), [self.version] * len(ids), "stop", text, request_id, index)
+
+    def generate(self, prompts, params: SamplingParams) -> list[Completion]:
+        return [self.turn(c) for c in prompts]
+
+
+def _run(env, policy, schedule: str, cut: int | None = None):
+    """Drive a runner like the pipeline: turns come back in a random order, one at a time."""
+    sent: list[tuple[TurnRequest, ...]] = []
+    sent_log: list[tuple[TurnRequest, ...]] = []
+    scored = []
+    runner = EpisodeRunner(env, TASKS, policy.encode, N, schedule,
+                           lambda replica, turns: (sent.append(turns), sent_log.append(turns)), scored.append)
+    runner.handle(StartEpisodes(0, tuple((g, g, 0) for g in range(len(TASKS)))))
+    scripted, rng, pending, deadline = Scripted(policy), random.Random(0), [], time.monotonic() + 60
+    while len(scored) < len(TASKS) - (cut is not None) and time.monotonic() < deadline:
+        while sent:
+            pending += sent.pop(0)
+        if pending:
+            request = pending.pop(rng.randrange(len(pending)))
+            runner.handle(TurnDone(request.group, scripted.turn(request.context, str(request.group), request.sample)))
+            if cut is not None and request.group == cut and cut in runner.groups:
+                cut_episodes = runner.groups[cut].episodes
+                runner.cancel([cut])
+        runner.poll()
+        time.sleep(0.002)
+    while runner.turning and time.monotonic() < deadline:  # a cut episode's running turn comes back
+        runner.poll()
+        time.sleep(0.002)
+    runner.pool.shutdown(wait=True)  # and its session is discarded
+    return scored, runner, sent_log if cut is None else cut_episodes
+
+
+def _rows(rollouts):
+    return [(r.prompt_uid, r.reward, r.status, r.completion.token_ids, r.completion.loss_mask) for r in rollouts]
+
+
+@pytest.mark.parametrize("schedule", ["turns", "waves"])
+def test_runner_scores_every_group_once_as_the_reference_loop(env, policy, schedule):
+    reference = env.rollout_groups(Scripted(policy), TASKS, N, SamplingParams(), policy.encode)
+    scored, runner, sent = _run(env, policy, schedule)
+    assert sorted(g.index for g in scored) == [0, 1, 2]  # each group once
+    for group in scored:
+        assert _rows(group.rollouts) == _rows(reference[group.index])
+    assert [r.reward for g in sorted(scored, key=lambda g: g.index) for r in g.rollouts] == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+    assert not runner.groups and not runner.turning
+    if schedule == "waves":  # one batch per wave turn, of the wave's unfinished episodes, in order
+        assert [tuple((t.group, t.sample, t.turn) for t in b) for b in sent] == [
+            ((0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)), ((0, 0, 1), (0, 1, 1)),  # wave 1: a calls, b answers
+            ((2, 0, 0), (2, 1, 0)), ((2, 0, 1), (2, 1, 1)), ((2, 0, 2), (2, 1, 2))]  # wave 2: c, three turns
+    else:  # an episode's next turn goes out alone, when its own tool returned
+        assert all(len(b) == 1 for b in sent if b[0].turn > 0)
+
+
+def test_waves_send_each_wave_turn_as_one_batch_and_turns_one_episode_each(env, policy):
+    for schedule in ("waves", "turns"):
+        batches: list[tuple[TurnRequest, ...]] = []
+        runner = EpisodeRunner(env, TASKS, policy.encode, N, schedule, lambda replica, turns: batches.append(turns), lambda g: None)
+        runner.handle(StartEpisodes(0, tuple((g, g, 0) for g in range(len(TASKS)))))
+        first = [tuple((t.group, t.sample) for t in batch) for batch in batches]
+        if schedule == "waves":  # sessions = 4: episodes (0,0) (0,1) (1,0) (1,1), then (2,0) (2,1)
+            assert first == [((0, 0), (0, 1), (1, 0), (1, 1))]
+        else:  # every group's first turns at once
+            assert first == [((0, 0), (0, 1)), ((1, 0), (1, 1)), ((2, 0), (2, 1))]
+        runner.cancel([0, 1, 2])
+        runner.close()
+
+
+def test_a_cut_group_gets_no_more_turns_and_its_sessions_close(env, policy):
+    scored, runner, cut_episodes = _run(env, policy, "turns", cut=2)  # task c: three turns, cut after one returns
+    assert sorted(g.index for g in scored) == [0, 1]
+    assert all(e.turns <= 1 for e in cut_episodes)  # no turn after the cut was taken
+    assert all(e.session is None for e in cut_episodes)  # sessions closed
