@@ -442,6 +442,17 @@ class PipelineConfig(_Section):
     episode waits for another) or 'waves' (lock-step waves of `sessions` episodes, as the reference
     loop: at budget 0 bitwise equal to it). 'turns' samples the same tokens, with log-probs equal
     within float rounding (a different batch composition)."""
+    suspend_between_turns: bool = False
+    """Multi-turn (tool_use): snapshot and close an episode's sandbox session while its next turn is
+    sampled, so no session is held during generation; its next tool call restores the snapshot in
+    a new session, possibly under newer weights (environment-state staleness: the ledger records,
+    per episode, the version that last changed the state and the version that resumed it)."""
+    max_env_state_staleness: int = Field(-1, ge=-1, le=64)
+    """Bound on resumed_by_version - env_state_version when a suspended episode resumes (checked
+    before its tool call runs); past it the episode is handled as `env_state_stale` says. -1 = off."""
+    env_state_stale: Literal["restart", "drop"] = "restart"
+    """An episode resumed past max_env_state_staleness: 'restart' it from its prompt (its tokens so
+    far are discarded; `env_state_restarts` in its info) or 'drop' its group (reason 'env_state_stale')."""
     lend_idle_cores: bool = True
     """With a budget: the trainer borrows the generator's threads while the generator has nothing to
     decode, and hands them back at its next decoder layer when it has (orchestrate/lending.py)."""
@@ -741,6 +752,12 @@ def _check_cross_field(cfg: Config) -> None:
         field = "partial_rollout_tokens" if pl.partial_rollout_tokens else "partial_rollout_s"
         raise ConfigError(f"pipeline.{field} cuts running sequences, which only generator.engine = 'torch' exposes "
                           f"(not {cfg.generator.engine!r}); set it to 0 or use the torch engine")
+    if pl.suspend_between_turns and cfg.task.name != "tool_use":
+        raise ConfigError(f"pipeline.suspend_between_turns snapshots tool sessions, which only task.name = 'tool_use' "
+                          f"supports (not {cfg.task.name!r}); set it to false")
+    if pl.max_env_state_staleness >= 0 and not pl.suspend_between_turns:
+        raise ConfigError("pipeline.max_env_state_staleness bounds resumed episodes, and none is suspended: "
+                          "set pipeline.suspend_between_turns = true or max_env_state_staleness = -1")
     if (pl.partial_rollout_tokens or pl.partial_rollout_s) and cfg.task.name in MULTI_TURN_TASKS:
         field = "partial_rollout_tokens" if pl.partial_rollout_tokens else "partial_rollout_s"
         raise ConfigError(f"pipeline.{field} cuts single-turn sequences; the multi-turn task {cfg.task.name!r} "

@@ -146,3 +146,19 @@ def test_tokens_across_a_mid_episode_swap_match_the_forward_of_their_versions(tm
                     if m and v == version:
                         assert abs(ref[t].item() - lp) < 2e-4, (version, t, ref[t].item(), lp)
     assert spanning > 0  # some episode's turns were sampled by different policy versions
+
+
+@pytest.mark.slow
+def test_suspended_episodes_resume_under_newer_weights_within_the_state_bound(tmp_path, warm_cache):
+    bound = 1
+    loop = _loop(tmp_path, warm_cache, "tool_use", "process", 2, "state",
+                 **{"tools.latency_s": "0.3", "pipeline.suspend_between_turns": "true",
+                    "pipeline.max_env_state_staleness": str(bound), "pipeline.env_state_stale": '"restart"'})
+    steps = _drive(loop, 5, 2)
+    _ledger_checks(tmp_path / "state", 2, 5, loop.cfg.loop.prompts_per_step)
+    events = [json.loads(line) for line in (tmp_path / "state" / "groups.jsonl").read_text().splitlines()]
+    pairs = [p for e in events if e["event"] == "trained" for p in e.get("env_state", []) if None not in p]
+    assert pairs and all(0 <= resumed - wrote <= bound for wrote, resumed in pairs)  # recorded, and within the bound
+    resumed = [r for rollouts in steps for r in rollouts if r.info.get("resumes")]
+    assert resumed and any(r.info["resumed_by_version"] > r.info["env_state_version"] for r in resumed)  # newer weights
+    assert all(r.info["env_state_gap_max"] <= bound for r in resumed)

@@ -7,6 +7,7 @@ its own tool returned; a cut group gets no further turn and its sessions are clo
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
@@ -66,13 +67,14 @@ class Scripted:
         return [self.turn(c) for c in prompts]
 
 
-def _run(env, policy, schedule: str, cut: int | None = None):
-    """Drive a runner like the pipeline: turns come back in a random order, one at a time."""
+def _run(env, policy, schedule: str, cut: int | None = None, bump_at_c: int | None = None, **state_options):
+    """Drive a runner like the pipeline: turns come back in a random order, one at a time.
+    `bump_at_c`: the policy version of every turn sampled after task c's first turn came back."""
     sent: list[tuple[TurnRequest, ...]] = []
     sent_log: list[tuple[TurnRequest, ...]] = []
     scored = []
     runner = EpisodeRunner(env, TASKS, policy.encode, N, schedule,
-                           lambda replica, turns: (sent.append(turns), sent_log.append(turns)), scored.append)
+                           lambda replica, turns: (sent.append(turns), sent_log.append(turns)), scored.append, **state_options)
     runner.handle(StartEpisodes(0, tuple((g, g, 0) for g in range(len(TASKS)))))
     scripted, rng, pending, deadline = Scripted(policy), random.Random(0), [], time.monotonic() + 60
     while len(scored) < len(TASKS) - (cut is not None) and time.monotonic() < deadline:
@@ -81,6 +83,8 @@ def _run(env, policy, schedule: str, cut: int | None = None):
         if pending:
             request = pending.pop(rng.randrange(len(pending)))
             runner.handle(TurnDone(request.group, scripted.turn(request.context, str(request.group), request.sample)))
+            if bump_at_c is not None and request.group == 2:
+                scripted.version = bump_at_c
             if cut is not None and request.group == cut and cut in runner.groups:
                 cut_episodes = runner.groups[cut].episodes
                 runner.cancel([cut])
@@ -133,3 +137,41 @@ def test_a_cut_group_gets_no_more_turns_and_its_sessions_close(env, policy):
     assert sorted(g.index for g in scored) == [0, 1]
     assert all(e.turns <= 1 for e in cut_episodes)  # no turn after the cut was taken
     assert all(e.session is None for e in cut_episodes)  # sessions closed
+
+
+def test_suspended_episodes_resume_with_their_state_and_record_its_versions(env, policy):
+    scored, _, _ = _run(env, policy, "turns", bump_at_c=1, suspend=True)
+    (c,) = [g for g in scored if g.index == 2]
+    for r in c.rollouts:  # `x = 21*22`, suspended (session closed), `x - 3` in a new session: the value survived
+        assert (r.reward, r.status) == (1.0, "ok") and "<out>459</out>" in r.info["transcript"]
+        # every turn 1 is sampled after the bump; a turn 0 before it (the first back) or after (its sibling may be)
+        assert r.info["resumes"] == 1 and r.info["resumed_by_version"] == 1 and r.info["env_state_version"] in (0, 1)
+        assert r.info["env_state_gap_max"] == 1 - r.info["env_state_version"]
+    assert any(r.info["env_state_version"] == 0 for r in c.rollouts)  # resumed under newer weights
+
+
+def test_a_resume_past_the_state_bound_restarts_from_the_prompt(env, policy):
+    scored, _, _ = _run(env, policy, "turns", bump_at_c=3, suspend=True, max_state_staleness=1, on_stale="restart")
+    (c,) = [g for g in scored if g.index == 2]
+    restarted = [r for r in c.rollouts if r.info.get("env_state_restarts")]
+    assert restarted  # resumed by version 3 a state version 0 wrote: gap 3 > 1
+    for r in restarted:
+        assert r.info["env_state_restarts"] == 1 and (r.reward, r.status) == (1.0, "ok")
+        assert set(r.completion.versions) == {3}  # every kept token is the restart's
+        assert r.info["resumed_by_version"] - r.info["env_state_version"] <= 1  # the bound holds for what is trained
+
+
+def test_a_resume_past_the_state_bound_drops_the_group_with_a_reason(env, policy, tmp_path):
+    from gapless.orchestrate.buffer import StalenessBuffer
+    from gapless.orchestrate.ledger import GroupLedger
+
+    scored, _, _ = _run(env, policy, "turns", bump_at_c=3, suspend=True, max_state_staleness=1, on_stale="drop")
+    (c,) = [g for g in scored if g.index == 2]
+    assert "env_state_stale" in [r.status for r in c.rollouts]
+    ledger = GroupLedger(tmp_path / "groups.jsonl")
+    buffer = StalenessBuffer(2, 0, False, ledger)
+    assert buffer.arrived(c) == "env_state_stale"
+    ledger.close()
+    (event,) = [json.loads(line) for line in (tmp_path / "groups.jsonl").read_text().splitlines()
+                if json.loads(line)["event"] == "dropped"]
+    assert event["reason"] == "env_state_stale" and [0, 3] in event["env_state"]

@@ -190,7 +190,10 @@ class ToolUseEnvironment:
                         episode.finish("tool_error", tool_status="restore_failed", error=(restored.error or "")[:300])
                         self._close_session(episode)
                         return None
-                    episode.info.update(env_state_version=episode.state_version, resumed_by_version=version)
+                    gap = version - (episode.state_version or 0)
+                    episode.info.update(env_state_version=episode.state_version, resumed_by_version=version,
+                                        resumes=episode.info.get("resumes", 0) + 1,
+                                        env_state_gap_max=max(gap, episode.info.get("env_state_gap_max", gap)))
                     episode.snapshot = None
             result = episode.session.run(CELL.format(source=code))
         except (SandboxError, SlotFailure) as exc:
@@ -213,9 +216,19 @@ class ToolUseEnvironment:
         return tool_output_text(shown)
 
     def suspend(self, episode: Episode) -> None:
-        """Snapshot the episode's session and close it; the next tool call restores it."""
+        """Snapshot the episode's session and close it; the next tool call restores it. A
+        snapshot that fails ends the episode: `infra_error` when the sandbox failed, else
+        `tool_error` (`snapshot_failed`: the model's state hit a limit, e.g. a huge namespace)."""
         if episode.session is not None and not episode.is_done:
-            episode.snapshot = episode.session.snapshot()
+            try:
+                episode.snapshot = episode.session.snapshot()
+            except SlotFailure as exc:
+                episode.finish("infra_error", error=f"snapshot failed: {str(exc)[:300]}")
+            except SandboxError as exc:
+                if Status.INFRA_ERROR.value in str(exc):
+                    episode.finish("infra_error", error=str(exc)[:300])
+                else:
+                    episode.finish("tool_error", tool_status="snapshot_failed", error=str(exc)[:300])
         self._close_session(episode)
 
     def discard(self, episode: Episode) -> None:

@@ -381,7 +381,9 @@ def _episode_loop(spec: ActorSpec, env, tasks) -> None:
     runner = EpisodeRunner(
         env, tasks, load_encoder(spec.policy_dir), cfg.generator.group_size, cfg.pipeline.turn_schedule,
         send_turns=lambda replica, turns: _put(spec.to_generators[replica], NextTurns(turns), spec.stop, beat),
-        send_scored=lambda group: _put(spec.outbox, Scored(group), spec.stop, beat))
+        send_scored=lambda group: _put(spec.outbox, Scored(group), spec.stop, beat),
+        suspend=cfg.pipeline.suspend_between_turns, max_state_staleness=cfg.pipeline.max_env_state_staleness,
+        on_stale=cfg.pipeline.env_state_stale)
     messages: queue.Queue = queue.Queue()
     for i, source in enumerate(spec.from_generators):
         threading.Thread(target=_read_into, args=(source, messages), name=f"read-replica-{i}", daemon=True).start()

@@ -18,7 +18,10 @@ break it ('over_budget', counted; never trained, never a crash) -- admission (th
 guard, dispatch.py) is what keeps that from happening. Admission (admission.py) keeps
 the due groups of a step within one batch, so the rule never asks for more than P + extra.
 Dynamic sampling drops zero-variance groups on arrival ('zero_variance'), and groups whose every
-rollout failed in the infrastructure ('infra_error'); each drop frees a place for a backfill.
+rollout failed in the infrastructure ('infra_error'), or with an episode resumed past the
+environment-state bound ('env_state_stale'); each drop frees a place for a backfill. A group with
+suspended episodes carries `env_state` in its ledger events: per episode, the policy version that
+last changed its sandbox state and the version that resumed it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from typing import Sequence
 
 from gapless.orchestrate.ledger import GroupEvent, GroupLedger
 from gapless.types import Rollout
+
+ENV_STATE_STALE = "env_state_stale"  # an episode's status and its group's drop reason (episode_runner.py)
 
 
 @dataclass
@@ -84,6 +89,8 @@ class StalenessBuffer:
         self.in_flight.pop(group.index, None)
         if group.is_infra_failure:
             return self.drop(group.index, "infra_error", group=group)
+        if any(r.status == ENV_STATE_STALE for r in group.rollouts):  # resumed past pipeline.max_env_state_staleness
+            return self.drop(group.index, ENV_STATE_STALE, group=group)
         if self.dynamic_sampling and group.is_zero_variance:
             return self.drop(group.index, "zero_variance", group=group)
         self.ready[group.index] = group
@@ -103,6 +110,9 @@ class StalenessBuffer:
         if group is None:
             return GroupEvent(index, kind, uid=self._uid(self.task_of.get(index)), step=step, **fields)
         fields["born"] = group.born
+        states = [[r.info.get("env_state_version"), r.info.get("resumed_by_version")] for r in group.rollouts]
+        if any(v is not None for pair in states for v in pair):  # suspended and resumed episodes
+            fields["extra"] = {"env_state": states}  # per episode: [version that last wrote its state, version that resumed it]
         return GroupEvent(index, kind, uid=self._uid(group.task_index), step=step, oldest_version=group.oldest_version,
                           rewards=[None if r.is_infra_failure else r.reward for r in group.rollouts],
                           statuses=[r.status for r in group.rollouts], **fields)

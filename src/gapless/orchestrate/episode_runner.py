@@ -55,9 +55,13 @@ class _Group:
 class EpisodeRunner:
     def __init__(self, env: EpisodeSteps, tasks: Sequence, encode: Callable[[str], list[int]], group_size: int,
                  schedule: str, send_turns: Callable[[int, tuple[TurnRequest, ...]], None],
-                 send_scored: Callable[[ScoredGroup], None]):
+                 send_scored: Callable[[ScoredGroup], None], suspend: bool = False, max_state_staleness: int = -1,
+                 on_stale: str = "restart"):
         """`send_turns(replica, turns)` and `send_scored(group)` are called from this runner's
-        owner thread only (inside `handle` and `poll`)."""
+        owner thread only (inside `handle` and `poll`). `suspend`: snapshot and close each
+        episode's session after its turn (env.suspend); `max_state_staleness` (-1: off) and
+        `on_stale` ('restart' | 'drop'): the bound checked when a suspended episode resumes."""
+        self.suspend, self.max_state_staleness, self.on_stale = suspend, max_state_staleness, on_stale
         self.env, self.tasks, self.encode, self.group_size, self.schedule = env, tasks, encode, group_size, schedule
         self.send_turns, self.send_scored = send_turns, send_scored
         self.groups: dict[int, _Group] = {}
@@ -109,10 +113,34 @@ class EpisodeRunner:
         group = self.groups.get(message.group)
         if group is None:
             return  # cut while its turn was sampled
-        sample = message.completion.index
+        sample, completion = message.completion.index, message.completion
+        episode = group.episodes[sample]
+        if self._is_state_stale(episode, completion):
+            if self.on_stale == "restart":  # from the prompt, under the weights current now
+                restarts = episode.info.get("env_state_restarts", 0) + 1
+                episode = group.episodes[sample] = self.env.start_episode(episode.task, episode.prompt_ids)
+                episode.info["env_state_restarts"] = restarts
+                self._sent_back(group, sample)
+                return
+            episode.finish("env_state_stale", env_state_version=episode.state_version,
+                           resumed_by_version=completion.versions[-1])
+            episode.snapshot = None
+            self.results.put(("turn", group.index, sample, None))
+            self.turning.add((group.index, sample))
+            return
         self.turning.add((group.index, sample))
-        self.pool.submit(self._guarded, "turn", group.index, sample, self.env.take_turn, group.episodes[sample],
-                         message.completion, self.encode)
+        self.pool.submit(self._guarded, "turn", group.index, sample, self._take_turn, episode, completion)
+
+    def _is_state_stale(self, episode: Episode, completion) -> bool:
+        """A suspended episode whose state was written more than the bound before this turn's version."""
+        if self.max_state_staleness < 0 or episode.snapshot is None or not completion.versions:
+            return False
+        return completion.versions[-1] - (episode.state_version or 0) > self.max_state_staleness
+
+    def _take_turn(self, episode: Episode, completion) -> None:
+        self.env.take_turn(episode, completion, self.encode)
+        if self.suspend and not episode.is_done:
+            self.env.suspend(episode)  # no session held while the next turn is sampled
 
     # ---- results from the tool threads ---------------------------------------------------------
     def _guarded(self, kind: str, index: int, sample: int, work, *args) -> None:
@@ -145,6 +173,14 @@ class EpisodeRunner:
                 self.send_scored(ScoredGroup(index, group.task_index, group.born, payload))
             elif kind == "turn":
                 self._after_turn(group, sample)
+
+    def _sent_back(self, group: _Group, sample: int) -> None:
+        """Queue a restarted episode's first turn."""
+        if self.schedule == "turns":
+            self._send(group, [sample])
+        else:
+            self.in_flight.discard((group.index, sample))
+            self._next_wave()
 
     def _after_turn(self, group: _Group, sample: int) -> None:
         episode = group.episodes[sample]

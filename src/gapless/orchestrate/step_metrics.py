@@ -32,6 +32,17 @@ def rollout_metrics(rollouts: list[Rollout], zero_variance_groups: int, num_grou
     if run_s:  # wall time of each rollout's sandbox run, as the environment recorded it
         metrics["sandbox/run_s_mean"] = sum(run_s) / len(run_s)
         metrics["sandbox/run_s_max"] = max(run_s)
+    if any("turns" in r.info for r in rollouts):  # multi-turn episodes
+        metrics["rollout/turns_mean"] = sum(r.info.get("turns", 0) for r in rollouts) / len(rollouts)
+        metrics["rollout/tool_calls_mean"] = sum(r.info.get("tool_calls", 0) for r in rollouts) / len(rollouts)
+    resumed = [r.info for r in rollouts if "resumes" in r.info]
+    if resumed:  # environment-state staleness of suspended episodes (pipeline.suspend_between_turns)
+        metrics["env_state/resumes_mean"] = sum(i["resumes"] for i in resumed) / len(rollouts)
+        metrics["env_state/gap_max"] = float(max(i["env_state_gap_max"] for i in resumed))
+        metrics["env_state/gap_mean"] = sum(i["env_state_gap_max"] for i in resumed) / len(resumed)
+    restarts = sum(r.info.get("env_state_restarts", 0) for r in rollouts)
+    if restarts:
+        metrics["env_state/restarts"] = float(restarts)
     for status in sorted({r.status for r in rollouts}):
         metrics[f"rollout/status_{status}"] = float(sum(r.status == status for r in rollouts))
     return metrics
