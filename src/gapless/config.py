@@ -447,6 +447,10 @@ class PipelineConfig(_Section):
     sampled, so no session is held during generation; its next tool call restores the snapshot in
     a new session, possibly under newer weights (environment-state staleness: the ledger records,
     per episode, the version that last changed the state and the version that resumed it)."""
+    resume_after_s: float = Field(0.0, ge=0, le=3600)
+    """With suspend_between_turns: a suspended episode's next turn is queued this long after its
+    suspension (a long suspension: an episode parked while others use the machine), so it resumes
+    under whatever weights are current then. 0 = at once."""
     max_env_state_staleness: int = Field(-1, ge=-1, le=64)
     """Bound on resumed_by_version - env_state_version when a suspended episode resumes (checked
     before its tool call runs); past it the episode is handled as `env_state_stale` says. -1 = off."""
@@ -755,6 +759,9 @@ def _check_cross_field(cfg: Config) -> None:
     if pl.suspend_between_turns and cfg.task.name != "tool_use":
         raise ConfigError(f"pipeline.suspend_between_turns snapshots tool sessions, which only task.name = 'tool_use' "
                           f"supports (not {cfg.task.name!r}); set it to false")
+    if pl.resume_after_s > 0 and not pl.suspend_between_turns:
+        raise ConfigError("pipeline.resume_after_s delays suspended episodes, and none is suspended: "
+                          "set pipeline.suspend_between_turns = true or resume_after_s = 0")
     if pl.max_env_state_staleness >= 0 and not pl.suspend_between_turns:
         raise ConfigError("pipeline.max_env_state_staleness bounds resumed episodes, and none is suspended: "
                           "set pipeline.suspend_between_turns = true or max_env_state_staleness = -1")

@@ -152,7 +152,8 @@ def test_tokens_across_a_mid_episode_swap_match_the_forward_of_their_versions(tm
 def test_suspended_episodes_resume_under_newer_weights_within_the_state_bound(tmp_path, warm_cache):
     bound = 1
     loop = _loop(tmp_path, warm_cache, "tool_use", "process", 2, "state",
-                 **{"tools.latency_s": "0.3", "pipeline.suspend_between_turns": "true",
+                 **{"pipeline.suspend_between_turns": "true", "pipeline.resume_after_s": "1.0", "pipeline.oversample": "1.0",
+                    "warmstart.steps": "150", "model.hidden_size": "64", "model.intermediate_size": "128",  # calls tools
                     "pipeline.max_env_state_staleness": str(bound), "pipeline.env_state_stale": '"restart"'})
     steps = _drive(loop, 5, 2)
     _ledger_checks(tmp_path / "state", 2, 5, loop.cfg.loop.prompts_per_step)

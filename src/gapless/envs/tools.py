@@ -190,10 +190,7 @@ class ToolUseEnvironment:
                         episode.finish("tool_error", tool_status="restore_failed", error=(restored.error or "")[:300])
                         self._close_session(episode)
                         return None
-                    gap = version - (episode.state_version or 0)
-                    episode.info.update(env_state_version=episode.state_version, resumed_by_version=version,
-                                        resumes=episode.info.get("resumes", 0) + 1,
-                                        env_state_gap_max=max(gap, episode.info.get("env_state_gap_max", gap)))
+                    episode.info.update(env_state_version=episode.state_version, resumed_by_version=version)
                     episode.snapshot = None
             result = episode.session.run(CELL.format(source=code))
         except (SandboxError, SlotFailure) as exc:

@@ -383,7 +383,7 @@ def _episode_loop(spec: ActorSpec, env, tasks) -> None:
         send_turns=lambda replica, turns: _put(spec.to_generators[replica], NextTurns(turns), spec.stop, beat),
         send_scored=lambda group: _put(spec.outbox, Scored(group), spec.stop, beat),
         suspend=cfg.pipeline.suspend_between_turns, max_state_staleness=cfg.pipeline.max_env_state_staleness,
-        on_stale=cfg.pipeline.env_state_stale)
+        on_stale=cfg.pipeline.env_state_stale, resume_after_s=cfg.pipeline.resume_after_s)
     messages: queue.Queue = queue.Queue()
     for i, source in enumerate(spec.from_generators):
         threading.Thread(target=_read_into, args=(source, messages), name=f"read-replica-{i}", daemon=True).start()

@@ -28,6 +28,7 @@ engine's batches, and the last bits of the log-probs, vary from run to run.
 from __future__ import annotations
 
 import queue
+import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,12 +57,14 @@ class EpisodeRunner:
     def __init__(self, env: EpisodeSteps, tasks: Sequence, encode: Callable[[str], list[int]], group_size: int,
                  schedule: str, send_turns: Callable[[int, tuple[TurnRequest, ...]], None],
                  send_scored: Callable[[ScoredGroup], None], suspend: bool = False, max_state_staleness: int = -1,
-                 on_stale: str = "restart"):
+                 on_stale: str = "restart", resume_after_s: float = 0.0):
         """`send_turns(replica, turns)` and `send_scored(group)` are called from this runner's
         owner thread only (inside `handle` and `poll`). `suspend`: snapshot and close each
         episode's session after its turn (env.suspend); `max_state_staleness` (-1: off) and
         `on_stale` ('restart' | 'drop'): the bound checked when a suspended episode resumes."""
         self.suspend, self.max_state_staleness, self.on_stale = suspend, max_state_staleness, on_stale
+        self.resume_after_s = resume_after_s  # a suspended episode's next turn waits this long
+        self.parked: list[tuple[float, int, int]] = []  # (due, index, sample): suspended, next turn not sent yet
         self.env, self.tasks, self.encode, self.group_size, self.schedule = env, tasks, encode, group_size, schedule
         self.send_turns, self.send_scored = send_turns, send_scored
         self.groups: dict[int, _Group] = {}
@@ -115,6 +118,11 @@ class EpisodeRunner:
             return  # cut while its turn was sampled
         sample, completion = message.completion.index, message.completion
         episode = group.episodes[sample]
+        if episode.snapshot is not None and completion.versions:  # a suspended episode resumes: record both versions
+            resumed_by, wrote = completion.versions[-1], episode.state_version or 0
+            gap = resumed_by - wrote
+            episode.info.update(env_state_version=wrote, resumed_by_version=resumed_by, resumes=episode.info.get("resumes", 0) + 1,
+                                env_state_gap_max=max(gap, episode.info.get("env_state_gap_max", gap)))
         if self._is_state_stale(episode, completion):
             if self.on_stale == "restart":  # from the prompt, under the weights current now
                 restarts = episode.info.get("env_state_restarts", 0) + 1
@@ -153,6 +161,11 @@ class EpisodeRunner:
 
     def poll(self) -> None:
         """Act on every finished turn and grading: send next turns, finished groups."""
+        now, parked = time.monotonic(), self.parked
+        self.parked = [p for p in parked if p[0] > now]
+        for _, index, sample in (p for p in parked if p[0] <= now):
+            if index in self.groups:
+                self._send(self.groups[index], [sample])
         while True:
             try:
                 kind, index, sample, payload = self.results.get_nowait()
@@ -188,6 +201,8 @@ class EpisodeRunner:
             group.ended += 1
             if group.ended == self.group_size:
                 self.pool.submit(self._guarded, "scored", group.index, -1, self._grade, group.episodes)
+        elif self.schedule == "turns" and self.resume_after_s > 0 and episode.snapshot is not None:
+            self.parked.append((time.monotonic() + self.resume_after_s, group.index, sample))
         elif self.schedule == "turns":
             self._send(group, [sample])
         if self.schedule == "waves":
