@@ -102,9 +102,12 @@ class Generator(Protocol):
 
 @runtime_checkable
 class MultiTurnEnvironment(Environment, Protocol):
-    def rollout_groups(self, generator: Generator, tasks: Sequence[Task], group_size: int, params: SamplingParams,
+    def rollout_groups(self, generator: Generator, tasks: Sequence[Task], group_size: int,
+                       params: SamplingParams | Sequence[SamplingParams],
                        encode: Callable[[str], list[int]]) -> list[list[Rollout]]:
-        """`group_size` scored rollouts per task, in order. Each turn calls `generator.generate` on
-        the whole context so far; each rollout's completion holds every token after the prompt
-        (the model's and the environment's) with `loss_mask` 1 on the model's."""
+        """`group_size` scored rollouts per task, in order (group g sampled with `params[g]`, or
+        every group with one `params`). Each turn samples from the whole context so far; each
+        rollout's completion holds every token after the prompt (the model's and the
+        environment's) with `loss_mask` 1 on the model's. An environment that also implements
+        `EpisodeSteps` (envs/turns.py) runs in the pipeline, turn by turn."""
         ...

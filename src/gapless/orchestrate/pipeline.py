@@ -12,7 +12,11 @@ trainer's idle time), take it (checking each group's staleness <= max_staleness)
 generator what was dropped (so it backfills) and which stragglers to cut. `publish`: one memory
 copy into `SharedWeights`; the generator swaps them in between two decode steps without dropping
 sequences in flight. In a LoRA run the state is the adapter tensors alone: the generators load
-the frozen base from `generator_policy/` once and merge each version's adapters into it. The actors are started and watched through a Placement (placement.py).
+the frozen base from `generator_policy/` once and merge each version's adapters into it. The
+actors are started and watched through a Placement (placement.py). Multi-turn tasks
+(`multi_turn`): the environment process runs the episodes and sends each replica the turns to
+sample on a queue of its own (episode_runner.py); groups are admitted, budgeted and filed
+exactly as single-turn ones.
 
 Guaranteed (tested): staleness of every trained group <= max_staleness, counted from its oldest
 token's version; every admitted group is trained or dropped with a reason exactly once per run
