@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python bench/agentic.py [--steps 8] [--latencies 0,0.1,0.5,step] [--budget 1] [--tasks tool_use]
 
-Workload: the tool_use task (configs/tool_use.toml's 2-layer model warm-started on the teacher's transcripts, 4 groups
+Workload: the tool_use task (a 2-layer 64-wide model warm-started on the teacher's transcripts, 4 groups
 of 8 episodes per step, up to 3 model turns, real sandbox sessions), `tools.latency_s` added to
 every tool call without CPU (a remote tool or a slow sandbox); `repo` with --tasks tool_use,repo.
 `tools.sessions` is set to a step's episodes, so a lock-step wave is a whole step and the
@@ -38,9 +38,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = {
     "tool_use": {
-        "task.name": "tool_use", "model.hidden_size": "128", "model.num_layers": "2", "model.intermediate_size": "384",
-        "model.vocab_size": "384", "tools.num_train_prompts": "64", "tools.num_eval_prompts": "8",
-        "warmstart.steps": "800", "warmstart.batch_size": "32",
+        "task.name": "tool_use", "model.hidden_size": "64", "model.num_layers": "2", "model.intermediate_size": "128",
+        "model.vocab_size": "320", "tools.num_train_prompts": "64", "tools.num_eval_prompts": "8",
+        "warmstart.steps": "150", "warmstart.batch_size": "16", "warmstart.lr": "1e-2",
         "generator.group_size": "8", "generator.max_new_tokens": "20", "loop.prompts_per_step": "4",
         "tools.sessions": "32", "trainer.lr": "3e-3",
     },
@@ -85,7 +85,7 @@ def run_job(task: str, mode: str, latency_s: float, budget: int, steps: int, out
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--budget", type=int, default=1)
     parser.add_argument("--latencies", default="0,0.1,0.5,step")
     parser.add_argument("--tasks", default="tool_use")

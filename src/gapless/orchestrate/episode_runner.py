@@ -21,6 +21,14 @@ once, after every one of its episodes ended, with its rollouts in sample order; 
 (straggler cut) gets no further turn, and its sessions are closed. With schedule 'waves' the turns
 are queued exactly as the reference loop's `run_waves` batches them (waves of `sessions` episodes
 of one StartEpisodes message, in order), which makes budget 0 bitwise equal to it.
+Environment-state staleness (pipeline.suspend_between_turns): after each turn's tool call the
+episode's session is snapshotted and closed (env.suspend), and restored at its next tool call in
+a new session; its next turn may wait `resume_after_s` first. When a suspended episode's next
+turn comes back, the runner records `env_state_version` (the version whose turn last changed
+the sandbox state) and `resumed_by_version` (this turn's), and, past `max_state_staleness`,
+restarts the episode from its prompt or ends it as `env_state_stale` (its group is then dropped
+with that reason by the trainer's buffer), before any tool call of the stale turn runs.
+
 Not guaranteed: when a turn returns relative to other episodes' (timing), so with 'turns' the
 engine's batches, and the last bits of the log-probs, vary from run to run.
 """
