@@ -39,6 +39,8 @@ from typing import Any
 
 import ray
 
+from gapless.orchestrate.watchdog import beating
+
 CALL_TIMEOUT_S = 30.0  # the longest any one mailbox call may take (each long poll asks for much less)
 POLL_S = 0.5  # a long poll's wait for news, in the mailbox
 PUSH_S = 0.2  # heartbeat push and poll period
@@ -346,22 +348,8 @@ class RayHeartbeats:
         self._before_start[actor] = record
         self._seen[actor] = (record, time.monotonic())
 
-    @contextlib.contextmanager
     def beating(self, actor: str, every_s: float = 0.2):
-        done = threading.Event()
-
-        def beat() -> None:
-            while not done.wait(every_s):
-                self.beat(actor)
-
-        thread = threading.Thread(target=beat, name=f"{actor}-heartbeat", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            done.set()
-            thread.join()
-            self.beat(actor)
+        return beating(lambda: self.beat(actor), actor, every_s)
 
     def age_s(self, actor: str) -> float:
         self._watch()

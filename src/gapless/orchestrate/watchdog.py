@@ -80,30 +80,36 @@ class Heartbeats:
         self._pids[self.actors.index(actor)] = 0
         self.beat(actor)
 
-    @contextlib.contextmanager
     def beating(self, actor: str, every_s: float = 0.2):
         """Beat from a thread while the body runs (an actor's set-up: model load, kernel build,
         sandbox start): slow work is not a stall, but a stopped or killed process still is."""
-        done = threading.Event()
-
-        def beat() -> None:
-            while not done.wait(every_s):
-                self.beat(actor)
-
-        thread = threading.Thread(target=beat, name=f"{actor}-heartbeat", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            done.set()
-            thread.join()
-            self.beat(actor)
+        return beating(lambda: self.beat(actor), actor, every_s)
 
     def age_s(self, actor: str) -> float:
         return time.monotonic() - self._beats[self.actors.index(actor)]
 
     def pid(self, actor: str) -> int:
         return int(self._pids[self.actors.index(actor)])
+
+
+@contextlib.contextmanager
+def beating(beat, actor: str, every_s: float = 0.2):
+    """Call `beat()` from a thread every `every_s` while the body runs, and once at its end (the
+    heartbeats of every placement use it for an actor's set-up)."""
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.wait(every_s):
+            beat()
+
+    thread = threading.Thread(target=loop, name=f"{actor}-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        beat()
 
 
 def install_stack_dump(run_dir: Path, actor: str) -> None:
