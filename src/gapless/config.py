@@ -486,12 +486,16 @@ class ClusterConfig(_Section):
     """Ray placement: the cluster to join. Empty: a private Ray instance on this machine that the
     run starts and stops itself (random ports, its own temporary directory); 'auto' or
     'HOST:PORT': an existing cluster (`ray start --head` printed the address). Ignored locally."""
-    weight_transport: Literal["auto", "shm", "object_store"] = "auto"
+    weight_transport: Literal["auto", "shm", "object_store", "broadcast"] = "auto"
     """How new weights reach the generator replicas. 'shm': one shared-memory double buffer per
     replica (local placement only); 'object_store': the trainer copies the weights into a staging
     buffer (its only blocking part) and a relay thread puts them into Ray's object store, from
     which every replica pulls them into the unpublished half of its own double buffer (Ray
-    placement only). 'auto': shm locally, object_store on Ray."""
+    placement only); 'broadcast': the same staging copy, then a relay thread broadcasts each
+    version over a torch.distributed group (gloo on CPU, NCCL on CUDA) of the trainer and the
+    replicas, straight into each replica's unpublished half; a replica that joins or is evicted
+    makes the relay rebuild the group (Ray placement only). 'auto': shm locally, object_store on
+    Ray."""
     placement_timeout_s: float = Field(60.0, gt=0)
     """Ray placement: the longest wait for the cluster to grant the actors' resources (the placement
     group). Past it the run stops with an error naming the demand and what the cluster has free."""
@@ -817,12 +821,12 @@ def _check_lora(cfg: Config) -> None:
 
 def _check_cluster(cfg: Config) -> None:
     c = cfg.cluster
-    if c.placement == "local" and c.weight_transport == "object_store":
-        raise ConfigError("cluster.weight_transport = 'object_store' needs cluster.placement = 'ray'; "
+    if c.placement == "local" and c.weight_transport in ("object_store", "broadcast"):
+        raise ConfigError(f"cluster.weight_transport = '{c.weight_transport}' needs cluster.placement = 'ray'; "
                           "local placement uses 'shm' (or 'auto')")
     if c.placement == "ray" and c.weight_transport == "shm":
         raise ConfigError("cluster.weight_transport = 'shm' cannot reach Ray actors on other nodes; "
-                          "use 'object_store' (or 'auto') with cluster.placement = 'ray'")
+                          "use 'object_store', 'broadcast' (or 'auto') with cluster.placement = 'ray'")
     if c.placement == "ray":
         import importlib.util
 

@@ -5,6 +5,8 @@ placement group, on the nodes of a Ray cluster; imported only when a run asks fo
         │                                                 each bundle {"CPU": threads}, strategy SPREAD
         ├── PostOffice actor (its node): channels, stop flag, heartbeats   (ray_mail.py)
         └── WeightBoard actor (its node): the newest weights' object refs  (ray_weights.py)
+            or, with cluster.weight_transport = 'broadcast', a TCPStore on a free port of its node
+            and a torch.distributed group of the trainer and the replicas (ray_broadcast.py)
 
 Each actor is an `_ActorHost` that runs the same main function as a local process
 (actors.generator_main / environment_main) on its `ActorSpec`, whose queues, flag, heartbeats and
@@ -33,7 +35,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -43,6 +45,9 @@ from gapless.config import Config
 from gapless.orchestrate.placement import ActorExit, PlacementError
 from gapless.orchestrate.ray_mail import PostOffice, RayChannel, RayHeartbeats, RayStopFlag, flush_writers, no_auto_init
 from gapless.orchestrate.ray_weights import ObjectStoreSender, ObjectStoreWeights, WeightBoard
+
+if TYPE_CHECKING:  # ray_broadcast imports torch.distributed: loaded when a run asks for it
+    from gapless.orchestrate.ray_broadcast import BroadcastSender, BroadcastWeights
 
 RETURNED_GRACE_S = 1.0  # an actor whose main returned is reported this long after (its last words first)
 STRATEGY = "SPREAD"
@@ -75,7 +80,9 @@ class RayPlacement:
         self.returned: dict[str, float] = {}  # name -> when its run() was seen done
         self.bundles: dict[str, int] = {}  # name -> bundle index it holds
         self.pg = None
-        self.sender: ObjectStoreSender | None = None
+        self.sender: ObjectStoreSender | BroadcastSender | None = None
+        self.broadcast = self.cluster.weight_transport == "broadcast"
+        self.members: set[str] = set()  # actors in the broadcast group
         self._closed = False
         no_auto_init()
         self._connect()
@@ -153,7 +160,17 @@ class RayPlacement:
     def heartbeats(self, actors: tuple[str, ...]) -> RayHeartbeats:
         return RayHeartbeats(self.office, actors)
 
-    def weights(self, state, version: int) -> ObjectStoreWeights:
+    def weights(self, state, version: int) -> ObjectStoreWeights | BroadcastWeights:
+        if self.broadcast:
+            from gapless.orchestrate.ray_broadcast import BroadcastSender, BroadcastWeights
+
+            if self.sender is None:
+                host = "127.0.0.1" if self.private else ray.util.get_node_ip_address()
+                self.sender = BroadcastSender(state, self.cluster.op_timeout_s, self.cluster.rendezvous_timeout_s,
+                                              host, self.log)
+            if version > self.sender.version:
+                self.sender.publish(state, version)
+            return BroadcastWeights(self.sender)  # start() names its member after the actor
         if self.sender is None:
             self.sender = ObjectStoreSender(self.board, state)
         if version > self.sender.version:
@@ -172,6 +189,10 @@ class RayPlacement:
         strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
         cpus = self._demand()[bundle]["CPU"]
         host = _ActorHost.options(num_cpus=cpus, scheduling_strategy=strategy, name=None).remote()
+        if self.broadcast and getattr(spec, "weights", None) is not None:
+            spec.weights.member = name
+            self.sender.expect(name)
+            self.members.add(name)
         # the actor is not the trainer's child: Ray ties its life to this driver instead of PR_SET_PDEATHSIG
         self.runs[name] = host.run.remote(main, dataclasses.replace(spec, trainer_pid=0))
         self.hosts[name], self.bundles[name] = host, bundle
@@ -202,6 +223,9 @@ class RayPlacement:
         self.bundles.pop(name, None)
         if host is not None:
             ray.kill(host, no_restart=True)
+        if name in self.members and self.sender is not None:
+            self.members.discard(name)
+            self.sender.drop(name)  # the group is rebuilt without it before the next send
 
     def shutdown(self, stop, grace_s: float) -> None:
         if self.runs:

@@ -1,0 +1,395 @@
+"""Weights to generator replicas over a torch.distributed broadcast group
+(`cluster.weight_transport = 'broadcast'`, Ray placement): gloo on CPU, NCCL when the weights are
+on CUDA.
+
+    trainer: publish(state, v) ──copy──> staging[free half]              (the trainer's blocking part: one memory copy)
+    relay thread (group rank 0): op n = {version v, nbytes, digest, epoch} in the TCPStore
+                                 ──broadcast(staging half)──> every member; waits for ack/n/<rank> from each
+    replica's receiver thread: reads op n ──broadcast──> landing[unpublished half] ──check──> ack, flip
+    replica's generator: fetch_into(load) reads landing[published half] between decode steps
+
+The store is a TCPStore on the trainer's node, listening on a socket bound to a free port (its
+file descriptor goes to the store, so nothing rebinds it); the address travels to the replicas in
+their weight handle, through the placement. The store holds a numbered log of operations: `group`
+(an epoch and its members, in rank order) and `version` (one broadcast of one packed buffer, in
+an epoch). A replica says hello, learns at which op its first group starts, and follows the log.
+
+Membership. A broadcast group cannot lose a member, so the relay rebuilds it: a replica that
+joins (a replacement) or is evicted (`drop`, from the placement's kill) makes the relay write a new
+`group` op and build a new group of the members it has, then re-send the newest version (members
+ignore a version they hold). A broadcast that fails, or whose acks do not all arrive within
+`cluster.op_timeout_s`, makes the relay drop the members that did not acknowledge, rebuild, and
+re-send; a dropped replica that is still alive finds itself missing from the next group and stops
+with an error (the pipeline evicts it). The relay gives up, and the next `publish` raises, only
+when no group can be formed within `cluster.rendezvous_timeout_s`; the error names who waited for
+whom.
+
+Guaranteed: the trainer never waits for a replica or the network (`publish` copies into the
+staging half the relay is not sending; it waits at most for one broadcast of the other half);
+versions a replica exposes are monotonic (one not newer than what it holds is ignored) and never
+torn (a version lands in the unpublished half and is flipped to only after the collective
+returned without error and the op's size and digest match the replica's layout; a failed or
+timed-out collective leaves that half unpublished); no wait is unbounded (joining: rendezvous
+timeout; each collective and each ack: op timeout). Not guaranteed: that a replica sees every
+version (it gets the newest at each send); NCCL (the code path exists, untested on this CPU box);
+gloo's root sends each receiver its own copy, so a send costs about R times one (bench/distributed.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import threading
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from gapless.orchestrate.ray_weights import Layout
+
+POLL_S = 0.2  # how often a waiting side looks again (store waits are short and repeated)
+
+
+class RelayTimeout(TimeoutError):
+    """A bounded wait of the weight relay ran out; the message names who waited for whom."""
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def _group(store, epoch: int, rank: int, size: int, host: str, timeout_s: float, cuda: bool):
+    prefixed = dist.PrefixStore(f"epoch{epoch}/", store)
+    if cuda:  # pragma: no cover - needs CUDA devices
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = _td(timeout_s)
+        return dist.ProcessGroupNCCL(prefixed, rank, size, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = _td(timeout_s)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(prefixed, rank, size, options)
+
+
+def _wait_key(store, key: str, timeout_s: float, stopped: Callable[[], bool] = lambda: False) -> bool:
+    """Wait up to `timeout_s` for `key` in the store, in short waits; False past it or when stopped."""
+    deadline, pause = time.monotonic() + timeout_s, 0.001
+    while not stopped():
+        if store.check([key]):  # (store.wait would log every short timeout)
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, POLL_S / 4)
+    return False
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001
+        pass
+    return "127.0.0.1"
+
+
+class BroadcastSender:
+    """The trainer's side: a two-half staging buffer, the store and the relay thread (rank 0)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], op_timeout_s: float, rendezvous_timeout_s: float,
+                 host: str | None = None, log=print):
+        self.layout = Layout(state)
+        self.op_timeout_s, self.rendezvous_timeout_s, self.log = op_timeout_s, rendezvous_timeout_s, log
+        self.cuda = any(t.is_cuda for t in state.values())
+        self.host = host or _node_ip()
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind((self.host, 0))  # a free port, held by the store from here on
+        self._sock.listen(128)
+        self.port = self._sock.getsockname()[1]
+        fd = self._sock.detach()  # the store owns the descriptor (Python must not close it under the store)
+        self.store = dist.TCPStore(self.host, self.port, None, True, _td(rendezvous_timeout_s), wait_for_workers=False,
+                                   master_listen_fd=fd, use_libuv=False)
+        self.halves = [torch.empty(self.layout.nbytes, dtype=torch.uint8) for _ in range(2)]
+        self.views = [self.layout.views(h) for h in self.halves]
+        self.locks = [threading.Lock(), threading.Lock()]
+        self.held = [-1, -1]
+        self.version = -1  # newest published
+        self.relayed = -1  # newest acknowledged by every member of the current group
+        self.relay_s: list[tuple[int, float]] = []  # (version, seconds from publish to every ack)
+        self.dropped: list[tuple[str, str]] = []  # (member, why) the relay left out of its group
+        self.epochs = 0
+        self.error: BaseException | None = None
+        self._expected: dict[str, float] = {}  # member -> when the placement made its handle
+        self._members: list[str] = []  # of the current group, ranks 1..
+        self._drop: set[str] = set()
+        self._news = threading.Condition()
+        self._published_at: dict[int, float] = {}
+        self._closed = False
+        self._op = 0
+        self._pg = None
+        self._thread = threading.Thread(target=self._relay, name="weight-broadcast", daemon=True)
+        self._thread.start()
+
+    # ---- the trainer's calls -------------------------------------------------------------------
+    def expect(self, member: str) -> None:
+        with self._news:
+            self._expected[member] = time.monotonic()
+            self._news.notify_all()
+
+    def drop(self, member: str) -> None:
+        """The placement evicted `member`: the next send goes to a group without it."""
+        with self._news:
+            self._expected.pop(member, None)
+            if member in self._members:
+                self._drop.add(member)
+            self._news.notify_all()
+
+    def publish(self, state: dict[str, torch.Tensor], version: int) -> float:
+        """Copy `state` into the free staging half as `version`; returns seconds waited for it."""
+        if self.error is not None:
+            raise RuntimeError(f"the weight relay failed: {self.error}") from self.error
+        if version <= self.version:
+            raise ValueError(f"version {version} is not newer than the published {self.version}")
+        target = 0 if self.held[0] < self.held[1] else 1  # the older half; the relay sends the newer one
+        start = time.perf_counter()
+        with self.locks[target]:
+            waited = time.perf_counter() - start
+            with torch.no_grad():
+                for name, view in self.views[target].items():
+                    view.copy_(state[name])
+            self.held[target] = version
+        with self._news:
+            self.version = version
+            self._published_at[version] = time.perf_counter()
+            self._news.notify_all()
+        return waited
+
+    def wait_relayed(self, version: int, timeout_s: float) -> bool:
+        with self._news:
+            return self._news.wait_for(lambda: self.relayed >= version or self.error is not None, timeout_s)
+
+    def close(self) -> None:
+        with self._news:
+            self._closed = True
+            self._news.notify_all()
+        self._thread.join(timeout=self.op_timeout_s + 1)
+
+    # ---- the relay thread ----------------------------------------------------------------------
+    def _put_op(self, op: dict) -> int:
+        n = self._op
+        self.store.set(f"op/{n}", json.dumps(op))
+        self._op += 1
+        return n
+
+    def _joined(self) -> list[str]:
+        """Expected members that said hello."""
+        with self._news:
+            expected = list(self._expected)
+        return [m for m in expected if m not in self._members and self.store.check([f"hello/{m}"])]
+
+    def _rebuild(self, members: list[str]) -> list[str]:
+        """A new group of `members`; returns those that did not join it within the op timeout."""
+        epoch = self.epochs = self.epochs + 1
+        self._pg = None
+        self._members = list(members)
+        n = self._put_op({"kind": "group", "epoch": epoch, "members": members})
+        for m in members:
+            self.store.set(f"start/{m}", str(n))
+        if not members:
+            return []
+        try:
+            self._pg = _group(self.store, epoch, 0, len(members) + 1, self.host, self.op_timeout_s, self.cuda)
+            return []
+        except Exception as exc:  # noqa: BLE001 - a member that does not join within the op timeout
+            self.log(f"warning: weight broadcast group {epoch} not formed: {exc}")
+            missing = [m for m in members if not self.store.check([f"epoch{epoch}/in/{m}"])]
+            return missing or list(members)
+
+    def _send(self, half: int) -> list[str]:
+        """One version to the current group; returns the members that did not acknowledge it."""
+        version = self.held[half]
+        n = self._put_op({"kind": "version", "epoch": self.epochs, "version": version,
+                          "nbytes": self.layout.nbytes, "digest": self.layout.digest})
+        buf = self.halves[half].cuda() if self.cuda else self.halves[half]
+        try:
+            self._pg.broadcast([buf], dist.BroadcastOptions()).wait()
+        except Exception as exc:  # noqa: BLE001 - a member died or stalled: who did not ack says which
+            self.log(f"warning: weight broadcast of version {version} failed: {exc}")
+        deadline = time.monotonic() + self.op_timeout_s
+        for m in self._members:
+            _wait_key(self.store, f"ack/{n}/{m}", max(0.0, deadline - time.monotonic()))
+        return [m for m in self._members if not self.store.check([f"ack/{n}/{m}"])]
+
+    def _relay(self) -> None:
+        try:
+            sent = -1  # newest version sent to the current group
+            failing_since: float | None = None
+            while True:
+                with self._news:
+                    self._news.wait_for(lambda: self._closed or self.version > sent or self._drop, POLL_S)
+                    if self._closed:
+                        return
+                    drop, self._drop = self._drop, set()
+                joined = self._joined()
+                members = [m for m in self._members if m not in drop] + joined
+                missing: list[str] = []
+                if drop or joined or self._pg is None and members:
+                    missing = self._rebuild(members)
+                    sent = -1  # the newest version goes to the new group, members ignore what they hold
+                now = time.monotonic()
+                with self._news:
+                    expected = list(self._expected.items())
+                for m, since in expected:
+                    if m not in self._members and now - since > self.rendezvous_timeout_s:
+                        raise RelayTimeout(f"the trainer's weight relay waited {self.rendezvous_timeout_s:g} s "
+                                           f"(cluster.rendezvous_timeout_s) for {m} to join the broadcast group")
+                version = self.version
+                if not missing:
+                    if self._pg is None or self.version <= sent:
+                        continue
+                    half = 0 if self.held[0] > self.held[1] else 1
+                    with self.locks[half]:
+                        version = self.held[half]
+                        missing = self._send(half)
+                if missing:
+                    failing_since = failing_since or time.monotonic()
+                    if time.monotonic() - failing_since > self.rendezvous_timeout_s:
+                        raise RelayTimeout(f"the trainer's weight relay waited for {', '.join(missing)} to acknowledge "
+                                           f"version {version} for {self.rendezvous_timeout_s:g} s "
+                                           "(cluster.rendezvous_timeout_s)")
+                    why = f"did not join the group or acknowledge version {version} within {self.op_timeout_s:g} s (cluster.op_timeout_s)"
+                    with self._news:
+                        for m in missing:
+                            self.dropped.append((m, why))
+                            self._expected.pop(m, None)
+                    self.log(f"warning: weight relay: {', '.join(missing)} {why}; rebuilding the group without them")
+                    self._pg, self._members = None, [m for m in self._members if m not in missing]
+                    sent = -1
+                    continue
+                failing_since = None
+                sent = version
+                with self._news:
+                    self.relayed = max(self.relayed, version)
+                    self.relay_s.append((version, time.perf_counter() - self._published_at.pop(version, time.perf_counter())))
+                    self._news.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - reported on the next publish
+            self.error = exc
+            with self._news:
+                self._news.notify_all()
+
+
+class BroadcastWeights:
+    """One replica's weights: on the trainer, a handle on the shared sender (SharedWeights.publish's
+    signature); pickled into the replica's actor, a group member with SharedWeights.fetch_into's."""
+
+    def __init__(self, sender: BroadcastSender, member: str = ""):
+        """`member`: the replica's name; set (and passed to `sender.expect`) before the handle is sent."""
+        self.sender, self.member = sender, member
+        self.layout, self.host, self.port = sender.layout, sender.host, sender.port
+        self.op_timeout_s, self.first_timeout_s, self.cuda = sender.op_timeout_s, sender.rendezvous_timeout_s, sender.cuda
+
+    @property
+    def version(self) -> int:
+        return self.sender.version if self.sender is not None else self._version
+
+    def publish(self, state, version: int, timeout_s: float | None = None, while_waiting=None) -> float:
+        if version <= self.sender.version:
+            return 0.0  # another replica's handle published it already: one staging copy per version
+        return self.sender.publish(state, version)
+
+    # ---- the replica's side --------------------------------------------------------------------
+    def __getstate__(self):
+        return {k: getattr(self, k) for k in ("member", "layout", "host", "port", "op_timeout_s", "first_timeout_s",
+                                              "cuda")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.sender = None
+        n = self.layout.nbytes
+        self.halves = [torch.empty(n, dtype=torch.uint8) for _ in range(2)]
+        self.views = [self.layout.views(h) for h in self.halves]
+        self.locks = [threading.Lock(), threading.Lock()]
+        self.held = [-1, -1]
+        self.current = 0
+        self._version = -1
+        self._meta = threading.Condition()
+        self.error: BaseException | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def _receive(self) -> None:
+        try:
+            store = dist.TCPStore(self.host, self.port, None, False, _td(self.first_timeout_s), use_libuv=False)
+            store.set(f"hello/{self.member}", str(os.getpid()))
+            if not _wait_key(store, f"start/{self.member}", self.first_timeout_s, lambda: self._closed):
+                raise RelayTimeout(f"{self.member} waited {self.first_timeout_s:g} s (cluster.rendezvous_timeout_s) "
+                                   f"for the trainer's weight relay to admit it to the broadcast group")
+            n, pg, epoch, rank = int(store.get(f"start/{self.member}")), None, -1, -1
+            while not self._closed:
+                if not _wait_key(store, f"op/{n}", 3600.0, lambda: self._closed):
+                    return
+                op = json.loads(store.get(f"op/{n}"))
+                if op["kind"] == "group":
+                    pg = None
+                    if self.member not in op["members"]:
+                        raise RuntimeError(f"the trainer's weight relay left {self.member} out of broadcast group "
+                                           f"{op['epoch']} (it did not acknowledge a version within cluster.op_timeout_s)")
+                    epoch, rank = op["epoch"], op["members"].index(self.member) + 1
+                    store.set(f"epoch{epoch}/in/{self.member}", "1")
+                    try:
+                        pg = _group(store, epoch, rank, len(op["members"]) + 1, self.host, self.op_timeout_s, self.cuda)
+                    except Exception:  # noqa: BLE001 - a member missing: the relay rebuilds, the next op says how
+                        pg = None
+                elif op["epoch"] == epoch and pg is not None:
+                    self._land(store, pg, op, n)
+                n += 1
+        except BaseException as exc:  # noqa: BLE001 - raised in the generator by the next fetch
+            with self._meta:
+                self.error = exc
+                self._meta.notify_all()
+
+    def _land(self, store, pg, op: dict, n: int) -> None:
+        version = op["version"]
+        if op["digest"] != self.layout.digest or op["nbytes"] != self.layout.nbytes:
+            raise RuntimeError(f"weight version {version} has layout {op['digest'][:8]} of {op['nbytes']} bytes; this "
+                               f"replica expects {self.layout.digest[:8]} of {self.layout.nbytes} bytes")
+        target = 1 - self.current
+        with self.locks[target]:  # the unpublished half: no reader holds it
+            buf = torch.empty(self.layout.nbytes, dtype=torch.uint8, device="cuda") if self.cuda else self.halves[target]
+            try:
+                pg.broadcast([buf], dist.BroadcastOptions()).wait()
+            except Exception:  # noqa: BLE001 - torn: the half stays unpublished; the relay re-sends or rebuilds
+                self.held[target] = -1
+                return
+            if self.cuda:  # pragma: no cover - needs CUDA devices
+                self.halves[target].copy_(buf)
+            self.held[target] = version
+        store.set(f"ack/{n}/{self.member}", "1")
+        with self._meta:
+            if version > self._version:
+                self.current, self._version = target, version
+            self._meta.notify_all()
+
+    def fetch_into(self, load: Callable[[dict[str, torch.Tensor], int], None], have_version: int) -> int | None:
+        """SharedWeights.fetch_into: load the newest version if newer than `have_version`. The first
+        call (have_version -1) waits for the first version to arrive."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._receive, name="weight-receiver", daemon=True)
+            self._thread.start()
+        with self._meta:
+            if have_version < 0 and not self._meta.wait_for(lambda: self._version >= 0 or self.error, self.first_timeout_s):
+                raise RelayTimeout(f"{self.member} waited {self.first_timeout_s:g} s (cluster.rendezvous_timeout_s) "
+                                   "for its first weights from the trainer's broadcast group")
+            if self.error is not None:
+                raise RuntimeError(f"the weight receiver failed: {self.error}") from self.error
+            index, version = self.current, self._version
+        if version <= have_version:
+            return None
+        with self.locks[index]:
+            load(self.views[index], self.held[index])
+        return self.held[index]
