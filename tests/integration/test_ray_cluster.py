@@ -148,3 +148,35 @@ def test_gapless_train_on_a_private_ray_instance_survives_a_killed_replica(tmp_p
     assert [e["replica"] for e in summary["evictions"]] == ["generator-1"], summary["evictions"]
     lost = sum(1 for e in events if e.get("reason") == "replica_lost")
     assert lost == summary["drops"].get("replica_lost", 0)
+
+
+def test_gapless_train_with_the_broadcast_weight_transport(tmp_path, warm_cache):
+    """Two replicas take their weights over the gloo broadcast group: the versions each flipped to
+    increase, each landed buffer's checksum equals the one the trainer sent, and the last version
+    both hold is the trainer's final state (the checkpoint's weights, packed the same way)."""
+    import torch
+
+    from gapless.models import load_local
+    from gapless.orchestrate.ray_broadcast import checksum
+    from gapless.orchestrate.ray_weights import Layout
+
+    steps, budget = 3, 1
+    run = tmp_path / "run"
+    outcome = train(_args(run, warm_cache, steps, budget, "--cluster.placement", "ray", "--cluster.replicas", "2",
+                          "--cluster.weight_transport", "broadcast", "--cluster.op_timeout_s", "20"),
+                    tmp_path / "err.txt", timeout_s=900)
+    assert outcome.rc == 0, outcome.stderr[-3000:]
+    assert outcome.survivors == [], outcome.survivors  # no Ray or torch process outlives the run
+    check_ledger(read_events(run / "groups.jsonl"), steps, 2)
+    relay = json.loads((run / "relay.json").read_text())
+    assert relay["error"] is None and relay["backend"] == "gloo" and relay["dropped"] == [], relay
+    assert sorted(relay["flips"]) == ["generator-0", "generator-1"], relay["flips"]
+    for member, flips in relay["flips"].items():
+        assert flips == sorted(set(flips)), (member, flips)  # monotonic
+        assert flips[-1] == relay["published"] == steps, (member, flips, relay["published"])
+    state = load_local(run / "checkpoints" / f"step_{steps}").model.state_dict()
+    layout = Layout(state)
+    flat = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    for name, view in layout.views(flat).items():
+        view.copy_(state[name])
+    assert relay["checksums"][str(steps)] == checksum(flat)  # the replicas' last weights = the trainer's state

@@ -87,6 +87,13 @@ def _wait_key(store, key: str, timeout_s: float, stopped: Callable[[], bool] = l
     return False
 
 
+def checksum(flat: torch.Tensor) -> int:
+    """The packed buffer's 64-bit words summed (wrapping): computed by the sender before a send and
+    checked by the receiver before the flip (catches a partial or garbled landing, not every
+    permutation of words)."""
+    return int(flat.view(torch.int64).sum().item())
+
+
 def _node_ip() -> str:
     try:
         import ray
@@ -122,6 +129,8 @@ class BroadcastSender:
         self.relayed = -1  # newest acknowledged by every member of the current group
         self.relay_s: list[tuple[int, float]] = []  # (version, seconds from publish to every ack)
         self.dropped: list[tuple[str, str]] = []  # (member, why) the relay left out of its group
+        self.sums: dict[int, int] = {}  # version -> checksum of what was sent
+        self.flips: dict[str, list[int]] = {}  # member -> versions it acknowledged flipping to, in order
         self.epochs = 0
         self.error: BaseException | None = None
         self._expected: dict[str, float] = {}  # member -> when the placement made its handle
@@ -174,10 +183,17 @@ class BroadcastSender:
             return self._news.wait_for(lambda: self.relayed >= version or self.error is not None, timeout_s)
 
     def close(self) -> None:
+        """Stop the relay, after it sent the newest version (bounded by the op timeout, so that the
+        replicas end on the trainer's last weights when they are still there to take them)."""
+        if self._members:
+            self.wait_relayed(self.version, min(self.op_timeout_s, 10.0))
         with self._news:
             self._closed = True
             self._news.notify_all()
         self._thread.join(timeout=self.op_timeout_s + 1)
+        if not self._thread.is_alive():  # the group and the store go now, not in interpreter teardown
+            self._pg = None
+            self.store = None
 
     # ---- the relay thread ----------------------------------------------------------------------
     def _put_op(self, op: dict) -> int:
@@ -213,7 +229,8 @@ class BroadcastSender:
     def _send(self, half: int) -> list[str]:
         """One version to the current group; returns the members that did not acknowledge it."""
         version = self.held[half]
-        n = self._put_op({"kind": "version", "epoch": self.epochs, "version": version,
+        total = self.sums[version] = checksum(self.halves[half])
+        n = self._put_op({"kind": "version", "epoch": self.epochs, "version": version, "checksum": total,
                           "nbytes": self.layout.nbytes, "digest": self.layout.digest})
         buf = self.halves[half].cuda() if self.cuda else self.halves[half]
         try:
@@ -223,7 +240,17 @@ class BroadcastSender:
         deadline = time.monotonic() + self.op_timeout_s
         for m in self._members:
             _wait_key(self.store, f"ack/{n}/{m}", max(0.0, deadline - time.monotonic()))
-        return [m for m in self._members if not self.store.check([f"ack/{n}/{m}"])]
+        missing = [m for m in self._members if not self.store.check([f"ack/{n}/{m}"])]
+        for m in self._members:
+            if m not in missing and self.store.get(f"ack/{n}/{m}") == b"flipped":
+                self.flips.setdefault(m, []).append(version)
+        return missing
+
+    def report(self) -> dict:
+        """What the relay did: written to the run directory as relay.json."""
+        return {"transport": "broadcast", "backend": "nccl" if self.cuda else "gloo", "epochs": self.epochs,
+                "dropped": self.dropped, "flips": self.flips, "checksums": {str(v): c for v, c in self.sums.items()},
+                "relay_s": self.relay_s, "published": self.version, "error": repr(self.error) if self.error else None}
 
     def _relay(self) -> None:
         try:
@@ -368,12 +395,16 @@ class BroadcastWeights:
                 return
             if self.cuda:  # pragma: no cover - needs CUDA devices
                 self.halves[target].copy_(buf)
+            if checksum(self.halves[target]) != op["checksum"]:
+                self.held[target] = -1  # torn: unpublished, and no ack (the relay drops this member)
+                return
             self.held[target] = version
-        store.set(f"ack/{n}/{self.member}", "1")
         with self._meta:
-            if version > self._version:
+            flipped = version > self._version
+            if flipped:
                 self.current, self._version = target, version
             self._meta.notify_all()
+        store.set(f"ack/{n}/{self.member}", "flipped" if flipped else "held")
 
     def fetch_into(self, load: Callable[[dict[str, torch.Tensor], int], None], have_version: int) -> int | None:
         """SharedWeights.fetch_into: load the newest version if newer than `have_version`. The first

@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import json
 import multiprocessing as mp
 import os
 import shutil
 import tempfile
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import ray
@@ -239,6 +241,11 @@ class RayPlacement:
         self._closed = True
         if self.sender is not None:
             self.sender.close()
+            if hasattr(self.sender, "report"):
+                try:
+                    (Path(self.cfg.run_dir) / "relay.json").write_text(json.dumps(self.sender.report(), indent=2))
+                except OSError:
+                    pass
         if ray.is_initialized():
             for host in self.hosts.values():
                 try:
