@@ -102,3 +102,17 @@ def test_tool_use_rejects_the_per_completion_overlong_penalty():
     assert load_config(overrides={"task.name": "tool_use"}).tools.max_turns == 3
     with pytest.raises(ConfigError, match="tool_use"):
         load_config(overrides={"task.name": "tool_use", "trainer.overlong": "penalty"})
+
+
+@pytest.mark.parametrize("placement, transport, fix", [("local", "broadcast", "cluster.placement = 'ray'"),
+                                                      ("local", "object_store", "cluster.placement = 'ray'"),
+                                                      ("ray", "shm", "'broadcast'")])
+def test_a_weight_transport_the_placement_cannot_use_names_the_field_and_the_fix(placement, transport, fix):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, {"cluster.placement": json.dumps(placement), "cluster.weight_transport": json.dumps(transport)})
+    assert f"cluster.weight_transport = '{transport}'" in str(err.value) and fix in str(err.value), str(err.value)
+
+
+def test_the_broadcast_transport_is_accepted_on_ray_placement():
+    cfg = load_config(None, {"cluster.placement": '"ray"', "cluster.weight_transport": '"broadcast"'})
+    assert cfg.cluster.weight_transport == "broadcast"
