@@ -1,15 +1,17 @@
 """Ray placement figures, in one run: weight relay time against bytes and receivers, the
 trainer-blocking part of a push, failure detection, and s/step of Ray placement against local.
 
-1. Relay (`cluster.weight_transport = 'object_store'`): on a private Ray instance, receivers
-   placed as Ray actors (RayPlacement) hold an ObjectStoreWeights receiver each. The trainer
+1. Relay (`cluster.weight_transport` 'object_store' and 'broadcast', gloo): on a private Ray
+   instance, receivers placed as Ray actors (RayPlacement) hold an ObjectStoreWeights receiver
+   and a BroadcastWeights group member each. The trainer
    publishes a state of S bytes; the relay time is publish -> the last receiver flipped to it
    (wall clock, one host). S in --sizes (MB), receivers 1 and 2, median of --reps. Fitted per
-   receiver count as T = alpha + S / B (least squares), then checked on the held-out size
+   transport and receiver count as T = alpha + S / B (least squares), then checked on the held-out size
    (--held-out MB): the prediction must fall within 25% of the measurement.
 2. Trainer-blocking push: the default model's state (model.* defaults), SharedWeights.publish
    (local placement's shared-memory double buffer, no reader) against ObjectStoreSender.publish
-   (the copy into the staging half; the relay thread does the rest), interleaved, medians.
+   and BroadcastSender.publish (the copy into the staging half; the relay thread does the rest),
+   interleaved, medians.
 3. Failure detection: a placed actor killed with SIGKILL -> RayPlacement.exited() reports it;
    one stopped with SIGSTOP -> its heartbeat age on the trainer passes a 2 s threshold (the
    pipeline evicts at cluster.op_timeout_s the same way); the excess over 2 s is the error.
@@ -18,7 +20,7 @@ trainer-blocking part of a push, failure detection, and s/step of Ray placement 
    steps after the first (Ray's start-up is not a step).
 
     PYTHONPATH=src python bench/distributed.py [--sizes 4,16,64] [--held-out 32] [--reps 5] [--steps 8]
-                                               [--parts push,relay,steps]
+                                               [--parts push,relay,steps] [--transports object_store,broadcast]
 
 Prints one line per measurement, then one JSON object on the last line.
 """
@@ -53,7 +55,7 @@ class ReceiverSpec:
     outbox: Any
     stop: Any
     heartbeats: Any
-    weights: dict  # key -> ObjectStoreWeights receiver
+    weights: dict  # key -> ObjectStoreWeights receiver or BroadcastWeights member
 
 
 def receiver_main(spec: ReceiverSpec) -> None:
@@ -71,7 +73,11 @@ def receiver_main(spec: ReceiverSpec) -> None:
         except queue.Empty:
             pass
         for key, have in list(active.items()):
-            got = spec.weights[key].fetch_into(lambda state, v: None, have)
+            try:
+                got = spec.weights[key].fetch_into(lambda state, v: None, have)
+            except RuntimeError:  # its sender was closed (a broadcast member loses its store): done with it
+                active.pop(key)
+                continue
             if got is not None:
                 active[key] = got
                 spec.outbox.put(("landed", key, got, time.time()))
@@ -89,9 +95,11 @@ def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return alpha, 1.0 / slope
 
 
-def relay_and_failures(sizes_mb: list[int], held_out_mb: int, reps: int) -> dict:
+def relay_and_failures(sizes_mb: list[int], held_out_mb: int, reps: int,
+                       transports: tuple[str, ...] = ("object_store", "broadcast")) -> dict:
     from gapless.config import load_config
     from gapless.orchestrate.placement import make_placement
+    from gapless.orchestrate.ray_broadcast import BroadcastSender, BroadcastWeights
     from gapless.orchestrate.ray_weights import ObjectStoreSender, ObjectStoreWeights, WeightBoard
 
     os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
@@ -103,19 +111,26 @@ def relay_and_failures(sizes_mb: list[int], held_out_mb: int, reps: int) -> dict
     try:
         placement.reserve({})
         stop, beats = placement.stop_flag(), placement.heartbeats(("trainer", "r0", "r1"))
-        senders, handles = {}, {}
-        for mb in sorted(set(sizes_mb + [held_out_mb])):
-            for receivers in (1, 2):
-                key = f"{mb}MB-R{receivers}"
-                state = {"w": torch.zeros(mb * MB // 4)}
-                senders[key] = ObjectStoreSender(WeightBoard.remote(), state)
-                senders[key].publish(state, 0)
-                handles[key] = ObjectStoreWeights(senders[key], 60.0, 600.0)
+        senders, handles = {}, [{}, {}]  # handles: one dict per receiver
+        for transport in transports:
+            for mb in sorted(set(sizes_mb + [held_out_mb])):
+                for receivers in (1, 2):
+                    key = f"{transport}-{mb}MB-R{receivers}"
+                    state = {"w": torch.zeros(mb * MB // 4)}
+                    if transport == "object_store":
+                        senders[key] = ObjectStoreSender(WeightBoard.remote(), state)
+                        handles[0][key] = handles[1][key] = ObjectStoreWeights(senders[key], 60.0, 600.0)
+                    else:
+                        senders[key] = BroadcastSender(state, 60.0, 600.0, "127.0.0.1", log=print)
+                        for r in range(receivers):
+                            handles[r][key] = BroadcastWeights(senders[key], f"r{r}")
+                            senders[key].expect(f"r{r}")
+                    senders[key].publish(state, 0)
         boxes = []
         for r in range(2):
             inbox, outbox = placement.channel(), placement.channel()
             placement.start(f"generator-{r}" if r == 0 else "generator-1",
-                            receiver_main, ReceiverSpec(f"r{r}", os.getpid(), inbox, outbox, stop, beats, handles))
+                            receiver_main, ReceiverSpec(f"r{r}", os.getpid(), inbox, outbox, stop, beats, handles[r]))
             boxes.append((inbox, outbox))
         pids = [box[1].get(timeout=300)[1] for box in boxes]
 
@@ -129,7 +144,7 @@ def relay_and_failures(sizes_mb: list[int], held_out_mb: int, reps: int) -> dict
 
         relay: dict[str, dict] = {}
         for key, sender in senders.items():
-            receivers = int(key.split("R")[1])
+            receivers = int(key.rsplit("R", 1)[1])
             for inbox, outbox in boxes[:receivers]:
                 inbox.put(key)
                 landed(outbox, key, 0, 300)
@@ -139,22 +154,24 @@ def relay_and_failures(sizes_mb: list[int], held_out_mb: int, reps: int) -> dict
                 t0 = time.time()
                 sender.publish(state, v)
                 times.append(max(landed(outbox, key, v) for _, outbox in boxes[:receivers]) - t0)
-            relay[key] = {"bytes": sender.layout.nbytes, "receivers": receivers, "median_s": statistics.median(times),
+            relay[key] = {"transport": key.split("-")[0], "bytes": sender.layout.nbytes, "receivers": receivers,
+                          "median_s": statistics.median(times),
                           "runs_s": [round(t, 4) for t in times]}
             print(f"relay {key}: median {relay[key]['median_s'] * 1e3:.1f} ms  {relay[key]['runs_s']}", flush=True)
             sender.close()
         fits = {}
-        for receivers in (1, 2):
+        for transport, receivers in [(t, r) for t in transports for r in (1, 2)]:
             points = [(d["bytes"], d["median_s"]) for k, d in relay.items()
-                      if d["receivers"] == receivers and d["bytes"] != held_out_mb * MB]
+                      if d["transport"] == transport and d["receivers"] == receivers and d["bytes"] != held_out_mb * MB]
             alpha, bandwidth = _fit(points)
-            held = relay[f"{held_out_mb}MB-R{receivers}"]
+            held = relay[f"{transport}-{held_out_mb}MB-R{receivers}"]
             predicted = alpha + held["bytes"] / bandwidth
             error = abs(predicted - held["median_s"]) / held["median_s"]
-            fits[f"R{receivers}"] = {"alpha_s": alpha, "bandwidth_GBps": bandwidth / 1e9, "held_out_MB": held_out_mb,
-                                     "held_out_measured_s": held["median_s"], "held_out_predicted_s": predicted,
-                                     "held_out_error": error, "within_25pct": error <= 0.25}
-            print(f"fit R={receivers}: alpha {alpha * 1e3:.1f} ms, B {bandwidth / 1e9:.2f} GB/s; held-out "
+            fits[f"{transport}-R{receivers}"] = {"alpha_s": alpha, "bandwidth_GBps": bandwidth / 1e9,
+                                                 "held_out_MB": held_out_mb, "held_out_measured_s": held["median_s"],
+                                                 "held_out_predicted_s": predicted, "held_out_error": error,
+                                                 "within_25pct": error <= 0.25}
+            print(f"fit {transport} R={receivers}: alpha {alpha * 1e3:.1f} ms, B {bandwidth / 1e9:.2f} GB/s; held-out "
                   f"{held_out_mb} MB measured {held['median_s'] * 1e3:.1f} ms, predicted {predicted * 1e3:.1f} ms "
                   f"({error:.0%})", flush=True)
         out.update(relay=relay, relay_fit=fits)
@@ -190,6 +207,7 @@ def blocking_push(reps: int) -> dict:
     from gapless.config import ModelConfig
     from gapless.envs.problems import generate_problems
     from gapless.models import build_tiny
+    from gapless.orchestrate.ray_broadcast import BroadcastSender
     from gapless.orchestrate.ray_weights import ObjectStoreSender, WeightBoard
     from gapless.orchestrate.weights import SharedWeights
 
@@ -205,7 +223,9 @@ def blocking_push(reps: int) -> dict:
         shm = SharedWeights(state, 0)
         sender = ObjectStoreSender(WeightBoard.remote(), state)
         sender.publish(state, 0)
-        local, cluster = [], []
+        caster = BroadcastSender(state, 60.0, 600.0, "127.0.0.1")
+        caster.publish(state, 0)
+        local, cluster, broadcast = [], [], []
         for v in range(1, reps + 1):
             t = time.perf_counter()
             shm.publish(state, v)
@@ -214,15 +234,22 @@ def blocking_push(reps: int) -> dict:
             t = time.perf_counter()
             sender.publish(state, v)
             cluster.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            caster.publish(state, v)  # no member: the staging copy alone, as the trainer sees it
+            broadcast.append(time.perf_counter() - t)
         sender.close()
+        caster.close()
     finally:
         ray.shutdown()
     result = {"state_bytes": nbytes, "local_shm_publish_s": statistics.median(local),
-              "object_store_blocking_publish_s": statistics.median(cluster)}
+              "object_store_blocking_publish_s": statistics.median(cluster),
+              "broadcast_blocking_publish_s": statistics.median(broadcast)}
     result["ratio"] = result["object_store_blocking_publish_s"] / result["local_shm_publish_s"]
+    result["broadcast_ratio"] = result["broadcast_blocking_publish_s"] / result["local_shm_publish_s"]
     print(f"blocking push of {nbytes / MB:.1f} MB: local shm {result['local_shm_publish_s'] * 1e3:.2f} ms, "
           f"object store (staging copy) {result['object_store_blocking_publish_s'] * 1e3:.2f} ms "
-          f"({result['ratio']:.2f}x)", flush=True)
+          f"({result['ratio']:.2f}x), broadcast (staging copy) {result['broadcast_blocking_publish_s'] * 1e3:.2f} ms "
+          f"({result['broadcast_ratio']:.2f}x)", flush=True)
     return result
 
 
@@ -252,13 +279,15 @@ def main() -> None:
     parser.add_argument("--push-reps", type=int, default=30)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--parts", default="push,relay,steps", help="which of push, relay (and detection), steps")
+    parser.add_argument("--transports", default="object_store,broadcast", help="relay part: which transports")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     result = {"cores": len(os.sched_getaffinity(0)), "load_avg_start": os.getloadavg()[0], "reps": args.reps}
     if "push" in parts:
         result["push"] = blocking_push(args.push_reps)
     if "relay" in parts:
-        result.update(relay_and_failures([int(s) for s in args.sizes.split(",")], args.held_out, args.reps))
+        result.update(relay_and_failures([int(s) for s in args.sizes.split(",")], args.held_out, args.reps,
+                                         tuple(args.transports.split(","))))
     if "steps" in parts:
         result["s_per_step"] = step_times(args.steps)
     result["load_avg_end"] = os.getloadavg()[0]

@@ -258,7 +258,8 @@ class BroadcastSender:
             failing_since: float | None = None
             while True:
                 with self._news:
-                    self._news.wait_for(lambda: self._closed or self.version > sent or self._drop, POLL_S)
+                    self._news.wait_for(  # joins are polled every POLL_S
+                        lambda: self._closed or self._drop or self._pg is not None and self.version > sent, POLL_S)
                     if self._closed:
                         return
                     drop, self._drop = self._drop, set()
