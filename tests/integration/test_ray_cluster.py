@@ -6,7 +6,10 @@ Checked: at budget 0 the Ray placement reproduces the local placement bitwise (s
 same ledger) with its actors spread over the virtual nodes; an infeasible placement fails within
 15 s with an error naming the demand and what is available; `gapless train --cluster.placement ray
 --cluster.replicas 2` runs with no Ray running and survives a replica killed with SIGKILL (its
-groups end `replica_lost`, exactly once); no run leaves a Ray process behind.
+groups end `replica_lost`, exactly once); with `--cluster.weight_transport broadcast` both
+replicas' versions increase and end on the trainer's final state, and a killed replica makes the
+relay rebuild its group (the survivor and the replacement end on the last version); no run
+leaves a Ray process behind.
 """
 
 from __future__ import annotations
@@ -180,3 +183,27 @@ def test_gapless_train_with_the_broadcast_weight_transport(tmp_path, warm_cache)
     for name, view in layout.views(flat).items():
         view.copy_(state[name])
     assert relay["checksums"][str(steps)] == checksum(flat)  # the replicas' last weights = the trainer's state
+
+
+def test_the_broadcast_group_is_rebuilt_when_a_replica_is_killed(tmp_path, warm_cache):
+    """A replica killed with SIGKILL mid-run: the relay rebuilds its group without it (and with the
+    replacement), the run completes exactly once, and every member's versions still increase."""
+    steps, budget = 6, 1
+    run = tmp_path / "run"
+    outcome = train(_args(run, warm_cache, steps, budget, "--cluster.placement", "ray", "--cluster.replicas", "2",
+                          "--cluster.weight_transport", "broadcast", "--cluster.op_timeout_s", "5"),
+                    tmp_path / "err.txt", "generator-1:decode:3:kill", timeout_s=900)
+    assert outcome.fault_time is not None, outcome.stderr[-2000:]
+    assert outcome.rc == 0, outcome.stderr[-3000:]
+    assert outcome.survivors == [], outcome.survivors
+    check_ledger(read_events(run / "groups.jsonl"), steps, 2)
+    summary = json.loads((run / "staleness.json").read_text())
+    assert [e["replica"] for e in summary["evictions"]] == ["generator-1"], summary["evictions"]
+    relay = json.loads((run / "relay.json").read_text())
+    assert relay["error"] is None, relay
+    assert relay["epochs"] >= 3, relay  # replica 0 joins, replica 1 joins, rebuilt without replica 1
+    for member, flips in relay["flips"].items():
+        assert flips == sorted(set(flips)), (member, flips)
+    assert relay["published"] == steps and relay["flips"]["generator-1"][-1] < steps, relay
+    others = {m: f for m, f in relay["flips"].items() if m != "generator-1"}
+    assert len(others) == 2 and all(f[-1] == steps for f in others.values()), relay  # the survivor, the replacement
