@@ -6,22 +6,23 @@ Checked: every version a receiver exposes is newer than the last and whole (each
 every tensor with its number, bf16 included), the newest reaches every member and equals the
 trainer's state; the trainer's publish never waits for a receiver; a member killed with SIGKILL
 and dropped (as the placement's kill does) makes the relay rebuild the group and the survivor
-keeps receiving; no process is left behind.
+keeps receiving; no process is left behind. Fast: a replica that never joins makes the trainer's
+next publish raise naming it and the timeout, and a replica never admitted raises naming itself
+and the trainer.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import time
 
 import pytest
 import torch
 
-from gapless.orchestrate.ray_broadcast import BroadcastSender, BroadcastWeights
-
-pytestmark = pytest.mark.slow
+from gapless.orchestrate.ray_broadcast import BroadcastSender, BroadcastWeights, RelayTimeout
 
 
 def _state(v: int) -> dict[str, torch.Tensor]:
@@ -48,6 +49,7 @@ def _receiver(handle: BroadcastWeights, until: int, out) -> None:
     time.sleep(0.5)
 
 
+@pytest.mark.slow
 def test_versions_reach_every_member_monotonic_and_whole_and_a_killed_member_is_dropped():
     sender = BroadcastSender(_state(0), op_timeout_s=5.0, rendezvous_timeout_s=60.0, host="127.0.0.1", log=lambda m: None)
     ctx = mp.get_context("spawn")
@@ -87,3 +89,33 @@ def test_versions_reach_every_member_monotonic_and_whole_and_a_killed_member_is_
                 p.kill()
                 p.join()
     assert not any(p.is_alive() for p in procs)
+
+
+def test_a_replica_that_never_joins_fails_the_next_publish_naming_it():
+    sender = BroadcastSender(_state(0), op_timeout_s=0.5, rendezvous_timeout_s=1.0, host="127.0.0.1", log=lambda m: None)
+    try:
+        sender.expect("generator-7")
+        deadline = time.monotonic() + 10
+        while sender.error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(RuntimeError) as err:
+            sender.publish(_state(1), 1)
+        assert isinstance(err.value.__cause__, RelayTimeout)
+        assert "generator-7" in str(err.value) and "cluster.rendezvous_timeout_s" in str(err.value), str(err.value)
+    finally:
+        sender.close()
+
+
+def test_a_replica_never_admitted_names_itself_and_the_trainer():
+    sender = BroadcastSender(_state(0), op_timeout_s=0.5, rendezvous_timeout_s=1.0, host="127.0.0.1", log=lambda m: None)
+    try:
+        receiver = pickle.loads(pickle.dumps(BroadcastWeights(sender, "generator-3")))  # never expected: never admitted
+        start = time.monotonic()
+        with pytest.raises((RelayTimeout, RuntimeError)) as err:
+            receiver.fetch_into(lambda views, version: None, -1)
+        assert time.monotonic() - start < 5
+        assert "generator-3" in str(err.value) and "trainer" in str(err.value), str(err.value)
+        assert "cluster.rendezvous_timeout_s" in str(err.value), str(err.value)
+    finally:
+        receiver._closed = True
+        sender.close()
