@@ -3,9 +3,9 @@
 on CUDA.
 
     trainer: publish(state, v) ──copy──> staging[free half]              (the trainer's blocking part: one memory copy)
-    relay thread (group rank 0): op n = {version v, nbytes, digest, epoch} in the TCPStore
-                                 ──broadcast(staging half)──> every member; waits for ack/n/<rank> from each
-    replica's receiver thread: reads op n ──broadcast──> landing[unpublished half] ──check──> ack, flip
+    relay thread (group rank 0): op n = {version v, nbytes, digest, checksum, epoch} in the TCPStore
+                                 ──broadcast(staging half)──> every member; waits for ack/n/<member> from each
+    replica's receiver thread: reads op n ──broadcast──> landing[unpublished half] ──check──> flip, ack
     replica's generator: fetch_into(load) reads landing[published half] between decode steps
 
 The store is a TCPStore on the trainer's node, listening on a socket bound to a free port (its
@@ -17,18 +17,22 @@ an epoch). A replica says hello, learns at which op its first group starts, and 
 Membership. A broadcast group cannot lose a member, so the relay rebuilds it: a replica that
 joins (a replacement) or is evicted (`drop`, from the placement's kill) makes the relay write a new
 `group` op and build a new group of the members it has, then re-send the newest version (members
-ignore a version they hold). A broadcast that fails, or whose acks do not all arrive within
-`cluster.op_timeout_s`, makes the relay drop the members that did not acknowledge, rebuild, and
-re-send; a dropped replica that is still alive finds itself missing from the next group and stops
-with an error (the pipeline evicts it). The relay gives up, and the next `publish` raises, only
-when no group can be formed within `cluster.rendezvous_timeout_s`; the error names who waited for
-whom.
+ignore a version they hold). Each member answers every version in the store: `flipped`, `held`
+(it had it) or `failed` (its collective raised or timed out, or the checksum did not match). A
+member that does not answer within twice `cluster.op_timeout_s` (its own wait in the collective
+is bounded by one) is dropped, and the relay rebuilds without it and re-sends; members that
+answered `failed` are alive and stay in the rebuilt group. So a dead member costs the others
+about one op timeout of relay time. A dropped replica that is still alive finds itself missing
+from the next group and stops with an error (the pipeline evicts it). The relay gives up, and the
+next `publish` raises, only when no group gets a version through within
+`cluster.rendezvous_timeout_s`; the error names who waited for whom.
 
 Guaranteed: the trainer never waits for a replica or the network (`publish` copies into the
 staging half the relay is not sending; it waits at most for one broadcast of the other half);
 versions a replica exposes are monotonic (one not newer than what it holds is ignored) and never
 torn (a version lands in the unpublished half and is flipped to only after the collective
-returned without error and the op's size and digest match the replica's layout; a failed or
+returned without error, the op's size and digest match the replica's layout and the landed
+bytes' checksum matches the sender's; a failed or
 timed-out collective leaves that half unpublished); no wait is unbounded (joining: rendezvous
 timeout; each collective and each ack: op timeout). Not guaranteed: that a replica sees every
 version (it gets the newest at each send); NCCL (the code path exists, untested on this CPU box);
@@ -226,8 +230,11 @@ class BroadcastSender:
             missing = [m for m in members if not self.store.check([f"epoch{epoch}/in/{m}"])]
             return missing or list(members)
 
-    def _send(self, half: int) -> list[str]:
-        """One version to the current group; returns the members that did not acknowledge it."""
+    def _send(self, half: int) -> tuple[list[str], list[str]]:
+        """One version to the current group; returns (members that did not answer, members whose
+        collective failed). A member answers within twice the op timeout: its own wait in the
+        collective is bounded by one, so a live member whose collective failed (a peer died)
+        says so instead of being taken for the dead one."""
         version = self.held[half]
         total = self.sums[version] = checksum(self.halves[half])
         n = self._put_op({"kind": "version", "epoch": self.epochs, "version": version, "checksum": total,
@@ -235,16 +242,16 @@ class BroadcastSender:
         buf = self.halves[half].cuda() if self.cuda else self.halves[half]
         try:
             self._pg.broadcast([buf], dist.BroadcastOptions()).wait()
-        except Exception as exc:  # noqa: BLE001 - a member died or stalled: who did not ack says which
+        except Exception as exc:  # noqa: BLE001 - a member died or stalled: who did not answer says which
             self.log(f"warning: weight broadcast of version {version} failed: {exc}")
-        deadline = time.monotonic() + self.op_timeout_s
+        deadline = time.monotonic() + 2 * self.op_timeout_s
         for m in self._members:
             _wait_key(self.store, f"ack/{n}/{m}", max(0.0, deadline - time.monotonic()))
-        missing = [m for m in self._members if not self.store.check([f"ack/{n}/{m}"])]
-        for m in self._members:
-            if m not in missing and self.store.get(f"ack/{n}/{m}") == b"flipped":
+        answers = {m: self.store.get(f"ack/{n}/{m}") for m in self._members if self.store.check([f"ack/{n}/{m}"])}
+        for m, answer in answers.items():
+            if answer == b"flipped":
                 self.flips.setdefault(m, []).append(version)
-        return missing
+        return [m for m in self._members if m not in answers], [m for m, a in answers.items() if a == b"failed"]
 
     def report(self) -> dict:
         """What the relay did: written to the run directory as relay.json."""
@@ -276,21 +283,30 @@ class BroadcastSender:
                     if m not in self._members and now - since > self.rendezvous_timeout_s:
                         raise RelayTimeout(f"the trainer's weight relay waited {self.rendezvous_timeout_s:g} s "
                                            f"(cluster.rendezvous_timeout_s) for {m} to join the broadcast group")
-                version = self.version
+                version, failed = self.version, []
                 if not missing:
                     if self._pg is None or self.version <= sent:
                         continue
                     half = 0 if self.held[0] > self.held[1] else 1
                     with self.locks[half]:
                         version = self.held[half]
-                        missing = self._send(half)
+                        missing, failed = self._send(half)
+                if failed and not missing:  # every member alive, the collective failed: the same group again
+                    failing_since = failing_since or time.monotonic()
+                    if time.monotonic() - failing_since > self.rendezvous_timeout_s:
+                        raise RelayTimeout(f"the trainer's weight relay failed to broadcast version {version} to "
+                                           f"{', '.join(failed)} for {self.rendezvous_timeout_s:g} s "
+                                           "(cluster.rendezvous_timeout_s)")
+                    self._pg, sent = None, -1
+                    continue
                 if missing:
                     failing_since = failing_since or time.monotonic()
                     if time.monotonic() - failing_since > self.rendezvous_timeout_s:
                         raise RelayTimeout(f"the trainer's weight relay waited for {', '.join(missing)} to acknowledge "
                                            f"version {version} for {self.rendezvous_timeout_s:g} s "
                                            "(cluster.rendezvous_timeout_s)")
-                    why = f"did not join the group or acknowledge version {version} within {self.op_timeout_s:g} s (cluster.op_timeout_s)"
+                    why = (f"did not join the group or answer for version {version} within 2 x {self.op_timeout_s:g} s "
+                           "(cluster.op_timeout_s)")
                     with self._news:
                         for m in missing:
                             self.dropped.append((m, why))
@@ -366,7 +382,7 @@ class BroadcastWeights:
                     pg = None
                     if self.member not in op["members"]:
                         raise RuntimeError(f"the trainer's weight relay left {self.member} out of broadcast group "
-                                           f"{op['epoch']} (it did not acknowledge a version within cluster.op_timeout_s)")
+                                           f"{op['epoch']} (it did not answer for a version within 2 x cluster.op_timeout_s)")
                     epoch, rank = op["epoch"], op["members"].index(self.member) + 1
                     store.set(f"epoch{epoch}/in/{self.member}", "1")
                     try:
@@ -391,13 +407,14 @@ class BroadcastWeights:
             buf = torch.empty(self.layout.nbytes, dtype=torch.uint8, device="cuda") if self.cuda else self.halves[target]
             try:
                 pg.broadcast([buf], dist.BroadcastOptions()).wait()
-            except Exception:  # noqa: BLE001 - torn: the half stays unpublished; the relay re-sends or rebuilds
+                if self.cuda:  # pragma: no cover - needs CUDA devices
+                    self.halves[target].copy_(buf)
+                whole = checksum(self.halves[target]) == op["checksum"]
+            except Exception:  # noqa: BLE001 - a peer died or stalled (bounded by the op timeout)
+                whole = False
+            if not whole:  # torn: the half stays unpublished; the relay rebuilds the group and re-sends
                 self.held[target] = -1
-                return
-            if self.cuda:  # pragma: no cover - needs CUDA devices
-                self.halves[target].copy_(buf)
-            if checksum(self.halves[target]) != op["checksum"]:
-                self.held[target] = -1  # torn: unpublished, and no ack (the relay drops this member)
+                store.set(f"ack/{n}/{self.member}", "failed")
                 return
             self.held[target] = version
         with self._meta:
