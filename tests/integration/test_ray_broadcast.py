@@ -5,8 +5,8 @@ imports torch).
 Checked: every version a receiver exposes is newer than the last and whole (each version fills
 every tensor with its number, bf16 included), the newest reaches every member and equals the
 trainer's state; the trainer's publish never waits for a receiver; a member killed with SIGKILL
-and dropped (as the placement's kill does) makes the relay rebuild the group and the survivor
-keeps receiving; no process is left behind. Fast: a replica that never joins makes the trainer's
+and dropped (as the placement's kill does), or not dropped and found without an answer by the
+relay, makes the relay rebuild the group without it alone and the survivor keeps receiving; no process is left behind. Fast: a replica that never joins makes the trainer's
 next publish raise naming it and the timeout, and a replica never admitted raises naming itself
 and the trainer.
 """
@@ -50,8 +50,11 @@ def _receiver(handle: BroadcastWeights, until: int, out) -> None:
 
 
 @pytest.mark.slow
-def test_versions_reach_every_member_monotonic_and_whole_and_a_killed_member_is_dropped():
-    sender = BroadcastSender(_state(0), op_timeout_s=5.0, rendezvous_timeout_s=60.0, host="127.0.0.1", log=lambda m: None)
+@pytest.mark.parametrize("evicted", [True, False], ids=["evicted", "found-silent"])
+def test_versions_reach_every_member_monotonic_and_whole_and_a_killed_member_is_dropped(evicted):
+    """evicted: the placement's kill drops the member; found-silent: nobody tells the relay, which
+    finds the member without an answer and drops it alone (the survivor answered)."""
+    sender = BroadcastSender(_state(0), op_timeout_s=3.0, rendezvous_timeout_s=60.0, host="127.0.0.1", log=lambda m: None)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = []
@@ -64,22 +67,29 @@ def test_versions_reach_every_member_monotonic_and_whole_and_a_killed_member_is_
             p.start()
             procs.append(p)
         assert sender.wait_relayed(1, 90), sender.error
+        deadline = time.monotonic() + 90
+        while "generator-1" not in sender.flips and time.monotonic() < deadline:  # both in the group
+            time.sleep(0.05)
+        assert "generator-1" in sender.flips, (sender.flips, sender.error)
         waits = []
         for v in range(2, 11):
             waits.append(sender.publish(_state(v), v))
             time.sleep(0.05)
         assert sender.wait_relayed(10, 30), sender.error
         assert max(waits) < 1.0  # a local copy (it waits at most for one send of the other half)
+        epochs = sender.epochs
         os.kill(procs[1].pid, signal.SIGKILL)
-        sender.drop("generator-1")
+        if evicted:
+            sender.drop("generator-1")
         for v in range(11, 31):
             sender.publish(_state(v), v)
             time.sleep(0.05)
-        assert sender.wait_relayed(30, 60), (sender.error, sender.dropped)
+        assert sender.wait_relayed(30, 90), (sender.error, sender.dropped)
+        assert [m for m, _ in sender.dropped] == ([] if evicted else ["generator-1"]), sender.dropped
         member, seen = out.get(timeout=60)
         assert member == "generator-0" and seen[-1] == 30
         assert seen == sorted(set(seen)) and seen[0] >= 1  # monotonic
-        assert sender.epochs >= 2  # rebuilt without the killed member
+        assert sender.epochs > epochs  # rebuilt without the killed member
         assert sender.error is None
     finally:
         sender.close()
