@@ -52,7 +52,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from gapless.orchestrate.ray_weights import Layout
+from gapless.orchestrate.ray_weights import Layout, StagedPublish
 
 POLL_S = 0.2  # how often a waiting side looks again (store waits are short and repeated)
 
@@ -109,7 +109,7 @@ def _node_ip() -> str:
     return "127.0.0.1"
 
 
-class BroadcastSender:
+class BroadcastSender(StagedPublish):
     """The trainer's side: a two-half staging buffer, the store and the relay thread (rank 0)."""
 
     def __init__(self, state: dict[str, torch.Tensor], op_timeout_s: float, rendezvous_timeout_s: float,
@@ -161,26 +161,6 @@ class BroadcastSender:
             if member in self._members:
                 self._drop.add(member)
             self._news.notify_all()
-
-    def publish(self, state: dict[str, torch.Tensor], version: int) -> float:
-        """Copy `state` into the free staging half as `version`; returns seconds waited for it."""
-        if self.error is not None:
-            raise RuntimeError(f"the weight relay failed: {self.error}") from self.error
-        if version <= self.version:
-            raise ValueError(f"version {version} is not newer than the published {self.version}")
-        target = 0 if self.held[0] < self.held[1] else 1  # the older half; the relay sends the newer one
-        start = time.perf_counter()
-        with self.locks[target]:
-            waited = time.perf_counter() - start
-            with torch.no_grad():
-                for name, view in self.views[target].items():
-                    view.copy_(state[name])
-            self.held[target] = version
-        with self._news:
-            self.version = version
-            self._published_at[version] = time.perf_counter()
-            self._news.notify_all()
-        return waited
 
     def wait_relayed(self, version: int, timeout_s: float) -> bool:
         with self._news:

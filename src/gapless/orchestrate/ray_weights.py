@@ -86,24 +86,10 @@ class Layout:
         return {name: flat[off:off + n].view(dtype).view(shape) for name, shape, dtype, off, n in self.entries}
 
 
-class ObjectStoreSender:
-    """The trainer's side: a two-half staging buffer and the relay thread."""
-
-    def __init__(self, board, state: dict[str, torch.Tensor]):
-        self.board, self.layout = board, Layout(state)
-        self.halves = [torch.empty(self.layout.nbytes, dtype=torch.uint8) for _ in range(2)]
-        self.views = [self.layout.views(h) for h in self.halves]
-        self.locks = [threading.Lock(), threading.Lock()]
-        self.held = [-1, -1]  # version in each half
-        self.version = -1  # newest published
-        self.relayed = -1  # newest on the board
-        self.relay_s: list[tuple[int, float]] = []  # (version, seconds from publish to on the board)
-        self.error: BaseException | None = None
-        self._news = threading.Condition()
-        self._published_at: dict[int, float] = {}
-        self._closed = False
-        self._thread = threading.Thread(target=self._relay, name="weight-relay", daemon=True)
-        self._thread.start()
+class StagedPublish:
+    """The trainer's blocking part of a relay: one copy into the older of two staging halves
+    (`views`, `locks`, `held`), then `version` and `_published_at` under `_news`; the sender's relay
+    thread ships the newer half. Used by the object-store and the broadcast senders."""
 
     def publish(self, state: dict[str, torch.Tensor], version: int) -> float:
         """Copy `state` into the free staging half as `version`; returns seconds waited for it."""
@@ -124,6 +110,26 @@ class ObjectStoreSender:
             self._published_at[version] = time.perf_counter()
             self._news.notify_all()
         return waited
+
+
+class ObjectStoreSender(StagedPublish):
+    """The trainer's side: a two-half staging buffer and the relay thread."""
+
+    def __init__(self, board, state: dict[str, torch.Tensor]):
+        self.board, self.layout = board, Layout(state)
+        self.halves = [torch.empty(self.layout.nbytes, dtype=torch.uint8) for _ in range(2)]
+        self.views = [self.layout.views(h) for h in self.halves]
+        self.locks = [threading.Lock(), threading.Lock()]
+        self.held = [-1, -1]  # version in each half
+        self.version = -1  # newest published
+        self.relayed = -1  # newest on the board
+        self.relay_s: list[tuple[int, float]] = []  # (version, seconds from publish to on the board)
+        self.error: BaseException | None = None
+        self._news = threading.Condition()
+        self._published_at: dict[int, float] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._relay, name="weight-relay", daemon=True)
+        self._thread.start()
 
     def _relay(self) -> None:
         try:
