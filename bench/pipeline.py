@@ -1,6 +1,6 @@
 """Synchronous versus asynchronous pipeline at an equal number of trained samples.
 
-    PYTHONPATH=src python bench/pipeline.py [--steps 20] [--rounds 1] [--budgets 0,1,2,4]
+    PYTHONPATH=src python bench/pipeline.py [--steps 20] [--rounds 1] [--budgets 0,1,2,4] [--keep runs/bench-pipeline]
 
 Workloads (each a set of config overrides on the default job):
   default       the embedded code task as configured (compute-bound on this machine)
@@ -19,7 +19,8 @@ synchronous baseline on a small machine, so async is compared with both.
 
 Per run: wall seconds per trained sample over steps 2..S (step 1 includes starting the actors),
 trainer idle and generator idle fractions (means over those steps), mean and max staleness,
-held-out greedy pass@1 at the end, and the CPU cores the machine was busy over steps 2..S
+held-out greedy pass@1 at the end, the environment's wall seconds per scored group (its
+timeline's `score` spans over steps 2..S, the added latency included), and the CPU cores the machine was busy over steps 2..S
 (/proc/stat sampled every 0.2 s; other tenants included, the machine is meant to be quiet). A
 run whose busy cores equal the machine's cores cannot go faster by overlapping its actors: only
 less work can, which bounds what asynchrony can win on a small machine. Ratios are async / sync (per baseline) of the same workload,
@@ -44,6 +45,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from gapless.timeline import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = {
@@ -87,6 +90,8 @@ def run_job(workload: str, budget: str, steps: int, out: Path) -> dict:
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     all_steps = [m for m in metrics if "perf/step_s" in m]
     steps_m = all_steps[1:]  # step 1 includes the actors' start
+    spans = [s["end"] - s["start"] for s in read_records(run_dir)
+             if s.get("actor") == "env" and s.get("name") == "score" and s["start"] >= all_steps[0]["time"]]
     summary = json.loads((run_dir / "summary.json").read_text())
     config = json.loads((run_dir / "config.json").read_text())
     samples = len(steps_m) * config["loop"]["prompts_per_step"] * config["generator"]["group_size"]
@@ -104,6 +109,7 @@ def run_job(workload: str, budget: str, steps: int, out: Path) -> dict:
         "staleness_max": max(m["staleness/max"] for m in steps_m),
         "pass_at_1_end": summary["eval/pass@1_end"],
         "weight_push_s": mean("perf/weight_push_s"),
+        "score_span_s": statistics.mean(spans) if spans else None,  # the reference loop scores in-process: none
         "busy_cores": busy.cores_between(all_steps[0]["time"], all_steps[-1]["time"]),
     }  # fmt: skip
 
@@ -194,16 +200,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--budgets", default="ref,0,1,2,4", help="staleness budgets; 'ref' = the one-process reference loop")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="keep every run directory under this (ignored) folder, e.g. for gapless simulate --calibrate")
     args = parser.parse_args()
     budgets = args.budgets.split(",")
     workloads = args.workloads.split(",")
     runs = []
     with tempfile.TemporaryDirectory(prefix="gapless-bench-") as tmp:
+        out = args.keep or Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
         for rnd in range(args.rounds):
             order = budgets[rnd % len(budgets):] + budgets[: rnd % len(budgets)]
             for workload in workloads:
                 for budget in order:
-                    result = run_job(workload, budget, args.steps, Path(tmp))
+                    result = run_job(workload, budget, args.steps, out)
                     runs.append(result)
                     print(f"round {rnd} {workload:<10} budget {budget:>3}: {result['s_per_sample'] * 1e3:6.2f} ms/sample  "
                           f"trainer idle {result['trainer_idle_frac']:.2f}  generator idle {result['generator_idle_frac'] or 0:.2f}  "

@@ -62,7 +62,7 @@ class ModelConfig(_Section):
 
 class TaskConfig(_Section):
     name: Literal["procedural_code", "code_dataset", "humaneval", "math", "reasoning_gym", "tool_use", "judge",
-                  "repo"] = "procedural_code"
+                  "repo", "agent"] = "procedural_code"
     """Which environment scores the rollouts (docs/environments.md): 'procedural_code' (the
     embedded default: generated code problems with hidden unit tests), 'code_dataset' (code
     problems from the JSONL/Parquet file `path`), 'humaneval' (OpenAI HumanEval, an eval-only set
@@ -71,7 +71,9 @@ class TaskConfig(_Section):
     see `reasoning_gym_dataset`), 'tool_use' (multi-turn: the model calls Python in a sandbox
     session; [tools]), 'judge' (an LLM judge grades against a rubric; [judge]); the last two in
     docs/environments_judge_tools.md; 'repo' (multi-turn coding agent: fix a generated Python
-    repository with file and shell tools, graded by hidden tests; [repo], docs/agentic.md)."""
+    repository with file and shell tools, graded by hidden tests; [repo], docs/agentic.md);
+    'agent' (your own agent program calls an OpenAI-compatible endpoint per episode, the
+    gateway, on the procedural arithmetic tasks; [agent], docs/agentic.md)."""
     path: str | None = None
     """Data file (.jsonl or .parquet) for 'code_dataset' (required) and 'math' (optional: without
     it, the procedural arithmetic task). Schema in docs/environments.md."""
@@ -352,6 +354,24 @@ class RepoConfig(_Section):
     """Distinct generated repositories for training (split 'train')."""
     num_eval_prompts: int = Field(50, ge=1)
     """Held-out repositories (split 'eval', disjoint from 'train') for pass@1."""
+
+
+class AgentConfig(_Section):
+    command: str | None = None
+    """The agent program of `task.name = 'agent'`, run once per episode as a local process
+    (split like a shell command, e.g. "python examples/openai_agent.py"). It finds its endpoint in
+    OPENAI_BASE_URL (with OPENAI_API_KEY), its task in GAPLESS_PROMPT, and prints its final
+    answer as the last line of its standard output."""
+    timeout_s: float = Field(60.0, gt=0, le=86400)
+    """Wall-clock limit of one episode, from the agent's start; past it the agent is killed
+    (status 'timeout')."""
+    max_calls: int = Field(4, ge=1, le=256)
+    """Model calls per episode; a further call ends the episode (status 'call_limit')."""
+    max_context_tokens: int = Field(512, ge=16, le=1 << 20)
+    """Tokens an episode's context may reach (the agent's messages, every reply, the completion
+    cap); a call past it ends the episode (status 'context_limit')."""
+    sessions: int = Field(8, ge=1, le=4096)
+    """Agents running at once in the synchronous reference loop (its waves) and the evaluation."""
 
 
 class JudgeConfig(_Section):
@@ -659,6 +679,7 @@ class Config(_Section):
     eval: EvalConfig = EvalConfig()
     tools: ToolsConfig = ToolsConfig()
     repo: RepoConfig = RepoConfig()
+    agent: AgentConfig = AgentConfig()
     judge: JudgeConfig = JudgeConfig()
     cluster: ClusterConfig = ClusterConfig()
     service: ServiceConfig = ServiceConfig()
@@ -734,7 +755,7 @@ def _section_at(loc: tuple) -> type[BaseModel] | None:
     return model
 
 
-MULTI_TURN_TASKS = ("tool_use", "repo")  # tasks whose episodes the pipeline runs turn by turn
+MULTI_TURN_TASKS = ("tool_use", "repo", "agent")  # tasks whose episodes the pipeline runs turn by turn
 
 
 def _check_cross_field(cfg: Config) -> None:
@@ -777,6 +798,12 @@ def _check_cross_field(cfg: Config) -> None:
 
 def _check_task(cfg: Config) -> None:
     t = cfg.task
+    if t.name == "agent" and not (cfg.agent.command or "").strip():
+        raise ConfigError("agent.command: task.name = 'agent' needs the agent program to run per episode, "
+                          "e.g. --agent.command \"python examples/openai_agent.py\" (docs/agentic.md)")
+    if t.name == "agent" and cfg.pipeline.turn_schedule == "waves":
+        raise ConfigError("pipeline.turn_schedule = 'waves' replays the reference loop's batches, which an agent "
+                          "program's own timing cannot follow: use 'turns' with task.name = 'agent'")
     if t.name == "code_dataset" and t.path is None:
         raise ConfigError("task.path: task.name = 'code_dataset' needs a .jsonl or .parquet file of problems (docs/environments.md)")
     if t.path is not None:
@@ -796,7 +823,7 @@ def _check_trainer(cfg: Config) -> None:
     if t.correction != "none" and t.old_logprobs != "trainer":
         raise ConfigError(f"trainer.correction = '{t.correction}' reweights behaviour against trainer log-probs; "
                           "it needs trainer.old_logprobs = 'trainer' (with 'behaviour' the PPO ratio already divides by them)")
-    if cfg.task.name in ("tool_use", "repo") and t.overlong == "penalty":
+    if cfg.task.name in MULTI_TURN_TASKS and t.overlong == "penalty":
         raise ConfigError("trainer.overlong = 'penalty' counts a completion's length against generator.max_new_tokens, "
                           f"which bounds one turn of task {cfg.task.name!r}, not the episode; use 'keep' or 'mask'")
     if t.overlong == "penalty" and t.overlong_buffer > cfg.generator.max_new_tokens:

@@ -1,5 +1,5 @@
 """Multi-turn episodes in the process source (orchestrate/episode_runner.py): the tool_use and
-repo tasks at budgets 0, 1 and 2, driven through the RolloutSource protocol as the run loop does.
+repo tasks and an agent program through the gateway (examples/openai_agent.py) at budgets 0, 1 and 2, driven through the RolloutSource protocol as the run loop does.
 
 Checked: budget 0 with the `waves` schedule equals the inline reference loop bit for bit (tokens,
 log-probs, versions, rewards, and so the weights); the `turns` schedule samples the same tokens
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -31,6 +32,9 @@ TASKS = {
                  "tools.sessions": "4", "generator.max_new_tokens": "12"},
     "repo": {"task.name": '"repo"', "repo.num_train_prompts": "8", "repo.num_eval_prompts": "2", "repo.sessions": "4",
              "repo.max_turns": "3", "generator.max_new_tokens": "16"},
+    "agent": {"task.name": '"agent"', "agent.command": json.dumps(f"{sys.executable} examples/openai_agent.py"),
+              "agent.sessions": "4", "task.num_train_prompts": "16", "task.num_eval_prompts": "2", "task.levels": "[1]",
+              "generator.max_new_tokens": "8"},
 }
 
 
@@ -102,7 +106,7 @@ def test_tool_use_budget_zero_waves_equal_the_reference_loop(tmp_path, warm_cach
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task", ["tool_use", "repo"])
+@pytest.mark.parametrize("task", ["tool_use", "repo", "agent"])
 def test_budget_zero_turns_sample_the_reference_tokens(tmp_path, warm_cache, task):
     inline = _record(_drive(_loop(tmp_path, warm_cache, task, "inline", 0, "inline"), 2, 0))
     turns = _record(_drive(_loop(tmp_path, warm_cache, task, "process", 0, "turns"), 2, 0))
@@ -116,7 +120,7 @@ def test_budget_zero_turns_sample_the_reference_tokens(tmp_path, warm_cache, tas
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task", ["tool_use", "repo"])
+@pytest.mark.parametrize("task", ["tool_use", "repo", "agent"])
 @pytest.mark.parametrize("budget", [1, 2])
 def test_budgets_keep_the_ledger_and_the_bound(tmp_path, warm_cache, task, budget):
     steps = 4

@@ -180,3 +180,26 @@ def test_agreement_with_math_verify(lenient, at_least):
                 disagreements.append((reference, text[:60], ours))
     assert cases >= 500
     assert 1 - len(disagreements) / cases >= at_least, disagreements
+
+
+def _grade_off_main_thread(out) -> None:
+    results = []
+    thread = threading.Thread(target=lambda: results.append(grade("11", "\\boxed{11}")))
+    thread.start()
+    thread.join(timeout=120)
+    out.put(results)
+
+
+def test_grading_off_the_main_thread_of_a_daemonic_process():
+    """A pipeline actor is a daemonic process, which multiprocessing forbids to have children:
+    the helper is started with subprocess, so the environment process grades too."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    process = ctx.Process(target=_grade_off_main_thread, args=(out,), daemon=True)
+    process.start()
+    try:
+        assert out.get(timeout=120) == [(1.0, "ok")]
+    finally:
+        process.join(timeout=30)

@@ -27,6 +27,12 @@ KILLED = -signal.SIGKILL
         (observe(0), (Status.OK, None, 0, None)),
         (observe(3, "ValueError: x"), (Status.NONZERO_EXIT, None, 3, None)),
         (observe(None, is_deadline_hit=True), (Status.TIMEOUT, "wall", None, signal.SIGKILL)),
+        # at the deadline, a limit already hit is the cause (a busy machine drains a flood, or
+        # runs a fork bomb's forks, slower than the clock)
+        (observe(None, is_deadline_hit=True, is_truncated=True), (Status.OUTPUT_LIMIT, "output", None, signal.SIGKILL)),
+        (observe(None, is_deadline_hit=True, pids_max_hits=4), (Status.PROCESS_LIMIT, "processes", None, signal.SIGKILL)),
+        (observe(None, "OSError: [Errno 11] Resource temporarily unavailable", is_deadline_hit=True),
+         (Status.PROCESS_LIMIT, "processes", None, signal.SIGKILL)),
         (observe(-signal.SIGXCPU), (Status.TIMEOUT, "cpu", None, signal.SIGXCPU)),
         (observe(-signal.SIGXFSZ), (Status.DISK_LIMIT, "disk", None, signal.SIGXFSZ)),
         (observe(KILLED, oom_kills=1), (Status.MEMORY_LIMIT, "memory", None, signal.SIGKILL)),

@@ -22,7 +22,8 @@ math-verify read, so where math-verify says wrong_answer, gapless does too.
 Model output is untrusted: grading never raises because of it (any exception of math-verify or
 sympy is a failed parse or a failed comparison). math-verify bounds its time with SIGALRM, which
 works only in the main thread; called from any other thread, `grade` runs in a helper process
-(started once, spawned, killed and restarted when it overruns) so a hostile answer cannot hang a
+(started once with subprocess, so from a daemonic pipeline actor too; killed and restarted when
+it overruns) so a hostile answer cannot hang a
 scorer thread either.
 Not guaranteed: that math-verify's notion of equivalence is the data set's (it is generous with
 formats, strict with units and text), that a regular expression stuck inside C code is interrupted
@@ -32,16 +33,17 @@ helper-process answer is as fast as in-thread.
 
 from __future__ import annotations
 
-import multiprocessing
+import json
+import os
 import re
+import select
+import subprocess
+import sys
 import threading
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures.process import BrokenProcessPool
 
 MATH_VERIFY_TIMEOUT_S = 5  # math-verify's own default for parse and verify: the same bound as the peer
 _ANSWER_MARK = re.compile(r"answer\s*:", re.IGNORECASE)
-_helper: ProcessPoolExecutor | None = None
+_helper: subprocess.Popen | None = None
 _helper_lock = threading.Lock()
 
 
@@ -140,28 +142,43 @@ def _addition_is_equivalent(gold: list, completion: str, prompt_ends_with_answer
 
 
 def _grade_in_helper(reference: str, completion: str, follows: bool, timeout_s: int, lenient: bool) -> tuple[float, str]:
-    """Off the main thread: the same grading in a spawned helper process, with a hard deadline."""
+    """Off the main thread: the same grading in a helper process, with a hard deadline."""
     global _helper
-    with _helper_lock:
-        if _helper is None:
-            _helper = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    with _helper_lock:  # one answer at a time, as one helper grades them
+        if _helper is None or _helper.poll() is not None:
+            _helper = _start_helper()
         helper = _helper
-    try:
-        future = helper.submit(grade_here, reference, completion, follows, timeout_s, lenient)
-        return future.result(timeout=6 * timeout_s + 30)  # at most five bounded math-verify calls
-    except FutureTimeout:  # math-verify's own alarm did not fire: kill the helper, start a new one next time
-        _discard(helper)
-        return 0.0, "timeout"
-    except BrokenProcessPool:  # the helper died (it is restarted): no verdict, so no reward signal
-        _discard(helper)
-        return 0.0, "infra_error"
+        try:
+            helper.stdin.write(json.dumps([reference, completion, follows, timeout_s, lenient]) + "\n")
+            helper.stdin.flush()
+            ready, _, _ = select.select([helper.stdout], [], [], 6 * timeout_s + 30)  # at most five bounded calls
+            line = helper.stdout.readline() if ready else None
+        except (BrokenPipeError, OSError, ValueError):
+            line = ""
+        if line:
+            reward, status = json.loads(line)
+            return float(reward), str(status)
+        helper.kill()  # overran (math-verify's own alarm did not fire) or died: a new one next time
+        helper.wait()
+        _helper = None
+        return (0.0, "timeout") if line is None else (0.0, "infra_error")  # died: no verdict, no reward signal
 
 
-def _discard(helper: ProcessPoolExecutor) -> None:
-    global _helper
-    with _helper_lock:
-        if _helper is helper:
-            _helper = None
-    for process in list((getattr(helper, "_processes", None) or {}).values()):  # private, but the only handle
-        process.kill()
-    helper.shutdown(wait=False, cancel_futures=True)
+def _start_helper() -> subprocess.Popen:
+    """`python -m gapless.envs.math_answer`: started with subprocess, not multiprocessing, so that a
+    daemonic process (a pipeline actor) can start it too; it imports gapless from this sys.path."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    return subprocess.Popen([sys.executable, "-m", "gapless.envs.math_answer"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+
+
+def _serve() -> None:
+    """The helper's loop: one JSON request per line in, one [reward, status] line out, graded in
+    this process's main thread (so math-verify's alarms work)."""
+    for line in sys.stdin:
+        reference, completion, follows, timeout_s, lenient = json.loads(line)
+        print(json.dumps(grade_here(reference, completion, follows, timeout_s, lenient)), flush=True)
+
+
+if __name__ == "__main__":
+    _serve()

@@ -45,6 +45,10 @@ def _make(cfg: Config) -> Environment:
         from gapless.envs.repo import make_repo_environment
 
         return make_repo_environment(cfg)
+    if task.name == "agent":
+        from gapless.envs.agent import make_agent_environment
+
+        return make_agent_environment(cfg)
     if task.name == "judge":
         from gapless.envs.judge import make_judge_environment
 

@@ -55,6 +55,10 @@ class EpisodeSteps(Protocol):
         """Drop an episode nobody will score (its group was cut): close its session."""
         ...
 
+    # Optional: `open_episode(episode, encode)`, blocking, called once before an episode's first
+    # turn when the environment has it: the episode's first context comes from outside (an agent
+    # program's first call, envs/agent.py); it may also end the episode (`is_done`) at once.
+
 
 @dataclass(frozen=True)
 class TurnRequest:
@@ -119,6 +123,9 @@ def run_waves(env: EpisodeSteps, generator, tasks: Sequence, group_size: int,
 def run_wave(env: EpisodeSteps, generator, wave: Sequence[tuple[int, int, Episode]], params: Sequence[SamplingParams],
              encode: Callable[[str], list[int]], pool: ThreadPoolExecutor) -> None:
     """Run one wave's episodes (group, sample, episode) to their end in lock-step turns."""
+    opener = getattr(env, "open_episode", None)
+    if opener is not None:  # an agent's first call is its first context (envs/agent.py)
+        list(pool.map(lambda e: opener(e, encode), [e for _, _, e in wave if e.turns == 0 and not e.is_done]))
     while active := [(g, j, e) for g, j, e in wave if not e.is_done]:
         requests = [TurnRequest(g, j, e.turns, tuple(e.context)) for g, j, e in active]
         completions = sample_turns(generator, requests, [params[g] for g, _, _ in active])

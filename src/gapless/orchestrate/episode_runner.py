@@ -29,6 +29,10 @@ the sandbox state) and `resumed_by_version` (this turn's), and, past `max_state_
 restarts the episode from its prompt or ends it as `env_state_stale` (its group is then dropped
 with that reason by the trainer's buffer), before any tool call of the stale turn runs.
 
+An environment with `open_episode` (an agent program, envs/agent.py) opens each episode on a
+tool thread first (its first context is the agent's first call); the episode's first turn goes out
+when that returns, like a turn after a tool call.
+
 Not guaranteed: when a turn returns relative to other episodes' (timing), so with 'turns' the
 engine's batches, and the last bits of the log-probs, vary from run to run.
 """
@@ -112,7 +116,12 @@ class EpisodeRunner:
             episodes = [self.env.start_episode(task, prompt) for _ in range(self.group_size)]
             self.groups[index] = _Group(index, task_index, born, message.replica, episodes)
             keys += [(index, sample) for sample in range(self.group_size)]
-        if self.schedule == "turns":
+        if self.schedule == "turns" and hasattr(self.env, "open_episode"):
+            for index, sample in keys:  # each first turn goes out once its episode has opened
+                self.turning.add((index, sample))
+                self.pool.submit(self._guarded, "turn", index, sample, self.env.open_episode,
+                                 self.groups[index].episodes[sample], self.encode)
+        elif self.schedule == "turns":
             for index, task_index, _ in message.groups:
                 self._send(self.groups[index], range(self.group_size))
         else:

@@ -10,7 +10,9 @@ status pipe is written only by code that runs before the program's first line (b
 program cannot make its own failure look like an infrastructure fault, nor its crash look like
 success.
 
-Evidence, strongest first: the wall deadline (host clock); the program's wait status reported by
+Evidence, strongest first: the wall deadline (host clock), unless the run had already hit a
+limit the clock only followed (an OOM kill, its output cap, its process limit: a busy machine
+drains a flood or runs a fork bomb's forks slower than the deadline); the program's wait status reported by
 init; the slot cgroup's counters (an OOM kill, a refused fork); which tmpfs resource ran out
 (init's statvfs after the program exited); the capture caps; last, Python's final stderr line.
 
@@ -118,7 +120,11 @@ def classify(seen: Observation) -> Verdict:
         return Status.INFRA_ERROR, None, None, None
     if seen.oom_kills:  # the kernel killed for memory: the cause, even if the clock ran out
         return Status.MEMORY_LIMIT, "memory", None, int(signal.SIGKILL)
-    if seen.is_deadline_hit:
+    if seen.is_deadline_hit:  # a limit it hit before the clock ran out is the cause, not the clock
+        if seen.is_truncated:  # an output flood: the deadline came while its flood was drained
+            return Status.OUTPUT_LIMIT, "output", None, int(signal.SIGKILL)
+        if seen.pids_max_hits or _PROCESS_LINE.search(seen.stderr.decode("utf-8", errors="replace")):
+            return Status.PROCESS_LIMIT, "processes", None, int(signal.SIGKILL)  # a fork bomb still forking
         return Status.TIMEOUT, "wall", None, int(signal.SIGKILL)
     if seen.returncode is None:  # init died without reporting: only the kernel could do that
         return Status.INFRA_ERROR, None, None, None
