@@ -80,8 +80,8 @@ def measured_cells(measured: dict) -> dict:
     for workload, figures in measured.items():
         for i, budget in enumerate(BUDGETS):
             cell = {"ms": figures["ms"][i]}
-            for key in ("trainer_idle", "generator_idle"):
-                if key in figures:
+            for key in ("trainer_idle", "generator_idle", "score_span"):
+                if key in figures and figures[key][i] is not None:
                     cell[key] = figures[key][i]
             cells[(workload, budget)] = cell
     return cells
@@ -93,7 +93,8 @@ def from_bench_json(path: str) -> dict:
     runs = json.loads(lines[-1])["runs"]
     return {w: {"ms": [runs[w][b]["s_per_sample"] * 1e3 for b in BUDGETS],
                 "trainer_idle": [runs[w][b]["trainer_idle_frac"] for b in BUDGETS],
-                "generator_idle": [runs[w][b]["generator_idle_frac"] or 0.0 for b in BUDGETS]} for w in runs}
+                "generator_idle": [runs[w][b]["generator_idle_frac"] or 0.0 for b in BUDGETS],
+                "score_span": [runs[w][b].get("score_span_s") for b in BUDGETS]} for w in runs}  # None: not measured
 
 
 def costs_from(x: list[float], lengths: LengthModel) -> Costs:
@@ -113,6 +114,8 @@ def loss(costs: Costs, cells: dict, names) -> float:
         for key in ("trainer_idle", "generator_idle"):
             if key in want:
                 total += (got[f"{key}_frac"] - want[key]) ** 2
+        if "score_span" in want and budget != "ref" and got["score_span_s"] > 0:  # how long a group holds its worker
+            total += math.log(got["score_span_s"] / want["score_span"]) ** 2
     return total
 
 
@@ -165,14 +168,17 @@ def part_error(measured: dict, lengths: LengthModel, iterations: int) -> dict:
                "measured_ms": want["ms"], "predicted_ms": got["s_per_sample"] * 1e3,
                "error": got["s_per_sample"] * 1e3 / want["ms"] - 1,
                "predicted_trainer_idle": got["trainer_idle_frac"], "predicted_generator_idle": got["generator_idle_frac"],
-               "staleness_mean": got["staleness_mean"]}
+               "staleness_mean": got["staleness_mean"], "predicted_score_span_s": got["score_span_s"]}
+        if "score_span" in want:
+            row["measured_score_span_s"] = want["score_span"]
         for key in ("trainer_idle", "generator_idle"):
             if key in want:
                 row[f"measured_{key}"] = want[key]
         rows.append(row)
         print(f"{workload:<14} {budget:>3} {row['role']:<11} measured {want['ms']:6.2f} predicted {row['predicted_ms']:6.2f} "
               f"({row['error']:+6.1%})  trainer idle {want.get('trainer_idle', float('nan')):.2f}/{got['trainer_idle_frac']:.2f}  "
-              f"generator idle {want.get('generator_idle', float('nan')):.2f}/{got['generator_idle_frac']:.2f}", flush=True)
+              f"generator idle {want.get('generator_idle', float('nan')):.2f}/{got['generator_idle_frac']:.2f}  "
+              f"score span {want.get('score_span', float('nan')) * 1e3:5.1f}/{got['score_span_s'] * 1e3:5.1f} ms", flush=True)
     tests = [r for r in rows if r["role"] == "test"]
     idle_errors = [abs(r[f"predicted_{k}"] - r[f"measured_{k}"]) for r in tests for k in ("trainer_idle", "generator_idle")
                    if f"measured_{k}" in r]

@@ -121,6 +121,8 @@ class SimResult:
             "trainer_idle_frac": sum(r.waited_s for r in steps) / max(total, 1e-12),
             "generator_idle_frac": sum(r.generator_idle_frac * r.step_s for r in steps) / max(total, 1e-12),
             "staleness_mean": sum(k * n for k, n in staleness.items()) / max(rollouts, 1),
+            # a group's scoring span (its worker's wait and CPU; the reference loop: a step's scoring phase)
+            "score_span_s": sum(r.score_s for r in steps) / max(sum(r.score_s > 0 for r in steps), 1),
             "staleness_max": float(max(staleness, default=0)),
             "sim_s": self.sim_s,
             **{f"drops/{k}": float(v) for k, v in sorted(self.drops.items())},
