@@ -1,10 +1,14 @@
 """Multi-turn episodes in the pipeline: asynchronous against synchronous, turns against waves.
 
     PYTHONPATH=src python bench/agentic.py [--steps 8] [--latencies 0,0.1,0.5,step] [--budget 1] [--tasks tool_use]
+                                           [--latency-sigma 1.0]
 
 Workload: the tool_use task (a 2-layer 64-wide model warm-started on the teacher's transcripts, 4 groups
 of 8 episodes per step, up to 3 model turns, real sandbox sessions), `tools.latency_s` added to
-every tool call without CPU (a remote tool or a slow sandbox); `repo` with --tasks tool_use,repo.
+every tool call without CPU (a remote tool or a slow sandbox); with --latency-sigma S each call
+waits a lognormal time of that mean and shape S instead (a heavy tail at 1: where lock-step
+waves wait for the slowest call of every turn and turn scheduling does not); `repo` with
+--tasks tool_use,repo.
 `tools.sessions` is set to a step's episodes, so a lock-step wave is a whole step and the
 waves/turns figure measures scheduling alone, not session concurrency. Latency 'step' is chosen
 after the first run: the measured compute C of a synchronous step (below), so that the tool
@@ -55,10 +59,11 @@ TASKS = {
 LATENCY_KEY = {"tool_use": "tools.latency_s", "repo": "repo.latency_s"}
 
 
-def run_job(task: str, mode: str, latency_s: float, budget: int, steps: int, out: Path) -> dict:
+def run_job(task: str, mode: str, latency_s: float, budget: int, steps: int, out: Path, sigma: float = 0.0) -> dict:
     run_dir = out / f"{task}-{mode}-{latency_s:g}-{time.monotonic_ns()}"
     overrides = {"loop.steps": str(steps), "loop.eval_every": "100000", "loop.checkpoint_every": "100000",
                  "metrics.tensorboard": "false", **TASKS[task], LATENCY_KEY[task]: str(latency_s),
+                 LATENCY_KEY[task].replace("latency_s", "latency_sigma"): str(sigma),
                  "pipeline.max_staleness": str(budget if mode == "async" else 0),
                  "pipeline.turn_schedule": "waves" if mode == "sync_waves" else "turns"}
     args = [sys.executable, "-m", "gapless.cli", "train", "--run-dir", str(run_dir)]
@@ -89,8 +94,10 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1)
     parser.add_argument("--latencies", default="0,0.1,0.5,step")
     parser.add_argument("--tasks", default="tool_use")
+    parser.add_argument("--latency-sigma", type=float, default=0.0, help="lognormal shape of each tool call's latency")
     args = parser.parse_args()
-    figures: dict = {"steps": args.steps, "budget": args.budget, "cores": os.cpu_count(), "tasks": {}}
+    figures: dict = {"steps": args.steps, "budget": args.budget, "latency_sigma": args.latency_sigma, "cores": os.cpu_count(),
+                     "tasks": {}}
     with tempfile.TemporaryDirectory(prefix="gapless-agentic-") as tmp:
         for task in args.tasks.split(","):
             runs, compute_s = [], None
@@ -102,7 +109,7 @@ def main() -> None:
                 for mode in ("sync_turns", "sync_waves", "async"):
                     if mode == "sync_turns" and any(r["mode"] == mode and r["latency_s"] == latency_s for r in runs):
                         continue
-                    result = run_job(task, mode, latency_s, args.budget, args.steps, Path(tmp))
+                    result = run_job(task, mode, latency_s, args.budget, args.steps, Path(tmp), args.latency_sigma)
                     runs.append(result)
                     if mode == "sync_turns" and latency_s == 0.0:
                         compute_s = result["step_s"]

@@ -322,6 +322,10 @@ class ToolsConfig(_Section):
     latency_s: float = Field(0.0, ge=0, le=600)
     """Latency added to every tool call, without CPU use (a remote tool or a slow sandbox), for
     benchmarks (bench/agentic.py). 0 = off."""
+    latency_sigma: float = Field(0.0, ge=0, le=4)
+    """Spread of that latency: each call waits a lognormal time with mean `latency_s` and this
+    shape (0 = every call waits exactly `latency_s`; 1 = a heavy tail: a few calls wait several
+    times the mean), as real tools and sandboxes do."""
 
 
 class RepoConfig(_Section):
@@ -341,6 +345,8 @@ class RepoConfig(_Section):
     """Sandbox sessions held at once; episodes run in waves of this many."""
     latency_s: float = Field(0.0, ge=0, le=600)
     """Latency added to every tool command, without CPU use, for benchmarks. 0 = off."""
+    latency_sigma: float = Field(0.0, ge=0, le=4)
+    """Spread of that latency, as `tools.latency_sigma`."""
     missing_frac: float = Field(0.3, ge=0, le=1)
     """Fraction of generated repositories whose task is a missing function body (the rest have
     a wrong operator to fix)."""

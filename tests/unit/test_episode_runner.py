@@ -25,7 +25,7 @@ from gapless.sandbox import BwrapSandbox, SandboxLimits
 from gapless.types import Completion, SamplingParams
 
 pytestmark = needs_bwrap
-LIMITS = SandboxLimits(timeout_s=1.5, memory_mb=256, max_processes=16)
+LIMITS = SandboxLimits(timeout_s=10.0, memory_mb=256, max_processes=16)  # no test here times a call out: a busy machine must not either
 TASKS = [ToolTask("a", "Q: 37*48+5\n", "37*48+5", "1781"), ToolTask("b", "Q: 12*13\n", "12*13", "156"),
          ToolTask("c", "Q: 21*22-3\n", "21*22-3", "459")]
 SCRIPTS = {"a": ["<py>37*48+5</py>", "Answer: 1781"], "b": ["Answer: 150"],
@@ -177,3 +177,13 @@ def test_a_resume_past_the_state_bound_drops_the_group_with_a_reason(env, policy
     (event,) = [json.loads(line) for line in (tmp_path / "groups.jsonl").read_text().splitlines()
                 if json.loads(line)["event"] == "dropped"]
     assert event["reason"] == "env_state_stale" and [0, 3] in event["env_state"]
+
+
+def test_tool_latency_has_the_mean_and_the_tail_asked_for():
+    from gapless.envs.turns import ToolLatency
+
+    assert ToolLatency(0.2).draw() == 0.2 and ToolLatency(0.0, 1.0).draw() == 0.0
+    latency = ToolLatency(0.2, 1.0, seed=3)
+    draws = sorted(latency.draw() for _ in range(20_000))
+    assert abs(sum(draws) / len(draws) - 0.2) < 0.01  # the mean is the configured latency ...
+    assert draws[len(draws) // 2] < 0.15 and draws[int(0.99 * len(draws))] > 0.9  # ... with a heavy tail

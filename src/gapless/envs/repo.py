@@ -44,7 +44,7 @@ from gapless.config import Config
 from gapless.envs.base import Generator, Split
 from gapless.envs.code import HARNESSES, JUDGE_FILES, JUDGED, SandboxUnavailable, parse_report
 from gapless.envs.episode import Episode
-from gapless.envs.turns import run_waves
+from gapless.envs.turns import ToolLatency, run_waves
 from gapless.envs.repo_gen import RepoTask, generate_repo_tasks
 from gapless.envs.repo_tools import (PLAIN, Command, TurnFormat, chat_format, demonstration, observe, parse_command,
                                      path_problem, request_of, session_code)
@@ -74,9 +74,10 @@ class RepoEnvironment:
     def __init__(self, sandbox, tasks: dict[str, Sequence[RepoTask]], limits: SandboxLimits, max_turns: int = 5,
                  max_output_bytes: int = 160, max_file_bytes: int = 4096, sessions: int = 8,
                  skip_frac: float = 0.0, typo_frac: float = 0.0, idle_timeout_s: float = 300.0,
-                 turn_format: TurnFormat = PLAIN, latency_s: float = 0.0):
+                 turn_format: TurnFormat = PLAIN, latency_s: float = 0.0,
+                 latency_sigma: float = 0.0):
         self.sandbox, self._tasks, self.limits = sandbox, tasks, limits
-        self.latency_s = latency_s
+        self.latency = ToolLatency(latency_s, latency_sigma)
         self.max_turns, self.max_output_bytes, self.max_file_bytes = max_turns, max_output_bytes, max_file_bytes
         self.sessions, self.idle_timeout_s = sessions, idle_timeout_s
         self.skip_frac, self.typo_frac = skip_frac, typo_frac
@@ -135,8 +136,7 @@ class RepoEnvironment:
         """Run one command; the text to append (the episode ends as infra_error if the sandbox fails)."""
         if command.kind == "invalid":
             return self._observe(f"error: {command.error}")
-        if self.latency_s:
-            time.sleep(self.latency_s)  # an added tool latency (benchmarks): a remote tool, no CPU
+        self.latency.wait()  # an added tool latency (benchmarks): a remote tool, no CPU
         episode.info["tool_calls"] = episode.info.get("tool_calls", 0) + 1
         run_timeout_s = max(self.limits.timeout_s - RUN_MARGIN_S, 0.1)
         request = request_of(command, run_timeout_s, self.max_output_bytes, self.max_file_bytes)
@@ -275,4 +275,5 @@ def make_repo_environment(cfg: Config) -> RepoEnvironment:
                                                                                                 r.missing_frac)]
              for split, count in (("train", r.num_train_prompts), ("eval", r.num_eval_prompts))}
     return RepoEnvironment(sandbox, tasks, limits, r.max_turns, r.max_output_bytes, r.max_file_bytes, r.sessions,
-                           r.skip_frac, r.typo_frac, turn_format=turn_format, latency_s=r.latency_s)
+                           r.skip_frac, r.typo_frac, turn_format=turn_format, latency_s=r.latency_s,
+                           latency_sigma=r.latency_sigma)

@@ -49,7 +49,7 @@ from gapless.config import Config
 from gapless.envs.base import Generator, Split
 from gapless.envs.code import SandboxUnavailable
 from gapless.envs.episode import Episode
-from gapless.envs.turns import run_waves
+from gapless.envs.turns import ToolLatency, run_waves
 from gapless.envs.tool_task import ToolTask, Turn, demonstration, generate_tool_tasks, parse_turn, tool_output_text
 from gapless.sandbox import SandboxError, SandboxLimits, Status, open_sandbox
 from gapless.sandbox.worker import SlotFailure
@@ -83,9 +83,10 @@ class ToolUseEnvironment:
 
     def __init__(self, sandbox, tasks: dict[str, Sequence[ToolTask]], limits: SandboxLimits, max_turns: int = 3,
                  max_output_chars: int = 64, sessions: int = 8, idle_timeout_s: float = 300.0,
-                 skip_frac: float = 0.0, typo_frac: float = 0.0, latency_s: float = 0.0):
+                 skip_frac: float = 0.0, typo_frac: float = 0.0, latency_s: float = 0.0,
+                 latency_sigma: float = 0.0):
         self.sandbox = sandbox
-        self.latency_s = latency_s
+        self.latency = ToolLatency(latency_s, latency_sigma)
         self.skip_frac, self.typo_frac = skip_frac, typo_frac
         self._tasks = tasks
         self.limits = limits
@@ -176,8 +177,7 @@ class ToolUseEnvironment:
 
     def _run_tool(self, episode: Episode, code: str, version: int) -> str | None:
         """Run one call in the episode's session; the text to append, or None if it ended."""
-        if self.latency_s:
-            time.sleep(self.latency_s)  # an added tool latency (benchmarks): a remote tool, no CPU
+        self.latency.wait()  # an added tool latency (benchmarks): a remote tool, no CPU
         try:
             if episode.session is None:
                 episode.session = self.sandbox.open_session(self.limits, self.idle_timeout_s)
@@ -284,4 +284,5 @@ def make_tool_environment(cfg: Config) -> ToolUseEnvironment:
     tasks = {"train": generate_tool_tasks(cfg.seed, "train", cfg.tools.num_train_prompts),
              "eval": generate_tool_tasks(cfg.seed, "eval", cfg.tools.num_eval_prompts)}
     return ToolUseEnvironment(sandbox, tasks, limits, cfg.tools.max_turns, cfg.tools.max_output_chars, cfg.tools.sessions,
-                              skip_frac=cfg.tools.skip_frac, typo_frac=cfg.tools.typo_frac, latency_s=cfg.tools.latency_s)
+                              skip_frac=cfg.tools.skip_frac, typo_frac=cfg.tools.typo_frac, latency_s=cfg.tools.latency_s,
+                              latency_sigma=cfg.tools.latency_sigma)

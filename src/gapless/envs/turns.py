@@ -20,6 +20,10 @@ different episodes may run at once (threads).
 
 from __future__ import annotations
 
+import math
+import random
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence, runtime_checkable
@@ -68,6 +72,28 @@ class TurnRequest:
     sample: int  # the episode's index within its group
     turn: int  # model turns the episode has taken
     context: tuple[int, ...]
+
+
+class ToolLatency:
+    """The latency benchmarks add to every tool call, without CPU: lognormal with mean `mean_s`
+    and shape `sigma` (0: exactly `mean_s`). Thread-safe; seeded, though which call draws which
+    value depends on the order in which threads call."""
+
+    def __init__(self, mean_s: float, sigma: float = 0.0, seed: int = 0):
+        self.mean_s, self.sigma = mean_s, sigma
+        self._rng, self._lock = random.Random(f"tool-latency-{seed}"), threading.Lock()
+
+    def draw(self) -> float:
+        if self.mean_s <= 0 or self.sigma <= 0:
+            return self.mean_s
+        with self._lock:
+            z = self._rng.gauss(0.0, 1.0)
+        return self.mean_s * math.exp(self.sigma * z - self.sigma**2 / 2)
+
+    def wait(self) -> None:
+        seconds = self.draw()
+        if seconds > 0:
+            time.sleep(seconds)
 
 
 def turn_params(params: SamplingParams, turn: int) -> SamplingParams:

@@ -38,9 +38,9 @@ def warmstart_key(cfg: Config, env_name: str | None = None) -> str:
     if env_name is not None and env_name != cfg.task.name:  # a custom environment object
         material["environment"] = env_name
     if cfg.task.name == "tool_use":  # only here, so the code task's cache keys stay as they were
-        material["tools"] = {**cfg.tools.model_dump(mode="json", exclude={"latency_s"}), "teacher": 2}  # latency: not the teacher's  # bump when the teacher changes
+        material["tools"] = {**cfg.tools.model_dump(mode="json", exclude={"latency_s", "latency_sigma"}), "teacher": 2}  # latency: not the teacher's  # bump when the teacher changes
     if cfg.task.name == "repo":
-        material["repo"] = {**cfg.repo.model_dump(mode="json", exclude={"latency_s"}), "teacher": 1}
+        material["repo"] = {**cfg.repo.model_dump(mode="json", exclude={"latency_s", "latency_sigma"}), "teacher": 1}
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
 
 
