@@ -260,3 +260,14 @@ def test_config_names_the_agent_command():
     with pytest.raises(FileNotFoundError, match="not an executable"):
         AgentEnvironment(None, ["no-such-agent-binary"])
     assert Exited(0).returncode == 0
+
+
+def test_close_kills_the_agents_of_episodes_in_flight(policy, tmp_path):
+    """At a run's end episodes may still be waiting on their next turn: close() leaves no agent."""
+    env = _env(EXAMPLE, sessions=2, timeout_s=60.0)
+    episode = env.start_episode(TASKS[0], policy.encode(TASKS[0].prompt))
+    env.open_episode(episode, policy.encode)  # its agent now waits for the answer to its first call
+    assert not episode.is_done and env.live_agents == 1
+    process = episode.session.process
+    env.close()
+    assert process.poll() is not None and env.live_agents == 0

@@ -87,7 +87,7 @@ class AgentEnvironment:
         self.pool = ThreadPoolExecutor(max_workers=sessions, thread_name_prefix="agent")
         self._gateway: Gateway | None = None
         self._lock = threading.Lock()
-        self._live: set[int] = set()  # pids of agents not yet reaped
+        self._live: dict[int, subprocess.Popen] = {}  # agents not yet reaped, by pid
 
     # ---- tasks and teacher: the arithmetic task's --------------------------------------------
     def tasks(self, split) -> Sequence[MathTask]:
@@ -130,7 +130,7 @@ class AgentEnvironment:
             episode.finish("infra_error", error=f"agent.command could not start: {exc}")
             return
         with self._lock:
-            self._live.add(process.pid)
+            self._live[process.pid] = process
         threading.Thread(target=lambda: channel.events.put(Exited(process.wait())), daemon=True,
                          name=f"agent-{process.pid}").start()
         episode.session = _Agent(process, channel, Transcript(encode), time.monotonic() + self.timeout_s, stdout, stderr)
@@ -212,7 +212,7 @@ class AgentEnvironment:
                 pass
         agent.process.wait()
         with self._lock:
-            self._live.discard(agent.process.pid)
+            self._live.pop(agent.process.pid, None)
         agent.stdout.close()
         agent.stderr.close()
 
@@ -238,7 +238,20 @@ class AgentEnvironment:
             return self._gateway
 
     def close(self) -> None:
+        """Kill every agent still running (episodes in flight at the run's end, or cut), then stop."""
+        with self._lock:
+            live = list(self._live.values())
+        for process in live:  # an episode thread waiting on one of them wakes on its exit
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.pool.shutdown(wait=True)
+        for process in live:
+            process.wait()
+        with self._lock:
+            for process in live:
+                self._live.pop(process.pid, None)
         if self._gateway is not None:
             self._gateway.close()
 
