@@ -63,9 +63,12 @@ def run_case(tmp_path: Path, warm_cache: Path, fault: str) -> None:
                 assert "pipeline stalled" in first.stderr and (run / "stall.txt").is_file()
                 diagnosis = (run / "stall.txt").read_text()
                 assert f"{actor}:" in diagnosis and "state T (stopped)" in diagnosis, diagnosis
-                # the actor's last beat was at its stop: found stall_timeout_s to stall_timeout_s + 5 s after it
+                # the actor's last beat was at its stop, found within stall_timeout_s + 5 s of it. Not a
+                # lower bound of stall_timeout_s: the stall is the trainer's wait passing the timeout, and
+                # the actor may have beaten once after that wait began (measured: 3.9 s silent at a 4 s
+                # wait, on a busy machine)
                 silent = float(re.search(rf"{actor}: pid \d+, last heartbeat ([\d.]+) s ago", diagnosis).group(1))
-                assert STALL_S <= silent < STALL_S + 5, diagnosis
+                assert 0 < silent < STALL_S + 5, diagnosis
                 stacks = list((run / "stacks").glob(f"{actor}-*.txt"))
                 assert stacks and "File" in stacks[0].read_text(), "the stopped actor's stack was not written"
             else:
