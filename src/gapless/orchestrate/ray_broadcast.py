@@ -52,7 +52,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from gapless.orchestrate.ray_weights import Layout, StagedPublish
+from gapless.orchestrate.ray_weights import Layout, RelayedWeights, StagedPublish
 
 POLL_S = 0.2  # how often a waiting side looks again (store waits are short and repeated)
 
@@ -307,7 +307,7 @@ class BroadcastSender(StagedPublish):
                 self._news.notify_all()
 
 
-class BroadcastWeights:
+class BroadcastWeights(RelayedWeights):
     """One replica's weights: on the trainer, a handle on the shared sender (SharedWeights.publish's
     signature); pickled into the replica's actor, a group member with SharedWeights.fetch_into's."""
 
@@ -317,15 +317,6 @@ class BroadcastWeights:
         self.layout, self.host, self.port = sender.layout, sender.host, sender.port
         self.op_timeout_s, self.first_timeout_s, self.cuda = sender.op_timeout_s, sender.rendezvous_timeout_s, sender.cuda
 
-    @property
-    def version(self) -> int:
-        return self.sender.version if self.sender is not None else self._version
-
-    def publish(self, state, version: int, timeout_s: float | None = None, while_waiting=None) -> float:
-        if version <= self.sender.version:
-            return 0.0  # another replica's handle published it already: one staging copy per version
-        return self.sender.publish(state, version)
-
     # ---- the replica's side --------------------------------------------------------------------
     def __getstate__(self):
         return {k: getattr(self, k) for k in ("member", "layout", "host", "port", "op_timeout_s", "first_timeout_s",
@@ -333,18 +324,12 @@ class BroadcastWeights:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self.sender = None
-        n = self.layout.nbytes
-        self.halves = [torch.empty(n, dtype=torch.uint8) for _ in range(2)]
-        self.views = [self.layout.views(h) for h in self.halves]
-        self.locks = [threading.Lock(), threading.Lock()]
-        self.held = [-1, -1]
-        self.current = 0
-        self._version = -1
-        self._meta = threading.Condition()
-        self.error: BaseException | None = None
+        self._buffers()
         self._closed = False
-        self._thread: threading.Thread | None = None
+
+    def _first_timeout(self) -> TimeoutError:
+        return RelayTimeout(f"{self.member} waited {self.first_timeout_s:g} s (cluster.rendezvous_timeout_s) "
+                            "for its first weights from the trainer's broadcast group")
 
     def _receive(self) -> None:
         try:
@@ -403,22 +388,3 @@ class BroadcastWeights:
                 self.current, self._version = target, version
             self._meta.notify_all()
         store.set(f"ack/{n}/{self.member}", "flipped" if flipped else "held")
-
-    def fetch_into(self, load: Callable[[dict[str, torch.Tensor], int], None], have_version: int) -> int | None:
-        """SharedWeights.fetch_into: load the newest version if newer than `have_version`. The first
-        call (have_version -1) waits for the first version to arrive."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._receive, name="weight-receiver", daemon=True)
-            self._thread.start()
-        with self._meta:
-            if have_version < 0 and not self._meta.wait_for(lambda: self._version >= 0 or self.error, self.first_timeout_s):
-                raise RelayTimeout(f"{self.member} waited {self.first_timeout_s:g} s (cluster.rendezvous_timeout_s) "
-                                   "for its first weights from the trainer's broadcast group")
-            if self.error is not None:
-                raise RuntimeError(f"the weight receiver failed: {self.error}") from self.error
-            index, version = self.current, self._version
-        if version <= have_version:
-            return None
-        with self.locks[index]:
-            load(self.views[index], self.held[index])
-        return self.held[index]

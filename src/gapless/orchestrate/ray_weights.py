@@ -162,13 +162,13 @@ class ObjectStoreSender(StagedPublish):
             self._news.notify_all()
 
 
-class ObjectStoreWeights:
-    """One replica's weights: on the trainer, a handle on the shared sender (SharedWeights.publish's
-    signature); pickled into the replica's actor, a receiver with SharedWeights.fetch_into's."""
-
-    def __init__(self, sender: ObjectStoreSender, op_timeout_s: float, first_timeout_s: float):
-        self.sender, self.board = sender, sender.board
-        self.layout, self.op_timeout_s, self.first_timeout_s = sender.layout, op_timeout_s, first_timeout_s
+class RelayedWeights:
+    """What both Ray relays' replica handles share (ObjectStoreWeights, ray_broadcast.BroadcastWeights):
+    on the trainer, `publish` through the shared sender; pickled into a replica, two halves of
+    the flat weights, one being filled by the subclass's `_receive` thread while the other is read
+    (`fetch_into`, SharedWeights.fetch_into's contract). Subclasses set `sender`, `layout` and
+    `first_timeout_s`, call `_buffers()` in `__setstate__`, and say what a late first version is
+    (`_first_timeout`)."""
 
     @property
     def version(self) -> int:
@@ -179,13 +179,7 @@ class ObjectStoreWeights:
             return 0.0  # another replica's handle published it already: one staging copy per version
         return self.sender.publish(state, version)
 
-    # ---- the replica's side --------------------------------------------------------------------
-    def __getstate__(self):
-        return {"board": self.board, "layout": self.layout, "op_timeout_s": self.op_timeout_s,
-                "first_timeout_s": self.first_timeout_s}
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
+    def _buffers(self) -> None:
         self.sender = None
         n = self.layout.nbytes
         self.halves = [torch.empty(n, dtype=torch.uint8) for _ in range(2)]
@@ -197,6 +191,52 @@ class ObjectStoreWeights:
         self._meta = threading.Condition()
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
+
+    def _first_timeout(self) -> TimeoutError:
+        raise NotImplementedError
+
+    def _receive(self) -> None:
+        raise NotImplementedError
+
+    def fetch_into(self, load: Callable[[dict[str, torch.Tensor], int], None], have_version: int) -> int | None:
+        """SharedWeights.fetch_into: load the newest version if newer than `have_version`. The first
+        call (have_version -1) waits for the first version to arrive."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._receive, name="weight-receiver", daemon=True)
+            self._thread.start()
+        with self._meta:
+            if have_version < 0 and not self._meta.wait_for(lambda: self._version >= 0 or self.error, self.first_timeout_s):
+                raise self._first_timeout()
+            if self.error is not None:
+                raise RuntimeError(f"the weight receiver failed: {self.error!r}") from self.error
+            index, version = self.current, self._version
+        if version <= have_version:
+            return None
+        with self.locks[index]:
+            load(self.views[index], self.held[index])
+        return self.held[index]
+
+
+class ObjectStoreWeights(RelayedWeights):
+    """One replica's weights: on the trainer, a handle on the shared sender (SharedWeights.publish's
+    signature); pickled into the replica's actor, a receiver with SharedWeights.fetch_into's."""
+
+    def __init__(self, sender: ObjectStoreSender, op_timeout_s: float, first_timeout_s: float):
+        self.sender, self.board = sender, sender.board
+        self.layout, self.op_timeout_s, self.first_timeout_s = sender.layout, op_timeout_s, first_timeout_s
+
+    # ---- the replica's side --------------------------------------------------------------------
+    def __getstate__(self):
+        return {"board": self.board, "layout": self.layout, "op_timeout_s": self.op_timeout_s,
+                "first_timeout_s": self.first_timeout_s}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._buffers()
+
+    def _first_timeout(self) -> TimeoutError:
+        return TimeoutError(f"no weights reached this replica within {self.first_timeout_s:g} s "
+                            "(cluster.rendezvous_timeout_s)")
 
     def _receive(self) -> None:
         try:
@@ -224,22 +264,3 @@ class ObjectStoreWeights:
             with self._meta:
                 self.error = exc
                 self._meta.notify_all()
-
-    def fetch_into(self, load: Callable[[dict[str, torch.Tensor], int], None], have_version: int) -> int | None:
-        """SharedWeights.fetch_into: load the newest version if newer than `have_version`. The first
-        call (have_version -1) waits for the first version to arrive."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._receive, name="weight-receiver", daemon=True)
-            self._thread.start()
-        with self._meta:
-            if have_version < 0 and not self._meta.wait_for(lambda: self._version >= 0 or self.error, self.first_timeout_s):
-                raise TimeoutError(f"no weights reached this replica within {self.first_timeout_s:g} s "
-                                   "(cluster.rendezvous_timeout_s)")
-            if self.error is not None:
-                raise RuntimeError(f"the weight receiver failed: {self.error!r}") from self.error
-            index, version = self.current, self._version
-        if version <= have_version:
-            return None
-        with self.locks[index]:
-            load(self.views[index], self.held[index])
-        return self.held[index]
