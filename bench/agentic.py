@@ -1,7 +1,7 @@
 """Multi-turn episodes in the pipeline: asynchronous against synchronous, turns against waves.
 
     PYTHONPATH=src python bench/agentic.py [--steps 8] [--latencies 0,0.1,0.5,step] [--budget 1] [--tasks tool_use]
-                                           [--latency-sigma 1.0]
+                                           [--latency-sigma 1.0] [--cpus 1]
 
 Workload: the tool_use task (a 2-layer 64-wide model warm-started on the teacher's transcripts, 4 groups
 of 8 episodes per step, up to 3 model turns, real sandbox sessions), `tools.latency_s` added to
@@ -24,8 +24,11 @@ actors), trainer idle and generator idle fractions (means over those steps). Per
 async / sync_turns and sync_waves / sync_turns, and the bound max(C, L) / (C + L) for the first,
 where C = compute per step = the sync_turns step time at latency 0 (all compute: generation,
 tools' own CPU, training) and L = the latency this sync run did not hide = its step time minus C.
-Async can at best overlap the two fully: max(C, L) per step against C + L. The last line
-printed is one JSON object with every figure.
+Async can at best overlap the two fully: max(C, L) per step against C + L. That bound assumes
+the step's compute is serial; on several cores the asynchronous run also overlaps compute with
+compute (trainer beside generator and sandbox) and can beat it. --cpus N pins every run (its
+actors and sandboxes) to N cores with N threads, so that on one core the bound is a true limit.
+The last line printed is one JSON object with every figure.
 """
 
 from __future__ import annotations
@@ -59,18 +62,25 @@ TASKS = {
 LATENCY_KEY = {"tool_use": "tools.latency_s", "repo": "repo.latency_s"}
 
 
-def run_job(task: str, mode: str, latency_s: float, budget: int, steps: int, out: Path, sigma: float = 0.0) -> dict:
+def run_job(task: str, mode: str, latency_s: float, budget: int, steps: int, out: Path, sigma: float = 0.0,
+            cpus: int = 0) -> dict:
     run_dir = out / f"{task}-{mode}-{latency_s:g}-{time.monotonic_ns()}"
     overrides = {"loop.steps": str(steps), "loop.eval_every": "100000", "loop.checkpoint_every": "100000",
                  "metrics.tensorboard": "false", **TASKS[task], LATENCY_KEY[task]: str(latency_s),
                  LATENCY_KEY[task].replace("latency_s", "latency_sigma"): str(sigma),
                  "pipeline.max_staleness": str(budget if mode == "async" else 0),
                  "pipeline.turn_schedule": "waves" if mode == "sync_waves" else "turns"}
+    if cpus:
+        generator = cpus if mode != "async" else max(1, cpus // 2)
+        overrides |= {"pipeline.generator_threads": str(generator), "trainer.threads": str(cpus),
+                      "pipeline.trainer_threads": str(cpus if mode != "async" else max(1, cpus - generator))}
     args = [sys.executable, "-m", "gapless.cli", "train", "--run-dir", str(run_dir)]
     for key, value in overrides.items():
         args += [f"--{key}", value]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    subprocess.run(args, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    pin = (lambda: os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:cpus]))) if cpus else None
+    subprocess.run(args, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                   preexec_fn=pin)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps_m = [m for m in metrics if "perf/step_s" in m][1:]  # step 1 includes the actors' start
     episodes = len(steps_m) * int(TASKS[task]["loop.prompts_per_step"]) * int(TASKS[task]["generator.group_size"])
@@ -95,21 +105,22 @@ def main() -> None:
     parser.add_argument("--latencies", default="0,0.1,0.5,step")
     parser.add_argument("--tasks", default="tool_use")
     parser.add_argument("--latency-sigma", type=float, default=0.0, help="lognormal shape of each tool call's latency")
+    parser.add_argument("--cpus", type=int, default=0, help="pin each run to this many cores (0: all)")
     args = parser.parse_args()
-    figures: dict = {"steps": args.steps, "budget": args.budget, "latency_sigma": args.latency_sigma, "cores": os.cpu_count(),
+    figures: dict = {"steps": args.steps, "budget": args.budget, "latency_sigma": args.latency_sigma, "cores": args.cpus or os.cpu_count(),
                      "tasks": {}}
     with tempfile.TemporaryDirectory(prefix="gapless-agentic-") as tmp:
         for task in args.tasks.split(","):
             runs, compute_s = [], None
             for latency in args.latencies.split(","):
                 if latency == "step" and compute_s is None:
-                    runs.append(run_job(task, "sync_turns", 0.0, 0, args.steps, Path(tmp)))
+                    runs.append(run_job(task, "sync_turns", 0.0, 0, args.steps, Path(tmp), cpus=args.cpus))
                     compute_s = runs[-1]["step_s"]
                 latency_s = compute_s if latency == "step" else float(latency)
                 for mode in ("sync_turns", "sync_waves", "async"):
                     if mode == "sync_turns" and any(r["mode"] == mode and r["latency_s"] == latency_s for r in runs):
                         continue
-                    result = run_job(task, mode, latency_s, args.budget, args.steps, Path(tmp), args.latency_sigma)
+                    result = run_job(task, mode, latency_s, args.budget, args.steps, Path(tmp), args.latency_sigma, args.cpus)
                     runs.append(result)
                     if mode == "sync_turns" and latency_s == 0.0:
                         compute_s = result["step_s"]
