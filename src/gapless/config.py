@@ -19,6 +19,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity (taskset, cgroups' cpusets), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no affinity call on this platform
+        return os.cpu_count() or 1
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True, coerce_numbers_to_str=True)
 
@@ -489,12 +497,12 @@ class PipelineConfig(_Section):
 
     @property
     def generator_threads_resolved(self) -> int:
-        cores = os.cpu_count() or 2
+        cores = usable_cores()
         return self.generator_threads or (cores if self.max_staleness == 0 else max(1, cores // 2))
 
     @property
     def trainer_threads_resolved(self) -> int:
-        cores = os.cpu_count() or 2
+        cores = usable_cores()
         if self.trainer_threads:
             return self.trainer_threads
         return cores if self.max_staleness == 0 else max(1, cores - self.generator_threads_resolved)
@@ -877,7 +885,7 @@ def _check_cluster(cfg: Config) -> None:
     if c.op_timeout_s > c.rendezvous_timeout_s:
         raise ConfigError(f"cluster.op_timeout_s ({c.op_timeout_s}) must not exceed cluster.rendezvous_timeout_s "
                           f"({c.rendezvous_timeout_s}): start-up is the longer wait; raise the latter")
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     if c.trainer_world_size > cores:
         warnings.warn(f"cluster.trainer_world_size = {c.trainer_world_size} exceeds the {cores} cores of this machine: "
                       "the ranks share cores, so a step is no faster than at world 1 (results are the same)", stacklevel=2)

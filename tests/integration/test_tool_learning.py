@@ -7,12 +7,15 @@ prompts x 64 sampled episodes (fixed seeds), and the gain must exceed three stan
 its own sampling noise. The figure it guards, measured over 8 seeds at 12 RL steps: gains 0.10 to
 0.62 (2.6 to 16 standard errors); at the 20 steps used here the weakest seeds gain 0.17 (4.2 s.e.)
 and 0.32. A different CPU or thread count changes the float rounding and so the trajectory, like
-a new seed; the margin is sized for the weakest seed, not for seed 0.
+a new seed; the margin is sized for the weakest seed, not for seed 0. The workload (model,
+prompts, teacher, warm start) is bench/agentic.py's TOOL_LEARNING, imported so the two cannot drift.
 """
 
+import importlib.util
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +26,15 @@ from gapless.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
 SAMPLES = 64
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "agentic.py"
+
+
+def _bench():
+    """bench/agentic.py, whose TOOL_LEARNING workload is this test's (one definition for both)."""
+    spec = importlib.util.spec_from_file_location("agentic_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _mean_reward(loop: RunLoop, env) -> tuple[float, int]:
@@ -36,13 +48,8 @@ def test_tool_use_reward_rises(tmp_path, warm_cache):
     overrides = {
         "run_dir": json.dumps(str(tmp_path / "run")),
         "warmstart.cache_dir": json.dumps(str(warm_cache)),
-        "task.name": "tool_use",
-        "model.hidden_size": "64", "model.num_layers": "2", "model.intermediate_size": "128", "model.vocab_size": "320",
-        "tools.num_train_prompts": "4", "tools.num_eval_prompts": "4", "tools.skip_frac": "0.4", "tools.typo_frac": "0.2",
-        "warmstart.steps": "80", "warmstart.batch_size": "16", "warmstart.lr": "1e-2",
-        "generator.group_size": "8", "generator.max_new_tokens": "20",
-        "loop.prompts_per_step": "4", "loop.steps": "20", "loop.eval_every": "100", "loop.checkpoint_every": "100",
-        "trainer.lr": "3e-3", "trainer.threads": "1",
+        **_bench().TOOL_LEARNING,
+        "loop.steps": "20", "loop.eval_every": "100", "loop.checkpoint_every": "100", "trainer.threads": "1",
     }  # fmt: skip
     loop = RunLoop(load_config(None, overrides), log=lambda *_: None, source="inline")
     before, n = _mean_reward(loop, loop.env)

@@ -21,12 +21,11 @@ channels are FIFO per producer only (two producers' records interleave in arriva
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
-from gapless.config import ConfigError
+from gapless.config import ConfigError, usable_cores
 
 
 class PlacementError(ConfigError):
@@ -83,7 +82,7 @@ class LocalPlacement:
         self.processes: dict[str, Any] = {}
 
     def reserve(self, threads: dict[str, int]) -> str | None:
-        cores = len(os.sched_getaffinity(0))
+        cores = usable_cores()
         for name, n in threads.items():
             if n > max(cores, 2):
                 raise PlacementError(f"the {name} needs {n} threads but {cores} cores are available; lower its threads "

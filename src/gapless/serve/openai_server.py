@@ -17,13 +17,13 @@ check, not transport security (there is no TLS).
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 
 import torch
 import uvicorn
 
+from gapless.config import usable_cores
 from gapless.generate.engine import TorchEngine
 from gapless.models import Policy
 from gapless.serve.listen import BACKLOG, bind, url_of
@@ -75,7 +75,7 @@ def serve(model_path: str, sock: socket.socket, model_name: str | None = None, t
     `max_seq_len`: the served context (prompt + completion), default min(the model's, 2048)."""
     from gapless.models import load_local
 
-    torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
+    torch.set_num_threads(threads or max(1, usable_cores() - 1))
     policy = load_local(model_path)
     context = max_seq_len or min(DEFAULT_CONTEXT, policy.model.config.max_position_embeddings)
     app = build_app(policy, model_name or model_path, max_batch=max_batch, api_key=api_key, max_seq_len=context)

@@ -15,14 +15,13 @@ sent in clear (there is no TLS).
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
 import torch
 import uvicorn
 
-from gapless.config import Config
+from gapless.config import Config, usable_cores
 from gapless.models import Policy
 from gapless.serve.openai_app import OpenAIApp
 from gapless.serve.openai_server import ServerThread, _config
@@ -74,7 +73,7 @@ class ServiceThread(ServerThread):
 
 
 def serve(cfg: Config, sock: socket.socket, api_key: str, threads: int | None = None, log=print) -> None:
-    torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
+    torch.set_num_threads(threads or max(1, usable_cores() - 1))
     app = build_service(cfg, api_key, log)
     names = ", ".join(app.bases.names)
     for name in app.bases.names[1:]:  # load every base model before taking requests (the first is loaded)
