@@ -19,7 +19,10 @@ back-pressure (`put` raises queue.Full at its timeout); every Ray call is bounde
 `flush_writers` waits until what this process put has reached the mailbox (an actor calls it
 before its main function returns, so its last words arrive). Heartbeat ages are measured on the
 trainer's clock, from when it saw a beat change, so clocks of other machines do not matter; an age
-is up to ~0.5 s older than on the local placement (push and poll periods). Not guaranteed: a pid
+is up to ~0.5 s older than on the local placement (push and poll periods); time in which the
+mailbox answered no read (a stalled Ray, a starved trainer) is not counted as any actor's silence,
+and a timed-out beat or read is retried, never the end of its thread; `quiesce` (before
+ray.shutdown) waits until no call of this process is inside ray.get. Not guaranteed: a pid
 for an actor on another host (`pid` returns 0 there, which the stall watch reads as "starting");
 delivery after the mailbox actor died (the run is then failing anyway).
 """
@@ -109,12 +112,44 @@ class PostOffice:
         return dict(self.beats)
 
 
+_calls = threading.Condition()  # guards _in_flight and _closing
+_in_flight = 0  # mailbox calls of this process now inside ray.get
+_closing = False  # quiesce() ran: no call may start (ray.shutdown is next)
+
+
 def _call(make_ref, timeout_s: float = CALL_TIMEOUT_S):
     """`make_ref()`'s result, if this process is still connected to Ray: a thread outliving the run's
-    connection must end, never start a Ray instance of its own (ray.get's auto-init)."""
-    if not ray.is_initialized():
-        raise ConnectionError("not connected to Ray (the run ended)")
-    return ray.get(make_ref(), timeout=timeout_s)
+    connection must end, never start a Ray instance of its own (ray.get's auto-init), and never be
+    inside ray.get while ray.shutdown tears the connection down (that crashed the process with
+    SIGSEGV at the run's exit); `quiesce` waits for the calls in flight first."""
+    global _in_flight
+    with _calls:
+        if _closing or not ray.is_initialized():
+            raise ConnectionError("not connected to Ray (the run ended)")
+        _in_flight += 1
+    try:
+        return ray.get(make_ref(), timeout=timeout_s)
+    finally:
+        with _calls:
+            _in_flight -= 1
+            _calls.notify_all()
+
+
+def quiesce(timeout_s: float = 2 * POLL_S + 5.0) -> bool:
+    """Refuse every further mailbox call of this process and wait (up to `timeout_s`) until none is
+    in flight: the background threads then end at their next call. Call it before ray.shutdown.
+    True when none was left in flight."""
+    global _closing
+    with _calls:
+        _closing = True
+        return _calls.wait_for(lambda: _in_flight == 0, timeout_s)
+
+
+def reopen() -> None:
+    """Allow mailbox calls again: this process has joined Ray anew (quiesce ended the last run's)."""
+    global _closing
+    with _calls:
+        _closing = False
 
 
 def no_auto_init() -> None:
@@ -291,6 +326,7 @@ class RayHeartbeats:
         now = time.monotonic()
         for actor in self.actors:
             self._seen[actor] = ((), now)
+        self._read_at = now  # when the mailbox last answered a read of the beats
 
     def _thread(self, name: str, target) -> None:
         with self._lock:
@@ -314,6 +350,8 @@ class RayHeartbeats:
             if changed:
                 try:
                     _call(lambda: self.office.beat.remote(changed), 5.0)
+                except ray.exceptions.GetTimeoutError:
+                    continue  # the mailbox is slow, not gone: send the newest counts again
                 except BaseException:  # noqa: BLE001 - Ray raises SystemExit in threads after shutdown
                     return
                 sent.update({a: record[0] for a, record in changed.items()})
@@ -322,15 +360,21 @@ class RayHeartbeats:
     def _read(self) -> None:
         beats = _call(lambda: self.office.read_beats.remote(), 5.0)
         now = time.monotonic()
-        for actor, record in beats.items():
-            if actor in self._seen and self._seen[actor][0] != record:
-                self._seen[actor] = (record, now)
+        blind_s = now - self._read_at - 2 * PUSH_S  # the mailbox answered no read, so no beat could land
+        self._read_at = now
+        for actor, (record, seen) in list(self._seen.items()):
+            if record != beats.get(actor, record):
+                self._seen[actor] = (beats[actor], now)
+            elif blind_s > 0:  # a stall of the mailbox is no silence of the actors: it does not count
+                self._seen[actor] = (record, min(now, seen + blind_s))
 
     def _poll(self) -> None:
         while True:
             time.sleep(PUSH_S)
             try:
                 self._read()
+            except ray.exceptions.GetTimeoutError:
+                continue  # slow, not gone: the blind time is credited at the next answer
             except BaseException:  # noqa: BLE001 - Ray raises SystemExit in threads after shutdown
                 return
 

@@ -43,9 +43,10 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from gapless.config import Config
+from gapless.config import Config, usable_cores
 from gapless.orchestrate.placement import ActorExit, PlacementError
-from gapless.orchestrate.ray_mail import PostOffice, RayChannel, RayHeartbeats, RayStopFlag, flush_writers, no_auto_init
+from gapless.orchestrate.ray_mail import (PostOffice, RayChannel, RayHeartbeats, RayStopFlag, flush_writers, no_auto_init,
+                                         quiesce, reopen)
 from gapless.orchestrate.ray_weights import ObjectStoreSender, ObjectStoreWeights, WeightBoard
 
 if TYPE_CHECKING:  # ray_broadcast imports torch.distributed: loaded when a run asks for it
@@ -106,7 +107,7 @@ class RayPlacement:
                                        namespace=f"gapless-{os.getpid()}")
         if self.private:
             self.temp_dir = tempfile.mkdtemp(prefix="gapless-ray-")  # short: Ray's socket paths must fit 107 bytes
-            cores = len(os.sched_getaffinity(0))
+            cores = usable_cores()
             # placement tokens, not cores: the actors may share this machine's cores, as on the local
             # placement (reserve() warns as it does)
             options.update(num_cpus=max(cores, int(sum(b["CPU"] for b in self._demand()))), _temp_dir=self.temp_dir,
@@ -119,6 +120,7 @@ class RayPlacement:
             options["address"] = self.cluster.address
         try:
             ray.init(**options)
+            reopen()  # a new connection: mailbox calls may start again (after an earlier run's quiesce)
         except Exception as exc:
             self._teardown()
             where = f"the Ray cluster at {self.cluster.address!r} (cluster.address)" if not self.private else \
@@ -149,8 +151,8 @@ class RayPlacement:
                                  f"(cluster.placement_timeout_s); the cluster has {free.get('CPU', 0.0):g} CPUs free now; "
                                  f"{fix}")
         used = sum(threads.values())
-        if self.private and used > len(os.sched_getaffinity(0)):
-            return f"the actors run {used} threads at once on {len(os.sched_getaffinity(0))} cores: they will share cores"
+        if self.private and used > usable_cores():
+            return f"the actors run {used} threads at once on {usable_cores()} cores: they will share cores"
         return None
 
     def channel(self, maxsize: int = 0) -> RayChannel:
@@ -257,6 +259,7 @@ class RayPlacement:
                     remove_placement_group(self.pg)
                 except Exception:
                     pass
+            quiesce()  # no thread of ours may be inside ray.get while the connection goes
             ray.shutdown()
         self.hosts, self.runs = {}, {}
         if self.temp_dir is not None:

@@ -1,0 +1,116 @@
+"""The Ray mailbox's call gate and heartbeat ages (orchestrate/ray_mail.py), without a Ray instance:
+the Ray calls are replaced at `ray.get` / `ray.is_initialized`, the logic under test is the real one.
+
+- quiesce refuses new calls and waits for the one in flight (ray.shutdown under a thread inside
+  ray.get crashed the run's process at exit); reopen lets a new connection call again;
+- a stall of the mailbox (no read answered for seconds) is not counted as the actors' silence,
+  while an actor whose beats stop while the mailbox answers still ages;
+- a timed-out read does not end the trainer's poller.
+"""
+
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from gapless.orchestrate import ray_mail  # noqa: E402
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    """ray.get returns what make_ref made after `delay[0]` seconds (or raises it if an exception)."""
+    delay = [0.0]
+
+    def get(value, timeout=None):
+        time.sleep(delay[0])
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+    monkeypatch.setattr(ray_mail.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray_mail.ray, "get", get)
+    ray_mail.reopen()  # as after ray.init (an earlier run in this process may have quiesced)
+    yield delay
+    ray_mail.reopen()
+
+
+def test_quiesce_waits_for_the_call_in_flight_and_refuses_new_ones(fake_ray):
+    fake_ray[0] = 0.4
+    done = []
+    caller = threading.Thread(target=lambda: done.append(ray_mail._call(lambda: "answer")))
+    caller.start()
+    time.sleep(0.1)  # the call is inside ray.get now
+    start = time.monotonic()
+    assert ray_mail.quiesce(timeout_s=5.0)
+    assert time.monotonic() - start >= 0.2 and done == ["answer"]
+    with pytest.raises(ConnectionError):
+        ray_mail._call(lambda: "late")
+    ray_mail.reopen()
+    fake_ray[0] = 0.0
+    assert ray_mail._call(lambda: "again") == "again"
+    caller.join()
+
+
+def test_quiesce_gives_up_after_its_timeout(fake_ray):
+    fake_ray[0] = 1.0
+    caller = threading.Thread(target=lambda: ray_mail._call(lambda: "slow"))
+    caller.start()
+    time.sleep(0.1)
+    assert ray_mail.quiesce(timeout_s=0.1) is False
+    caller.join()
+
+
+class _Office:
+    """read_beats answers the records set in `beats`; `fail` makes the next read time out."""
+
+    def __init__(self):
+        self.beats, self.fail = {}, False
+        self.read_beats = self
+
+    def remote(self):
+        if self.fail:
+            self.fail = False
+            return ray.exceptions.GetTimeoutError("slow mailbox")
+        return dict(self.beats)
+
+
+def test_a_mailbox_stall_is_not_the_actors_silence(fake_ray):
+    office = _Office()
+    beats = ray_mail.RayHeartbeats(office, ("generator-0", "generator-1"))
+    office.beats = {"generator-0": (1, "h", 10), "generator-1": (1, "h", 11)}
+    beats._read()
+    time.sleep(0.3)
+    office.beats["generator-0"] = (2, "h", 10)  # generator-0 beats on; generator-1 is silent from now
+    beats._read()
+    assert beats._seen["generator-0"][0] == (2, "h", 10)
+    # generator-1 was last seen 6 s ago, and for the last 5 s no read was answered (a stalled mailbox)
+    now = time.monotonic()
+    beats._seen["generator-1"] = (beats._seen["generator-1"][0], now - 6.0)
+    beats._read_at = now - 5.0
+    beats._read()
+    assert beats.age_s("generator-1") == pytest.approx(6.0 - (5.0 - 2 * ray_mail.PUSH_S), abs=0.1)
+    assert beats.age_s("generator-0") < 1.0
+    credited = beats._seen["generator-1"][1]
+    time.sleep(0.3)  # the mailbox answers again and generator-1 still does not beat: it ages
+    beats._read()
+    assert beats._seen["generator-1"][1] == credited and beats.age_s("generator-1") > 1.6
+
+
+def test_a_timed_out_read_does_not_end_the_poller(fake_ray, monkeypatch):
+    office = _Office()
+    beats = ray_mail.RayHeartbeats(office, ("generator-0",))
+    monkeypatch.setattr(ray_mail, "PUSH_S", 0.02)
+    office.fail = True
+    poller = threading.Thread(target=beats._poll, daemon=True)
+    poller.start()
+    time.sleep(0.2)
+    office.beats = {"generator-0": (7, "h", 1)}
+    deadline = time.monotonic() + 5.0
+    while beats._seen["generator-0"][0] != (7, "h", 1) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert poller.is_alive() and beats._seen["generator-0"][0] == (7, "h", 1)
+    ray_mail.quiesce(timeout_s=1.0)  # ends the poller at its next call
+    poller.join(timeout=5.0)
+    assert not poller.is_alive()
