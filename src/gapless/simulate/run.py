@@ -13,7 +13,11 @@ version, so the dispatcher sees them as one replica and the simulator spreads it
 rewards), `sampling_params` (which groups are synthetic stragglers), `StalenessBuffer` (when a
 batch is ready, what is taken, what is cut or dropped and why), `PartialRollouts` (the time
 deadline, on the simulated clock), the ledger's event records, and the trainer's drop handling
-(each drop frees a place; the dispatcher's guard decides when a backfill may be born).
+(each drop frees a place; the dispatcher's guard decides when a backfill may be born), and the
+trainer's inbox discipline: it handles scored groups and the replicas' Loaded messages only while
+it waits in take(), so those arriving while it trains or publishes wait, and a batch already
+ready at take() is trained at once with them still queued (no group born at the new version is
+admitted until the next wait: what makes a budget-1 trainer idle).
 What is modelled: generation (engine.py), scoring and training durations (costs.py), rewards
 (each task has a pass probability drawn uniformly from [0, 1]; a rollout passes with it), and
 sharing of the cores (pool.py). `reference_loop` simulates the one-process reference loop
@@ -41,6 +45,8 @@ from gapless.simulate.costs import Costs
 from gapless.simulate.engine import PartialView, Replica, SimGroup
 from gapless.simulate.pool import DedicatedPool, SharedPool, Work
 from gapless.types import Completion, Rollout
+
+LOADED_AFTER_S = 0.0  # a replica's Loaded lands after the trainer looked at its buffer (same instant, next event)
 
 
 class SimScoredGroup(ScoredGroup):
@@ -178,7 +184,8 @@ class Simulation:
         self.score_sum, self.score_n, self.score_mark = 0.0, 0, (0.0, 0)
         self.busy_mark = 0.0
         self.version = 0  # trainer's policy version = steps done
-        self.training = False
+        self.training = False  # training or publishing: messages to the trainer wait in its inbox
+        self.inbox: deque = deque()
         self.work: Work | None = None
         self.wait_start = 0.0
         self.last_end = 0.0
@@ -287,6 +294,11 @@ class Simulation:
         rollouts = self.rng.choices((passed, failed), cum_weights=(p, 1.0), k=self.G)  # the group's G rollouts
         scored = SimScoredGroup(group.index, group.task_index, group.born, rollouts, oldest)
         self.lengths_of[group.index] = group.lengths  # for the step's token count and length metrics
+        self._score_next()
+        self._deliver(lambda: self._arrived(group, rollouts, scored))
+
+    def _arrived(self, group: SimGroup, rollouts: list, scored: SimScoredGroup) -> None:
+        """The trainer handles a Scored message: buffer, curriculum, dispatcher."""
         self.dispatcher.scored(group.index)
         if group.index not in self.buffer.closed:
             self.source.feedback(self.uids[group.task_index], [r.reward for r in rollouts])
@@ -294,8 +306,31 @@ class Simulation:
         if reason is not None:  # a drop frees a place; the dispatcher's guard keeps a backfill from being due too early
             self.dispatcher.freed(1)
             self._admit()
-        self._score_next()
+
+    # ---- the trainer's inbox ---------------------------------------------------------------
+    def _deliver(self, handle) -> None:
+        """A message to the trainer (a scored group, a replica's Loaded): as in the real pipeline,
+        the trainer handles messages only while it waits in take(); those arriving while it trains
+        or publishes wait in its inbox until its next take() finds the batch not ready."""
+        if self.reference or not self.training:
+            handle()
+            self._try_step()
+        else:
+            self.inbox.append(handle)
+
+    def _take(self) -> None:
+        """take(): train at once if the batch is ready; else handle queued messages until it is."""
+        while self.inbox and not self._batch_ready():
+            self.inbox.popleft()()
         self._try_step()
+
+    def _batch_ready(self) -> bool:
+        return len(self.buffer.ready) >= self.P and self.buffer.is_batch_ready(self.version)
+
+    def _loaded(self, version: int) -> None:
+        """The replicas report `version` loaded: groups born at it may be admitted."""
+        self.gen_version = max(self.gen_version, version)
+        self._admit()
 
     # ---- trainer --------------------------------------------------------------------------
     def _try_step(self) -> None:
@@ -341,7 +376,8 @@ class Simulation:
         self._span("trainer", "weight_push", now - push_s, now, step)
         self.version = step + 1
         self.training = False
-        self.gen_version = self.version
+        if self.reference:
+            self.gen_version = self.version
         for replica in self.replicas:
             replica.update_weights(self.version, push_s)
         idle = sum(r.idle_s for r in self.replicas)
@@ -372,8 +408,13 @@ class Simulation:
             for r in self.replicas:
                 r.close_spans()
                 r.record_spans = False
-        self._admit()
-        self._try_step()
+        if self.reference:
+            self._admit()
+            self._try_step()
+            return
+        # the replicas' Loaded(version) reaches the trainer just after it looked at its buffer
+        self.loop.after(LOADED_AFTER_S, lambda v=self.version: self._deliver(lambda: self._loaded(v)))
+        self._take()
 
     def _span(self, lane: str, name: str, start: float, end: float, step: int) -> None:
         if step < self.timeline_steps:
