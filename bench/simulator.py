@@ -215,7 +215,8 @@ def published_config(setup: dict, placement: str, budget: int, replicas: int, ra
         "simulate.prompt_tokens": "256", "simulate.timeline_steps": "0", "loop.steps": str(steps),
         "loop.prompts_per_step": str(setup["prompts"]), "generator.group_size": str(setup["group"]),
         "generator.max_new_tokens": str(setup["max_new_tokens"]), "generator.max_batch": "512",
-        "pipeline.max_staleness": str(budget), "pipeline.lend_idle_cores": "false", "task.num_train_prompts": "20000"})
+        "pipeline.max_staleness": str(budget), "pipeline.lend_idle_cores": "false", "task.num_train_prompts": "20000",
+        "simulate.trainer_inbox": '"continuous"'})  # their rollout controllers admit on their own
 
 
 def part_published(steps: int) -> dict:

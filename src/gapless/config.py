@@ -573,6 +573,13 @@ class SimulateConfig(_Section):
     """'shared': every actor on one pool of `cores` (a single machine such as this project's
     2-core CPU box; actors share it by threads); 'split': generator replicas and trainer ranks
     each on their own devices (a cluster)."""
+    trainer_inbox: Literal["take", "continuous"] = "take"
+    """When the simulated trainer handles scored groups and the replicas' Loaded messages.
+    'take': only while it waits for a batch, as gapless's trainer does (a batch ready at a step's
+    end is trained at once, and groups of the version just published are admitted only at the
+    next wait: the budget-1 trainer idle). 'continuous': the moment they arrive, as in systems
+    whose rollout controller admits on its own (AReaL, PipelineRL; used for their published
+    speed-ups, docs/simulator.md)."""
     cores: int = Field(0, ge=0, le=65536)
     """Shared placement: cores (or devices) in the pool; 0 = this machine's cores."""
     replicas: int = Field(1, ge=1, le=65536)

@@ -80,6 +80,22 @@ def test_async_generator_bound_two_batches_in_flight():
     assert ends[11] - ends[10] == pytest.approx(0.1)  # the second of a pair: ready, trained at once
 
 
+def test_a_continuous_inbox_admits_the_new_version_at_once():
+    # simulate.trainer_inbox = 'continuous' (a rollout controller that admits on its own, as for
+    # the published systems): Loaded is handled on arrival, so the next batch is always generated
+    # while the trainer trains. Trainer-bound (g = 0.1 < T = 0.3): a step takes T, the trainer
+    # never waits, the generator idles 1 - g / T. Generator-bound (g = 0.5 > T = 0.1), two batches
+    # in flight: two steps take g + T.
+    continuous = {"simulate.trainer_inbox": '"continuous"'}
+    s = Simulation(config(1, **continuous), constant_costs(0.01, 0.3)).run().summary()
+    assert s["s_per_sample"] == pytest.approx(0.3 / (P * G))
+    assert s["trainer_idle_frac"] == pytest.approx(0.0, abs=1e-12)
+    assert s["generator_idle_frac"] == pytest.approx(1 - 0.1 / 0.3)
+    ends = [r.end_s for r in Simulation(config(1, steps=12, **continuous), constant_costs(0.05, 0.1)).run().steps]
+    assert ends[11] - ends[9] == pytest.approx(0.5 + 0.1)
+    assert ends[10] - ends[8] == pytest.approx(0.5 + 0.1)
+
+
 def test_shared_cores_sync_closed_form():
     # shared placement on 2 cores, costs given per core, perfect scaling: each actor uses both
     # cores in its turn, so a synchronous step is (g + T) / 2.

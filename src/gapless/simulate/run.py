@@ -17,7 +17,8 @@ deadline, on the simulated clock), the ledger's event records, and the trainer's
 trainer's inbox discipline: it handles scored groups and the replicas' Loaded messages only while
 it waits in take(), so those arriving while it trains or publishes wait, and a batch already
 ready at take() is trained at once with them still queued (no group born at the new version is
-admitted until the next wait: what makes a budget-1 trainer idle).
+admitted until the next wait: what makes a budget-1 trainer idle); `simulate.trainer_inbox =
+'continuous'` handles them on arrival instead (a rollout controller that admits on its own).
 What is modelled: generation (engine.py), scoring and training durations (costs.py), rewards
 (each task has a pass probability drawn uniformly from [0, 1]; a rollout passes with it), and
 sharing of the cores (pool.py). `reference_loop` simulates the one-process reference loop
@@ -186,6 +187,7 @@ class Simulation:
         self.version = 0  # trainer's policy version = steps done
         self.training = False  # training or publishing: messages to the trainer wait in its inbox
         self.inbox: deque = deque()
+        self.continuous = self.reference or sim.trainer_inbox == "continuous"  # no inbox: handled on arrival
         self.work: Work | None = None
         self.wait_start = 0.0
         self.last_end = 0.0
@@ -294,8 +296,13 @@ class Simulation:
         rollouts = self.rng.choices((passed, failed), cum_weights=(p, 1.0), k=self.G)  # the group's G rollouts
         scored = SimScoredGroup(group.index, group.task_index, group.born, rollouts, oldest)
         self.lengths_of[group.index] = group.lengths  # for the step's token count and length metrics
-        self._score_next()
-        self._deliver(lambda: self._arrived(group, rollouts, scored))
+        if self.continuous:  # handled on arrival, before the worker takes the next group
+            self._arrived(group, rollouts, scored)
+            self._score_next()
+            self._try_step()
+        else:
+            self._score_next()
+            self._deliver(lambda: self._arrived(group, rollouts, scored))
 
     def _arrived(self, group: SimGroup, rollouts: list, scored: SimScoredGroup) -> None:
         """The trainer handles a Scored message: buffer, curriculum, dispatcher."""
@@ -312,7 +319,7 @@ class Simulation:
         """A message to the trainer (a scored group, a replica's Loaded): as in the real pipeline,
         the trainer handles messages only while it waits in take(); those arriving while it trains
         or publishes wait in its inbox until its next take() finds the batch not ready."""
-        if self.reference or not self.training:
+        if self.continuous or not self.training:
             handle()
             self._try_step()
         else:
@@ -376,7 +383,7 @@ class Simulation:
         self._span("trainer", "weight_push", now - push_s, now, step)
         self.version = step + 1
         self.training = False
-        if self.reference:
+        if self.continuous:
             self.gen_version = self.version
         for replica in self.replicas:
             replica.update_weights(self.version, push_s)
@@ -408,7 +415,7 @@ class Simulation:
             for r in self.replicas:
                 r.close_spans()
                 r.record_spans = False
-        if self.reference:
+        if self.continuous:
             self._admit()
             self._try_step()
             return
