@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -244,11 +245,8 @@ def _ratios(runs: list[dict]) -> dict:
 
 
 def _median(values: list) -> float | None:
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def _fmt(value) -> str:

@@ -10,24 +10,16 @@ gained 0.22 and 0.62, against a seed-to-seed spread of 0.078 in the starting fig
 figures, docs/agentic.md). Slow: about 15 minutes on a loaded 2-core machine, warm start included.
 """
 
-import importlib.util
 import shutil
-from pathlib import Path
 
 import pytest
 
+from benches import load_bench
+
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")]
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "repo_learning.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("repo_learning", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_repo_held_out_pass_at_1_rises(tmp_path):
-    result = _bench().measure(0, tmp_path, steps=40, samples=8)
+    result = load_bench("repo_learning").measure(0, tmp_path, steps=40, samples=8)
     assert result["gain"] > 3 * result["stderr"], result

@@ -11,11 +11,9 @@ a new seed; the margin is sized for the weakest seed, not for seed 0. The worklo
 prompts, teacher, warm start) is bench/agentic.py's TOOL_LEARNING, imported so the two cannot drift.
 """
 
-import importlib.util
 import json
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -24,17 +22,10 @@ from gapless.envs.registry import make_environment
 from gapless.orchestrate.loop import RunLoop
 from gapless.types import SamplingParams
 
+from benches import load_bench
+
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
 SAMPLES = 64
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "agentic.py"
-
-
-def _bench():
-    """bench/agentic.py, whose TOOL_LEARNING workload is this test's (one definition for both)."""
-    spec = importlib.util.spec_from_file_location("agentic_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _mean_reward(loop: RunLoop, env) -> tuple[float, int]:
@@ -48,7 +39,7 @@ def test_tool_use_reward_rises(tmp_path, warm_cache):
     overrides = {
         "run_dir": json.dumps(str(tmp_path / "run")),
         "warmstart.cache_dir": json.dumps(str(warm_cache)),
-        **_bench().TOOL_LEARNING,
+        **load_bench("agentic").TOOL_LEARNING,
         "loop.steps": "20", "loop.eval_every": "100", "loop.checkpoint_every": "100", "trainer.threads": "1",
     }  # fmt: skip
     loop = RunLoop(load_config(None, overrides), log=lambda *_: None, source="inline")

@@ -47,8 +47,6 @@ from gapless.simulate.engine import PartialView, Replica, SimGroup
 from gapless.simulate.pool import DedicatedPool, SharedPool, Work
 from gapless.types import Completion, Rollout
 
-LOADED_AFTER_S = 0.0  # a replica's Loaded lands after the trainer looked at its buffer (same instant, next event)
-
 
 class SimScoredGroup(ScoredGroup):
     """The real buffer's record, with what a simulated group knows when it is built: the oldest
@@ -318,8 +316,9 @@ class Simulation:
     def _deliver(self, handle) -> None:
         """A message to the trainer (a scored group, a replica's Loaded): as in the real pipeline,
         the trainer handles messages only while it waits in take(); those arriving while it trains
-        or publishes wait in its inbox until its next take() finds the batch not ready."""
-        if self.continuous or not self.training:
+        or publishes wait in its inbox until its next take() finds the batch not ready (trainer_inbox
+        'take'; 'continuous' handles them where they arise)."""
+        if not self.training:
             handle()
             self._try_step()
         else:
@@ -341,9 +340,7 @@ class Simulation:
 
     # ---- trainer --------------------------------------------------------------------------
     def _try_step(self) -> None:
-        if self.training or self.version >= self.steps or len(self.buffer.ready) < self.P:
-            return
-        if not self.buffer.is_batch_ready(self.version):
+        if self.training or self.version >= self.steps or not self._batch_ready():
             return
         step = self.version
         now = self.loop.now
@@ -419,8 +416,9 @@ class Simulation:
             self._admit()
             self._try_step()
             return
-        # the replicas' Loaded(version) reaches the trainer just after it looked at its buffer
-        self.loop.after(LOADED_AFTER_S, lambda v=self.version: self._deliver(lambda: self._loaded(v)))
+        # the replicas' Loaded(version) reaches the trainer just after it looked at its buffer (same
+        # instant, next event)
+        self.loop.after(0.0, lambda v=self.version: self._deliver(lambda: self._loaded(v)))
         self._take()
 
     def _span(self, lane: str, name: str, start: float, end: float, step: int) -> None:
