@@ -22,8 +22,10 @@ measured in the same child (bench/generate.py's `matmul_peak_gflops`). Every tim
 records the cores other processes used meanwhile (`outside_cores`): this machine is shared.
 Prints one line per phase, then one JSON object on the last line.
 
-    PYTHONPATH=src python bench/real_shapes.py [--shapes qwen2.5-0.5b,qwen3-0.6b] [--threads 2]
+    PYTHONPATH=src python bench/real_shapes.py [--shapes qwen2.5-0.5b,qwen3-0.6b] [--threads 2] [--rounds 1]
         [--sequences 16] [--prompt-tokens 32] [--new-tokens 64] [--rl-step] [--device cpu|cuda]
+--rounds R runs every phase R times, round by round (the machine's speed drifts by tens of
+percent within minutes), and reports medians and each round's engine ratios.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -191,6 +194,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rl-step", action="store_true", help="also one full RL step (~16 bytes per parameter of memory)")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every phase; medians and per-round ratios")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--phases", default=None, help="comma-separated subset of the phases")
     ap.add_argument("--phase", help=argparse.SUPPRESS)  # child mode
@@ -200,25 +204,31 @@ def main() -> None:
         print(json.dumps(child(args)))
         return
     phases = args.phases.split(",") if args.phases else (["vllm"] if args.device == "cuda" else CPU_PHASES + (["rl_step"] if args.rl_step else []))
-    results: dict[str, dict] = {}
-    for shape in args.shapes.split(","):
-        results[shape] = {}
-        for phase in phases:
-            cmd = [sys.executable, __file__, "--phase", phase, "--shape", shape, "--threads", str(args.threads),
-                   "--sequences", str(args.sequences), "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            lines = proc.stdout.strip().splitlines()
-            if proc.returncode != 0 or not lines:
-                results[shape][phase] = {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
-            else:
-                results[shape][phase] = json.loads(lines[-1])
-            print(shape, phase, json.dumps(results[shape][phase]), flush=True)
-        r = results[shape]
-        if all("tokens_per_s" in r.get(p, {}) for p in CPU_PHASES):
-            r["engine_vs_hf_generate"] = r["engine"]["tokens_per_s"] / r["hf_generate"]["tokens_per_s"]
-            r["engine_vs_generate_batch"] = r["engine"]["tokens_per_s"] / r["generate_batch"]["tokens_per_s"]
+    results: dict[str, dict] = {shape: {} for shape in args.shapes.split(",")}
+    for round_ in range(args.rounds):  # every phase once per round: each ratio compares runs minutes apart, not a round apart
+        for shape in results:
+            for phase in phases:
+                cmd = [sys.executable, __file__, "--phase", phase, "--shape", shape, "--threads", str(args.threads),
+                       "--sequences", str(args.sequences), "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                lines = proc.stdout.strip().splitlines()
+                if proc.returncode != 0 or not lines:
+                    result = {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+                else:
+                    result = json.loads(lines[-1])
+                results[shape].setdefault(phase, []).append(result)
+                print(f"round {round_ + 1}", shape, phase, json.dumps(result), flush=True)
+    summary = {}
+    for shape, by_phase in results.items():
+        summary[shape] = {phase: {key: statistics.median(r[key] for r in runs) for key in ("tokens_per_s", "peak_share", "step_s", "peak_rss_gb")
+                                  if all(key in r for r in runs)} for phase, runs in by_phase.items()}
+        rounds = [dict(zip(CPU_PHASES, runs)) for runs in zip(*(by_phase.get(p, []) for p in CPU_PHASES))]
+        if rounds and all("tokens_per_s" in r for row in rounds for r in row.values()):
+            for other in ("hf_generate", "generate_batch"):
+                ratios = [row["engine"]["tokens_per_s"] / row[other]["tokens_per_s"] for row in rounds]
+                summary[shape][f"engine_vs_{other}"] = {"per_round": ratios, "median": statistics.median(ratios)}
     print(json.dumps({"threads": args.threads, "sequences": args.sequences, "prompt_tokens": args.prompt_tokens,
-                      "new_tokens": args.new_tokens, "results": results}))
+                      "new_tokens": args.new_tokens, "rounds": args.rounds, "summary": summary, "results": results}))
 
 
 if __name__ == "__main__":

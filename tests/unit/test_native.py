@@ -59,6 +59,49 @@ def test_rms_norm_equals_torch(kernels, rows):
     assert torch.allclose(kernels.rms_norm(x, 1e-6), F.rms_norm(x, (256,), None, 1e-6), atol=1e-6)
 
 
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 64, 48), (7, 100, 37), (16, 896, 160), (53, 1100, 16), (130, 33, 5)])
+def test_linear_equals_the_torch_matmul(kernels, rows, k, n):
+    """Row counts past one tile (6) and one chunk (48), K past one block (512), N not a multiple of
+    the 16-column panel: x @ W.T, + bias, + residual, as F.linear within fp32 rounding."""
+    gen = torch.Generator().manual_seed(rows * k + n)
+    x, weight, bias, residual = (torch.randn(*shape, generator=gen) for shape in ((rows, k), (n, k), (n,), (rows, n)))
+    packed = kernels.pack_linear(weight)
+    assert packed.shape == (-(-n // 16), k, 16)
+    tol = 1e-5 * k**0.5
+    assert torch.allclose(kernels.linear(x, packed, n), F.linear(x, weight), atol=tol)
+    assert torch.allclose(kernels.linear(x, packed, n, bias, residual), residual + F.linear(x, weight, bias), atol=tol)
+
+
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 64, 8), (16, 600, 44), (50, 96, 13)])
+def test_gated_linear_equals_silu_gate_times_up(kernels, rows, k, n):
+    """gate | up stacked, n not a multiple of the 8 gate columns per panel, with and without bias."""
+    gen = torch.Generator().manual_seed(rows + k + n)
+    x, weight, bias = torch.randn(rows, k, generator=gen), torch.randn(2 * n, k, generator=gen), torch.randn(2 * n, generator=gen)
+    packed = kernels.pack_linear(weight, gated=True)
+    for b in (None, bias):
+        gate, up = F.linear(x, weight, b).chunk(2, dim=-1)
+        got = kernels.linear(x, packed, n, b, gated=True)
+        assert torch.allclose(got, F.silu(gate) * up, atol=1e-4 * k**0.5), (got - F.silu(gate) * up).abs().max()
+
+
+def test_linear_rows_do_not_depend_on_their_batch_or_threads(kernels):
+    """A row's output is bitwise the same alone, in any batch and at any thread count: the sum
+    over k runs in one order whatever the tiling."""
+    gen = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(37, 700, generator=gen), torch.randn(90, 700, generator=gen)
+    packed, threads = kernels.pack_linear(weight), torch.get_num_threads()
+    full = kernels.linear(x, packed, 90)
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.linear(x, packed, 90), full)
+        for row in (0, 5, 36):
+            assert torch.equal(kernels.linear(x[row : row + 1], packed, 90)[0], full[row])
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="does not match"):
+        kernels.linear(x[:, :-1], packed, 90)
+
+
 def test_decode_attention_rejects_mismatched_shapes(kernels):
     keys = torch.zeros(2, 2, 16, 8)
     with pytest.raises(ValueError, match="do not match 4 heads"):

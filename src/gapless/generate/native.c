@@ -8,6 +8,9 @@
  *                   position p[b], then softmax attention of those query heads over exactly the
  *                   positions 0..p[b] of the slot. No mask and no padding: each slot reads its
  *                   own length, so short rows never pay for long ones.
+ * gl_linear         out = x @ W.T (+ bias) (+ residual), or silu(gate) * up of a stacked gate | up
+ *                   W, for any row count, on W packed into panels of 16 columns (see its
+ *                   comment): the engine's matmuls.
  */
 #include <math.h>
 #include <stdint.h>
@@ -145,22 +148,6 @@ int gl_decode_attend(const float *qkv, const float *cos, const float *sin_signed
     return failed ? -1 : 0;
 }
 
-/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, n + i]: the gated MLP's activation over the output
- * of one matmul against the stacked gate | up weights, in one pass. */
-void gl_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int threads) {
-#pragma omp parallel for num_threads(threads) if (rows * n >= 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *restrict g = gate_up + r * 2 * n;
-        const float *restrict u = g + n;
-        float *restrict o = out + r * n;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) {
-            const float gi = g[i];
-            o[i] = gi / (1.0f + exp_approx(-gi)) * u[i];
-        }
-    }
-}
-
 /* Inverse-CDF sampling without truncation, one token per row (sampling.py's sample_rows when no
  * row is greedy or truncated): p = softmax(logits / T) in vocabulary order, the token is the first
  * whose cumulative mass exceeds u * total (kept below total, so it lands on a token), and its
@@ -192,5 +179,100 @@ void gl_sample_rows(const float *logits, const float *temperature, const float *
         }
         tokens[r] = token;
         logprobs[r] = (l[token] * inv_t - top) - logf(total);
+    }
+}
+
+/* ---- matmul: out (M, N) = x (M, K) @ W.T (+ bias[N]) (+ residual (M, N)) ----
+ * W (N, K) is packed (native.py `pack_linear`) as ceil(N / 16) panels of (K, 16): panel p holds
+ * output columns 16p..16p+15 with their K weights interleaved, zero past N. A thread owns whole
+ * panels; within one, a tile of up to 6 rows x 16 columns keeps its 12 accumulators in vector
+ * registers (GCC vector extensions: AVX2 ymm on x86, the target's own vectors elsewhere) over a
+ * K block of 512 (32 KB of the panel, re-read from L1 by every row tile). The point is the
+ * decode shape: with few rows a matmul is bound by streaming the weights once, which this does
+ * with every loaded weight used by every row of the tile; oneDNN measured 1.1-1.8x slower at
+ * 1-64 rows on this project's CPU, and not faster at 496 (docs/engine.md).
+ * gated: the panels hold gate columns 8p..8p+7 then the matching up columns (`pack_linear(...,
+ * gated=True)`, W = gate | up stacked, bias likewise), and the epilogue writes silu(gate) * up:
+ * the gated MLP in one pass, no (M, 2N) intermediate.
+ * Each output is one sum over k in increasing order (per K block, blocks in order): it does not
+ * depend on the row count, the batch mates or the thread count. */
+typedef float gl_v8 __attribute__((vector_size(32)));
+typedef float gl_v8u __attribute__((vector_size(32), aligned(4), may_alias));
+#define GL_PANEL 16
+#define GL_KBLOCK 512
+#define GL_ROWS 6
+#define GL_MCHUNK 48
+
+static inline __attribute__((always_inline)) void linear_tile(const float *x, int64_t ldx, const float *panel, float *acc_out,
+                                                              int64_t k0, int64_t k1, const int rows, int first) {
+    gl_v8 acc[GL_ROWS][2];
+    for (int r = 0; r < rows; r++) {
+        if (first) {
+            acc[r][0] = (gl_v8){0};
+            acc[r][1] = (gl_v8){0};
+        } else {
+            acc[r][0] = *(const gl_v8u *)(acc_out + r * GL_PANEL);
+            acc[r][1] = *(const gl_v8u *)(acc_out + r * GL_PANEL + 8);
+        }
+    }
+    for (int64_t k = k0; k < k1; k++) {
+        gl_v8 w0 = *(const gl_v8u *)(panel + k * GL_PANEL), w1 = *(const gl_v8u *)(panel + k * GL_PANEL + 8);
+        for (int r = 0; r < rows; r++) {
+            float v = x[r * ldx + k];
+            gl_v8 b = {v, v, v, v, v, v, v, v};
+            acc[r][0] += b * w0;
+            acc[r][1] += b * w1;
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        *(gl_v8u *)(acc_out + r * GL_PANEL) = acc[r][0];
+        *(gl_v8u *)(acc_out + r * GL_PANEL + 8) = acc[r][1];
+    }
+}
+
+void gl_linear(const float *x, const float *packed, const float *bias, const float *residual, float *out,
+               int64_t M, int64_t K, int64_t N, int gated, int threads) {
+    const int64_t cols = gated ? GL_PANEL / 2 : GL_PANEL;  /* output columns per panel */
+    int64_t panels = (N + cols - 1) / cols;
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * K * N >= 65536)
+    for (int64_t p = 0; p < panels; p++) {
+        const float *panel = packed + p * K * GL_PANEL;
+        int64_t c0 = p * cols, width = N - c0 < cols ? N - c0 : cols;
+        float acc[GL_MCHUNK * GL_PANEL];
+        for (int64_t m0 = 0; m0 < M; m0 += GL_MCHUNK) {
+            int64_t m1 = m0 + GL_MCHUNK < M ? m0 + GL_MCHUNK : M;
+            for (int64_t k0 = 0; k0 < K; k0 += GL_KBLOCK) {
+                int64_t k1 = k0 + GL_KBLOCK < K ? k0 + GL_KBLOCK : K;
+                for (int64_t r0 = m0; r0 < m1; r0 += GL_ROWS) {
+                    const float *xr = x + r0 * K;
+                    float *a = acc + (r0 - m0) * GL_PANEL;
+                    switch (m1 - r0 < GL_ROWS ? m1 - r0 : GL_ROWS) {  /* constant row counts: registers, unrolled */
+                        case 6: linear_tile(xr, K, panel, a, k0, k1, 6, k0 == 0); break;
+                        case 5: linear_tile(xr, K, panel, a, k0, k1, 5, k0 == 0); break;
+                        case 4: linear_tile(xr, K, panel, a, k0, k1, 4, k0 == 0); break;
+                        case 3: linear_tile(xr, K, panel, a, k0, k1, 3, k0 == 0); break;
+                        case 2: linear_tile(xr, K, panel, a, k0, k1, 2, k0 == 0); break;
+                        default: linear_tile(xr, K, panel, a, k0, k1, 1, k0 == 0); break;
+                    }
+                }
+            }
+            for (int64_t r = m0; r < m1; r++) {
+                const float *a = acc + (r - m0) * GL_PANEL;
+                float *o = out + r * N + c0;
+                if (gated) {  /* silu(gate) * up */
+                    for (int64_t c = 0; c < width; c++) {
+                        float g = a[c] + (bias ? bias[c0 + c] : 0.0f), u = a[cols + c] + (bias ? bias[N + c0 + c] : 0.0f);
+                        o[c] = g / (1.0f + exp_approx(-g)) * u;
+                    }
+                    continue;
+                }
+                for (int64_t c = 0; c < width; c++) {
+                    float v = a[c];
+                    if (bias) v += bias[c0 + c];
+                    if (residual) v += residual[r * N + c0 + c];
+                    o[c] = v;
+                }
+            }
+        }
     }
 }

@@ -2,11 +2,13 @@
 
 Kernels (`native.c`): one decode step's attention for every running slot (RoPE on the new query
 and key, the key and value written into the slot's cache, attention over exactly that slot's
-positions, or the last `window` of them for sliding-window layers); RMSNorm rows; the gated MLP's silu(gate) * up; inverse-CDF sampling of untruncated
+positions, or the last `window` of them for sliding-window layers); RMSNorm rows; inverse-CDF sampling of untruncated
 rows. In the torch path the same work is about 15 dispatched ops per
 layer (norm, RoPE, an advanced-index cache write, a mask, batched matmuls, softmax), each a few
 microseconds on tiny tensors and single-threaded below torch's parallel grain; here it is one
-call, parallel over slots x KV heads, reading each slot's own length.
+call, parallel over slots x KV heads, reading each slot's own length. And the engine's matmuls
+(`linear`), on weights packed in panels of 16 output columns: at decode's few rows a matmul
+streams its weights once, and this kernel uses each loaded weight for every row of a 6-row tile.
 
 Build: the system C compiler (`$CC`, else `cc`) compiles the file once per source, flags,
 compiler and CPU (it uses -march=native) into `$GAPLESS_KERNEL_CACHE` (default
@@ -60,24 +62,52 @@ class NativeKernels:
         self._attend = library.gl_decode_attend
         self._attend.argtypes = [ptr] * 7 + [i64] * 5 + [f32, i64, cint]
         self._attend.restype = cint
-        self._silu_mul = library.gl_silu_mul
-        self._silu_mul.argtypes = [ptr, ptr, i64, i64, cint]
-        self._silu_mul.restype = None
         self._sample = library.gl_sample_rows
         self._sample.argtypes = [ptr] * 6 + [i64, i64, cint]
         self._sample.restype = None
+        self._linear = library.gl_linear
+        self._linear.argtypes = [ptr] * 5 + [i64] * 3 + [cint, cint]
+        self._linear.restype = None
+
+    @staticmethod
+    def pack_linear(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """W (N, K) -> the panel layout `linear` reads: (panels, K, 16), zero past N. `gated`: W is
+        gate | up stacked (2n, K); each panel holds 8 gate columns then the same 8 up columns."""
+        rows, k = weight.shape
+        if gated:
+            n = rows // 2
+            padded = torch.zeros(2, -(-n // 8) * 8, k, dtype=torch.float32)
+            padded[0, :n], padded[1, :n] = weight[:n], weight[n:]
+            return padded.view(2, -1, 8, k).permute(1, 3, 0, 2).reshape(-1, k, 16).contiguous()
+        padded = torch.zeros(-(-rows // 16) * 16, k, dtype=torch.float32)
+        padded[:rows] = weight
+        return padded.view(-1, 16, k).transpose(1, 2).contiguous()
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, out_dim: int, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+        """x (..., K) @ W.T (+ bias) (+ residual, shaped like the result) with W packed by
+        `pack_linear`; `gated` (W packed with gated=True, bias the stacked gate | up bias):
+        silu(x @ gate.T) * (x @ up.T), `out_dim` = n. fp32 on CPU."""
+        k = packed.shape[1]
+        if x.shape[-1] != k or packed.shape[0] * (8 if gated else 16) < out_dim or (gated and residual is not None):
+            raise ValueError(f"linear: input {tuple(x.shape)} does not match packed weights {tuple(packed.shape)} for {out_dim} outputs")
+        x = x.contiguous()
+        rows = x.numel() // k
+        out = x.new_empty(*x.shape[:-1], out_dim)
+        if residual is not None:
+            residual = residual.contiguous()
+            if residual.shape != out.shape:
+                raise ValueError(f"linear: residual {tuple(residual.shape)} does not match the output {tuple(out.shape)}")
+        bias = None if bias is None else bias.contiguous()  # held while the kernel runs
+        self._linear(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                     0 if residual is None else residual.data_ptr(), out.data_ptr(), rows, k, out_dim, int(gated),
+                     torch.get_num_threads())
+        return out
 
     def rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         """x / sqrt(mean(x**2, -1) + eps) over the last dim of a contiguous fp32 tensor."""
         out = torch.empty_like(x)
         self._rms_norm(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, torch.get_num_threads())
-        return out
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of a contiguous (rows, 2 n) tensor holding gate | up -> (rows, n)."""
-        n = gate_up.shape[-1] // 2
-        out = gate_up.new_empty(*gate_up.shape[:-1], n)
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n, torch.get_num_threads())
         return out
 
     def sample_rows(self, logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
