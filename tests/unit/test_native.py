@@ -102,6 +102,18 @@ def test_linear_rows_do_not_depend_on_their_batch_or_threads(kernels):
         kernels.linear(x[:, :-1], packed, 90)
 
 
+def test_head_norm_equals_per_head_rms_norm(kernels):
+    """qwen3's q/k norms: every query and key head normalised with its weight, values untouched."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, hd, rows = 6, 2, 32, 300  # 300 x 8 heads x 32 runs the parallel branch
+    qkv, q_w, k_w = torch.randn(rows, (heads + 2 * kv_heads) * hd, generator=gen) * 3, torch.rand(hd, generator=gen), torch.rand(hd, generator=gen)
+    q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    want = torch.cat([F.rms_norm(q.reshape(rows, heads, hd), (hd,), q_w, 1e-6).reshape(rows, -1),
+                      F.rms_norm(k.reshape(rows, kv_heads, hd), (hd,), k_w, 1e-6).reshape(rows, -1), v], dim=-1)
+    got = kernels.head_norm(qkv.clone(), q_w, k_w, heads, kv_heads, 1e-6)
+    assert torch.allclose(got, want, atol=1e-5) and torch.equal(got[:, -kv_heads * hd :], v)
+
+
 def test_decode_attention_rejects_mismatched_shapes(kernels):
     keys = torch.zeros(2, 2, 16, 8)
     with pytest.raises(ValueError, match="do not match 4 heads"):

@@ -3,6 +3,7 @@
  *
  * gl_rms_norm       out[r] = x[r] / sqrt(mean(x[r]^2) + eps): RMSNorm without its weight (the next
  *                   matmul carries it).
+ * gl_head_norm      qwen3's per-head RMSNorm of the query and key heads, in place.
  * gl_decode_attend  for each running slot b and KV head h: RoPE on the new key and on the query
  *                   heads that share h, the key and value written into the slot's cache at its
  *                   position p[b], then softmax attention of those query heads over exactly the
@@ -27,6 +28,25 @@ void gl_rms_norm(const float *x, float *out, int64_t rows, int64_t dim, float ep
         for (int64_t i = 0; i < dim; i++) squares += xr[i] * xr[i];
         const float inv = 1.0f / sqrtf(squares / (float)dim + eps);
         for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv;
+    }
+}
+
+/* In place on rows of q | k | v (B, (heads + 2 kv_heads) * hd): each query and key head vector
+ * x becomes w * (x / sqrt(mean(x^2) + eps)), w = q_w for query heads, k_w for key heads (qwen3's
+ * per-head q/k norms, as HF computes them in fp32); values untouched. */
+void gl_head_norm(float *qkv, const float *q_w, const float *k_w, int64_t rows, int64_t heads, int64_t kv_heads,
+                  int64_t hd, float eps, int threads) {
+    const int64_t normed = heads + kv_heads, stride = (heads + 2 * kv_heads) * hd;
+#pragma omp parallel for num_threads(threads) if (rows * normed * hd >= 65536)
+    for (int64_t t = 0; t < rows * normed; t++) {
+        const int64_t r = t / normed, h = t % normed;
+        float *x = qkv + r * stride + h * hd;
+        const float *w = h < heads ? q_w : k_w;
+        float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < hd; i++) squares += x[i] * x[i];
+        const float inv = 1.0f / sqrtf(squares / (float)hd + eps);
+        for (int64_t i = 0; i < hd; i++) x[i] = w[i] * (x[i] * inv);
     }
 }
 

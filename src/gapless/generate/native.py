@@ -65,6 +65,9 @@ class NativeKernels:
         self._sample = library.gl_sample_rows
         self._sample.argtypes = [ptr] * 6 + [i64, i64, cint]
         self._sample.restype = None
+        self._head_norm = library.gl_head_norm
+        self._head_norm.argtypes = [ptr] * 3 + [i64] * 4 + [f32, cint]
+        self._head_norm.restype = None
         self._linear = library.gl_linear
         self._linear.argtypes = [ptr] * 5 + [i64] * 3 + [cint, cint]
         self._linear.restype = None
@@ -74,14 +77,13 @@ class NativeKernels:
         """W (N, K) -> the panel layout `linear` reads: (panels, K, 16), zero past N. `gated`: W is
         gate | up stacked (2n, K); each panel holds 8 gate columns then the same 8 up columns."""
         rows, k = weight.shape
-        if gated:
-            n = rows // 2
-            padded = torch.zeros(2, -(-n // 8) * 8, k, dtype=torch.float32)
-            padded[0, :n], padded[1, :n] = weight[:n], weight[n:]
-            return padded.view(2, -1, 8, k).permute(1, 3, 0, 2).reshape(-1, k, 16).contiguous()
-        padded = torch.zeros(-(-rows // 16) * 16, k, dtype=torch.float32)
-        padded[:rows] = weight
-        return padded.view(-1, 16, k).transpose(1, 2).contiguous()
+        cols = 8 if gated else 16  # output columns per panel
+        n = rows // 2 if gated else rows
+        halves = weight.view(2 if gated else 1, n, k)
+        if n % cols:  # zero rows up to whole panels (a copy; aligned shapes are packed in one)
+            halves = torch.cat([halves, halves.new_zeros(halves.shape[0], -n % cols, k)], dim=1)
+        # (halves, panels, cols, k) -> (panels, k, halves, cols): panel p = k rows of [gate | up] columns
+        return halves.view(halves.shape[0], -1, cols, k).permute(1, 3, 0, 2).reshape(-1, k, 16).contiguous()
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_dim: int, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
@@ -103,6 +105,18 @@ class NativeKernels:
                      0 if residual is None else residual.data_ptr(), out.data_ptr(), rows, k, out_dim, int(gated),
                      torch.get_num_threads())
         return out
+
+    def head_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int, kv_heads: int,
+                  eps: float) -> torch.Tensor:
+        """In place: each query and key head of a contiguous (B, (heads + 2 kv_heads) * hd) tensor
+        RMS-normalised over hd and scaled by q_weight / k_weight (hd,); values untouched."""
+        hd = q_weight.shape[0]
+        if not qkv.is_contiguous() or qkv.shape[-1] != (heads + 2 * kv_heads) * hd or k_weight.shape != q_weight.shape:
+            raise ValueError(f"head_norm: qkv {tuple(qkv.shape)} does not match {heads} + 2 x {kv_heads} heads of {hd}")
+        q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
+        self._head_norm(qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), qkv.numel() // qkv.shape[-1], heads, kv_heads,
+                        hd, eps, torch.get_num_threads())
+        return qkv
 
     def rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         """x / sqrt(mean(x**2, -1) + eps) over the last dim of a contiguous fp32 tensor."""

@@ -297,9 +297,12 @@ class DecoderRunner:
 
     def _qk_norm(self, qkv: torch.Tensor, layer: _Layer) -> torch.Tensor:
         """(T, (H + 2 KV) * hd) -> the same with queries and keys RMS-normalised (qwen3: each
-        head over head_dim; olmo2: all heads together), as a new contiguous tensor."""
+        head over head_dim, in place with the native kernels; olmo2: all heads together), as a
+        contiguous tensor."""
         if layer.q_norm is None:
             return qkv
+        if self.native is not None and self.layout.qk_norm == "head" and qkv.is_contiguous():
+            return self.native.head_norm(qkv, layer.q_norm, layer.k_norm, self.num_heads, self.kv_heads, self.eps)
         rows, q_dim, kv_dim = qkv.shape[0], self.num_heads * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = qkv[:, :q_dim], qkv[:, q_dim : q_dim + kv_dim], qkv[:, q_dim + kv_dim :]
         if self.layout.qk_norm == "head":
