@@ -209,8 +209,8 @@ void gl_sample_rows(const float *logits, const float *temperature, const float *
  * registers (GCC vector extensions: AVX2 ymm on x86, the target's own vectors elsewhere) over a
  * K block of 512 (32 KB of the panel, re-read from L1 by every row tile). The point is the
  * decode shape: with few rows a matmul is bound by streaming the weights once, which this does
- * with every loaded weight used by every row of the tile; oneDNN measured 1.1-1.8x slower at
- * 1-64 rows on this project's CPU, and not faster at 496 (docs/engine.md).
+ * with every loaded weight used by every row of the tile. On this project's CPU it ran at 1.0-1.9x
+ * oneDNN's speed from 1 to 496 rows (docs/engine.md).
  * gated: the panels hold gate columns 8p..8p+7 then the matching up columns (`pack_linear(...,
  * gated=True)`, W = gate | up stacked, bias likewise), and the epilogue writes silu(gate) * up:
  * the gated MLP in one pass, no (M, 2N) intermediate.
