@@ -102,6 +102,23 @@ def test_linear_rows_do_not_depend_on_their_batch_or_threads(kernels):
         kernels.linear(x[:, :-1], packed, 90)
 
 
+def test_linear_bits_do_not_depend_on_the_tile_shape(kernels):
+    """The AVX-512 build (8 x 32 tiles) and an AVX2 build of the same source (6 x 16 tiles, forced
+    with -mno-avx512f) give the same bits, plain and gated, odd and even panel counts: a library
+    built for another CPU computes the same log-probs. On a CPU without AVX-512 both builds are the
+    AVX2 one."""
+    try:
+        avx2 = native.load(("-mno-avx512f",))
+    except NativeBuildError as err:  # a compiler that rejects the flag (not GCC or Clang on x86)
+        pytest.skip(str(err))
+    gen = torch.Generator().manual_seed(11)
+    for rows, k, n in ((16, 896, 48), (9, 1030, 160), (1, 64, 16), (53, 300, 37)):
+        x, weight, bias = torch.randn(rows, k, generator=gen), torch.randn(2 * n, k, generator=gen), torch.randn(2 * n, generator=gen)
+        packed, gated = kernels.pack_linear(weight[:n]), kernels.pack_linear(weight, gated=True)
+        assert torch.equal(kernels.linear(x, packed, n, bias[:n]), avx2.linear(x, packed, n, bias[:n]))
+        assert torch.equal(kernels.linear(x, gated, n, bias, gated=True), avx2.linear(x, gated, n, bias, gated=True))
+
+
 def test_head_norm_equals_per_head_rms_norm(kernels):
     """qwen3's q/k norms: every query and key head normalised with its weight, values untouched."""
     gen = torch.Generator().manual_seed(5)

@@ -204,95 +204,124 @@ void gl_sample_rows(const float *logits, const float *temperature, const float *
 
 /* ---- matmul: out (M, N) = x (M, K) @ W.T (+ bias[N]) (+ residual (M, N)) ----
  * W (N, K) is packed (native.py `pack_linear`) as ceil(N / 16) panels of (K, 16): panel p holds
- * output columns 16p..16p+15 with their K weights interleaved, zero past N. A thread owns whole
- * panels; within one, a tile of up to 6 rows x 16 columns keeps its 12 accumulators in vector
- * registers (GCC vector extensions: AVX2 ymm on x86, the target's own vectors elsewhere) over a
- * K block of 512 (32 KB of the panel, re-read from L1 by every row tile). The point is the
- * decode shape: with few rows a matmul is bound by streaming the weights once, which this does
- * with every loaded weight used by every row of the tile. On this project's CPU it ran at 1.0-1.9x
- * oneDNN's speed from 1 to 496 rows (docs/engine.md).
+ * output columns 16p..16p+15 with their K weights interleaved, zero past N. A tile is up to
+ * GL_ROWS rows x GL_TILE_PANELS adjacent panels, its accumulators held in vector registers (GCC
+ * vector extensions) over a K block of 512, the panel block re-read from L1 / L2 by every row
+ * tile. Where the compiler targets AVX-512 (32 vector registers of 16 floats) a tile is 8 rows x
+ * 2 panels (16 accumulators); elsewhere (AVX2: 16 registers of 8 floats, or the target's own
+ * vectors) 6 rows x 1 panel (12 accumulators). A thread owns whole tiles of panels. The point is
+ * the decode shape: with few rows a matmul streams its weights once, and here every loaded weight
+ * is used by every row of the tile. On this project's CPU (AVX-512) it ran at 1.2-1.9x the AVX2
+ * tile's speed and above oneDNN's from 1 to 512 rows (docs/engine.md).
  * gated: the panels hold gate columns 8p..8p+7 then the matching up columns (`pack_linear(...,
  * gated=True)`, W = gate | up stacked, bias likewise), and the epilogue writes silu(gate) * up:
  * the gated MLP in one pass, no (M, 2N) intermediate.
  * Each output is one sum over k in increasing order (per K block, blocks in order): it does not
- * depend on the row count, the batch mates or the thread count. */
-typedef float gl_v8 __attribute__((vector_size(32)));
-typedef float gl_v8u __attribute__((vector_size(32), aligned(4), may_alias));
+ * depend on the row count, the batch mates, the thread count or the tile shape. */
 #define GL_PANEL 16
 #define GL_KBLOCK 512
-#define GL_ROWS 6
 #define GL_MCHUNK 48
+#if defined(__AVX512F__)
+#define GL_LANES 16
+#define GL_ROWS 8
+#define GL_TILE_PANELS 2
+#else
+#define GL_LANES 8
+#define GL_ROWS 6
+#define GL_TILE_PANELS 1
+#endif
+#define GL_TILE_COLS (GL_TILE_PANELS * GL_PANEL)
+#define GL_TILE_VECS (GL_TILE_COLS / GL_LANES)
+typedef float gl_vec __attribute__((vector_size(GL_LANES * 4)));
+typedef float gl_vecu __attribute__((vector_size(GL_LANES * 4), aligned(4), may_alias));
 
-static inline __attribute__((always_inline)) void linear_tile(const float *x, int64_t ldx, const float *panel, float *acc_out,
-                                                              int64_t k0, int64_t k1, const int rows, int first) {
-    gl_v8 acc[GL_ROWS][2];
-    for (int r = 0; r < rows; r++) {
-        if (first) {
-            acc[r][0] = (gl_v8){0};
-            acc[r][1] = (gl_v8){0};
-        } else {
-            acc[r][0] = *(const gl_v8u *)(acc_out + r * GL_PANEL);
-            acc[r][1] = *(const gl_v8u *)(acc_out + r * GL_PANEL + 8);
+/* acc_out (rows, GL_TILE_COLS) += x[rows, k0:k1] @ the tile's `vecs` vectors of columns; `first`:
+ * start from zero. `rows` and `vecs` are constants at every call site, so the loops unroll and the
+ * accumulators stay in registers. */
+static inline __attribute__((always_inline)) void linear_tile(const float *x, int64_t ldx, const float *panel, int64_t K,
+                                                              float *acc_out, int64_t k0, int64_t k1, const int rows,
+                                                              const int vecs, int first) {
+    gl_vec acc[GL_ROWS][GL_TILE_VECS];
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < vecs; v++) {
+            if (first)
+                acc[r][v] = (gl_vec){0};
+            else
+                acc[r][v] = *(const gl_vecu *)(acc_out + r * GL_TILE_COLS + v * GL_LANES);
         }
-    }
     for (int64_t k = k0; k < k1; k++) {
-        gl_v8 w0 = *(const gl_v8u *)(panel + k * GL_PANEL), w1 = *(const gl_v8u *)(panel + k * GL_PANEL + 8);
+        gl_vec w[GL_TILE_VECS];
+        for (int v = 0; v < vecs; v++)  /* vector v: panel v * LANES / 16, columns (v * LANES) % 16 on */
+            w[v] = *(const gl_vecu *)(panel + (v * GL_LANES / GL_PANEL) * K * GL_PANEL + k * GL_PANEL + (v * GL_LANES) % GL_PANEL);
         for (int r = 0; r < rows; r++) {
-            float v = x[r * ldx + k];
-            gl_v8 b = {v, v, v, v, v, v, v, v};
-            acc[r][0] += b * w0;
-            acc[r][1] += b * w1;
+            const float s = x[r * ldx + k];
+            for (int v = 0; v < vecs; v++) acc[r][v] += s * w[v];
         }
     }
-    for (int r = 0; r < rows; r++) {
-        *(gl_v8u *)(acc_out + r * GL_PANEL) = acc[r][0];
-        *(gl_v8u *)(acc_out + r * GL_PANEL + 8) = acc[r][1];
-    }
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < vecs; v++) *(gl_vecu *)(acc_out + r * GL_TILE_COLS + v * GL_LANES) = acc[r][v];
 }
+
+#define GL_TILE_CASE(R)                                                     \
+    case R:                                                                 \
+        if (vecs == GL_TILE_VECS)                                           \
+            linear_tile(xr, K, panel, K, a, k0, k1, R, GL_TILE_VECS, first); \
+        else                                                                \
+            linear_tile(xr, K, panel, K, a, k0, k1, R, GL_PANEL / GL_LANES, first); \
+        break;
 
 void gl_linear(const float *x, const float *packed, const float *bias, const float *residual, float *out,
                int64_t M, int64_t K, int64_t N, int gated, int threads) {
     const int64_t cols = gated ? GL_PANEL / 2 : GL_PANEL;  /* output columns per panel */
-    int64_t panels = (N + cols - 1) / cols;
+    const int64_t panels = (N + cols - 1) / cols, tiles = (panels + GL_TILE_PANELS - 1) / GL_TILE_PANELS;
 #pragma omp parallel for num_threads(threads) schedule(static) if (M * K * N >= 65536)
-    for (int64_t p = 0; p < panels; p++) {
-        const float *panel = packed + p * K * GL_PANEL;
-        int64_t c0 = p * cols, width = N - c0 < cols ? N - c0 : cols;
-        float acc[GL_MCHUNK * GL_PANEL];
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t p0 = t * GL_TILE_PANELS;
+        const int in_tile = panels - p0 < GL_TILE_PANELS ? (int)(panels - p0) : GL_TILE_PANELS;
+        const int vecs = in_tile * GL_PANEL / GL_LANES;  /* a whole tile, or its last panel alone */
+        const float *panel = packed + p0 * K * GL_PANEL;
+        float acc[GL_MCHUNK * GL_TILE_COLS];
         for (int64_t m0 = 0; m0 < M; m0 += GL_MCHUNK) {
             int64_t m1 = m0 + GL_MCHUNK < M ? m0 + GL_MCHUNK : M;
             for (int64_t k0 = 0; k0 < K; k0 += GL_KBLOCK) {
-                int64_t k1 = k0 + GL_KBLOCK < K ? k0 + GL_KBLOCK : K;
+                const int64_t k1 = k0 + GL_KBLOCK < K ? k0 + GL_KBLOCK : K;
+                const int first = k0 == 0;
                 for (int64_t r0 = m0; r0 < m1; r0 += GL_ROWS) {
                     const float *xr = x + r0 * K;
-                    float *a = acc + (r0 - m0) * GL_PANEL;
+                    float *a = acc + (r0 - m0) * GL_TILE_COLS;
                     switch (m1 - r0 < GL_ROWS ? m1 - r0 : GL_ROWS) {  /* constant row counts: registers, unrolled */
-                        case 6: linear_tile(xr, K, panel, a, k0, k1, 6, k0 == 0); break;
-                        case 5: linear_tile(xr, K, panel, a, k0, k1, 5, k0 == 0); break;
-                        case 4: linear_tile(xr, K, panel, a, k0, k1, 4, k0 == 0); break;
-                        case 3: linear_tile(xr, K, panel, a, k0, k1, 3, k0 == 0); break;
-                        case 2: linear_tile(xr, K, panel, a, k0, k1, 2, k0 == 0); break;
-                        default: linear_tile(xr, K, panel, a, k0, k1, 1, k0 == 0); break;
+#if GL_ROWS > 6
+                        GL_TILE_CASE(8)
+                        GL_TILE_CASE(7)
+#endif
+                        GL_TILE_CASE(6)
+                        GL_TILE_CASE(5)
+                        GL_TILE_CASE(4)
+                        GL_TILE_CASE(3)
+                        GL_TILE_CASE(2)
+                        default: GL_TILE_CASE(1)
                     }
                 }
             }
-            for (int64_t r = m0; r < m1; r++) {
-                const float *a = acc + (r - m0) * GL_PANEL;
-                float *o = out + r * N + c0;
-                if (gated) {  /* silu(gate) * up */
+            for (int64_t r = m0; r < m1; r++)
+                for (int q = 0; q < in_tile; q++) {
+                    const float *a = acc + (r - m0) * GL_TILE_COLS + q * GL_PANEL;
+                    const int64_t c0 = (p0 + q) * cols, width = N - c0 < cols ? N - c0 : cols;
+                    float *o = out + r * N + c0;
+                    if (gated) {  /* silu(gate) * up */
+                        for (int64_t c = 0; c < width; c++) {
+                            float g = a[c] + (bias ? bias[c0 + c] : 0.0f), u = a[cols + c] + (bias ? bias[N + c0 + c] : 0.0f);
+                            o[c] = g / (1.0f + exp_approx(-g)) * u;
+                        }
+                        continue;
+                    }
                     for (int64_t c = 0; c < width; c++) {
-                        float g = a[c] + (bias ? bias[c0 + c] : 0.0f), u = a[cols + c] + (bias ? bias[N + c0 + c] : 0.0f);
-                        o[c] = g / (1.0f + exp_approx(-g)) * u;
+                        float v = a[c];
+                        if (bias) v += bias[c0 + c];
+                        if (residual) v += residual[r * N + c0 + c];
+                        o[c] = v;
                     }
-                    continue;
                 }
-                for (int64_t c = 0; c < width; c++) {
-                    float v = a[c];
-                    if (bias) v += bias[c0 + c];
-                    if (residual) v += residual[r * N + c0 + c];
-                    o[c] = v;
-                }
-            }
         }
     }
 }

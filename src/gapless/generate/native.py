@@ -8,7 +8,8 @@ layer (norm, RoPE, an advanced-index cache write, a mask, batched matmuls, softm
 microseconds on tiny tensors and single-threaded below torch's parallel grain; here it is one
 call, parallel over slots x KV heads, reading each slot's own length. And the engine's matmuls
 (`linear`), on weights packed in panels of 16 output columns: at decode's few rows a matmul
-streams its weights once, and this kernel uses each loaded weight for every row of a 6-row tile.
+streams its weights once, and this kernel uses each loaded weight for every row of a tile (8 rows
+x 32 columns where the compiler targets AVX-512, 6 x 16 elsewhere).
 
 Build: the system C compiler (`$CC`, else `cc`) compiles the file once per source, flags,
 compiler and CPU (it uses -march=native) into `$GAPLESS_KERNEL_CACHE` (default
@@ -179,9 +180,11 @@ def _warn_once(message: str) -> None:
 
 
 @functools.cache
-def load() -> NativeKernels:
-    """Build (or find in the cache) and load the library; raises NativeBuildError."""
-    path = _build()
+def load(extra_flags: tuple[str, ...] = ()) -> NativeKernels:
+    """Build (or find in the cache) and load the library; raises NativeBuildError. `extra_flags`
+    go after the default ones (the tests build the AVX2 tile on an AVX-512 CPU with
+    ('-mno-avx512f',) to check that both tile shapes give the same bits)."""
+    path = _build(extra_flags)
     try:
         return NativeKernels(ctypes.CDLL(str(path)), path)
     except OSError as err:
@@ -194,9 +197,9 @@ def _flags() -> list[str]:
     return FLAGS + (["-fopenmp"] if openmp else []) + ["-lm"]
 
 
-def _build() -> Path:
+def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     compiler = os.environ.get("CC", "cc")
-    flags = _flags()
+    flags = _flags() + list(extra_flags)
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as err:
