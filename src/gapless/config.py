@@ -149,7 +149,8 @@ class GeneratorConfig(_Section):
     vLLM installed)."""
     max_batch: int = Field(128, ge=1, le=65536)
     """Sequences decoded together (KV-cache slots). Larger batches raise throughput until the
-    matmuls are compute-bound; KV memory grows with max_batch x (longest prompt + max_new_tokens)."""
+    matmuls are compute-bound. The torch engine's KV cache grows with the largest batch decoded so
+    far (at most max_batch) x (longest prompt + max_new_tokens)."""
     recompute_kv: bool = False
     """On an in-flight weight swap, re-prefill every running sequence's context under the new
     weights (torch engine), so each token's log-prob is exactly that of the policy version it

@@ -348,3 +348,34 @@ def test_partial_rollouts_cut_at_a_time_deadline_only_while_others_wait(policy, 
     lone.add_request(prompts[0], params, 1, request_id="x")
     lone.step()
     assert idle.cut(lone, lambda _: params) == [] and lone.num_waiting == 0  # nobody waits: no cut
+
+
+def test_kv_cache_grows_with_the_batch_and_growth_changes_no_token(policy, problems, kernels):
+    """The cache holds the busiest batch's slots, not max_batch's: sequences in flight while it
+    grows keep their keys/values, so every token and log-prob equals those of an engine whose
+    cache was sized at max_batch from the start."""
+    prompts = [policy.encode(p.prompt) for p in problems[:12]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=3, ignore_eos=True)
+
+    def run(engine):
+        slots, done = [], []
+        for prompt in prompts[:3]:
+            engine.add_request(prompt, params)
+        for _ in range(4):  # three sequences part-way through when nine more arrive
+            done += engine.step()
+            slots.append(engine.cache.slots)
+        for prompt in prompts[3:]:
+            engine.add_request(prompt, params)
+        while engine.has_work:
+            done += engine.step()
+            slots.append(engine.cache.slots)
+        return sorted((c.prompt_ids, c.token_ids, c.logprobs) for c in done), slots
+
+    grown = _engine(policy, kernels, max_batch=64)
+    assert grown.cache.slots == 0 and grown.cache.num_bytes == 0
+    got, slots = run(grown)
+    assert slots[0] == decode_rows(3, 64) == 8 and max(slots) == 16  # 12 running: 16 padded rows, not 64
+    full = _engine(policy, kernels, max_batch=64)
+    full.cache.reserve(64)
+    want, _ = run(full)
+    assert got == want and len(got) == 12

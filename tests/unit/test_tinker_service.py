@@ -389,7 +389,9 @@ def test_micro_batching_leaves_loss_and_gradient_unchanged(service):
         results.append((metrics["loss:sum"], [p.grad.clone() for p in run.params], logprobs))
     (loss_a, grads_a, lp_a), (loss_b, grads_b, lp_b) = results
     assert loss_a == pytest.approx(loss_b, rel=1e-5)
-    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads_a, grads_b))
+    # other padded widths round the forward differently: gradients of magnitude ~3 move by ~2e-5
+    # (transformers 5.25); a wrong normaliser would move them by factors
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(grads_a, grads_b))
     assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(lp_a, lp_b))
 
 

@@ -151,7 +151,7 @@ class TorchEngine:
         self.runner = runner_class(model, max_seq_len or model.config.max_position_embeddings, kernels)
         self.max_batch = max_batch
         self.max_seq_len = self.runner.max_seq_len
-        self.cache = self.runner.new_cache(max_batch)
+        self.cache = self.runner.new_cache(0)  # grown by _reserve as the batch grows (kv_cache.py)
         self.slots = _Slots(max_batch, self.max_seq_len, self.runner.device)
         self.eos_id = eos_id
         self.stop_ids = frozenset(stop_ids)  # besides eos: e.g. a chat template's end-of-turn tokens
@@ -307,12 +307,20 @@ class TorchEngine:
         seqs = [self.waiting.popleft() for _ in range(take)]
         contexts = [seq.context for seq in seqs]
         lo = len(self.running)
+        self._reserve(lo + take)
         self._fill_slots([ctx[:-1] for ctx in contexts], lo)
         self.slots.assign(lo, seqs, [ctx[-1] for ctx in contexts], [len(ctx) - 1 for ctx in contexts])
         for ctx in contexts:
             self._leave_waiting(ctx[:-1])
         self.running += seqs
         self._decode_rows = None
+
+    def _reserve(self, batch: int) -> None:
+        """Grow the KV cache to hold `batch` sequences and the decode's padded rows: at least
+        doubling, at most max_batch, so the cache is sized by the busiest batch so far."""
+        rows = decode_rows(batch, self.max_batch) if self.runner.pads_rows else batch
+        if rows > self.cache.slots:
+            self.cache.reserve(min(self.max_batch, max(rows, 2 * self.cache.slots)))
 
     def _fill_slots(self, prefixes: list[tuple[int, ...]], lo: int) -> None:
         """Write the keys/values of `prefixes` into slots lo, lo+1, ... Each distinct prefix is

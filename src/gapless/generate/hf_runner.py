@@ -41,6 +41,10 @@ class SlotCaches:
                              if isinstance(t, torch.Tensor))
         return total
 
+    def reserve(self, slots: int) -> None:
+        self.rows += [None] * (slots - self.slots)
+        self.slots = max(self.slots, slots)
+
     def move(self, src: list[int], dst: list[int], length: int) -> None:
         for s, d in zip(src, dst):
             self.rows[d] = self.rows[s]

@@ -66,7 +66,7 @@ class ServerThread:
             self.app.scheduler.close()
 
 
-DEFAULT_CONTEXT = 2048  # the KV cache is preallocated: max_batch x context tokens per layer
+DEFAULT_CONTEXT = 2048  # each KV-cache slot is preallocated at this length
 
 
 def serve(model_path: str, sock: socket.socket, model_name: str | None = None, threads: int | None = None,
@@ -80,8 +80,7 @@ def serve(model_path: str, sock: socket.socket, model_name: str | None = None, t
     context = max_seq_len or min(DEFAULT_CONTEXT, policy.model.config.max_position_embeddings)
     app = build_app(policy, model_name or model_path, max_batch=max_batch, api_key=api_key, max_seq_len=context)
     log(f"serving {model_path} at {url_of(sock)}", flush=True)
-    cache_gb = app.scheduler.engine.cache.num_bytes / 1e9
-    log(f"context {context} tokens, {max_batch} sequences at once, KV cache {cache_gb:.2f} GB", flush=True)
+    log(f"context {context} tokens, up to {max_batch} sequences at once (the KV cache grows with the batch)", flush=True)
     try:
         uvicorn.Server(_config(app)).run(sockets=[sock])
     except KeyboardInterrupt:

@@ -36,6 +36,7 @@ from gapless.lora import (LoraSpec, activate, adapter_parameters, adapter_state,
 from gapless.models import Policy, load_local
 from gapless.serve.tinker_losses import LossInputError, loss_fn
 from gapless.serve.tinker_wire import DatumIn
+from gapless.trainer.selected_logprobs import selected_logprobs
 
 
 class UserError(ValueError):
@@ -173,8 +174,8 @@ class TrainingRun:
             attention[i, : lengths[i]] = 1
             target_ids[i, : lengths[i]] = t
         with torch.set_grad_enabled(not forward_only):
-            logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits.float()  # (B, L, V)
-            logp = torch.log_softmax(logits, dim=-1).gather(-1, target_ids[..., None]).squeeze(-1)  # (B, L)
+            logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits  # (B, L, V)
+            logp, _ = selected_logprobs(logits, target_ids)  # (B, L), no (B, L, V) log-softmax kept
             total = torch.stack([fn(logp[i, : lengths[i]], x, config) for i, x in enumerate(inputs)]).sum()
             if not forward_only:
                 total.backward()

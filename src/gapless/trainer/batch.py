@@ -20,10 +20,13 @@ changes only the order of float sums.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, fields, replace
 
 import torch
+import torch.nn.functional as F
 
+from gapless.trainer.selected_logprobs import selected_logprobs
 from gapless.types import Completion
 
 
@@ -111,22 +114,55 @@ def build_batch(completions: list[Completion], advantages: list[float], valid: l
     return Batch(input_ids, attention_mask, loss_mask, behaviour_logprobs, torch.tensor(advantages, dtype=torch.float32), groups)
 
 
-def _logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]  # (B, L-1, V)
-    return logits.float() / temperature
+def first_trained_position(loss_mask: torch.Tensor) -> int:
+    """The first position any row trains on (0 when none does): the log-probs before it are not
+    needed, so the LM head and the log-softmax can skip the prompts."""
+    trained = loss_mask.any(0).nonzero()
+    return int(trained[0]) if len(trained) else 0
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(input_ids[:, t+1] | prefix) for every t, shape (B, L-1), at the sampling temperature."""
-    logp = torch.log_softmax(_logits(model, input_ids, attention_mask, temperature), dim=-1)  # (B, L-1, V)
-    return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+def _logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: int) -> torch.Tensor:
+    """(B, L-1-first, V): the logits at positions first..L-2. The model computes the LM head only
+    there when its forward takes `logits_to_keep` (Hugging Face causal LMs); else all, sliced."""
+    keep = input_ids.shape[1] - first
+    kwargs = {"logits_to_keep": keep} if first > 0 and _takes_logits_to_keep(model) else {}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
+    return logits[:, -keep:-1]  # (B, L-1-first, V) whether or not the model honoured logits_to_keep
+
+
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    while True:  # through the wrappers that pass keyword arguments on: DDP (.module), peft (.get_base_model())
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), torch.nn.Module):
+            model = model.module
+        else:
+            break
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
+                   first: int = 0) -> torch.Tensor:
+    """log p(input_ids[:, t+1] | prefix) for every t >= `first` at the sampling temperature, shape
+    (B, L-1), 0 before `first` (pass `first_trained_position(loss_mask)` to skip the prompts)."""
+    logp, _ = selected_logprobs(_logits(model, input_ids, attention_mask, first), input_ids[:, first + 1 :], temperature)
+    return F.pad(logp, (first, 0))
 
 
 def token_logprobs_and_entropy(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                               temperature: float = 1.0, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`token_logprobs` plus the entropy of each next-token distribution, both (B, L-1). The
-    entropy carries gradient only with `entropy_grad` (an entropy bonus); otherwise it is a metric."""
-    logp = torch.log_softmax(_logits(model, input_ids, attention_mask, temperature), dim=-1)  # (B, L-1, V)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(logp.exp() * logp).sum(-1)  # (B, L-1)
-    return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1), entropy
+                               temperature: float = 1.0, entropy_grad: bool = False, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` plus the entropy of each next-token distribution, both (B, L-1), 0 before
+    `first`. The entropy carries gradient only with `entropy_grad` (an entropy bonus: the plain
+    log-softmax path); otherwise it is a metric (selected_logprobs.py, which keeps no (B, T, V)
+    log-softmax)."""
+    logits, targets = _logits(model, input_ids, attention_mask, first), input_ids[:, first + 1 :]
+    if entropy_grad and torch.is_grad_enabled():
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
+        entropy = -(logp.exp() * logp).sum(-1)
+        picked = logp.gather(-1, targets[..., None]).squeeze(-1)
+    else:
+        picked, entropy = selected_logprobs(logits, targets, temperature, with_entropy=True)
+    return F.pad(picked, (first, 0)), F.pad(entropy, (first, 0))

@@ -37,7 +37,7 @@ import torch
 
 from gapless.config import TrainerConfig
 from gapless.lora import LoraSpec, adapter_state, attach_lora
-from gapless.trainer.batch import Batch, token_logprobs, token_logprobs_and_entropy
+from gapless.trainer.batch import Batch, first_trained_position, token_logprobs, token_logprobs_and_entropy
 from gapless.trainer.corrections import importance_weights, summarise
 from gapless.trainer.losses import LOSSES
 from gapless.trainer.normalisers import StepNorm
@@ -169,9 +169,9 @@ class GRPOTrainer:
                      is_first: bool, loss_scale: float, totals: dict[str, float], offpolicy: list[dict[str, float]]) -> None:
         """One forward/backward; `index` None marks a loss-free padding pass (data parallel)."""
         cfg = self.cfg
-        width = mb.loss_mask.shape[1]
+        width, first = mb.loss_mask.shape[1], first_trained_position(mb.loss_mask)  # no LM head over the prompts
         logprobs, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask, self.temperature,
-                                                       entropy_grad=cfg.entropy_coef > 0)
+                                                       entropy_grad=cfg.entropy_coef > 0, first=first)
         if index is None:
             trainer_start, mb_norm = logprobs.detach(), replace(norm, group_sizes=torch.zeros(len(mb)))
         else:
@@ -189,7 +189,7 @@ class GRPOTrainer:
         if cfg.correction != "none":
             per_token = per_token * rho
         if self.has_reference and cfg.kl_placement == "loss":
-            kl = token_kl(logprobs, self._reference_logprobs(mb), mb.loss_mask, cfg.kl_estimator)
+            kl = token_kl(logprobs, self._reference_logprobs(mb, first), mb.loss_mask, cfg.kl_estimator)
             per_token = per_token + cfg.kl_coef * kl
             totals["kl"] += float((kl.detach() * mb.loss_mask).sum())
         if cfg.entropy_coef > 0:
@@ -206,11 +206,11 @@ class GRPOTrainer:
         return self.cfg.kl_coef > 0
 
     @torch.no_grad()
-    def _reference_logprobs(self, mb: Batch) -> torch.Tensor:
+    def _reference_logprobs(self, mb: Batch, first: int = 0) -> torch.Tensor:
         if self.lora is not None:  # the base model is the reference: the adapters switched off
             with self.model.disable_adapter():
-                return token_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature)
-        return token_logprobs(self.reference, mb.input_ids, mb.attention_mask, self.temperature)
+                return token_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature, first)
+        return token_logprobs(self.reference, mb.input_ids, mb.attention_mask, self.temperature, first)
 
     @torch.no_grad()
     def reference_kl(self, batch: Batch) -> list[float]:
