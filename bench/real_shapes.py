@@ -13,7 +13,9 @@ tokens each (default 64, forced: EOS ignored), greedy, fp32.
   rl_step        (--rl-step) one full GRPO optimizer step of gapless's trainer on S completions
                  of P + G tokens: seconds and peak resident memory. fp32 AdamW holds weights,
                  gradients and two moments: about 16 bytes per parameter (~10 GB for the Qwen3
-                 shape), so it is off by default on a shared machine
+                 shape), so it is off by default on a shared machine. The whole RL step (sample,
+                 score, train, push; full and LoRA) against TRL's `GRPOTrainer` on equal work is
+                 bench/rl_step_vs_trl.py
   vllm           (--device cuda) gapless's `VLLMEngine` on the same rows, bf16
 Each phase runs in its own child process, so its peak resident memory (VmHWM) is its own and at
 most one copy of a model is alive. FLOP/s count 2N per prefilled or generated token (N =
