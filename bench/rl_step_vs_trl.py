@@ -54,7 +54,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
-from real_shapes import build_model  # noqa: E402
+from real_shapes import build_model, peak_rss_gb  # noqa: E402
 from vs_trl import ensure_trl_env, fail, last_line  # noqa: E402
 
 SIDES = ("gapless", "trl")
@@ -88,13 +88,6 @@ def save_checkpoint(shape: str, directory: Path) -> None:
     core = Tokenizer(models.WordLevel(words, unk_token="<eos>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<eos>").save_pretrained(directory)
-
-
-def peak_rss_gb() -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1e6
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 class ParityEnvironment:
