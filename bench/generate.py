@@ -116,6 +116,20 @@ def matmul_peak_gflops(sizes=(512, 1024), reps: int = 5) -> dict:
     return {"gflops": best, "outside_cores": meter.outside_cores}
 
 
+def memory_read_gbps(gigabytes: float = 1.0, reps: int = 5) -> float:
+    """Best GB/s of reading a `gigabytes` fp32 tensor once (a sum over it, torch's threads): the
+    memory roofline of a decode step, which streams every weight once. A lower estimate of the
+    hardware's: a hand-written AVX-512 read loop got 10-20% more on this project's Xeon host."""
+    data = torch.ones(int(gigabytes * 1e9) // 4)
+    data.sum()
+    best = 0.0
+    for _ in range(reps):
+        t = time.perf_counter()
+        data.sum()
+        best = max(best, data.numel() * 4 / (time.perf_counter() - t) / 1e9)
+    return best
+
+
 def run_engine(engine: TorchEngine, prompts: list[list[int]], n: int, params: SamplingParams) -> dict:
     """Groups of `n` samples per prompt through add_request/step; times every step."""
     before = (engine.stats.prefill_tokens, engine.stats.decode_tokens)

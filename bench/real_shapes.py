@@ -20,7 +20,12 @@ tokens each (default 64, forced: EOS ignored), greedy, fp32.
 Each phase runs in its own child process, so its peak resident memory (VmHWM) is its own and at
 most one copy of a model is alive. FLOP/s count 2N per prefilled or generated token (N =
 parameters, the tied head once, attention excluded), against the best fp32 matmul GFLOP/s
-measured in the same child (bench/generate.py's `matmul_peak_gflops`). Every timed block also
+measured in the same child (bench/generate.py's `matmul_peak_gflops`). At decode's few rows a
+step is bound by memory, not by the matmul peak: each phase also measures the memory read
+bandwidth (`memory_read_gbps`) and reports its roofline (every decode step streams the fp32
+weights once, the prefill runs at the matmul peak) as `roofline_tokens_per_s` and the phase's
+share of it; `roofline_vs_hf_generate` is the most any fp32 engine could be ahead of HF on this
+host. Every timed block also
 records the cores other processes used meanwhile (`outside_cores`): this machine is shared.
 Prints one line per phase, then one JSON object on the last line.
 
@@ -88,7 +93,7 @@ def child(args) -> dict:
     import torch
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from generate import LoadMeter, matmul_peak_gflops  # bench/generate.py
+    from generate import LoadMeter, matmul_peak_gflops, memory_read_gbps  # bench/generate.py
 
     torch.set_num_threads(args.threads)
     rows, total = prompts(args), args.sequences * args.new_tokens
@@ -103,7 +108,11 @@ def child(args) -> dict:
         out["peak_rss_gb"] = peak_rss_gb()
         return out
     peak = matmul_peak_gflops(sizes=(1024, 2048), reps=5)
+    bandwidth = memory_read_gbps()
     flop_tokens = total + args.sequences * args.prompt_tokens
+    # the roofline: every decode step streams the weights once (fp32, the tied head counted once),
+    # the prefill is compute at the matmul peak
+    roofline_s = args.new_tokens * params * 4 / bandwidth / 1e9 + 2 * params * args.sequences * args.prompt_tokens / peak["gflops"] / 1e9
     if args.phase == "engine":
         from gapless.generate.engine import TorchEngine
         from gapless.types import SamplingParams
@@ -138,7 +147,8 @@ def child(args) -> dict:
                 assert sum(len(o.generated_tokens) for o in result.values()) == total
     tokens_per_s = total / meter.wall_s
     out.update(tokens_per_s=tokens_per_s, wall_s=meter.wall_s, outside_cores=meter.outside_cores, peak_gflops=peak["gflops"],
-               peak_share=2 * params * flop_tokens / meter.wall_s / 1e9 / peak["gflops"], peak_rss_gb=peak_rss_gb())
+               peak_share=2 * params * flop_tokens / meter.wall_s / 1e9 / peak["gflops"], read_gbps=bandwidth,
+               roofline_tokens_per_s=total / roofline_s, roofline_share=roofline_s / meter.wall_s, peak_rss_gb=peak_rss_gb())
     return out
 
 
@@ -222,13 +232,17 @@ def main() -> None:
                 print(f"round {round_ + 1}", shape, phase, json.dumps(result), flush=True)
     summary = {}
     for shape, by_phase in results.items():
-        summary[shape] = {phase: {key: statistics.median(r[key] for r in runs) for key in ("tokens_per_s", "peak_share", "step_s", "peak_rss_gb")
+        summary[shape] = {phase: {key: statistics.median(r[key] for r in runs)
+                                  for key in ("tokens_per_s", "peak_share", "roofline_share", "step_s", "peak_rss_gb")
                                   if all(key in r for r in runs)} for phase, runs in by_phase.items()}
         rounds = [dict(zip(CPU_PHASES, runs)) for runs in zip(*(by_phase.get(p, []) for p in CPU_PHASES))]
         if rounds and all("tokens_per_s" in r for row in rounds for r in row.values()):
             for other in ("hf_generate", "generate_batch"):
                 ratios = [row["engine"]["tokens_per_s"] / row[other]["tokens_per_s"] for row in rounds]
                 summary[shape][f"engine_vs_{other}"] = {"per_round": ratios, "median": statistics.median(ratios)}
+                # the most any fp32 engine could be ahead of `other` on this host: the memory roofline's speed over its
+                ceiling = [row["engine"]["roofline_tokens_per_s"] / row[other]["tokens_per_s"] for row in rounds]
+                summary[shape][f"roofline_vs_{other}"] = {"per_round": ceiling, "median": statistics.median(ceiling)}
     print(json.dumps({"threads": args.threads, "sequences": args.sequences, "prompt_tokens": args.prompt_tokens,
                       "new_tokens": args.new_tokens, "rounds": args.rounds, "summary": summary, "results": results}))
 
