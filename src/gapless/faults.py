@@ -2,7 +2,8 @@
 
 `GAPLESS_FAULT="ACTOR:POINT:N[:ACTION]"` makes process ACTOR (trainer | generator | environment,
 or one generator replica by its process name, `generator-1`) deliver ACTION (kill = SIGKILL, the
-default; stop = SIGSTOP) to itself the N-th time it passes POINT. The points:
+default; stop = SIGSTOP) to itself the N-th time it passes POINT, after printing a "gapless
+fault:" line to its stderr and, if `GAPLESS_FAULT_LOG` names a file, appending it there. The points:
 
     trainer      step        start of a training step, rollouts taken
                  publish     inside a weight publish: the new weights half copied, not yet flipped
@@ -60,6 +61,9 @@ def fault_point(actor: str, point: str) -> None:
     _hits += 1
     if _hits == _FAULT[2]:
         # the crash tests time the run's reaction from this line (CLOCK_MONOTONIC is machine-wide)
-        print(f"gapless fault: {_FAULT[3].name} {actor} at {point} #{_hits} t={time.monotonic():.3f}", file=sys.stderr,
-              flush=True)
+        line = f"gapless fault: {_FAULT[3].name} {actor} at {point} #{_hits} t={time.monotonic():.3f}"
+        print(line, file=sys.stderr, flush=True)
+        if log := os.environ.get("GAPLESS_FAULT_LOG"):  # a Ray actor's stderr reaches the driver late, if at all
+            with open(log, "a") as f:
+                f.write(line + "\n")
         os.kill(os.getpid(), _FAULT[3])

@@ -61,10 +61,11 @@ class Outcome:
     ended: float  # CLOCK_MONOTONIC when the run exited
     stderr: str
     survivors: list  # [pid, cmdline] of processes still alive linger_s after the exit
+    fault_log: str = ""  # what the fault points wrote to GAPLESS_FAULT_LOG (actors on Ray placement included)
 
     @property
     def fault_time(self) -> float | None:
-        match = re.search(r"gapless fault: \w+ \w+ at \w+ #\d+ t=([\d.]+)", self.stderr)
+        match = re.search(r"gapless fault: \w+ \w+ at \w+ #\d+ t=([\d.]+)", self.fault_log + self.stderr)
         return float(match.group(1)) if match else None
 
 
@@ -72,9 +73,13 @@ def train(args: list[str], stderr_path: Path, fault: str | None = None, linger_s
           timeout_s: float = 300) -> Outcome:
     env = dict(os.environ, PYTHONPATH=str(SRC))
     env.pop("GAPLESS_FAULT", None)
+    fault_log = Path(f"{stderr_path}.faults")
+    fault_log.unlink(missing_ok=True)
     if fault:
-        env["GAPLESS_FAULT"] = fault
+        env["GAPLESS_FAULT"], env["GAPLESS_FAULT_LOG"] = fault, str(fault_log)
     command = [sys.executable, "-c", SUPERVISOR, str(linger_s), str(stderr_path), sys.executable, "-m", "gapless.cli",
                "train", *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, check=True)
-    return Outcome(**json.loads(done.stdout.strip().splitlines()[-1]))
+    outcome = Outcome(**json.loads(done.stdout.strip().splitlines()[-1]))
+    outcome.fault_log = fault_log.read_text() if fault_log.exists() else ""
+    return outcome

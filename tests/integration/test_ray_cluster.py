@@ -8,7 +8,8 @@ same ledger) with its actors spread over the virtual nodes; an infeasible placem
 --cluster.replicas 2` runs with no Ray running and survives a replica killed with SIGKILL (its
 groups end `replica_lost`, exactly once); with `--cluster.weight_transport broadcast` both
 replicas' versions increase and end on the trainer's final state, and a killed replica makes the
-relay rebuild its group (the survivor and the replacement end on the last version); no run
+relay rebuild its group (the survivor, and the replacement if it joined before the end, end on
+the last version); no run
 leaves a Ray process behind.
 """
 
@@ -48,6 +49,10 @@ def cluster():
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     temp_dir = tempfile.mkdtemp(prefix="gapless-rc-")
+    # Cluster records the head's address in Ray's default temp dir (/tmp/ray), which it does not create
+    from ray._private.utils import get_ray_address_file
+
+    os.makedirs(os.path.dirname(get_ray_address_file(None)), exist_ok=True)
     common = dict(node_ip_address="127.0.0.1", object_store_memory=200 << 20)
     c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False, temp_dir=temp_dir, **common))
     try:
@@ -187,7 +192,8 @@ def test_gapless_train_with_the_broadcast_weight_transport(tmp_path, warm_cache)
 
 def test_the_broadcast_group_is_rebuilt_when_a_replica_is_killed(tmp_path, warm_cache):
     """A replica killed with SIGKILL mid-run: the relay rebuilds its group without it (and with the
-    replacement), the run completes exactly once, and every member's versions still increase."""
+    replacement once that joins), the run completes exactly once, and every member's versions still
+    increase."""
     steps, budget = 6, 1
     run = tmp_path / "run"
     outcome = train(_args(run, warm_cache, steps, budget, "--cluster.placement", "ray", "--cluster.replicas", "2",
@@ -205,5 +211,7 @@ def test_the_broadcast_group_is_rebuilt_when_a_replica_is_killed(tmp_path, warm_
     for member, flips in relay["flips"].items():
         assert flips == sorted(set(flips)), (member, flips)
     assert relay["published"] == steps and relay["flips"]["generator-1"][-1] < steps, relay
+    # the survivor ends on the last version; the replacement starts while the run goes on (it is not
+    # waited for), and if it joined before the end it was sent the newest version too
     others = {m: f for m, f in relay["flips"].items() if m != "generator-1"}
-    assert len(others) == 2 and all(f[-1] == steps for f in others.values()), relay  # the survivor, the replacement
+    assert relay["flips"]["generator-0"][-1] == steps and all(f[-1] == steps for f in others.values()), relay

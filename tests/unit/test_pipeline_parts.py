@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
+import signal
 import subprocess
 import time
 
@@ -15,7 +17,7 @@ from gapless.orchestrate.admission import Admission, PromptSource, sample_step_t
 from gapless.orchestrate.buffer import ScoredGroup, StalenessBuffer
 from gapless.orchestrate.curriculum import PassRateCurriculum
 from gapless.orchestrate.ledger import GroupLedger
-from gapless.orchestrate.watchdog import ACTORS, Heartbeats, PipelineStalled, StallWatch
+from gapless.orchestrate.watchdog import ACTORS, Heartbeats, PipelineStalled, StallWatch, process_state
 from gapless.orchestrate.weights import SharedWeights
 from gapless.types import Completion, Rollout
 
@@ -187,6 +189,28 @@ def test_stall_watch_allows_set_up_its_own_time(tmp_path):
         with pytest.raises(PipelineStalled, match="waiting on generator"):
             watch.check("step 1's rollouts")
         assert "generator: pid" in (tmp_path / "stall.txt").read_text()
+    finally:
+        actor.kill()
+        actor.wait()
+
+
+def test_a_stopped_actor_gets_no_start_up_allowance(tmp_path):
+    """SIGSTOP during an actor's set-up is found at stall_timeout_s, not at the 120 s allowance that
+    covers slow imports: a stopped process is not slow, it does nothing."""
+    beats = Heartbeats(mp.get_context("spawn"))
+    actor = subprocess.Popen(["sleep", "60"])
+    try:
+        beats._pids[ACTORS.index("generator")] = actor.pid
+        beats._beats[ACTORS.index("generator")] = time.monotonic() - 3.0  # silent for 3 s
+        watch = StallWatch(beats, 1.0, tmp_path, ("generator",))
+        watch.check("the actors to start", starting=True)  # running (sleeping): within its allowance
+        os.kill(actor.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5.0
+        while not process_state(actor.pid).startswith("T") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(PipelineStalled, match="waiting on generator"):
+            watch.check("the actors to start", starting=True)
+        assert "state T (stopped)" in (tmp_path / "stall.txt").read_text()
     finally:
         actor.kill()
         actor.wait()

@@ -5,9 +5,14 @@ the Ray calls are replaced at `ray.get` / `ray.is_initialized`, the logic under 
   ray.get crashed the run's process at exit); reopen lets a new connection call again;
 - a stall of the mailbox (no read answered for seconds) is not counted as the actors' silence,
   while an actor whose beats stop while the mailbox answers still ages;
-- a timed-out read does not end the trainer's poller.
+- a timed-out read does not end the trainer's poller;
+- a channel whose mailbox calls time out after the mailbox acted (the answer lost on the way)
+  still delivers every item once, in order, and such a timeout does not stop an actor (the real
+  PostOffice, run on an event loop in this process); the mailbox is given pickled bytes only.
 """
 
+import asyncio
+import queue
 import threading
 import time
 
@@ -114,3 +119,71 @@ def test_a_timed_out_read_does_not_end_the_poller(fake_ray, monkeypatch):
     ray_mail.quiesce(timeout_s=1.0)  # ends the poller at its next call
     poller.join(timeout=5.0)
     assert not poller.is_alive()
+
+
+class _LocalOffice:
+    """The real PostOffice on an event loop in a thread. `office.method.remote(*args)` runs the
+    call there and returns its answer, or, while `lose[method]` > 0, a GetTimeoutError instead: the
+    mailbox acted, the caller never heard (fake_ray's get raises it)."""
+
+    def __init__(self, lose: dict[str, int]):
+        self.real, self.lose = ray_mail.PostOffice.__ray_actor_class__(), dict(lose)
+        self.put_types: set[type] = set()  # the types of the items the mailbox was given
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def __getattr__(self, name):
+        office = self
+
+        class _Method:
+            @staticmethod
+            def remote(*args):
+                if name == "put_many":
+                    office.put_types.update(type(item) for item in args[2])
+                answer = asyncio.run_coroutine_threadsafe(getattr(office.real, name)(*args), office.loop).result()
+                if office.lose.get(name, 0) > 0:
+                    office.lose[name] -= 1
+                    return ray.exceptions.GetTimeoutError("the answer came too late")
+                return answer
+
+        return _Method
+
+    def close(self):
+        ray_mail.quiesce(timeout_s=5.0)  # the channel's threads end at their next call
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5.0)
+
+
+@pytest.mark.parametrize("maxsize", [0, 3])
+def test_a_channel_loses_and_duplicates_nothing_when_calls_time_out(fake_ray, maxsize):
+    office = _LocalOffice({"put_many": 3, "get_many": 4})
+    channel = ray_mail.RayChannel(office, maxsize)
+    try:
+        received = []
+        writer = threading.Thread(target=lambda: [channel.put(i, timeout=10) or time.sleep(0.002) for i in range(40)])
+        writer.start()
+        while len(received) < 40:
+            received.append(channel.get(timeout=10))
+        writer.join()
+        assert received == list(range(40))  # every item once, in order
+        with pytest.raises(queue.Empty):
+            channel.get(timeout=0.7)  # no duplicate follows
+        assert office.lose == {"put_many": 0, "get_many": 0}  # the lost answers happened
+        # opaque bytes: unpickling a message in the mailbox would import gapless and torch in its event loop
+        assert office.put_types == {bytes}
+    finally:
+        office.close()
+
+
+def test_a_timed_out_stop_poll_does_not_stop_the_actor(fake_ray, monkeypatch):
+    monkeypatch.setattr(ray_mail, "POLL_S", 0.05)
+    office = _LocalOffice({"wait_stop": 2})
+    flag = ray_mail.RayStopFlag(office)
+    try:
+        assert not flag.wait(1.0)
+        assert office.lose["wait_stop"] == 0 and not flag.is_set()  # two polls lost: still running
+        asyncio.run_coroutine_threadsafe(office.real.set_stop(), office.loop).result()
+        assert flag.wait(5.0)  # the trainer's stop still arrives
+    finally:
+        office.close()

@@ -142,6 +142,7 @@ class ProcessSource:
         self.replicas: list[_Replica] = []
         self.actors: set[str] = set()  # the actors that must report Ready
         self.ready_actors: set[str] = set()
+        self.started = False  # every actor of the first step was ready once
         self.inbox: queue.Queue = queue.Queue()  # every actor's messages, forwarded by one reader thread each
         self.infra_since: float | None = None  # when groups started failing in the infrastructure (None: none failing)
         self.evictions: list[dict] = []  # replica, why, silent_s, step: written to staleness.json
@@ -177,11 +178,14 @@ class ProcessSource:
         self.assembling, self.step_resamples = step, 0
         self.dispatcher.assembling(step)
         self.watch.progressed()  # the trainer's own work since the last wait (train, eval, checkpoint) is no stall
-        if not self.actors <= self.ready_actors:
+        # the first step waits for every actor to start; a replica restarted after an eviction
+        # starts while the others go on (the stall watch bounds its start-up by itself)
+        if not self.started and not self.actors <= self.ready_actors:
             with self.timelines["trainer"].span("wait_actors_start"):  # spawn, imports, engine, sandbox
                 while not self.actors <= self.ready_actors:
                     self._receive(0.05, "the generator and environment processes to start", starting=True)
             t0 = time.perf_counter()
+        self.started = True
         self._check_alive()  # also when the buffer already holds the batch: a dead or stalled actor ends the run
         self.watch.check(f"step {step + 1}'s rollouts")
         wait_start = time.perf_counter()

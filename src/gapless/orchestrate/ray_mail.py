@@ -12,16 +12,25 @@ costs milliseconds (a queue round trip is ~13 ms on this 2-core box, against ~0.
 cost no Ray call) and a background thread per object and process moves *batches*: whatever was
 put since the last flush goes in one call, and a reader takes everything waiting in one call.
 
-Guaranteed: each channel is FIFO for its one writer and one reader (the flusher waits for each
-batch's acknowledgement before sending the next); a bounded channel (maxsize > 0) holds at most
+The mailbox holds each item as the bytes its writer pickled and never unpickles one: otherwise
+Ray's deserialisation of the first message in the mailbox process would import gapless and torch
+there, in its event loop, and answer no call meanwhile (seen: over 40 s on a loaded 2-core box,
+every actor's calls timing out at once).
+
+Guaranteed: each channel is FIFO and exactly-once for its one writer and one reader (the flusher
+waits for each batch's acknowledgement before sending the next); a slow mailbox is not a gone
+one: a call that times out (CALL_TIMEOUT_S; seen at 30 s on a 2-core box under load) is made
+again, never the end of its thread, and repeating one loses and duplicates nothing (a batch
+carries a sequence number the mailbox puts once; a read names how many items the reader holds,
+which acknowledges them, and items leave the mailbox only when acknowledged; the stop flag's
+poll reads a value); a bounded channel (maxsize > 0) holds at most
 three times maxsize items in all (writer list, mailbox, reader queue), so a writer still feels
 back-pressure (`put` raises queue.Full at its timeout); every Ray call is bounded by a timeout;
 `flush_writers` waits until what this process put has reached the mailbox (an actor calls it
 before its main function returns, so its last words arrive). Heartbeat ages are measured on the
 trainer's clock, from when it saw a beat change, so clocks of other machines do not matter; an age
 is up to ~0.5 s older than on the local placement (push and poll periods); time in which the
-mailbox answered no read (a stalled Ray, a starved trainer) is not counted as any actor's silence,
-and a timed-out beat or read is retried, never the end of its thread; `quiesce` (before
+mailbox answered no read (a stalled Ray, a starved trainer) is not counted as any actor's silence; `quiesce` (before
 ray.shutdown) waits until no call of this process is inside ray.get. Not guaranteed: a pid
 for an actor on another host (`pid` returns 0 there, which the stall watch reads as "starting");
 delivery after the mailbox actor died (the run is then failing anyway).
@@ -32,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import pickle
 import queue
 import socket
 import threading
@@ -56,6 +66,8 @@ class PostOffice:
 
     def __init__(self):
         self.boxes: dict[str, deque] = {}
+        self.first: dict[str, int] = {}  # box -> the channel index of its first item (items before were acknowledged)
+        self.batches: dict[str, int] = {}  # box -> the sequence number of the last batch put
         self.changed: asyncio.Condition | None = None
         self.stop = False
         self.beats: dict[str, tuple[int, str, int]] = {}
@@ -65,32 +77,48 @@ class PostOffice:
             self.changed = asyncio.Condition()
         return self.changed
 
-    async def put_many(self, box: str, items: list, maxsize: int, wait_s: float) -> bool:
-        """Append `items` once the box has room (maxsize 0: always); False after `wait_s` without."""
+    async def put_many(self, box: str, batch: int, items: list, maxsize: int, wait_s: float) -> bool:
+        """Append batch number `batch` once the box has room (maxsize 0: always); False after
+        `wait_s` without. A batch already put (a retry of a call that timed out at the writer but
+        went through here) is not appended again."""
         cond = self._cond()
         async with cond:
             q = self.boxes.setdefault(box, deque())
+            if batch <= self.batches.get(box, 0):
+                return True
             if maxsize > 0:
                 try:
-                    await asyncio.wait_for(cond.wait_for(lambda: len(q) < maxsize), wait_s)
+                    await asyncio.wait_for(cond.wait_for(lambda: len(q) < maxsize or batch <= self.batches.get(box, 0)),
+                                           wait_s)
                 except asyncio.TimeoutError:
                     return False
+                if batch <= self.batches.get(box, 0):
+                    return True
             q.extend(items)
+            self.batches[box] = batch
             cond.notify_all()
         return True
 
-    async def get_many(self, box: str, limit: int, wait_s: float) -> list:
-        """Up to `limit` items (0: all), waiting up to `wait_s` for the first."""
+    async def get_many(self, box: str, have: int, limit: int, wait_s: float) -> list:
+        """The items from channel index `have` on (up to `limit`; 0: all), waiting up to `wait_s`
+        for the first. `have` (how many items the reader holds) acknowledges every item before it:
+        those leave the box now. Items handed out stay until acknowledged, so a call whose answer
+        never reached the reader (it timed out there) loses nothing: the next call gets them again."""
         cond = self._cond()
         async with cond:
             q = self.boxes.setdefault(box, deque())
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(cond.wait_for(lambda: len(q) > 0 or self.stop), wait_s)
-            n = len(q) if limit <= 0 else min(limit, len(q))
-            items = [q.popleft() for _ in range(n)]
-            if items:
+            first = self.first.get(box, 0)
+            acknowledged = max(0, min(have - first, len(q)))
+            for _ in range(acknowledged):
+                q.popleft()
+            self.first[box] = first = first + acknowledged
+            if acknowledged:
                 cond.notify_all()  # room for a waiting writer
-            return items
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(cond.wait_for(lambda: self.first[box] + len(q) > have or self.stop), wait_s)
+            start = max(0, have - self.first[box])
+            end = len(q) if limit <= 0 else min(len(q), start + limit)
+            return [q[i] for i in range(start, end)]
 
     async def set_stop(self) -> None:
         cond = self._cond()
@@ -133,6 +161,20 @@ def _call(make_ref, timeout_s: float = CALL_TIMEOUT_S):
         with _calls:
             _in_flight -= 1
             _calls.notify_all()
+
+
+def _retried(make_ref, timeout_s: float = CALL_TIMEOUT_S, attempts: int = 0):
+    """`_call`, again after each timeout (`attempts` calls at most; 0: until one answers). A slow
+    mailbox is not a gone one: only its death, the run's end or a Ray error ends the caller. Every
+    mailbox call is safe to repeat (put_many and get_many by their batch and index numbers)."""
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return _call(make_ref, timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            if attempts and attempt >= attempts:
+                raise
 
 
 def quiesce(timeout_s: float = 2 * POLL_S + 5.0) -> bool:
@@ -189,6 +231,8 @@ class RayChannel:
         self._lock = threading.Condition()
         self._pending: list = []
         self._in_flight = 0
+        self._batch = 0  # sequence number of the last batch sent (writer)
+        self._have = 0  # items received so far (reader): the index of the next one
         self._flusher: threading.Thread | None = None
         self._reader: threading.Thread | None = None
         self._received: queue.Queue = queue.Queue(self.maxsize)
@@ -216,8 +260,10 @@ class RayChannel:
                 items, self._pending = self._pending, []
                 self._in_flight = len(items)
                 self._lock.notify_all()  # room for a blocked put
+            self._batch += 1
             try:
-                while not _call(lambda: self.office.put_many.remote(self.box, items, self.maxsize, POLL_S)):
+                blobs = [pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL) for item in items]
+                while not _retried(lambda: self.office.put_many.remote(self.box, self._batch, blobs, self.maxsize, POLL_S)):
                     pass  # the box is full: the reader is behind (back-pressure)
             except BaseException:  # noqa: BLE001 - Ray raises SystemExit in threads after shutdown
                 return  # the mailbox is gone: the run is over
@@ -243,11 +289,12 @@ class RayChannel:
     def _read_loop(self) -> None:
         while True:
             try:
-                items = _call(lambda: self.office.get_many.remote(self.box, self.maxsize, POLL_S))
+                items = _retried(lambda: self.office.get_many.remote(self.box, self._have, self.maxsize, POLL_S))
             except BaseException:  # noqa: BLE001 - Ray raises SystemExit in threads after shutdown
                 return
-            for item in items:
-                self._received.put(item)  # blocks when the reader is maxsize behind
+            self._have += len(items)
+            for blob in items:
+                self._received.put(pickle.loads(blob))  # blocks when the reader is maxsize behind
 
 
 # ---- the stop flag ----------------------------------------------------------------------------
@@ -273,7 +320,7 @@ class RayStopFlag:
     def set(self) -> None:
         self._set.set()
         with contextlib.suppress(BaseException):
-            _call(lambda: self.office.set_stop.remote(), 5.0)
+            _retried(lambda: self.office.set_stop.remote(), 5.0, attempts=3)
 
     def _watch(self) -> None:
         with self._start_lock:
@@ -284,7 +331,7 @@ class RayStopFlag:
     def _poll(self) -> None:
         while not self._set.is_set():
             try:
-                if _call(lambda: self.office.wait_stop.remote(POLL_S)):
+                if _retried(lambda: self.office.wait_stop.remote(POLL_S)):
                     self._set.set()
             except BaseException:  # noqa: BLE001 - Ray raises SystemExit in threads after shutdown
                 self._set.set()  # the mailbox is gone: the trainer has gone, so stop

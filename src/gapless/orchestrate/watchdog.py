@@ -148,13 +148,21 @@ class StallWatch:
         """`waiting_for`: what the trainer is waiting for, in words ("step 4's rollouts"). While
         `starting` (the actors' set-up: spawn, imports, engine, sandbox) every actor gets the
         start-up allowance: a set-up thread beats for it, but imports that hold the GIL can starve
-        that thread for seconds on a loaded machine."""
+        that thread for seconds on a loaded machine. A stopped actor process does not (on this
+        host: its state is read from /proc)."""
         limit = self.startup_s if starting else self.timeout_s
-        stale = [a for a in self.actors
-                 if self.heartbeats.age_s(a) > (limit if self.heartbeats.pid(a) else self.startup_s)]
+        stale = [a for a in self.actors if self._silent(a, limit)]
         waited = time.monotonic() - self.progress_at
         if stale or waited > limit:
             self.stall(waiting_for, waited, stale)
+
+    def _silent(self, actor: str, limit: float) -> bool:
+        """Silent past `limit` (the start-up allowance before it has a pid); a process that is
+        stopped (SIGSTOP, a tracer) gets no start-up allowance: it is not slow, it does nothing."""
+        age, pid = self.heartbeats.age_s(actor), self.heartbeats.pid(actor)
+        if not pid:
+            return age > self.startup_s
+        return age > limit or (age > self.timeout_s and process_state(pid).startswith(("T", "t")))
 
     def stall(self, waiting_for: str, waited: float, stale: list[str]) -> None:
         """Write the diagnosis and the stacks, then raise PipelineStalled."""
