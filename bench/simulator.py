@@ -205,8 +205,10 @@ PUBLISHED = {
 }
 
 
-def published_config(setup: dict, placement: str, budget: int, replicas: int, ranks: int, steps: int):
+def published_config(setup: dict, placement: str, budget: int, replicas: int, ranks: int, steps: int,
+                     decode_step_overhead_s: float = 0.0):
     return load_config(None, {
+        "simulate.decode_step_overhead_s": str(decode_step_overhead_s),
         "simulate.placement": json.dumps(placement), "simulate.cores": str(setup["devices"]),
         "simulate.replicas": str(replicas), "simulate.trainer_ranks": str(ranks), "simulate.params": str(setup["params"]),
         "simulate.kv_bytes_per_token": str(setup["kv"]), "simulate.device_flops": str(setup["flops"]),
@@ -219,19 +221,20 @@ def published_config(setup: dict, placement: str, budget: int, replicas: int, ra
         "simulate.trainer_inbox": '"continuous"'})  # their rollout controllers admit on their own
 
 
-def part_published(steps: int) -> dict:
+def part_published(steps: int, decode_step_overhead_s: float = 0.0) -> dict:
     out = {}
     for name, setup in PUBLISHED.items():
         devices = setup["devices"]
         # synchronous: generation on every device, then training on every device (colocated, shared)
-        sync_cfg = published_config(setup, "split", 0, devices, devices, steps)
+        sync_cfg = published_config(setup, "split", 0, devices, devices, steps, decode_step_overhead_s)
         sync_costs = resolve_costs(sync_cfg)
-        sync_cfg = published_config(setup, "shared", 0, devices, devices, steps)
+        sync_cfg = published_config(setup, "shared", 0, devices, devices, steps, decode_step_overhead_s)
         sync = Simulation(sync_cfg, replace(sync_costs, parallel_efficiency=1.0)).run().summary()
         best = None
         for gen_share in (0.5, 0.625, 0.75, 0.875):  # asynchronous: devices split between generation and training
             replicas = round(devices * gen_share)
-            cfg = published_config(setup, "split", setup["budget"], replicas, devices - replicas, steps)
+            cfg = published_config(setup, "split", setup["budget"], replicas, devices - replicas, steps,
+                                   decode_step_overhead_s)
             result = Simulation(cfg, resolve_costs(cfg)).run().summary()
             if best is None or result["s_per_sample"] < best[1]["s_per_sample"]:
                 best = (gen_share, result)
@@ -273,6 +276,8 @@ def main() -> None:
     parser.add_argument("--lengths-from", default=None, help="a run directory of the default workload")
     parser.add_argument("--iterations", type=int, default=60)
     parser.add_argument("--published-steps", type=int, default=12)
+    parser.add_argument("--decode-step-overhead-s", type=float, default=0.0,
+                        help="published setups: fixed time of each decode step (simulate.decode_step_overhead_s)")
     parser.add_argument("--scale-steps", type=int, default=10000)
     args = parser.parse_args()
     figures: dict = {"cores": os.cpu_count(), "load_avg_1m_start": os.getloadavg()[0]}
@@ -288,7 +293,7 @@ def main() -> None:
                             "lengths": lengths.__dict__ | {}, **part_error(measured, lengths, args.iterations)}
         figures["error"]["lengths"].pop("_quantiles", None)
     if "published" in parts:
-        figures["published"] = part_published(args.published_steps)
+        figures["published"] = part_published(args.published_steps, args.decode_step_overhead_s)
     if "scale" in parts:
         figures["scale"] = part_scale(args.scale_steps)
     figures["load_avg_1m_end"] = os.getloadavg()[0]

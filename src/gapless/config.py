@@ -612,6 +612,9 @@ class SimulateConfig(_Section):
     (2 x layers x kv heads x head dim x 2 bytes)."""
     gen_efficiency: float = Field(0.4, gt=0, le=1)
     """Roofline: share of peak FLOP/s a decode step's matmuls reach."""
+    decode_step_overhead_s: float = Field(0.0, ge=0)
+    """Roofline: fixed time of one decode step besides its weight and KV reads (kernel launches,
+    sampling, the engine's scheduler); it sets the cost of a long tail decoded at a small batch."""
     train_mfu: float = Field(0.4, gt=0, le=1)
     """Roofline: trainer model FLOP utilisation (6N FLOPs per trained token)."""
     prompt_tokens: int = Field(64, ge=1)

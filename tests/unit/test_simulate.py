@@ -246,3 +246,16 @@ def test_simulate_refuses_a_real_run_dir(tmp_path):
     cfg = load_config(None, {"run_dir": json.dumps(str(real)), "loop.steps": "2", "simulate.cores": "2"})
     with pytest.raises(ConfigError, match="holds a real run"):
         simulate(cfg, log=lambda *a: None)
+
+
+def test_roofline_decode_step_overhead_adds_to_every_step():
+    """A decode step costs overhead + weight bytes / bandwidth + rows x per-row cost (closed form)."""
+    from gapless.simulate import resolve_costs
+
+    base = {"simulate.placement": '"split"', "simulate.params": "1e9", "simulate.kv_bytes_per_token": "1000",
+            "simulate.device_flops": "1e15", "simulate.device_memory_bw": "2e12"}
+    plain = resolve_costs(load_config(None, base)).generation
+    slow = resolve_costs(load_config(None, {**base, "simulate.decode_step_overhead_s": "0.004"})).generation
+    assert plain.step_s == pytest.approx(1e9 * 2.0 / 2e12)  # bf16 weights read once per step
+    assert slow.step_s == pytest.approx(plain.step_s + 0.004) and slow.row_s == plain.row_s
+    assert slow.decode_step_s(8) - plain.decode_step_s(8) == pytest.approx(0.004)

@@ -64,7 +64,8 @@ def resolve_costs(cfg: Config) -> Costs:
     params, kv = model_size(cfg)
     device = DeviceSpec(sim.device_flops, sim.device_memory_bw, sim.interconnect_bw)
     return roofline_costs(device, params, 2.0, kv, sim.gpus_per_replica, sim.prompt_tokens + expected / 2, lengths,
-                          sim.gen_efficiency, sim.train_mfu, sim.prompt_tokens, sim.relay_latency_s)
+                          sim.gen_efficiency, sim.train_mfu, sim.prompt_tokens, sim.relay_latency_s,
+                          sim.decode_step_overhead_s)
 
 
 def _check(cfg: Config) -> None:

@@ -157,13 +157,15 @@ class DeviceSpec:
 
 def roofline_costs(device: DeviceSpec, params: float, bytes_per_param: float, kv_bytes_per_token: float,
                    gpus_per_replica: int, mean_context: float, lengths: LengthModel,
-                   gen_efficiency: float, train_mfu: float, prompt_tokens: int, relay_latency_s: float = 0.0) -> Costs:
+                   gen_efficiency: float, train_mfu: float, prompt_tokens: int, relay_latency_s: float = 0.0,
+                   decode_step_overhead_s: float = 0.0) -> Costs:
     """Costs of a replica of `gpus_per_replica` devices (tensor parallel, perfect scaling assumed)
     and a trainer rank (data parallel: a step divides its tokens among the ranks), from the roofline:
-    decode step = weight bytes / bandwidth (once per step) + per row (2N FLOPs at gen_efficiency of
-    peak + its KV cache of `mean_context` tokens read once); trained token = 6N FLOPs at train_mfu."""
+    decode step = `decode_step_overhead_s` + weight bytes / bandwidth (once per step) + per row (2N
+    FLOPs at gen_efficiency of peak + its KV cache of `mean_context` tokens read once); trained
+    token = 6N FLOPs at train_mfu."""
     g = gpus_per_replica
-    weights_s = params * bytes_per_param / (device.memory_bw * g)
+    weights_s = decode_step_overhead_s + params * bytes_per_param / (device.memory_bw * g)
     row_s = 2 * params / (device.flops * gen_efficiency * g) + kv_bytes_per_token * mean_context / (device.memory_bw * g)
     prefill_s = 2 * params / (device.flops * gen_efficiency * g)
     token_s = 6 * params / (device.flops * train_mfu)  # on one rank; the step divides by the ranks
