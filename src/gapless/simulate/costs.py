@@ -165,10 +165,10 @@ def roofline_costs(device: DeviceSpec, params: float, bytes_per_param: float, kv
     FLOPs at gen_efficiency of peak + its KV cache of `mean_context` tokens read once); trained
     token = 6N FLOPs at train_mfu."""
     g = gpus_per_replica
-    weights_s = decode_step_overhead_s + params * bytes_per_param / (device.memory_bw * g)
+    step_s = decode_step_overhead_s + params * bytes_per_param / (device.memory_bw * g)  # the weights read once
     row_s = 2 * params / (device.flops * gen_efficiency * g) + kv_bytes_per_token * mean_context / (device.memory_bw * g)
     prefill_s = 2 * params / (device.flops * gen_efficiency * g)
     token_s = 6 * params / (device.flops * train_mfu)  # on one rank; the step divides by the ranks
     relay = RelayCost(relay_latency_s, params * bytes_per_param, device.interconnect_bw)
-    return Costs(GenerationCost(weights_s, row_s, prefill_s), lengths, TrainerCost(token_s), relay=relay,
+    return Costs(GenerationCost(step_s, row_s, prefill_s), lengths, TrainerCost(token_s), relay=relay,
                  prompt_tokens=prompt_tokens, source="roofline").check()
