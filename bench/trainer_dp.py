@@ -97,7 +97,7 @@ def main() -> None:
                 print(kind, round_, {k: round(v[-1], 3) for k, v in times.items()}, flush=True)
             one, two = same_threads.state_for_push(), dp.state_for_push()
             max_dw = max(float((one[k] - two[k]).abs().max()) for k in one)
-            os.kill(dp._ranks[1].pid, fault)
+            os.kill(dp.hosts.pids()[1], fault)
             started = time.perf_counter()
             try:
                 dp.step(batch)

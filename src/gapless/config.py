@@ -470,7 +470,7 @@ class PipelineConfig(_Section):
     """Torch threads of the trainer process; 0 = every core when max_staleness is 0, else the cores
     left by the generator (at least 1)."""
     env_workers: int = Field(4, ge=1, le=1024)
-    """Groups scored concurrently by the environment process."""
+    """Groups scored concurrently by each environment process (cluster.env_actors of them)."""
     turn_schedule: Literal["turns", "waves"] = "turns"
     """How the pipeline schedules the turns of multi-turn episodes (tool_use, repo): 'turns' (an
     episode's next turn joins the generator's continuous batch as soon as its tool returns; no
@@ -542,10 +542,19 @@ class ClusterConfig(_Section):
     or more, a replica that dies or stops is evicted and its groups end as 'replica_lost'."""
     replica_restarts: int = Field(2, ge=0, le=64)
     """Evicted replicas the run replaces with fresh ones, in total; 0 = continue with the rest."""
+    env_actors: int = Field(1, ge=1, le=256)
+    """Environment actors, each its own process (on Ray: its own bundle) scoring on
+    pipeline.env_workers threads; the trainer routes each admitted group to the live one holding
+    the fewest. With 2 or more, one that dies or stops is evicted: the groups routed to it end as
+    'env_lost' and are generated again. Raise it when scoring (sandboxes, judges) is the
+    bottleneck and other machines have cores. Single-turn tasks only."""
+    env_restarts: int = Field(2, ge=0, le=64)
+    """Evicted environment actors the run replaces with fresh ones, in total (with env_actors >= 2)."""
     trainer_world_size: int = Field(1, ge=1, le=64)
     """Trainer data-parallel ranks (docs/distributed.md). 1 trains in the run's process, as always;
-    W > 1 keeps rank 0 there and spawns ranks 1..W-1 as processes on this machine, joined by
-    torch.distributed (gloo), each training on its share of every step's rows. The gradient and
+    W > 1 keeps rank 0 there and starts ranks 1..W-1 (processes on this machine; with placement
+    'ray', Ray actors on bundles of the run's placement group), joined by torch.distributed
+    (gloo), each training on its share of every step's rows. The gradient and
     the weights equal world 1's up to float rounding; raise it when the trainer is the bottleneck
     and there are cores (or devices) to spare for the extra ranks."""
     data_parallel: Literal["ddp", "fsdp2"] = "ddp"

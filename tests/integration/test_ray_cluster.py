@@ -1,9 +1,11 @@
 """The pipeline on Ray placement (slow): a local multi-node Ray cluster started by the test
-(`ray.cluster_utils.Cluster`: a head without CPUs for the trainer and three 1-CPU nodes, all on
+(`ray.cluster_utils.Cluster`: a head without CPUs for the trainer and four 1-CPU nodes, all on
 127.0.0.1), and a private instance that `gapless train` starts itself.
 
 Checked: at budget 0 the Ray placement reproduces the local placement bitwise (same checkpoint,
-same ledger) with its actors spread over the virtual nodes; an infeasible placement fails within
+same ledger) with its actors spread over the virtual nodes; the headline scenario (2 replicas, the
+environment and trainer rank 1 on four nodes, budget 1, a replica SIGKILLed at step 3) completes
+exactly once within the budget; an infeasible placement fails within
 15 s with an error naming the demand and what is available; `gapless train --cluster.placement ray
 --cluster.replicas 2` runs with no Ray running and survives a replica killed with SIGKILL (its
 groups end `replica_lost`, exactly once); with `--cluster.weight_transport broadcast` both
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,6 +40,7 @@ CONFIG = str(Path(__file__).parents[2] / "configs" / "smoke.toml")
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")]
 CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt", "trainer_state.json")
+NODES = 4  # 1-CPU worker nodes: 2 replicas + the environment + trainer rank 1, one per node
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +60,7 @@ def cluster():
     common = dict(node_ip_address="127.0.0.1", object_store_memory=200 << 20)
     c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False, temp_dir=temp_dir, **common))
     try:
-        for _ in range(3):
+        for _ in range(NODES):
             c.add_node(num_cpus=1, **common)
         c.wait_for_nodes()
         yield c
@@ -133,10 +137,63 @@ def test_an_infeasible_placement_fails_fast_naming_demand_and_supply(tmp_path, c
     done = subprocess.run([sys.executable, "-c", RESERVE, CONFIG, json.dumps(overrides)], capture_output=True,
                           text=True, timeout=120)
     outcome = json.loads(done.stdout.strip().splitlines()[-1])
-    assert outcome["error"] is not None, done.stderr[-2000:]  # 4 replicas + the environment on 3 CPUs
+    assert outcome["error"] is not None, done.stderr[-2000:]  # 4 replicas + the environment on 4 CPUs
     assert outcome["elapsed_s"] < 15 and time.monotonic() - start < 60
-    assert "5 bundles" in outcome["error"] and "3 of 3 CPUs free" in outcome["error"], outcome["error"]
+    assert "5 bundles" in outcome["error"] and f"{NODES} of {NODES} CPUs free" in outcome["error"], outcome["error"]
     assert "cluster.replicas" in outcome["error"]  # the fix
+
+
+def test_headline_replicas_environment_and_trainer_ranks_across_nodes_survive_a_killed_replica(tmp_path, warm_cache,
+                                                                                               cluster):
+    """2 generator replicas, the environment and trainer rank 1 each on its own virtual node (rank 0
+    is the driver, on the head), budget 1; replica 1 is SIGKILLed while it loads its third weight
+    version (step 3). The run completes, every admitted group ends exactly once, every trained
+    staleness is within the budget, and nothing of the run is left on the cluster."""
+    steps, budget = 6, 1
+    run = tmp_path / "run"
+    outcome = train(_args(run, warm_cache, steps, budget, "--cluster.placement", "ray", "--cluster.address", cluster.address,
+                          "--cluster.replicas", "2", "--cluster.trainer_world_size", "2", "--cluster.op_timeout_s", "30"),
+                    tmp_path / "err.txt", "generator-1:fetch:3:kill", timeout_s=900)
+    assert outcome.fault_time is not None, outcome.stderr[-2000:]
+    assert outcome.rc == 0, outcome.stderr[-3000:]
+    assert outcome.survivors == [], outcome.survivors
+    placed = json.loads((run / "placement.json").read_text())
+    actors = {b["actor"]: b["node_id"] for b in placed["bundles"]}
+    assert sorted(actors) == ["environment", "generator-0", "generator-1", "trainer-rank1"], placed
+    assert len(set(actors.values())) == NODES and placed["trainer_node_id"] not in actors.values(), placed
+    events = read_events(run / "groups.jsonl")
+    check_ledger(events, steps, 2)  # every admitted group ends exactly once; each step trained once
+    trained = [e for e in events if e["event"] == "trained"]
+    assert trained and all(0 <= e["staleness"] <= budget for e in trained)
+    summary = json.loads((run / "staleness.json").read_text())
+    assert [e["replica"] for e in summary["evictions"]] == ["generator-1"], summary["evictions"]
+    assert sum(1 for e in events if e.get("reason") == "replica_lost") == summary["drops"].get("replica_lost", 0)
+    assert _actor_hosts_gone()
+
+
+def test_environment_actors_on_other_nodes_survive_a_killed_one(tmp_path, warm_cache, cluster):
+    """Two environment actors, each on its own virtual node, budget 1; environment actor 1 is
+    SIGKILLed at its second scored group: it is evicted, the groups routed to it end as
+    `env_lost`, a fresh actor takes its bundle, and the run completes exactly once."""
+    steps, budget = 6, 1
+    run = tmp_path / "run"
+    outcome = train(_args(run, warm_cache, steps, budget, "--cluster.placement", "ray", "--cluster.address", cluster.address,
+                          "--cluster.env_actors", "2", "--pipeline.env_workers", "2", "--cluster.op_timeout_s", "30"),
+                    tmp_path / "err.txt", "environment-1:score:2:kill", timeout_s=900)
+    assert outcome.fault_time is not None, outcome.stderr[-2000:]
+    assert outcome.rc == 0, outcome.stderr[-3000:]
+    assert outcome.survivors == [], outcome.survivors
+    placed = json.loads((run / "placement.json").read_text())
+    nodes = {b["actor"]: b["node_id"] for b in placed["bundles"]}
+    assert sorted(nodes) == ["environment-0", "environment-1", "generator"] and len(set(nodes.values())) == 3, placed
+    events = read_events(run / "groups.jsonl")
+    check_ledger(events, steps, 2)
+    assert all(0 <= e["staleness"] <= budget for e in events if e["event"] == "trained")
+    summary = json.loads((run / "staleness.json").read_text())
+    assert [e["environment"] for e in summary["env_evictions"]] == ["environment-1"], summary
+    lost = sum(1 for e in events if e.get("reason") == "env_lost")
+    assert lost >= 1 and lost == summary["drops"]["env_lost"]
+    assert _actor_hosts_gone()
 
 
 def test_gapless_train_on_a_private_ray_instance_survives_a_killed_replica(tmp_path, warm_cache):
@@ -215,3 +272,50 @@ def test_the_broadcast_group_is_rebuilt_when_a_replica_is_killed(tmp_path, warm_
     # waited for), and if it joined before the end it was sent the newest version too
     others = {m: f for m, f in relay["flips"].items() if m != "generator-1"}
     assert relay["flips"]["generator-0"][-1] == steps and all(f[-1] == steps for f in others.values()), relay
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def test_a_killed_trainer_rank_on_another_node_ends_the_run_and_resume_finishes(tmp_path, warm_cache, cluster):
+    """Trainer rank 1 (a Ray actor on a worker node) SIGKILLed after the second checkpoint: the step
+    it was in ends within 2 s of the kill, the run exits with code 3 and an error naming rank 1,
+    nothing of the run is left, and `--resume` finishes the job from the last checkpoint."""
+    from gapless.timeline import read_records
+    from gapless.trainer.checkpoint import latest_checkpoint
+
+    run = tmp_path / "run"
+    ray_args = ["--cluster.placement", "ray", "--cluster.address", cluster.address, "--cluster.trainer_world_size", "2",
+                "--cluster.op_timeout_s", "30"]
+    command = [sys.executable, "-m", "gapless.cli", "train", *_args(run, warm_cache, 40, 1, *ray_args),
+               "--loop.checkpoint_every", "1"]
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while (latest_checkpoint(run) is None or latest_checkpoint(run).name in ("step_1",)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or never checkpointed"
+            time.sleep(0.2)
+        ranks = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _comm(int(p.name)) == "gapless-rank1"]
+        assert len(ranks) == 1, ranks
+        killed_at = time.time()
+        os.kill(ranks[0], signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 3, stderr[-3000:]
+    assert "trainer rank 1" in stderr and "--resume" in stderr, stderr[-3000:]
+    steps = [r for r in read_records(run) if r["actor"] == "trainer" and r["name"] == "train"]
+    assert steps and steps[-1]["end"] - killed_at < 2.0, (steps[-1], killed_at)
+    assert _actor_hosts_gone()
+
+    step = json.loads((latest_checkpoint(run) / "trainer_state.json").read_text())["step"]
+    done = subprocess.run([*command[:-2], "--loop.steps", str(step + 1), "--resume"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((latest_checkpoint(run) / "trainer_state.json").read_text())["step"] == step + 1
+    assert _actor_hosts_gone()

@@ -46,3 +46,28 @@ def test_a_lagging_replica_gets_no_group_born_stale():
     d.freed(5)
     out = d.assign()
     assert list(out) == [0] and all(born == 3 for _, _, born in out[0])
+
+
+def test_environment_actors_get_the_fewest_held_and_a_lost_one_returns_exactly_its_groups():
+    from gapless.orchestrate.env_actors import EnvActors
+
+    one = EnvActors(1, restarts=2)
+    assert one.names == ["environment"] and not one.evictable and one.slots == 1  # today's pipeline
+    one.start("spec")
+    assert [one.route(i) for i in range(3)] == [0, 0, 0]
+
+    envs = EnvActors(2, restarts=1)
+    assert envs.names == ["environment-0", "environment-1", "environment-2"] and envs.evictable
+    envs.start("a"), envs.start("b")
+    assert [envs.route(i) for i in range(4)] == [0, 1, 0, 1]  # none ready yet: every live actor, fewest first
+    envs.mark_ready("environment-1")
+    assert [envs.route(i) for i in range(4, 6)] == [1, 1]  # only the ready one while another starts
+    envs.mark_ready("environment-0")
+    assert [envs.route(i) for i in range(6, 10)] == [0, 0, 0, 1]  # fewest held (2 vs 4), ties to the lower slot
+    envs.scored(1)
+    assert envs.lost(1) == [3, 4, 5, 9]  # exactly what slot 1 held and did not score
+    assert list(envs.live) == [0] and envs.has_spare()
+    assert envs.start("c") == 2 and not envs.has_spare()
+    assert envs.route(10) == 0  # the replacement gets groups once it is ready
+    envs.mark_ready("environment-2")
+    assert envs.route(11) == 2

@@ -8,6 +8,7 @@ several properties on it."""
 import copy
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -18,7 +19,7 @@ from gapless.generate.sampler import TorchSampler
 from gapless.orchestrate.watchdog import process_state
 from gapless.trainer.batch import build_batch
 from gapless.trainer.distributed import DataParallelTrainer, TrainerRankFailed, deal_rows, make_trainer
-from gapless.trainer.trainer import GRPOTrainer, Trainer
+from gapless.trainer.trainer import GRPOTrainer, StepStats, Trainer
 from gapless.types import SamplingParams
 
 MAX_NEW_TOKENS = 10
@@ -47,7 +48,7 @@ def optimizer_difference(a: dict, b: dict) -> float:
     return max(float((a["state"][i][k] - b["state"][i][k]).abs().max()) for i in a["state"] for k in a["state"][i])
 
 
-def assert_same_step(world_1: GRPOTrainer, world_2: DataParallelTrainer, batch) -> None:
+def assert_same_step(world_1: GRPOTrainer, world_2: DataParallelTrainer, batch) -> StepStats:
     one, two = world_1.step(batch), world_2.step(batch)
     assert two.num_tokens == one.num_tokens == batch.num_tokens
     assert two.loss == pytest.approx(one.loss, abs=TOLERANCE)
@@ -58,6 +59,7 @@ def assert_same_step(world_1: GRPOTrainer, world_2: DataParallelTrainer, batch) 
     assert max_abs_difference(world_1.state_for_push(), world_2.state_for_push()) < TOLERANCE
     assert optimizer_difference(world_1.optimizer.state_dict(), world_2.optimizer.state_dict()) < TOLERANCE
     assert world_2.version == world_1.version
+    return two
 
 
 def fails_within(trainer: DataParallelTrainer, batch, rank: int) -> float:
@@ -93,7 +95,7 @@ def test_ddp_world_2_equals_world_1_and_a_killed_rank_is_named(sampled):
     world_1 = GRPOTrainer(copy.deepcopy(model), cfg, 0.7, MAX_NEW_TOKENS)
     world_2 = DataParallelTrainer(copy.deepcopy(model), cfg, ClusterConfig(trainer_world_size=2, op_timeout_s=30), 0.7,
                                   MAX_NEW_TOKENS)
-    pids = [p.pid for p in world_2._ranks.values()]
+    pids = list(world_2.hosts.pids().values())
     try:
         assert_same_step(world_1, world_2, batch)
         assert world_2.reference_kl(batch) == pytest.approx(world_1.reference_kl(batch), abs=TOLERANCE)
@@ -105,7 +107,7 @@ def test_ddp_world_2_equals_world_1_and_a_killed_rank_is_named(sampled):
     finally:
         world_2.close()
     assert_no_rank_left(pids)
-    assert not os.path.exists(world_2._store_dir)
+    assert not os.path.exists(world_2.hosts.store_dir)
 
 
 @pytest.mark.slow
@@ -117,7 +119,7 @@ def test_fsdp2_world_2_equals_world_1_resumes_optimizer_state_and_a_stopped_rank
     world_1 = GRPOTrainer(copy.deepcopy(model), cfg, 0.7, MAX_NEW_TOKENS)
     cluster = ClusterConfig(trainer_world_size=2, data_parallel="fsdp2", op_timeout_s=30)
     world_2 = DataParallelTrainer(copy.deepcopy(model), cfg, cluster, 0.7, MAX_NEW_TOKENS)
-    pids = [p.pid for p in world_2._ranks.values()]
+    pids = list(world_2.hosts.pids().values())
     try:
         assert_same_step(world_1, world_2, batch)
         world_2.load_optimizer_state(world_1.optimizer.state_dict())  # as --resume does
@@ -128,7 +130,7 @@ def test_fsdp2_world_2_equals_world_1_resumes_optimizer_state_and_a_stopped_rank
     finally:
         world_2.close(kill=True)
     assert_no_rank_left(pids)
-    assert not os.path.exists(world_2._store_dir)
+    assert not os.path.exists(world_2.hosts.store_dir)
 
 
 def test_cluster_config_errors_name_the_field():
@@ -174,3 +176,48 @@ def test_trainer_contract(sampled, placement):
     finally:
         if placement != "world_1":
             trainer.close()
+
+
+@pytest.mark.slow  # a private Ray instance (~10 s) and a placed rank that imports torch
+def test_ranks_placed_on_ray_equal_local_ranks_bitwise_and_a_killed_rank_is_named(sampled, tmp_path):
+    """The same rank code as a Ray actor on its own bundle of the run's placement group: one DDP
+    step equals world 1's within 1e-6 and the local ranks' step bitwise (weights, optimizer state,
+    loss); a rank killed with SIGKILL ends the next step within 2 s with an error naming it; the
+    placement's teardown leaves no Ray process."""
+    pytest.importorskip("ray")
+    from gapless.orchestrate.placement import make_placement
+
+    def ray_processes(marker: str) -> list[str]:
+        out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+        return [line for line in out if marker in line and "ps -eo" not in line]
+
+    model, batch = sampled
+    trainer_cfg = TrainerConfig(micro_batch_size=2, epochs=2, kl_coef=0.05, entropy_coef=0.01)
+    cfg = load_config(None, {"cluster.placement": '"ray"', "cluster.trainer_world_size": "2", "cluster.op_timeout_s": "30",
+                             "pipeline.generator_threads": "1", "trainer.threads": "1", "cluster.object_store_mb": "100",
+                             "run_dir": repr(str(tmp_path))})
+    with DataParallelTrainer(copy.deepcopy(model), trainer_cfg, cfg.cluster, 0.7, MAX_NEW_TOKENS) as local:
+        local_stats = local.step(batch)
+        local_weights, local_optimizer = local.state_for_push(), local.optimizer.state_dict()
+    placement = make_placement(cfg)
+    temp_dir = placement.temp_dir
+    try:
+        placement.reserve({})
+        hosts = placement.trainer_ranks()
+        world_1 = GRPOTrainer(copy.deepcopy(model), trainer_cfg, 0.7, MAX_NEW_TOKENS)
+        placed = make_trainer(trainer_cfg, copy.deepcopy(model), cfg.cluster, 0.7, MAX_NEW_TOKENS, hosts=hosts)
+        assert isinstance(placed, DataParallelTrainer) and placed.hosts.kind == "ray"
+        stats = assert_same_step(world_1, placed, batch)
+        assert stats.loss == local_stats.loss and stats.grad_norm == local_stats.grad_norm
+        assert max_abs_difference(local_weights, placed.state_for_push()) == 0.0
+        assert optimizer_difference(local_optimizer, placed.optimizer.state_dict()) == 0.0
+        pid = hosts.pids()[1]
+        assert pid != os.getpid() and process_state(pid) != "gone"
+        os.kill(pid, signal.SIGKILL)
+        assert fails_within(placed, batch, rank=1) < 2.0
+    finally:
+        placement.shutdown(None, 0.0)
+    deadline = time.monotonic() + 15
+    while ray_processes(temp_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not ray_processes(temp_dir)

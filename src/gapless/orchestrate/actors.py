@@ -68,7 +68,7 @@ class ActorSpec:
     """What one actor process needs; picklable at spawn."""
 
     cfg: Config
-    name: str  # 'generator' (one replica), 'generator-<r>', 'environment': heartbeat, timeline, fault and process name
+    name: str  # 'generator' (one replica), 'generator-<r>', 'environment', 'environment-<e>': heartbeat, timeline, fault and process name
     prompts: list[tuple[str, str]]  # (uid, prompt text) of the train tasks, in env.tasks("train") order
     policy_dir: Path
     trainer_pid: int  # 0: not the trainer's child (a Ray actor)
@@ -78,7 +78,7 @@ class ActorSpec:
     outbox: Any  # this actor -> trainer: Ready | Loaded | GenStats | Scored | ActorError
     replica: int = 0
     weights: SharedWeights | None = None  # a replica's own weight buffer (the placement's: SharedWeights locally)
-    to_env: Any = None  # a replica's queue of ToScore to the environment
+    to_env: tuple = ()  # a replica's queues of ToScore, one per environment slot (env_actors.py)
     from_generators: tuple = ()  # the environment's: every replica's queue (restarts' included)
     lending: LendingFlags | None = None  # the trainer borrows the generator's threads while it idles
     from_env: Any = None  # a replica's queue of NextTurns from the environment (multi-turn tasks only)
@@ -159,7 +159,7 @@ class _GeneratorActor:
                                      lora=run_spec(cfg.lora, cfg.seed))  # LoRA: self.policy.model is the merge's base
         spec.weights.fetch_into(self.engine.update_weights, -1)
         self.groups: dict[int, list[Completion]] = {}
-        self.meta: dict[int, tuple[int, int]] = {}  # index -> (task index, birth version)
+        self.meta: dict[int, tuple[int, int, int]] = {}  # index -> (task index, birth version, environment slot)
         self.cut: set[int] = set()
         self.partial = PartialRollouts(cfg.pipeline.partial_rollout_tokens, cfg.pipeline.partial_rollout_s)
         self.clock = {"busy_s": 0.0, "idle_s": 0.0, "stall_s": 0.0, "blocked_s": 0.0, "core_wait_s": 0.0, "tokens": 0, "groups": 0, "swaps": 0, "partial_cuts": 0}
@@ -218,12 +218,13 @@ class _GeneratorActor:
             timeout = 0.0
             if isinstance(message, Assign) and self.multi_turn:  # the environment runs the episodes
                 self.clock["groups"] += len(message.groups)
-                _put(self.spec.to_env, StartEpisodes(self.spec.replica, message.groups), self.spec.stop, self._beat)
+                _put(self.spec.to_env[0], StartEpisodes(self.spec.replica, message.groups), self.spec.stop, self._beat)
             elif isinstance(message, Assign):
-                for index, task, born in message.groups:
+                for i, (index, task, born) in enumerate(message.groups):
                     self.engine.add_request(self.prompts[task], sampling_params(self.cfg, index), self.cfg.generator.group_size,
                                             request_id=str(index))
-                    self.groups[index], self.meta[index] = [], (task, born)
+                    scorer = message.scorers[i] if message.scorers else 0
+                    self.groups[index], self.meta[index] = [], (task, born, scorer)
             elif isinstance(message, Abort) and self.multi_turn:
                 self.cut_groups.update(message.indices)
                 self.engine.abort([str(i) for i in message.indices])
@@ -252,7 +253,7 @@ class _GeneratorActor:
         if self.multi_turn:
             for completion in finished:
                 if int(completion.request_id) not in self.cut_groups:
-                    self.clock["blocked_s"] += _put(self.spec.to_env, TurnDone(int(completion.request_id), completion),
+                    self.clock["blocked_s"] += _put(self.spec.to_env[0], TurnDone(int(completion.request_id), completion),
                                                     self.spec.stop, self._beat)
             return
         n = self.cfg.generator.group_size
@@ -263,12 +264,13 @@ class _GeneratorActor:
                 continue
             group.append(completion)
             if len(group) == n:
-                task, born = self.meta.pop(index)
+                task, born, scorer = self.meta.pop(index)
                 del self.groups[index]
                 group.sort(key=lambda c: c.index)
                 self.clock["groups"] += 1
                 self.spans.mark("wait_env_queue")
-                self.clock["blocked_s"] += _put(self.spec.to_env, ToScore(index, task, born, group), self.spec.stop, self._beat)
+                self.clock["blocked_s"] += _put(self.spec.to_env[scorer], ToScore(index, task, born, group), self.spec.stop,
+                                                self._beat)
 
     def _cut_partial(self) -> None:
         cut = self.partial.cut(self.engine, lambda request_id: sampling_params(self.cfg, int(request_id)))
@@ -311,7 +313,7 @@ def _environment_loop(spec: ActorSpec) -> None:
                            "the pipeline needs env.tasks() to be deterministic in the config")
     if spec.to_generators:
         return _episode_loop(spec, env, tasks)
-    timeline = open_timeline(cfg.run_dir, "env", cfg.metrics.timeline)
+    timeline = open_timeline(cfg.run_dir, spec.name.replace("environment", "env"), cfg.metrics.timeline)
     spec.outbox.put(Ready(spec.name))
     groups: queue.Queue = queue.Queue(maxsize=max(1, cfg.pipeline.env_workers))
     for i, source in enumerate(spec.from_generators):

@@ -101,6 +101,9 @@ class RunLoop:
             if cfg.trainer.threads:
                 torch.set_num_threads(cfg.trainer.threads)
             self.is_multi_turn = isinstance(self.env, MultiTurnEnvironment)
+            if self.is_multi_turn and cfg.cluster.env_actors > 1:
+                raise ConfigError(f"cluster.env_actors = {cfg.cluster.env_actors}: the episodes of the multi-turn task "
+                                  f"{self.env.name!r} run in one environment actor; set cluster.env_actors = 1")
             self.train, self.eval = list(self.env.tasks("train")), list(self.env.tasks("eval"))
             if len(self.train) < cfg.loop.prompts_per_step and cfg.loop.steps > 0:
                 raise ConfigError(f"task {self.env.name!r} has {len(self.train)} train tasks, fewer than loop.prompts_per_step "
@@ -117,8 +120,29 @@ class RunLoop:
         checkpoint = latest_checkpoint(self.run_dir) if resume else None
         if checkpoint is not None:
             self.policy = load_local(checkpoint_model_dir(checkpoint, self.lora is not None))
-        self.trainer = make_trainer(cfg.trainer, self.policy.model, cfg.cluster, cfg.generator.temperature, cfg.generator.max_new_tokens,
-                                    self.lora)
+        # the pipeline's placement comes first: the trainer's ranks 1..W-1 are placed beside its actors
+        placement = self._placement(cfg, log) if kind == "process" else None
+        try:
+            self.trainer = make_trainer(cfg.trainer, self.policy.model, cfg.cluster, cfg.generator.temperature,
+                                        cfg.generator.max_new_tokens, self.lora,
+                                        placement.trainer_ranks() if placement is not None else None)
+            self._build(cfg, resume, log, kind, checkpoint, placement)
+        except BaseException:
+            if placement is not None:
+                placement.shutdown(None, 0.0)
+            raise
+
+    @staticmethod
+    def _placement(cfg: Config, log):
+        from gapless.orchestrate.pipeline import actor_threads
+        from gapless.orchestrate.placement import make_placement
+
+        placement = make_placement(cfg, log)
+        if (warning := placement.reserve(actor_threads(cfg))):
+            log(f"warning: {warning}")
+        return placement
+
+    def _build(self, cfg: Config, resume: bool, log, kind: str, checkpoint, placement) -> None:
         if checkpoint is not None:
             if self.lora is not None:
                 load_checkpoint_adapter(checkpoint, self.trainer.model)
@@ -142,7 +166,8 @@ class RunLoop:
             self.source = ProcessSource(cfg, self.train, self.policy, self.start_step, resume, self.env.name,
                                         self.timelines, lambda: self.stop_requested, log,
                                         trained_model=self.trainer.model if self.lora is not None else None,
-                                        multi_turn=self.is_multi_turn, max_seq_len=self.max_seq_len())
+                                        multi_turn=self.is_multi_turn, max_seq_len=self.max_seq_len(),
+                                        placement=placement)
         self.sinks = open_sinks(cfg, cfg.loop.steps, append=checkpoint is not None)
 
     def max_seq_len(self) -> int:
@@ -174,6 +199,8 @@ class RunLoop:
             raise
         finally:  # also on error or Ctrl-C: the live view restores the terminal, files are flushed
             try:
+                if (close := getattr(self.trainer, "close", None)) is not None:
+                    close()  # data-parallel ranks leave first: Ray ranks live in the source's placement
                 self.source.close(reason, self.trainer.version)
             finally:
                 self.sinks.close()

@@ -35,7 +35,7 @@ class Scored:
 
 @dataclass(frozen=True)
 class Ready:
-    actor: str  # "generator" (or "generator-<r>") | "environment": set up and about to work
+    actor: str  # "generator" (or "generator-<r>") | "environment" (or "environment-<e>"): set up and about to work
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class ActorError:
 @dataclass(frozen=True)
 class Assign:
     groups: tuple[tuple[int, int, int], ...]  # (index, task index, birth version) of each group to start
+    scorers: tuple[int, ...] = ()  # the environment slot that scores each group (empty: slot 0)
 
 
 @dataclass(frozen=True)

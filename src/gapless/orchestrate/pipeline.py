@@ -48,6 +48,7 @@ from gapless.orchestrate.actors import ActorSpec, environment_main, generator_ma
 from gapless.orchestrate.admission import Admission, PromptSource
 from gapless.orchestrate.buffer import StalenessBuffer
 from gapless.orchestrate.dispatch import Dispatcher
+from gapless.orchestrate.env_actors import EnvActors
 from gapless.orchestrate.ipc import clean_leftover_ipc, name_ipc_objects
 from gapless.orchestrate.ledger import GroupLedger
 from gapless.orchestrate.lending import LendingFlags, TrainerLending
@@ -113,9 +114,11 @@ class ProcessSource:
         self.env_name, self.stop_requested = env_name, stop_requested
         self.start_step, self.version = start_step, start_step
         self.run_dir = Path(cfg.run_dir)
-        self.placement = placement or make_placement(cfg, log)
-        if (warning := self.placement.reserve(actor_threads(cfg))):
-            log(f"warning: {warning}")
+        if placement is None:
+            placement = make_placement(cfg, log)
+            if (warning := placement.reserve(actor_threads(cfg))):
+                log(f"warning: {warning}")
+        self.placement = placement
         self.ctx = self.placement.ctx
         if (removed := clean_leftover_ipc(self.run_dir)):
             log(f"removed {removed} semaphores left in /dev/shm by a crashed run in {self.run_dir}")
@@ -130,9 +133,11 @@ class ProcessSource:
         self.evictable = R > 1  # one replica stays today's pipeline: its death or stall ends the run
         self.slots = R + (cfg.cluster.replica_restarts if self.evictable else 0)
         self.names = [replica_name(slot, R) for slot in range(self.slots)]
-        self.heartbeats = self.placement.heartbeats(("trainer", "environment", *self.names))
+        self.envs = EnvActors(cfg.cluster.env_actors, cfg.cluster.env_restarts)
+        self.heartbeats = self.placement.heartbeats(("trainer", *self.envs.names, *self.names))
         self.heartbeats.register("trainer")
-        self.watch = StallWatch(self.heartbeats, pl.stall_timeout_s, self.run_dir, (*self.names[:R], "environment"))
+        self.watch = StallWatch(self.heartbeats, pl.stall_timeout_s, self.run_dir,
+                                (*self.names[:R], *self.envs.names[:self.envs.count]))
         self.max_resamples = pl.max_resamples or 8 * P
         self.step_resamples = 0  # zero-variance drops while assembling the current step
         self.drops_reported: dict[str, int] = {}  # buffer.drops at the last step's metrics
@@ -146,10 +151,10 @@ class ProcessSource:
         self.inbox: queue.Queue = queue.Queue()  # every actor's messages, forwarded by one reader thread each
         self.infra_since: float | None = None  # when groups started failing in the infrastructure (None: none failing)
         self.evictions: list[dict] = []  # replica, why, silent_s, step: written to staleness.json
+        self.env_evictions: list[dict] = []  # environment, why, silent_s, step: likewise
         self._last_step_end: float | None = None
         self._step_started = 0.0
         self._publishing: _Replica | None = None
-        self.env_spec: ActorSpec | None = None
         self.lending: TrainerLending | None = None
         if pl.max_staleness > 0 and pl.lend_idle_cores and R == 1 and self.placement.kind == "local":
             self.lending = TrainerLending(LendingFlags(self.ctx), pl.trainer_threads_resolved, pl.generator_threads_resolved)
@@ -163,13 +168,15 @@ class ProcessSource:
         self.policy.save(self.policy_dir)  # architecture and tokenizer; the weights come through shared memory
         self.stop = self.placement.stop_flag()
         self.state, self.version = state, version  # what a restarted replica starts from
-        place, bound = self.placement, 2 * self.cfg.loop.prompts_per_step  # groups waiting to be scored, per replica
-        self.to_env = [place.channel(bound) for _ in range(self.slots)]  # one per replica slot: one writer each
+        # groups waiting to be scored, per replica: bounded (back-pressure) with one environment actor;
+        # with several, admission alone bounds them (a lost actor's queues must not block a replica)
+        place, bound = self.placement, 2 * self.cfg.loop.prompts_per_step if self.envs.slots == 1 else 0
+        # to_env[e][r]: replica slot r's groups for environment slot e (one writer, one reader each)
+        self.to_env = [[place.channel(bound) for _ in range(self.slots)] for _ in range(self.envs.slots)]
         # multi-turn: the environment sends each replica the turns to sample, on a queue of its own
         self.to_replica = [place.channel() for _ in range(self.slots)] if self.multi_turn else []
-        self.env_spec = self._spec("environment", inbox=place.channel(), from_generators=tuple(self.to_env),
-                                   to_generators=tuple(self.to_replica))
-        self._start(self.env_spec, environment_main)
+        for _ in range(self.envs.count):
+            self._start_env()
         for slot in range(self.cfg.cluster.replicas):
             self._start_replica(slot, state, version)
 
@@ -197,7 +204,8 @@ class ProcessSource:
         groups, cut = self.buffer.take(step)
         if cut:
             self._abort(cut)
-            self.env_spec.inbox.put(CancelScoring(tuple(cut)))
+            for env in self.envs.live.values():
+                env.inbox.put(CancelScoring(tuple(cut)))
         self.dispatcher.freed(self.buffer.num_dropped - drops_before)  # stragglers and surplus free places to backfill,
         self.dispatcher.assembling(step + 1)  # each born no earlier than the next step's weights allow
         self._assign()
@@ -266,7 +274,7 @@ class ProcessSource:
         self.placement.shutdown(getattr(self, "stop", None), SHUTDOWN_S if reason != "run_failed" else FAILED_SHUTDOWN_S)
         (self.run_dir / "staleness.json").write_text(json.dumps(
             {"counts": {str(k): v for k, v in sorted(self.staleness_counts.items())}, "drops": self.buffer.drops,
-             "evictions": self.evictions}, indent=2))
+             "evictions": self.evictions, "env_evictions": self.env_evictions}, indent=2))
 
     # ---- actors ---------------------------------------------------------------------------------
     def _spec(self, name: str, **fields) -> ActorSpec:
@@ -282,7 +290,7 @@ class ProcessSource:
     def _start_replica(self, slot: int, state, version: int) -> None:
         name = self.names[slot]
         spec = self._spec(name, inbox=self.placement.channel(), replica=slot,
-                          weights=self.placement.weights(state, version), to_env=self.to_env[slot],
+                          weights=self.placement.weights(state, version), to_env=tuple(q[slot] for q in self.to_env),
                           lending=self.lending.flags if self.lending else None,
                           from_env=self.to_replica[slot] if self.multi_turn else None, max_seq_len=self.max_seq_len)
         self.replicas.append(_Replica(slot, name, spec))
@@ -290,6 +298,18 @@ class ProcessSource:
         if name not in self.watch.actors:
             self.watch.actors.append(name)
         self._start(spec, generator_main)
+
+    def _start_env(self) -> None:
+        """An environment actor in the next free slot, reading every replica slot's queue for it."""
+        slot = self.envs.started
+        name = self.envs.names[slot]
+        spec = self._spec(name, inbox=self.placement.channel(), from_generators=tuple(self.to_env[slot]),
+                          to_generators=tuple(self.to_replica))
+        self.envs.start(spec)
+        self.heartbeats.starting(name)
+        if name not in self.watch.actors:
+            self.watch.actors.append(name)
+        self._start(spec, environment_main)
 
     def _replica(self, slot: int) -> _Replica | None:
         return next((r for r in self.replicas if r.slot == slot and r.alive), None)
@@ -299,7 +319,8 @@ class ProcessSource:
         for slot, groups in self.dispatcher.assign().items():
             for index, task, born in groups:
                 self.buffer.admitted(index, born, task)
-            self._replica(slot).spec.inbox.put(Assign(tuple(groups)))
+            scorers = tuple(self.envs.route(index) for index, _, _ in groups)
+            self._replica(slot).spec.inbox.put(Assign(tuple(groups), scorers if self.envs.evictable else ()))
 
     def _abort(self, indices: list[int]) -> None:
         by_replica: dict[int, list[int]] = {}
@@ -338,6 +359,40 @@ class ProcessSource:
         if replica is self._publishing:
             raise _Evicted(replica.name)
 
+    def _evict_env(self, slot: int, why: str, silent_s: float | None = None) -> None:
+        """Take a dead or silent environment actor out of the run: kill it, end the groups routed
+        to it as `env_lost` (those still generating are aborted on their replicas; each frees a
+        place for a backfill) and start a fresh one if the run has restarts left."""
+        name = self.envs.names[slot]
+        self.placement.kill(name)
+        self.env_evictions.append({"environment": name, "why": why, "silent_s": silent_s, "step": self.assembling})
+        self.watch.actors.remove(name)
+        self.actors.discard(name)
+        lost = [i for i in self.envs.lost(slot) if i not in self.buffer.closed]
+        self._abort(lost)
+        for index in lost:
+            self.buffer.drop(index, "env_lost", self.assembling)
+        self.dispatcher.freed(len(lost))
+        restart = self.envs.has_spare()
+        self.log(f"warning: evicted {name}: {why}; {len(lost)} groups end as env_lost"
+                 + (f"; starting {self.envs.names[self.envs.started]}" if restart else ""))
+        if restart:
+            self._start_env()
+        self._assign()
+
+    def _check_envs(self) -> None:
+        """Evict environment actors that died or went silent for cluster.op_timeout_s (with 2 or more)."""
+        if not self.envs.evictable:
+            return
+        exits = {gone.name: gone.exitcode for gone in self.placement.exited()}
+        for slot, spec in list(self.envs.live.items()):
+            if len(self.envs.live) == 1 and not self.envs.has_spare():
+                return  # the last one: its loss ends the run (_check_alive)
+            if spec.name in exits:
+                self._evict_env(slot, f"it exited with code {exits[spec.name]}")
+            elif spec.name in self.ready_actors and (silent := self.heartbeats.age_s(spec.name)) > self.cfg.cluster.op_timeout_s:
+                self._evict_env(slot, f"no heartbeat for {silent:.1f} s (cluster.op_timeout_s)", silent)
+
     def _check_replicas(self) -> None:
         """Evict replicas that died or went silent for cluster.op_timeout_s (with 2 or more)."""
         if not self.evictable:
@@ -359,6 +414,7 @@ class ProcessSource:
         if (signal_name := self.stop_requested()):
             raise RunStopped(signal_name)
         self._check_replicas()
+        self._check_envs()
         try:
             message = self.inbox.get(timeout=timeout)
         except queue.Empty:
@@ -374,16 +430,18 @@ class ProcessSource:
             self.watch.progressed()
             group = message.group
             self.dispatcher.scored(group.index)
+            self.envs.scored(group.index)
             self.prompts.feedback(self.train[group.task_index].uid,
                                   [r.reward for r in group.rollouts if not r.is_infra_failure])
             self._file(group)
         elif isinstance(message, Ready):
             self.ready_actors.add(message.actor)
+            self.envs.mark_ready(message.actor)
             self.watch.progressed()
         elif isinstance(message, GenStats):
             self.gen_stats.append(message.stats)
         elif isinstance(message, ActorError):
-            if message.actor in self.actors:  # not an evicted replica's last words
+            if message.actor in self.actors:  # not an evicted actor's last words
                 raise ActorFailed(f"the {message.actor} process failed:\n{message.traceback}")
 
     def _file(self, group) -> None:
@@ -421,6 +479,7 @@ class ProcessSource:
 
     def _check_alive(self) -> None:
         self._check_replicas()
+        self._check_envs()
         for gone in self.placement.exited():
             raise ActorFailed(f"gapless-{gone.name} exited with code {gone.exitcode} without reporting an error "
                               "(killed by the OOM killer or a signal?); see the system log")

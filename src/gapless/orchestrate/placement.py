@@ -11,6 +11,9 @@ come from the placement's factories (`channel`, `stop_flag`, `heartbeats`, `weig
                      channels and an object-store weight relay (ray_placement.py; imported only
                      by `make_placement` when cluster.placement = 'ray').
 
+Each placement also says where the trainer's data-parallel ranks 1..W-1 run (`trainer_ranks`):
+local processes, or Ray actors on bundles of the same placement group.
+
 Guaranteed by every placement: `reserve` fails before anything starts, with an error naming the
 demand and what is available; every actor it starts dies with the trainer process (even a
 SIGKILLed one); `exited()` reports an actor that died without a word, with its exit code;
@@ -72,6 +75,9 @@ class Placement(Protocol):
 
     def shutdown(self, stop: Any, grace_s: float) -> None:
         """Set `stop`, wait up to `grace_s` for every actor, then kill what is left."""
+
+    def trainer_ranks(self) -> Any:
+        """trainer/rank_hosts.RankHosts for the trainer's data-parallel ranks 1..W-1 (after `reserve`)."""
 
 
 class LocalPlacement:
@@ -137,6 +143,11 @@ class LocalPlacement:
                 process.kill()
                 process.join()
         self.processes = {}
+
+    def trainer_ranks(self):
+        from gapless.trainer.rank_hosts import LocalRanks
+
+        return LocalRanks()
 
 
 def make_placement(cfg, log=print) -> Placement:

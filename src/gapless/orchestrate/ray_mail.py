@@ -261,6 +261,7 @@ class RayChannel:
                 self._in_flight = len(items)
                 self._lock.notify_all()  # room for a blocked put
             self._batch += 1
+            blobs = None
             try:
                 blobs = [pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL) for item in items]
                 while not _retried(lambda: self.office.put_many.remote(self.box, self._batch, blobs, self.maxsize, POLL_S)):
@@ -268,6 +269,9 @@ class RayChannel:
             except BaseException:  # noqa: BLE001 - Ray raises SystemExit in threads after shutdown
                 return  # the mailbox is gone: the run is over
             finally:
+                # no reference outlives the send: a thread that frees tensors while the interpreter
+                # exits aborts it (the last batch would otherwise be freed by the next wake-up)
+                items = blobs = None
                 with self._lock:
                     self._in_flight = 0
                     self._lock.notify_all()

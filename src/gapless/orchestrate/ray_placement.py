@@ -1,7 +1,8 @@
 """Ray placement (`cluster.placement = 'ray'`): the pipeline's actors as Ray actors in one
 placement group, on the nodes of a Ray cluster; imported only when a run asks for it.
 
-    gapless train (driver, trainer rank 0) ── owns ──> placement group [gen 0 .. gen R-1, environment]
+    gapless train (driver, trainer rank 0) ── owns ──> placement group [gen 0 .. gen R-1, env 0 .. env E-1,
+        │                                                 trainer rank 1 .. W-1]
         │                                                 each bundle {"CPU": threads}, strategy SPREAD
         ├── PostOffice actor (its node): channels, stop flag, heartbeats   (ray_mail.py)
         └── WeightBoard actor (its node): the newest weights' object refs  (ray_weights.py)
@@ -21,9 +22,11 @@ way is reported by `exited` within a poll (its `run` call fails), one whose main
 a second later (so that its last message, an ActorError, arrives first); `shutdown` kills every
 actor, removes the placement group and stops a private instance, also when the run fails before
 its actors start (atexit). Restarts are the pipeline's decision (every actor has
-max_restarts = 0): a replacement replica takes the bundle its evicted predecessor held.
-Not guaranteed: the trainer's data-parallel ranks are placed here (they stay processes on the
-trainer's machine, trainer/distributed.py); lending idle trainer cores (local placement only).
+max_restarts = 0): a replacement replica or environment actor takes the bundle its evicted
+predecessor held.
+The trainer's data-parallel ranks 1..W-1 hold bundles of their own after the environment's
+(`trainer_ranks`, ray_ranks.py); rank 0 is the driver. Not guaranteed: lending idle trainer
+cores (local placement only).
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ class RayPlacement:
         self.sender: ObjectStoreSender | BroadcastSender | None = None
         self.broadcast = self.cluster.weight_transport == "broadcast"
         self.members: set[str] = set()  # actors in the broadcast group
+        self.rank_hosts: dict[str, Any] = {}  # trainer ranks placed here (ray_ranks.py): killed at teardown
+        self._reserved: str | None = None
         self._closed = False
         no_auto_init()
         self._connect()
@@ -96,8 +101,14 @@ class RayPlacement:
 
     # ---- connection ----------------------------------------------------------------------------
     def _demand(self) -> list[dict[str, float]]:
-        pl = self.cfg.pipeline
-        return [{"CPU": float(pl.generator_threads_resolved)}] * self.cluster.replicas + [{"CPU": 1.0}]
+        """Bundles in index order: each replica, each environment actor, each trainer rank 1..W-1."""
+        pl, c = self.cfg.pipeline, self.cluster
+        ranks = [{"CPU": float(self.cfg.trainer.threads or pl.trainer_threads_resolved)}] * (c.trainer_world_size - 1)
+        return [{"CPU": float(pl.generator_threads_resolved)}] * c.replicas + [{"CPU": 1.0}] * c.env_actors + ranks
+
+    def rank_bundle(self, rank: int) -> int:
+        """The bundle trainer rank `rank` (1..W-1) holds."""
+        return self.cluster.replicas + self.cluster.env_actors + rank - 1
 
     def _connect(self) -> None:
         if ray.is_initialized():
@@ -118,6 +129,10 @@ class RayPlacement:
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         else:
             options["address"] = self.cluster.address
+        # the actors see this run's GAPLESS_* settings (fault points, a fault log) also on nodes
+        # started before it, whose workers inherit their raylet's environment, not the driver's
+        if (ours := {k: v for k, v in os.environ.items() if k.startswith("GAPLESS_")}):
+            options["runtime_env"] = {"env_vars": ours}
         try:
             ray.init(**options)
             reopen()  # a new connection: mailbox calls may start again (after an earlier run's quiesce)
@@ -129,15 +144,22 @@ class RayPlacement:
 
     # ---- the Placement protocol ----------------------------------------------------------------
     def reserve(self, threads: dict[str, int]) -> str | None:
-        """Ask the cluster for one bundle per replica and one for the environment; bounded wait."""
+        """Ask the cluster for one bundle per replica, one for the environment and one per trainer
+        rank past rank 0; bounded wait. Once granted, a repeated call returns the first answer."""
+        if self.pg is not None:
+            return self._reserved
         demand = self._demand()
         total, free = ray.cluster_resources(), ray.available_resources()
         nodes = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
-        described = f"{len(demand)} bundles {demand} ({STRATEGY}: {self.cluster.replicas} replicas + the environment)"
+        ranks, envs = self.cluster.trainer_world_size - 1, self.cluster.env_actors
+        described = (f"{len(demand)} bundles {demand} ({STRATEGY}: {self.cluster.replicas} replicas + "
+                     + ("the environment" if envs == 1 else f"{envs} environment actors")
+                     + (f" + {ranks} trainer rank{'s' if ranks > 1 else ''})" if ranks else ")"))
         available = (f"the cluster has {free.get('CPU', 0.0):g} of {total.get('CPU', 0.0):g} CPUs free on "
                      f"{len(nodes)} nodes (CPUs per node: {sorted(nodes, reverse=True)})")
         fix = ("add nodes (`ray start --address ...` on each), or lower cluster.replicas / "
-               "pipeline.generator_threads")
+               "pipeline.generator_threads" + (" / cluster.env_actors" if envs > 1 else "")
+               + (" / cluster.trainer_world_size" if ranks else ""))
         biggest = max((b["CPU"] for b in demand), default=0.0)
         if sum(b["CPU"] for b in demand) > total.get("CPU", 0.0) or biggest > max(nodes, default=0.0):
             self._teardown()
@@ -150,10 +172,30 @@ class RayPlacement:
             raise PlacementError(f"the actors need {described}, not granted within {self.cluster.placement_timeout_s:g} s "
                                  f"(cluster.placement_timeout_s); the cluster has {free.get('CPU', 0.0):g} CPUs free now; "
                                  f"{fix}")
+        self._record_nodes()
         used = sum(threads.values())
         if self.private and used > usable_cores():
-            return f"the actors run {used} threads at once on {usable_cores()} cores: they will share cores"
-        return None
+            self._reserved = f"the actors run {used} threads at once on {usable_cores()} cores: they will share cores"
+        return self._reserved
+
+    def _record_nodes(self) -> None:
+        """placement.json in the run directory: which node holds each bundle (the actor on it)."""
+        R, E, ranks = self.cluster.replicas, self.cluster.env_actors, self.cluster.trainer_world_size - 1
+        names = ([f"generator-{r}" if R > 1 else "generator" for r in range(R)]
+                 + ["environment" if E == 1 else f"environment-{e}" for e in range(E)]
+                 + [f"trainer-rank{r}" for r in range(1, ranks + 1)])
+        try:
+            to_node = ray.util.placement_group_table(self.pg).get("bundles_to_node_id", {})
+            ips = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}
+            bundles = [{"bundle": i, "actor": name, "resources": demand, "node_id": to_node.get(i, ""),
+                        "node_ip": ips.get(to_node.get(i, ""), "")}
+                       for i, (name, demand) in enumerate(zip(names, self._demand()))]
+            Path(self.cfg.run_dir).mkdir(parents=True, exist_ok=True)
+            (Path(self.cfg.run_dir) / "placement.json").write_text(json.dumps(
+                {"strategy": STRATEGY, "trainer_node_id": ray.get_runtime_context().get_node_id(), "bundles": bundles},
+                indent=2))
+        except (OSError, KeyError) as exc:  # a record for the reader, not a reason to stop the run
+            self.log(f"warning: could not write placement.json: {exc!r}")
 
     def channel(self, maxsize: int = 0) -> RayChannel:
         return RayChannel(self.office, maxsize)
@@ -185,21 +227,34 @@ class RayPlacement:
         if self.pg is None:
             raise RuntimeError("RayPlacement.start before reserve(): the placement group is not granted")
         held = set(self.bundles.values())
-        replica = name != "environment"
-        candidates = range(self.cluster.replicas) if replica else [self.cluster.replicas]
+        R = self.cluster.replicas
+        candidates = range(R, R + self.cluster.env_actors) if name.startswith("environment") else range(R)
         bundle = next((i for i in candidates if i not in held), None)
         if bundle is None:
             raise PlacementError(f"no free bundle for {name}: bundles held {self.bundles}")
-        strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
-        cpus = self._demand()[bundle]["CPU"]
-        host = _ActorHost.options(num_cpus=cpus, scheduling_strategy=strategy, name=None).remote()
         if self.broadcast and getattr(spec, "weights", None) is not None:
             spec.weights.member = name
             self.sender.expect(name)
             self.members.add(name)
+        self.hosts[name], self.runs[name] = self.place(bundle, main, spec)
+        self.bundles[name] = bundle
+
+    def place(self, bundle: int, main: Callable[[Any], None], spec: Any) -> tuple[Any, Any]:
+        """Start an `_ActorHost` on `bundle` of the placement group running `main(spec)`; returns
+        the host and the ObjectRef of its run."""
+        if self.pg is None:
+            raise RuntimeError("RayPlacement.place before reserve(): the placement group is not granted")
+        strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
+        cpus = self._demand()[bundle]["CPU"]
+        host = _ActorHost.options(num_cpus=cpus, scheduling_strategy=strategy, name=None).remote()
         # the actor is not the trainer's child: Ray ties its life to this driver instead of PR_SET_PDEATHSIG
-        self.runs[name] = host.run.remote(main, dataclasses.replace(spec, trainer_pid=0))
-        self.hosts[name], self.bundles[name] = host, bundle
+        return host, host.run.remote(main, dataclasses.replace(spec, trainer_pid=0))
+
+    def trainer_ranks(self):
+        """Where the trainer's ranks 1..W-1 run: Ray actors on their bundles (ray_ranks.py)."""
+        from gapless.orchestrate.ray_ranks import RayRanks
+
+        return RayRanks(self)
 
     def exited(self) -> list[ActorExit]:
         if not self.runs:
@@ -249,7 +304,7 @@ class RayPlacement:
                 except OSError:
                     pass
         if ray.is_initialized():
-            for host in self.hosts.values():
+            for host in [*self.hosts.values(), *self.rank_hosts.values()]:
                 try:
                     ray.kill(host, no_restart=True)
                 except Exception:
@@ -261,6 +316,6 @@ class RayPlacement:
                     pass
             quiesce()  # no thread of ours may be inside ray.get while the connection goes
             ray.shutdown()
-        self.hosts, self.runs = {}, {}
+        self.hosts, self.runs, self.rank_hosts = {}, {}, {}
         if self.temp_dir is not None:
             shutil.rmtree(self.temp_dir, ignore_errors=True)

@@ -32,6 +32,8 @@ import numpy as np
 import ray
 import torch
 
+from gapless.faults import fault_point
+
 from gapless.orchestrate.ray_mail import POLL_S, _call
 
 ALIGN = 64
@@ -213,6 +215,7 @@ class RelayedWeights:
         if version <= have_version:
             return None
         with self.locks[index]:
+            fault_point("generator", "fetch")
             load(self.views[index], self.held[index])
         return self.held[index]
 

@@ -1,7 +1,9 @@
-"""Trainer data parallel over torch.distributed: DDP or FSDP2, gloo on CPU, ranks on this machine.
+"""Trainer data parallel over torch.distributed: DDP or FSDP2, gloo on CPU.
 
-Rank 0 is the run's trainer process; ranks 1..W-1 are spawned processes that die with it
-(trainer/dp_rank.py: the records the ranks exchange and what each rank runs). Each
+Rank 0 is the run's trainer process; ranks 1..W-1 run where its `RankHosts` puts them
+(rank_hosts.py: processes on this machine by default, Ray actors in the run's placement group
+with cluster.placement = 'ray') and die with it (trainer/dp_rank.py: the records the ranks
+exchange and what each rank runs). Each
 step rank 0 deals the batch's rows to the ranks (sorted by length, round-robin, so each gets a
 similar token count), counts the normalisers once over the whole step (normalisers.StepNorm),
 and sends every other rank its share as a typed record. Every rank then runs the same GRPO code
@@ -26,26 +28,22 @@ Guaranteed:
   gathers the shards), so a checkpoint resumes at any world size;
 - fail fast: start-up is bounded by cluster.rendezvous_timeout_s, each step, gather and load by
   cluster.op_timeout_s (also the gloo timeout of every collective); a rank that dies, is stopped
-  (SIGSTOP) or raises ends the call within about a second with an InfrastructureError naming it,
-  after which every rank is killed: no process is left behind, and `--resume` continues from
-  the last checkpoint. Ranks also die with the trainer (PR_SET_PDEATHSIG).
+  (SIGSTOP, where the trainer's machine can see its process) or raises ends the call within about
+  a second with an InfrastructureError naming it, after which every rank is killed: no process is
+  left behind, and `--resume` continues from the last checkpoint. Ranks also die with the
+  trainer (PR_SET_PDEATHSIG locally; Ray ties a placed rank to its driver).
 Not guaranteed: bitwise equality with world 1 (float sums run in another order); speed (on
-2 cores the ranks share the cores: docs/distributed.md); ranks on other machines (this module
-spawns local processes; the rendezvous is a file store in a private temporary directory).
+2 cores the ranks share the cores: docs/distributed.md); a stopped rank on another machine is
+named only when its collective times out (cluster.op_timeout_s).
 A process holds one default process group, so it holds one DataParallelTrainer at a time.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import copy
 import io
-import multiprocessing as mp
 import os
-import queue
-import shutil
-import tempfile
 import threading
 import time
 from typing import Any, Callable
@@ -56,12 +54,12 @@ import torch.distributed as dist
 from gapless.config import ClusterConfig, TrainerConfig
 from gapless.errors import InfrastructureError
 from gapless.lora import LoraSpec
-from gapless.orchestrate.watchdog import process_state
 from gapless.trainer.batch import Batch
 from gapless.trainer.corrections import summarise
 from gapless.trainer.dp_rank import (Crashed, Done, GatherOptimizer, JoinGroup, LoadOptimizer, RankEngine, RankSpec, Ready,
                                      StepShare, Stop, join_group, rank_main)
 from gapless.trainer.normalisers import StepNorm
+from gapless.trainer.rank_hosts import LocalRanks, RankHosts
 from gapless.trainer.trainer import GRPOTrainer, StepStats, Trainer
 
 POLL_S = 0.1
@@ -119,8 +117,9 @@ _live: "DataParallelTrainer | None" = None  # the one default process group of t
 
 @atexit.register
 def _close_at_exit() -> None:
-    """The run loop does not close its trainer: stop the ranks before multiprocessing's own exit
-    handler, which would wait for them forever (they ignore the SIGTERM it sends)."""
+    """A trainer nobody closed (a test, a notebook; the run loop closes its own): stop the ranks
+    before multiprocessing's own exit handler, which would wait for them forever (they ignore the
+    SIGTERM it sends)."""
     if _live is not None:
         _live.close()
 
@@ -130,7 +129,8 @@ class DataParallelTrainer:
     over W ranks; see the module docstring."""
 
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, cluster: ClusterConfig, temperature: float = 1.0,
-                 max_new_tokens: int | None = None):
+                 max_new_tokens: int | None = None, hosts: RankHosts | None = None):
+        """`hosts`: where ranks 1..W-1 run (rank_hosts.py); None: processes on this machine."""
         global _live
         if cfg.loss == "drgrpo" and max_new_tokens is None:
             raise ValueError("trainer.loss = 'drgrpo' divides by generator.max_new_tokens; pass max_new_tokens")
@@ -142,27 +142,23 @@ class DataParallelTrainer:
         self.version = 0
         self.optimizer = _GatheredOptimizer(self)
         self._closed = False
-        self._store_dir = tempfile.mkdtemp(prefix="gapless-dp-")
-        store_path = os.path.join(self._store_dir, "store")
-        ctx = mp.get_context("spawn")
-        self._outbox = ctx.Queue()
-        self._inboxes = {r: ctx.Queue() for r in range(1, self.world_size)}
+        self.hosts = hosts if hosts is not None else LocalRanks()
+        self._inboxes = {r: self.hosts.channel() for r in range(1, self.world_size)}
         buffer = io.BytesIO()
         torch.save(model, buffer)
-        self._ranks: dict[int, mp.Process] = {}
+        _live = self
         for r in self._inboxes:
             spec = RankSpec(r, self.world_size, cluster.data_parallel, cfg, temperature, max_new_tokens, buffer.getvalue(),
-                            store_path, cluster.op_timeout_s, torch.get_num_threads(), os.getpid(), self._inboxes[r], self._outbox)
-            self._ranks[r] = ctx.Process(target=rank_main, args=(spec,), name=f"gapless-trainer-rank{r}", daemon=True)
-        _live = self
-        for process in self._ranks.values():
-            process.start()
-        self._await(lambda: None, Ready, "check in (spawn, import torch, build the model)", cluster.rendezvous_timeout_s)
+                            self.hosts.rendezvous, cluster.op_timeout_s, torch.get_num_threads(),
+                            os.getpid() if self.hosts.kind == "local" else 0, self._inboxes[r], self.hosts.outbox(r))
+            self.hosts.start(r, rank_main, spec)
+        self._await(lambda: None, Ready, "check in (start, import torch, build the model)", cluster.rendezvous_timeout_s)
         self._send(JoinGroup())
         engine_model = model if cluster.data_parallel == "ddp" else copy.deepcopy(model)
 
         def build() -> None:
-            join_group(0, self.world_size, store_path, cluster.op_timeout_s)
+            join_group(0, self.world_size, self.hosts.store(self.world_size, cluster.rendezvous_timeout_s),
+                       cluster.op_timeout_s)
             self._engine = RankEngine(engine_model, cluster.data_parallel, self.world_size, cfg, temperature, max_new_tokens)
 
         self._await(build, Ready, "join the process group and wrap the model", cluster.rendezvous_timeout_s)
@@ -235,26 +231,20 @@ class DataParallelTrainer:
         worker.start()
         replies: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
-        while worker.is_alive() or len(replies) < len(self._ranks):
+        while worker.is_alive() or len(replies) < len(self._inboxes):
             worker.join(POLL_S if worker.is_alive() else 0)
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    message = self._outbox.get(timeout=0 if worker.is_alive() else POLL_S)
-                    if isinstance(message, Crashed):
-                        self._fail(f"trainer rank {message.rank} raised while it was to {what}:\n{message.traceback}", worker)
-                    if isinstance(message, reply):
-                        replies[message.rank] = message
-            for rank, process in self._ranks.items():
-                state = process_state(process.pid)
-                if not process.is_alive() or state.startswith(("Z", "gone")):
-                    self._fail(f"trainer rank {rank} (pid {process.pid}) died with exit code {process.exitcode} "
-                               f"while it was to {what}", worker)
-                if state.startswith(("T", "t")):
-                    self._fail(f"trainer rank {rank} (pid {process.pid}) is {state} while it was to {what}", worker)
+            for message in self.hosts.receive(0 if worker.is_alive() else POLL_S):
+                if isinstance(message, Crashed):
+                    self._fail(f"trainer rank {message.rank} raised while it was to {what}:\n{message.traceback}", worker)
+                if isinstance(message, reply):
+                    replies[message.rank] = message
+            for rank in self._inboxes:
+                if (why := self.hosts.check(rank)) is not None:
+                    self._fail(f"trainer rank {rank} {why} while it was to {what}", worker)
             if error:
                 self._fail(f"trainer rank 0 failed to {what}: {error[0]!r}", worker)
             if time.monotonic() > deadline:
-                missing = sorted(set(self._ranks) - set(replies)) or [0]
+                missing = sorted(set(self._inboxes) - set(replies)) or [0]
                 self._fail(f"trainer rank(s) {missing} did not {what} within {timeout_s:g} s "
                            "(cluster.op_timeout_s / cluster.rendezvous_timeout_s)", worker)
         if error:
@@ -274,18 +264,13 @@ class DataParallelTrainer:
         self._closed = True
         if not kill:
             self._send(Stop())
-        for process in self._ranks.values():
-            process.join(timeout=5.0 if not kill else 0)
-            if process.is_alive():
-                process.kill()
-            process.join(timeout=5.0)
         try:
+            self.hosts.close(kill)
             if worker is not None:
                 worker.join(timeout=self.cluster.op_timeout_s)  # its collective fails once the peers are gone
             if dist.is_initialized() and (worker is None or not worker.is_alive()):
                 dist.destroy_process_group()
-        finally:  # a broken group may refuse to be destroyed: the store and the slot are freed anyway
-            shutil.rmtree(self._store_dir, ignore_errors=True)
+        finally:  # a broken group may refuse to be destroyed: the slot is freed anyway
             if _live is self:
                 _live = None
 
@@ -297,11 +282,13 @@ class DataParallelTrainer:
 
 
 def make_trainer(cfg: TrainerConfig, model: torch.nn.Module, cluster: ClusterConfig, temperature: float = 1.0,
-                 max_new_tokens: int | None = None, lora: LoraSpec | None = None) -> Trainer:
+                 max_new_tokens: int | None = None, lora: LoraSpec | None = None,
+                 hosts: RankHosts | None = None) -> Trainer:
     """GRPOTrainer at cluster.trainer_world_size 1 (the code path of every single-process run),
-    the data-parallel trainer above it. `lora`: train that adapter (world size 1 only; config.py checks)."""
+    the data-parallel trainer above it, its ranks on `hosts` (None: processes on this machine).
+    `lora`: train that adapter (world size 1 only; config.py checks)."""
     if cluster.trainer_world_size == 1:
         return GRPOTrainer(model, cfg, temperature, max_new_tokens, lora=lora)
     if lora is not None:
         raise ValueError("LoRA trains in one process: cluster.trainer_world_size must be 1")
-    return DataParallelTrainer(model, cfg, cluster, temperature, max_new_tokens)
+    return DataParallelTrainer(model, cfg, cluster, temperature, max_new_tokens, hosts)

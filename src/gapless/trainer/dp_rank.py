@@ -2,7 +2,8 @@
 
 Every rank, rank 0 included, holds a `RankEngine`: the world-1 GRPOTrainer over its wrapped
 model (a DDP replica or an FSDP2 shard), so the GRPO step itself is the same code at every world
-size. Ranks 1..W-1 run `rank_main` in a spawned process and serve rank 0's records in order:
+size. Ranks 1..W-1 run `rank_main` in a process of their own (a spawned one, or a Ray actor:
+rank_hosts.py) and serve rank 0's records in order:
 
     check in (Ready) ─> JoinGroup: join the gloo group, wrap ─> Ready
     StepShare ─> train the rows (FSDP2: then join the full-weight gather) ─> Done(stats)
@@ -11,8 +12,8 @@ size. Ranks 1..W-1 run `rank_main` in a spawned process and serve rank 0's recor
 
 Guaranteed: a rank runs exactly the collectives rank 0 runs, in the same order (the records
 say which, and `ShardPlan` fixes the pass count); it dies with the trainer process
-(PR_SET_PDEATHSIG) and ignores the SIGINT/SIGTERM sent to the process group (the trainer
-decides when the ranks stop). Not guaranteed: anything past `cluster.op_timeout_s` per
+(PR_SET_PDEATHSIG; Ray ties a placed rank to its driver) and ignores the SIGINT/SIGTERM sent to
+the process group (the trainer decides when the ranks stop). Not guaranteed: anything past `cluster.op_timeout_s` per
 collective, which is gloo's own bound.
 """
 
@@ -24,6 +25,7 @@ import ctypes
 import io
 import os
 import signal
+import socket
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,6 +37,7 @@ import torch.distributed as dist
 from gapless.config import TrainerConfig
 from gapless.trainer.batch import Batch
 from gapless.trainer.normalisers import StepNorm
+from gapless.trainer.rank_hosts import Rendezvous
 from gapless.trainer.trainer import GRPOTrainer, ShardPlan, StepStats
 
 
@@ -71,6 +74,8 @@ class Stop:
 @dataclass(frozen=True)
 class Ready:
     rank: int
+    pid: int = 0  # the rank's process, on `host` (its placement may not know it otherwise)
+    host: str = ""
 
 
 @dataclass(frozen=True)
@@ -95,10 +100,10 @@ class RankSpec:
     temperature: float
     max_new_tokens: int | None
     model_bytes: bytes  # torch.save of the module: every rank starts from rank 0's weights
-    store_path: str
+    rendezvous: Rendezvous
     op_timeout_s: float
     threads: int
-    parent_pid: int
+    trainer_pid: int  # 0: not the trainer's child (a Ray actor: Ray ties its life to the trainer)
     inbox: Any
     outbox: Any
 
@@ -184,24 +189,23 @@ def _fsdp_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def join_group(rank: int, world_size: int, store_path: str, op_timeout_s: float) -> None:
-    store = dist.FileStore(store_path, world_size)
+def join_group(rank: int, world_size: int, store, op_timeout_s: float) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=op_timeout_s))
 
 
 def rank_main(spec: RankSpec) -> None:
     """Entry point of ranks 1..W-1: check in, join the group, then serve rank 0's records."""
-    _die_with_parent(spec.rank, spec.parent_pid)
+    _die_with_parent(spec.rank, spec.trainer_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer alone decides when to stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         torch.set_num_threads(spec.threads)
         model = torch.load(io.BytesIO(spec.model_bytes), weights_only=False)
-        spec.outbox.put(Ready(spec.rank))
+        spec.outbox.put(Ready(spec.rank, os.getpid(), socket.gethostname()))
         message = spec.inbox.get()
         if isinstance(message, Stop):
             return
-        join_group(spec.rank, spec.world_size, spec.store_path, spec.op_timeout_s)
+        join_group(spec.rank, spec.world_size, spec.rendezvous.client(spec.world_size, spec.op_timeout_s), spec.op_timeout_s)
         engine = RankEngine(model, spec.data_parallel, spec.world_size, spec.trainer, spec.temperature, spec.max_new_tokens)
         spec.outbox.put(Ready(spec.rank))
         while not isinstance(message := spec.inbox.get(), Stop):
@@ -222,12 +226,14 @@ def rank_main(spec: RankSpec) -> None:
         raise
 
 
-def _die_with_parent(rank: int, parent_pid: int) -> None:
-    """SIGKILL this rank when the trainer dies (exit if it already has); name it `gapless-rank<r>`
-    (what `ps -o comm` and /proc/PID/comm show)."""
+def _die_with_parent(rank: int, trainer_pid: int) -> None:
+    """Name this rank `gapless-rank<r>` (what `ps -o comm` and /proc/PID/comm show); when it is
+    the trainer's child, SIGKILL it when the trainer dies (exit if it already has)."""
     PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     libc.prctl(PR_SET_NAME, f"gapless-rank{rank}".encode())
-    if os.getppid() != parent_pid:
+    if trainer_pid == 0:
+        return
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != trainer_pid:
         os._exit(1)
