@@ -5,9 +5,10 @@ trainer-blocking part of a push, failure detection, and s/step of Ray placement 
    instance, receivers placed as Ray actors (RayPlacement) hold an ObjectStoreWeights receiver
    and a BroadcastWeights group member each. The trainer
    publishes a state of S bytes; the relay time is publish -> the last receiver flipped to it
-   (wall clock, one host). S in --sizes (MB), receivers 1 and 2, median of --reps. Fitted per
-   transport and receiver count as T = alpha + S / B (least squares), then checked on the held-out size
-   (--held-out MB): the prediction must fall within 25% of the measurement.
+   (wall clock, one host). S in --sizes (MB), receivers 1 and 2, median of --reps; the reps of all
+   sizes are interleaved (round v sends version v at every size). Fitted per transport and receiver
+   count as T = alpha + S / B (least squares of the relative error), then checked on the held-out
+   size (--held-out MB): the prediction must fall within 25% of the measurement.
 2. Trainer-blocking push: the default model's state (model.* defaults), SharedWeights.publish
    (local placement's shared-memory double buffer, no reader) against ObjectStoreSender.publish
    and BroadcastSender.publish (the copy into the staging half; the relay thread does the rest),
@@ -15,11 +16,13 @@ trainer-blocking part of a push, failure detection, and s/step of Ray placement 
 3. Failure detection: a placed actor killed with SIGKILL -> RayPlacement.exited() reports it;
    one stopped with SIGSTOP -> its heartbeat age on the trainer passes a 2 s threshold (the
    pipeline evicts at cluster.op_timeout_s the same way); the excess over 2 s is the error.
-4. s/step: `gapless train configs/smoke.toml` at one replica, budget 1, --steps steps, local
-   then Ray placement (a private instance the run starts itself); median perf/step_s of the
-   steps after the first (Ray's start-up is not a step).
+4. s/step: `gapless train` at one replica, budget 1, --steps steps, local and Ray placement (a
+   private instance the run starts itself) interleaved for --step-rounds rounds, for each of
+   --step-jobs (configs/smoke.toml: ~30 ms steps, where Ray's fixed per-message latency shows;
+   the embedded default job); median perf/step_s of the steps after the first (Ray's start-up is
+   not a step).
 
-    PYTHONPATH=src python bench/distributed.py [--sizes 4,16,64] [--held-out 32] [--reps 5] [--steps 8]
+    PYTHONPATH=src python bench/distributed.py [--sizes 4,8,16,64] [--held-out 32] [--reps 5] [--steps 8]
                                                [--parts push,relay,steps] [--transports object_store,broadcast]
 
 Prints one line per measurement, then one JSON object on the last line.
@@ -84,14 +87,17 @@ def receiver_main(spec: ReceiverSpec) -> None:
 
 
 def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares T = alpha + S / B over (S bytes, T s): returns (alpha s, B bytes/s)."""
-    n = len(points)
-    sx = sum(s for s, _ in points)
-    sy = sum(t for _, t in points)
-    sxx = sum(s * s for s, _ in points)
-    sxy = sum(s * t for s, t in points)
-    slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
-    alpha = (sy - slope * sx) / n
+    """T = alpha + S / B over (S bytes, T s), least squares of the *relative* error (weights 1/T^2:
+    the target is a relative one, and plain least squares lets the largest size decide the line):
+    returns (alpha s, B bytes/s)."""
+    w = [1.0 / (t * t) for _, t in points]
+    sw = sum(w)
+    sx = sum(wi * s for wi, (s, _) in zip(w, points))
+    sy = sum(wi * t for wi, (_, t) in zip(w, points))
+    sxx = sum(wi * s * s for wi, (s, _) in zip(w, points))
+    sxy = sum(wi * s * t for wi, (s, t) in zip(w, points))
+    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    alpha = (sy - slope * sx) / sw
     return alpha, 1.0 / slope
 
 
@@ -142,21 +148,26 @@ def relay_and_failures(sizes_mb: list[int], held_out_mb: int, reps: int,
                     return t
             raise TimeoutError(key)
 
-        relay: dict[str, dict] = {}
-        for key, sender in senders.items():
-            receivers = int(key.rsplit("R", 1)[1])
-            for inbox, outbox in boxes[:receivers]:
+        # every size's reps are interleaved (round v publishes version v of every key, in an order
+        # that rotates), so a busy spell of the shared box lands on all sizes alike, not on one
+        keys = list(senders)
+        receivers_of = {key: int(key.rsplit("R", 1)[1]) for key in keys}
+        for key in keys:
+            for inbox, outbox in boxes[:receivers_of[key]]:
                 inbox.put(key)
                 landed(outbox, key, 0, 300)
-            times = []
-            for v in range(1, reps + 1):
+        times: dict[str, list[float]] = {key: [] for key in keys}
+        for v in range(1, reps + 1):
+            for key in keys[v % len(keys):] + keys[:v % len(keys)]:
+                sender = senders[key]
                 state = {"w": torch.full((sender.layout.nbytes // 4,), float(v))}
                 t0 = time.time()
                 sender.publish(state, v)
-                times.append(max(landed(outbox, key, v) for _, outbox in boxes[:receivers]) - t0)
-            relay[key] = {"transport": key.split("-")[0], "bytes": sender.layout.nbytes, "receivers": receivers,
-                          "median_s": statistics.median(times),
-                          "runs_s": [round(t, 4) for t in times]}
+                times[key].append(max(landed(outbox, key, v) for _, outbox in boxes[:receivers_of[key]]) - t0)
+        relay: dict[str, dict] = {}
+        for key, sender in senders.items():
+            relay[key] = {"transport": key.split("-")[0], "bytes": sender.layout.nbytes, "receivers": receivers_of[key],
+                          "median_s": statistics.median(times[key]), "runs_s": [round(t, 4) for t in times[key]]}
             print(f"relay {key}: median {relay[key]['median_s'] * 1e3:.1f} ms  {relay[key]['runs_s']}", flush=True)
             sender.close()
         fits = {}
@@ -253,31 +264,52 @@ def blocking_push(reps: int) -> dict:
     return result
 
 
-def step_times(steps: int) -> dict:
-    out = {}
+# the local placement lends the generator's idle threads to the trainer (pipeline.lend_idle_cores,
+# one replica, local only); Ray's overhead is read against local placement without it
+VARIANTS = {"local": ["--cluster.placement", "local"],
+            "local_no_lending": ["--cluster.placement", "local", "--pipeline.lend_idle_cores", "false"],
+            "ray": ["--cluster.placement", "ray"]}
+
+
+def step_times(steps: int, jobs: list[str], rounds: int) -> dict:
+    """Median perf/step_s (steps after the first) of each job at one replica, budget 1, local and
+    Ray placement interleaved for `rounds` rounds; per job the ratio of the medians over rounds."""
+    out: dict = {}
     work = Path(tempfile.mkdtemp(prefix="gapless-bench-steps-"))
-    for placement in ("local", "ray"):
-        run = work / placement
-        args = [sys.executable, "-m", "gapless.cli", "train", str(ROOT / "configs" / "smoke.toml"), "--run-dir", str(run),
-                "--warmstart.cache_dir", str(work / "warm"), "--loop.steps", str(steps), "--loop.eval_every", "1000",
-                "--pipeline.max_staleness", "1", "--trainer.threads", "1", "--pipeline.generator_threads", "1",
-                "--pipeline.trainer_threads", "1", "--metrics.tensorboard", "false", "--cluster.placement", placement]
-        subprocess.run(args, check=True, capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        per_step = [r["perf/step_s"] for r in rows if "perf/step_s" in r][1:]
-        out[placement] = statistics.median(per_step)
-        print(f"s/step {placement}: {out[placement]:.3f} (median of {len(per_step)})", flush=True)
-    out["ratio"] = out["ray"] / out["local"]
+    for job in jobs:
+        config = [str(ROOT / "configs" / f"{job}.toml")] if job != "default" else []  # default: the embedded job
+        medians: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+        for round_ in range(rounds):
+            for variant, extra in VARIANTS.items():
+                run = work / f"{job}-{variant}-{round_}"
+                args = [sys.executable, "-m", "gapless.cli", "train", *config, "--run-dir", str(run),
+                        "--warmstart.cache_dir", str(work / "warm"), "--loop.steps", str(steps),
+                        "--loop.eval_every", "1000", "--pipeline.max_staleness", "1", "--trainer.threads", "1",
+                        "--pipeline.generator_threads", "1", "--pipeline.trainer_threads", "1",
+                        "--metrics.tensorboard", "false", *extra]
+                subprocess.run(args, check=True, capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+                rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+                per_step = [r["perf/step_s"] for r in rows if "perf/step_s" in r][1:]
+                medians[variant].append(statistics.median(per_step))
+                print(f"s/step {job} {variant} round {round_ + 1}: {medians[variant][-1]:.3f} "
+                      f"(median of {len(per_step)})", flush=True)
+        m = {variant: statistics.median(v) for variant, v in medians.items()}
+        out[job] = {**m, "ratio": m["ray"] / m["local_no_lending"], "ratio_to_lending": m["ray"] / m["local"],
+                    "rounds": medians}
+        print(f"s/step {job}: ray {m['ray']:.3f} / local without lending {m['local_no_lending']:.3f} = "
+              f"{out[job]['ratio']:.2f}x; local with lending (the default) {m['local']:.3f}", flush=True)
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sizes", default="4,16,64")
+    parser.add_argument("--sizes", default="4,8,16,64")
     parser.add_argument("--held-out", type=int, default=32)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--push-reps", type=int, default=30)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--step-jobs", default="smoke,default", help="steps part: configs/NAME.toml, or default (the embedded job)")
+    parser.add_argument("--step-rounds", type=int, default=2)
     parser.add_argument("--parts", default="push,relay,steps", help="which of push, relay (and detection), steps")
     parser.add_argument("--transports", default="object_store,broadcast", help="relay part: which transports")
     args = parser.parse_args()
@@ -289,7 +321,7 @@ def main() -> None:
         result.update(relay_and_failures([int(s) for s in args.sizes.split(",")], args.held_out, args.reps,
                                          tuple(args.transports.split(","))))
     if "steps" in parts:
-        result["s_per_step"] = step_times(args.steps)
+        result["s_per_step"] = step_times(args.steps, args.step_jobs.split(","), args.step_rounds)
     result["load_avg_end"] = os.getloadavg()[0]
     print(json.dumps(result))
 

@@ -55,6 +55,7 @@ import torch.distributed as dist
 from gapless.orchestrate.ray_weights import Layout, RelayedWeights, StagedPublish
 
 POLL_S = 0.2  # how often a waiting side looks again (store waits are short and repeated)
+KEY_PAUSE_MAX_S = 0.01  # the longest pause between two looks for a store key: the relay's latency grain
 
 
 class RelayTimeout(TimeoutError):
@@ -87,7 +88,7 @@ def _wait_key(store, key: str, timeout_s: float, stopped: Callable[[], bool] = l
         if left <= 0:
             return False
         time.sleep(min(pause, left))
-        pause = min(pause * 2, POLL_S / 4)
+        pause = min(pause * 2, KEY_PAUSE_MAX_S)
     return False
 
 
