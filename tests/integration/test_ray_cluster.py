@@ -143,57 +143,51 @@ def test_an_infeasible_placement_fails_fast_naming_demand_and_supply(tmp_path, c
     assert "cluster.replicas" in outcome["error"]  # the fix
 
 
+def _faulted_run(tmp_path: Path, warm_cache: Path, cluster, fault: str, *extra: str) -> tuple[dict, list[dict], dict]:
+    """A 6-step run at budget 1 on the cluster with `fault`: it completes with nothing left behind,
+    every admitted group ends exactly once and every trained staleness is within the budget.
+    Returns the actors' nodes (placement.json), the ledger and staleness.json."""
+    steps, budget = 6, 1
+    run = tmp_path / "run"
+    outcome = train(_args(run, warm_cache, steps, budget, "--cluster.placement", "ray", "--cluster.address", cluster.address,
+                          "--cluster.op_timeout_s", "30", *extra), tmp_path / "err.txt", fault, timeout_s=900)
+    assert outcome.fault_time is not None, outcome.stderr[-2000:]
+    assert outcome.rc == 0, outcome.stderr[-3000:]
+    assert outcome.survivors == [], outcome.survivors
+    placed = json.loads((run / "placement.json").read_text())
+    nodes = {b["actor"]: b["node_id"] for b in placed["bundles"]}
+    assert placed["trainer_node_id"] not in nodes.values() and len(set(nodes.values())) == len(nodes), placed
+    events = read_events(run / "groups.jsonl")
+    check_ledger(events, steps, 2)  # every admitted group ends exactly once; each step trained once
+    trained = [e for e in events if e["event"] == "trained"]
+    assert trained and all(0 <= e["staleness"] <= budget for e in trained)
+    assert _actor_hosts_gone()
+    return nodes, events, json.loads((run / "staleness.json").read_text())
+
+
 def test_headline_replicas_environment_and_trainer_ranks_across_nodes_survive_a_killed_replica(tmp_path, warm_cache,
                                                                                                cluster):
     """2 generator replicas, the environment and trainer rank 1 each on its own virtual node (rank 0
     is the driver, on the head), budget 1; replica 1 is SIGKILLed while it loads its third weight
     version (step 3). The run completes, every admitted group ends exactly once, every trained
     staleness is within the budget, and nothing of the run is left on the cluster."""
-    steps, budget = 6, 1
-    run = tmp_path / "run"
-    outcome = train(_args(run, warm_cache, steps, budget, "--cluster.placement", "ray", "--cluster.address", cluster.address,
-                          "--cluster.replicas", "2", "--cluster.trainer_world_size", "2", "--cluster.op_timeout_s", "30"),
-                    tmp_path / "err.txt", "generator-1:fetch:3:kill", timeout_s=900)
-    assert outcome.fault_time is not None, outcome.stderr[-2000:]
-    assert outcome.rc == 0, outcome.stderr[-3000:]
-    assert outcome.survivors == [], outcome.survivors
-    placed = json.loads((run / "placement.json").read_text())
-    actors = {b["actor"]: b["node_id"] for b in placed["bundles"]}
-    assert sorted(actors) == ["environment", "generator-0", "generator-1", "trainer-rank1"], placed
-    assert len(set(actors.values())) == NODES and placed["trainer_node_id"] not in actors.values(), placed
-    events = read_events(run / "groups.jsonl")
-    check_ledger(events, steps, 2)  # every admitted group ends exactly once; each step trained once
-    trained = [e for e in events if e["event"] == "trained"]
-    assert trained and all(0 <= e["staleness"] <= budget for e in trained)
-    summary = json.loads((run / "staleness.json").read_text())
+    nodes, events, summary = _faulted_run(tmp_path, warm_cache, cluster, "generator-1:fetch:3:kill",
+                                          "--cluster.replicas", "2", "--cluster.trainer_world_size", "2")
+    assert sorted(nodes) == ["environment", "generator-0", "generator-1", "trainer-rank1"] and len(nodes) == NODES
     assert [e["replica"] for e in summary["evictions"]] == ["generator-1"], summary["evictions"]
     assert sum(1 for e in events if e.get("reason") == "replica_lost") == summary["drops"].get("replica_lost", 0)
-    assert _actor_hosts_gone()
 
 
 def test_environment_actors_on_other_nodes_survive_a_killed_one(tmp_path, warm_cache, cluster):
     """Two environment actors, each on its own virtual node, budget 1; environment actor 1 is
     SIGKILLed at its second scored group: it is evicted, the groups routed to it end as
     `env_lost`, a fresh actor takes its bundle, and the run completes exactly once."""
-    steps, budget = 6, 1
-    run = tmp_path / "run"
-    outcome = train(_args(run, warm_cache, steps, budget, "--cluster.placement", "ray", "--cluster.address", cluster.address,
-                          "--cluster.env_actors", "2", "--pipeline.env_workers", "2", "--cluster.op_timeout_s", "30"),
-                    tmp_path / "err.txt", "environment-1:score:2:kill", timeout_s=900)
-    assert outcome.fault_time is not None, outcome.stderr[-2000:]
-    assert outcome.rc == 0, outcome.stderr[-3000:]
-    assert outcome.survivors == [], outcome.survivors
-    placed = json.loads((run / "placement.json").read_text())
-    nodes = {b["actor"]: b["node_id"] for b in placed["bundles"]}
-    assert sorted(nodes) == ["environment-0", "environment-1", "generator"] and len(set(nodes.values())) == 3, placed
-    events = read_events(run / "groups.jsonl")
-    check_ledger(events, steps, 2)
-    assert all(0 <= e["staleness"] <= budget for e in events if e["event"] == "trained")
-    summary = json.loads((run / "staleness.json").read_text())
+    nodes, events, summary = _faulted_run(tmp_path, warm_cache, cluster, "environment-1:score:2:kill",
+                                          "--cluster.env_actors", "2", "--pipeline.env_workers", "2")
+    assert sorted(nodes) == ["environment-0", "environment-1", "generator"]
     assert [e["environment"] for e in summary["env_evictions"]] == ["environment-1"], summary
     lost = sum(1 for e in events if e.get("reason") == "env_lost")
     assert lost >= 1 and lost == summary["drops"]["env_lost"]
-    assert _actor_hosts_gone()
 
 
 def test_gapless_train_on_a_private_ray_instance_survives_a_killed_replica(tmp_path, warm_cache):

@@ -48,6 +48,25 @@ def test_a_lagging_replica_gets_no_group_born_stale():
     assert list(out) == [0] and all(born == 3 for _, _, born in out[0])
 
 
+def test_a_new_version_is_shared_with_a_replica_one_version_behind():
+    """The replica whose Loaded is read first does not take a whole version's groups: one still a
+    version behind gets its share, born at the new version (it starts them once it loads it)."""
+    d = _dispatcher(budget=0, replicas=2)
+    first = d.assign()
+    for held in first.values():
+        for index, _, _ in held:
+            d.scored(index)
+    d.loaded(0, 1)  # replica 1 has not reported version 1 yet
+    d.assembling(1)
+    out = d.assign()
+    assert sorted(out) == [0, 1] and [len(out[0]), len(out[1])] == [P // 2, P // 2]
+    assert all(born == 1 for held in out.values() for _, _, born in held)
+    d.loaded(0, 3)  # replica 1 now lags by more than one version: it gets nothing new
+    d.assembling(3)
+    d.freed(2)
+    assert list(d.assign()) == [0]
+
+
 def test_environment_actors_get_the_fewest_held_and_a_lost_one_returns_exactly_its_groups():
     from gapless.orchestrate.env_actors import EnvActors
 

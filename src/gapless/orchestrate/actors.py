@@ -155,6 +155,7 @@ class _GeneratorActor:
         max_seq_len = spec.max_seq_len or max(map(len, self.prompts)) + cfg.generator.max_new_tokens
         self.multi_turn = spec.from_env is not None  # sample turns the environment asks for (episode_runner.py)
         self.cut_groups: set[int] = set()  # multi-turn groups aborted: their late turns are ignored
+        self.deferred: list[Assign] = []  # groups born at a version not loaded here yet, in arrival order
         self.engine = make_generator(cfg.generator, self.policy, max_seq_len, Path(cfg.run_dir),
                                      lora=run_spec(cfg.lora, cfg.seed))  # LoRA: self.policy.model is the merge's base
         spec.weights.fetch_into(self.engine.update_weights, -1)
@@ -185,6 +186,7 @@ class _GeneratorActor:
                 self.spans.mark("weight_load")
                 self.timeline.instant("weights", version=self.engine.version)
                 _put(spec.outbox, Loaded(spec.replica, self.engine.version), spec.stop, self._beat)
+                self._start_deferred()
             self._apply_control()
             if self.engine.has_work:
                 if spec.lending is not None:
@@ -216,24 +218,47 @@ class _GeneratorActor:
             except queue.Empty:
                 return
             timeout = 0.0
-            if isinstance(message, Assign) and self.multi_turn:  # the environment runs the episodes
-                self.clock["groups"] += len(message.groups)
-                _put(self.spec.to_env[0], StartEpisodes(self.spec.replica, message.groups), self.spec.stop, self._beat)
+            if isinstance(message, Assign) and (self.deferred or _born(message) > self.engine.version):
+                self.deferred.append(message)  # born at a version another replica holds: start once loaded
             elif isinstance(message, Assign):
-                for i, (index, task, born) in enumerate(message.groups):
-                    self.engine.add_request(self.prompts[task], sampling_params(self.cfg, index), self.cfg.generator.group_size,
-                                            request_id=str(index))
-                    scorer = message.scorers[i] if message.scorers else 0
-                    self.groups[index], self.meta[index] = [], (task, born, scorer)
-            elif isinstance(message, Abort) and self.multi_turn:
-                self.cut_groups.update(message.indices)
-                self.engine.abort([str(i) for i in message.indices])
+                self._start(message)
             elif isinstance(message, Abort):
+                self._drop_deferred(set(message.indices))
+                if self.multi_turn:
+                    self.cut_groups.update(message.indices)
+                    self.engine.abort([str(i) for i in message.indices])
+                    continue
                 ids = [i for i in message.indices if i in self.groups]
                 self.engine.abort([str(i) for i in ids])
                 for i in ids:
                     self.groups.pop(i, None)
                     self.meta.pop(i, None)
+
+    def _start(self, message: Assign) -> None:
+        if self.multi_turn:  # the environment runs the episodes
+            self.clock["groups"] += len(message.groups)
+            _put(self.spec.to_env[0], StartEpisodes(self.spec.replica, message.groups), self.spec.stop, self._beat)
+            return
+        for i, (index, task, born) in enumerate(message.groups):
+            self.engine.add_request(self.prompts[task], sampling_params(self.cfg, index), self.cfg.generator.group_size,
+                                    request_id=str(index))
+            scorer = message.scorers[i] if message.scorers else 0
+            self.groups[index], self.meta[index] = [], (task, born, scorer)
+
+    def _start_deferred(self) -> None:
+        """Start the deferred Assigns, in order, up to the first whose birth version is not loaded."""
+        while self.deferred and _born(self.deferred[0]) <= self.engine.version:
+            self._start(self.deferred.pop(0))
+
+    def _drop_deferred(self, indices: set[int]) -> None:
+        """Take aborted groups out of the deferred Assigns."""
+        kept = []
+        for message in self.deferred:
+            scorers = message.scorers or (0,) * len(message.groups)
+            groups = [(g, e) for g, e in zip(message.groups, scorers) if g[0] not in indices]
+            if groups:
+                kept.append(Assign(tuple(g for g, _ in groups), tuple(e for _, e in groups) if message.scorers else ()))
+        self.deferred = kept
 
     def _take_turns(self) -> None:
         """Queue every turn the environment sent (each message at once, in its order)."""
@@ -283,6 +308,10 @@ class _GeneratorActor:
         _put(self.spec.outbox, GenStats(stats), self.spec.stop, self._beat)
         self.clock = dict.fromkeys(self.clock, 0.0)
         self.last_report = now
+
+
+def _born(message: Assign) -> int:
+    return max(born for _, _, born in message.groups)
 
 
 def environment_main(spec: ActorSpec) -> None:

@@ -3,12 +3,15 @@
 With R generator replicas (`cluster.replicas`), admission cannot live in a generator: the
 staleness budget and the backfills are one count over all of them. The `Dispatcher` holds the
 run's `Admission` and `PromptSource` (admission.py) and each replica's policy version as the
-replica last reported it (messages.Loaded), and hands out groups (messages.Assign):
+replica last reported it (messages.Loaded), and hands out groups (messages.Assign), each born at
+the newest version a replica reports, n:
 
-    a replica at version v may be given a group  iff  Admission.may_admit(v)  and  v >= min_birth
+    a group is admitted  iff  Admission.may_admit(n)  and  n >= min_birth
+    it goes to the replica holding the fewest among those at version n or n - 1
 
 `min_birth` is the born-stale guard: a group born at v is due at step v + max_staleness, which
-must not be before the step the trainer is assembling, so a replica lagging more than the budget
+must not be before the step the trainer is assembling. A replica one version behind starts its
+groups once it has loaded version n (already published: another replica holds it); one further
 behind gets no new groups until it loads newer weights (it finishes what it holds). Groups go to
 the replica holding the fewest, lowest replica index first; with one replica this reproduces the
 generator-side admission exactly (same indices, tasks, seeds and birth versions: budget 0 equals
@@ -51,16 +54,20 @@ class Dispatcher:
     def assign(self) -> dict[int, list[tuple[int, int, int]]]:
         """Hand out every group admission allows now: replica -> [(index, task index, born)]."""
         out: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
-        while True:
-            eligible = [r for r, v in self.versions.items() if v >= self.min_birth and self.admission.may_admit(v)]
-            if not eligible:
-                return dict(out)
-            replica = min(eligible, key=lambda r: (len(self.held[r]), r))
+        if not self.versions:
+            return {}
+        born = max(self.versions.values())  # the newest version any replica holds (it is published)
+        # the replicas holding it or the one before take the groups born at it, fewest held first:
+        # one a version behind starts them once it has loaded it (actors.py), so a new version's
+        # groups are shared instead of all going to the replica whose Loaded was read first
+        takers = [r for r, v in self.versions.items() if v >= born - 1]
+        while born >= self.min_birth and self.admission.may_admit(born):
+            replica = min(takers, key=lambda r: (len(self.held[r]), r))
             index = self.admission.admit()
-            task, born = self.prompts.task_for(index), self.versions[replica]
             self.holder[index] = replica
             self.held[replica].add(index)
-            out[replica].append((index, task, born))
+            out[replica].append((index, self.prompts.task_for(index), born))
+        return dict(out)
 
     def scored(self, index: int) -> None:
         replica = self.holder.pop(index, None)
