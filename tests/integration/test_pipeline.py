@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -48,7 +49,9 @@ def _ledger(run: Path) -> list[dict]:
 
 def test_budget_zero_equals_the_synchronous_loop(tmp_path, warm_cache):
     RunLoop(_cfg(tmp_path, "sync", warm_cache), log=lambda *_: None, source="inline").run()
+    rendezvous_dirs = set(Path(tempfile.gettempdir()).glob("gapless-dp-*"))
     RunLoop(_cfg(tmp_path, "pipe", warm_cache), log=lambda *_: None, source="process").run()
+    assert set(Path(tempfile.gettempdir()).glob("gapless-dp-*")) == rendezvous_dirs  # world 1 makes no rank store
     sync, pipe = _metrics(tmp_path / "sync"), _metrics(tmp_path / "pipe")
     for key in ("rollout/reward_mean", "rollout/completion_len_mean", "train/loss"):
         assert [m[key] for m in sync] == [m[key] for m in pipe], key

@@ -123,9 +123,9 @@ class RunLoop:
         # the pipeline's placement comes first: the trainer's ranks 1..W-1 are placed beside its actors
         placement = self._placement(cfg, log) if kind == "process" else None
         try:
+            ranks = placement.trainer_ranks() if placement is not None and cfg.cluster.trainer_world_size > 1 else None
             self.trainer = make_trainer(cfg.trainer, self.policy.model, cfg.cluster, cfg.generator.temperature,
-                                        cfg.generator.max_new_tokens, self.lora,
-                                        placement.trainer_ranks() if placement is not None else None)
+                                        cfg.generator.max_new_tokens, self.lora, ranks)
             self._build(cfg, resume, log, kind, checkpoint, placement)
         except BaseException:
             if placement is not None:
