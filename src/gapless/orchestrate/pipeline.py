@@ -380,31 +380,32 @@ class ProcessSource:
             self._start_env()
         self._assign()
 
-    def _check_envs(self) -> None:
-        """Evict environment actors that died or went silent for cluster.op_timeout_s (with 2 or more)."""
-        if not self.envs.evictable:
+    def _check_evictable(self) -> None:
+        """Evict replicas and environment actors that died or went silent for cluster.op_timeout_s
+        (where the run has 2 or more of them); the last one of a kind is left to _check_alive."""
+        if not (self.evictable or self.envs.evictable):
             return
         exits = {gone.name: gone.exitcode for gone in self.placement.exited()}
-        for slot, spec in list(self.envs.live.items()):
-            if len(self.envs.live) == 1 and not self.envs.has_spare():
-                return  # the last one: its loss ends the run (_check_alive)
-            if spec.name in exits:
-                self._evict_env(slot, f"it exited with code {exits[spec.name]}")
-            elif spec.name in self.ready_actors and (silent := self.heartbeats.age_s(spec.name)) > self.cfg.cluster.op_timeout_s:
-                self._evict_env(slot, f"no heartbeat for {silent:.1f} s (cluster.op_timeout_s)", silent)
-
-    def _check_replicas(self) -> None:
-        """Evict replicas that died or went silent for cluster.op_timeout_s (with 2 or more)."""
-        if not self.evictable:
-            return
-        exits = {gone.name: gone.exitcode for gone in self.placement.exited()}
-        for replica in [r for r in self.replicas if r.alive]:
+        replicas = [r for r in self.replicas if r.alive] if self.evictable else []
+        for replica in replicas:
             if not self._may_evict():
-                return
-            if replica.name in exits:
-                self._evict(replica, f"it exited with code {exits[replica.name]}")
-            elif replica.name in self.ready_actors and (silent := self.heartbeats.age_s(replica.name)) > self.cfg.cluster.op_timeout_s:
-                self._evict(replica, f"no heartbeat for {silent:.1f} s (cluster.op_timeout_s)", silent)
+                break
+            if (lost := self._why_lost(replica.name, exits)) is not None:
+                self._evict(replica, *lost)
+        envs = list(self.envs.live.items()) if self.envs.evictable else []
+        for slot, spec in envs:
+            if len(self.envs.live) == 1 and not self.envs.has_spare():
+                break
+            if (lost := self._why_lost(spec.name, exits)) is not None:
+                self._evict_env(slot, *lost)
+
+    def _why_lost(self, name: str, exits: dict[str, int | None]) -> tuple[str, float | None] | None:
+        """(why, seconds silent) when the actor `name` exited or went silent past the op timeout."""
+        if name in exits:
+            return f"it exited with code {exits[name]}", None
+        if name in self.ready_actors and (silent := self.heartbeats.age_s(name)) > self.cfg.cluster.op_timeout_s:
+            return f"no heartbeat for {silent:.1f} s (cluster.op_timeout_s)", silent
+        return None
 
     # ---- waits ---------------------------------------------------------------------------------
     def _receive(self, timeout: float, waiting_for: str, starting: bool = False) -> None:
@@ -413,8 +414,7 @@ class ProcessSource:
         self.heartbeats.beat("trainer")
         if (signal_name := self.stop_requested()):
             raise RunStopped(signal_name)
-        self._check_replicas()
-        self._check_envs()
+        self._check_evictable()
         try:
             message = self.inbox.get(timeout=timeout)
         except queue.Empty:
@@ -478,8 +478,7 @@ class ProcessSource:
         self.watch.check(waiting_for)
 
     def _check_alive(self) -> None:
-        self._check_replicas()
-        self._check_envs()
+        self._check_evictable()
         for gone in self.placement.exited():
             raise ActorFailed(f"gapless-{gone.name} exited with code {gone.exitcode} without reporting an error "
                               "(killed by the OOM killer or a signal?); see the system log")

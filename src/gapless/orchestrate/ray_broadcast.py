@@ -44,7 +44,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import threading
 import time
 from typing import Callable
@@ -53,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from gapless.orchestrate.ray_weights import Layout, RelayedWeights, StagedPublish
+from gapless.trainer.rank_hosts import Rendezvous
 
 POLL_S = 0.2  # how often a waiting side looks again (store waits are short and repeated)
 KEY_PAUSE_MAX_S = 0.01  # the longest pause between two looks for a store key: the relay's latency grain
@@ -119,13 +119,8 @@ class BroadcastSender(StagedPublish):
         self.op_timeout_s, self.rendezvous_timeout_s, self.log = op_timeout_s, rendezvous_timeout_s, log
         self.cuda = any(t.is_cuda for t in state.values())
         self.host = host or _node_ip()
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind((self.host, 0))  # a free port, held by the store from here on
-        self._sock.listen(128)
-        self.port = self._sock.getsockname()[1]
-        fd = self._sock.detach()  # the store owns the descriptor (Python must not close it under the store)
-        self.store = dist.TCPStore(self.host, self.port, None, True, _td(rendezvous_timeout_s), wait_for_workers=False,
-                                   master_listen_fd=fd, use_libuv=False)
+        rendezvous, self.store = Rendezvous.serve(self.host, rendezvous_timeout_s)
+        self.port = rendezvous.port
         self.halves = [torch.empty(self.layout.nbytes, dtype=torch.uint8) for _ in range(2)]
         self.views = [self.layout.views(h) for h in self.halves]
         self.locks = [threading.Lock(), threading.Lock()]

@@ -90,7 +90,6 @@ class RayPlacement:
         self.broadcast = self.cluster.weight_transport == "broadcast"
         self.members: set[str] = set()  # actors in the broadcast group
         self.rank_hosts: dict[str, Any] = {}  # trainer ranks placed here (ray_ranks.py): killed at teardown
-        self._reserved: str | None = None
         self._closed = False
         no_auto_init()
         self._connect()
@@ -144,10 +143,8 @@ class RayPlacement:
 
     # ---- the Placement protocol ----------------------------------------------------------------
     def reserve(self, threads: dict[str, int]) -> str | None:
-        """Ask the cluster for one bundle per replica, one for the environment and one per trainer
-        rank past rank 0; bounded wait. Once granted, a repeated call returns the first answer."""
-        if self.pg is not None:
-            return self._reserved
+        """Ask the cluster for one bundle per replica, one per environment actor and one per trainer
+        rank past rank 0; bounded wait."""
         demand = self._demand()
         total, free = ray.cluster_resources(), ray.available_resources()
         nodes = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
@@ -175,15 +172,18 @@ class RayPlacement:
         self._record_nodes()
         used = sum(threads.values())
         if self.private and used > usable_cores():
-            self._reserved = f"the actors run {used} threads at once on {usable_cores()} cores: they will share cores"
-        return self._reserved
+            return f"the actors run {used} threads at once on {usable_cores()} cores: they will share cores"
+        return None
 
     def _record_nodes(self) -> None:
         """placement.json in the run directory: which node holds each bundle (the actor on it)."""
-        R, E, ranks = self.cluster.replicas, self.cluster.env_actors, self.cluster.trainer_world_size - 1
-        names = ([f"generator-{r}" if R > 1 else "generator" for r in range(R)]
-                 + ["environment" if E == 1 else f"environment-{e}" for e in range(E)]
-                 + [f"trainer-rank{r}" for r in range(1, ranks + 1)])
+        from gapless.orchestrate.env_actors import env_name
+        from gapless.orchestrate.pipeline import replica_name
+        from gapless.orchestrate.ray_ranks import RayRanks
+
+        R, E, W = self.cluster.replicas, self.cluster.env_actors, self.cluster.trainer_world_size
+        names = ([replica_name(r, R) for r in range(R)] + [env_name(e, E) for e in range(E)]
+                 + [RayRanks.name(rank) for rank in range(1, W)])
         try:
             to_node = ray.util.placement_group_table(self.pg).get("bundles_to_node_id", {})
             ips = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}

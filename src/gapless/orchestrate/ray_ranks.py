@@ -20,13 +20,12 @@ between nodes by itself (set GLOO_SOCKET_IFNAME on multi-homed nodes).
 
 from __future__ import annotations
 
-import datetime
+import queue
 import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import ray
-import torch.distributed as dist
 
 from gapless.trainer.rank_hosts import Rendezvous, stopped_or_gone
 
@@ -42,14 +41,8 @@ class RayRanks:
 
     def __init__(self, placement: "RayPlacement"):
         self.placement = placement
-        self.host = "127.0.0.1" if placement.private else ray.util.get_node_ip_address()
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind((self.host, 0))  # a free port, held by the store from here on
-        self._sock.listen(128)
-        port = self._sock.getsockname()[1]
-        self.rendezvous = Rendezvous(host=self.host, port=port)
-        self._master = None
-        self._fd = self._sock.detach()  # the store will own the descriptor
+        host = "127.0.0.1" if placement.private else ray.util.get_node_ip_address()
+        self.rendezvous, self._master = Rendezvous.serve(host, placement.cluster.rendezvous_timeout_s)
         self._outboxes: dict[int, Any] = {}
         self.runs: dict[int, Any] = {}  # rank -> ObjectRef of its run()
         self._located: dict[int, tuple[str, int]] = {}  # rank -> (host name, pid), from its Ready record
@@ -60,10 +53,6 @@ class RayRanks:
         return f"trainer-rank{rank}"
 
     def store(self, world_size: int, timeout_s: float):
-        if self._master is None:
-            self._master = dist.TCPStore(self.host, self.rendezvous.port, None, True,
-                                         datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
-                                         master_listen_fd=self._fd, use_libuv=False)
         return self._master
 
     def channel(self):
@@ -85,7 +74,7 @@ class RayRanks:
                 while True:
                     try:
                         out.append(outbox.get_nowait())
-                    except Exception:  # queue.Empty
+                    except queue.Empty:
                         break
             for message in out:
                 if getattr(message, "pid", 0):  # Ready: where the rank runs

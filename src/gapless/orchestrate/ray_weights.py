@@ -33,7 +33,6 @@ import ray
 import torch
 
 from gapless.faults import fault_point
-
 from gapless.orchestrate.ray_mail import POLL_S, _call
 
 ALIGN = 64

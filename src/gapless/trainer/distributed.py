@@ -149,8 +149,8 @@ class DataParallelTrainer:
         _live = self
         for r in self._inboxes:
             spec = RankSpec(r, self.world_size, cluster.data_parallel, cfg, temperature, max_new_tokens, buffer.getvalue(),
-                            self.hosts.rendezvous, cluster.op_timeout_s, torch.get_num_threads(),
-                            os.getpid() if self.hosts.kind == "local" else 0, self._inboxes[r], self.hosts.outbox(r))
+                            self.hosts.rendezvous, cluster.op_timeout_s, torch.get_num_threads(), os.getpid(),
+                            self._inboxes[r], self.hosts.outbox(r))
             self.hosts.start(r, rank_main, spec)
         self._await(lambda: None, Ready, "check in (start, import torch, build the model)", cluster.rendezvous_timeout_s)
         self._send(JoinGroup())

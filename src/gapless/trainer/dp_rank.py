@@ -13,8 +13,8 @@ rank_hosts.py) and serve rank 0's records in order:
 Guaranteed: a rank runs exactly the collectives rank 0 runs, in the same order (the records
 say which, and `ShardPlan` fixes the pass count); it dies with the trainer process
 (PR_SET_PDEATHSIG; Ray ties a placed rank to its driver) and ignores the SIGINT/SIGTERM sent to
-the process group (the trainer decides when the ranks stop). Not guaranteed: anything past `cluster.op_timeout_s` per
-collective, which is gloo's own bound.
+the process group (the trainer decides when the ranks stop). Not guaranteed: anything past
+`cluster.op_timeout_s` per collective, which is gloo's own bound.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
@@ -44,6 +45,19 @@ class Rendezvous:
         if self.path:
             return dist.FileStore(self.path, world_size)
         return dist.TCPStore(self.host, self.port, world_size, False, timedelta(seconds=timeout_s), use_libuv=False)
+
+    @staticmethod
+    def serve(host: str, timeout_s: float) -> tuple["Rendezvous", Any]:
+        """A TCPStore this process serves on a free port of `host`, and its address: the socket is
+        bound here and handed to the store (nothing is closed and rebound, no fixed port)."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((host, 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        fd = sock.detach()  # the store owns the descriptor (Python must not close it under the store)
+        store = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
+                              master_listen_fd=fd, use_libuv=False)
+        return Rendezvous(host=host, port=port), store
 
 
 def stopped_or_gone(pid: int, label: str = "") -> str | None:
