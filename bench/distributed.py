@@ -18,11 +18,14 @@ trainer-blocking part of a push, failure detection, and s/step of Ray placement 
    pipeline evicts at cluster.op_timeout_s the same way); the excess over 2 s is the error.
 4. s/step: `gapless train` at one replica, budget 1, --steps steps, local and Ray placement (a
    private instance the run starts itself) interleaved for --step-rounds rounds, for each of
-   --step-jobs (configs/smoke.toml: ~30 ms steps, where Ray's fixed per-message latency shows;
-   the embedded default job); median perf/step_s of the steps after the first (Ray's start-up is
-   not a step).
+   --step-jobs (configs/smoke.toml: ~45 ms steps, where Ray's fixed per-message latency shows;
+   the embedded default job); the mean perf/step_s of the steps after the first (Ray's start-up
+   is not a step), i.e. their wall time over their count: at budget 1 the steps alternate between
+   one that waits for generation and one whose groups were all buffered already (0.2 s against
+   1.2 s on the default job), so a median reads whichever kind is one more; local also without
+   lending the trainer the replica's idle threads (Ray placement does not lend).
 
-    PYTHONPATH=src python bench/distributed.py [--sizes 4,8,16,64] [--held-out 32] [--reps 5] [--steps 8]
+    PYTHONPATH=src python bench/distributed.py [--sizes 4,8,16,64] [--held-out 32] [--reps 5] [--steps 13]
                                                [--parts push,relay,steps] [--transports object_store,broadcast]
 
 Prints one line per measurement, then one JSON object on the last line.
@@ -264,21 +267,23 @@ def blocking_push(reps: int) -> dict:
     return result
 
 
-# the local placement lends the generator's idle threads to the trainer (pipeline.lend_idle_cores,
-# one replica, local only); Ray's overhead is read against local placement without it
+# the local placement lends the generator's idle threads to the trainer by default (one replica:
+# pipeline.lend_idle_cores, orchestrate/lending.py); Ray placement does not (lending to a replica
+# on the trainer's node was tried and measured slower, docs/distributed.md); local is read
+# without it too, so that Ray's own overhead shows apart from the lending's
 VARIANTS = {"local": ["--cluster.placement", "local"],
-            "local_no_lending": ["--cluster.placement", "local", "--pipeline.lend_idle_cores", "false"],
-            "ray": ["--cluster.placement", "ray"]}
+            "ray": ["--cluster.placement", "ray"],
+            "local_no_lending": ["--cluster.placement", "local", "--pipeline.lend_idle_cores", "false"]}
 
 
 def step_times(steps: int, jobs: list[str], rounds: int) -> dict:
-    """Median perf/step_s (steps after the first) of each job at one replica, budget 1, local and
+    """Mean perf/step_s (steps after the first) of each job at one replica, budget 1, local and
     Ray placement interleaved for `rounds` rounds; per job the ratio of the medians over rounds."""
     out: dict = {}
     work = Path(tempfile.mkdtemp(prefix="gapless-bench-steps-"))
     for job in jobs:
         config = [str(ROOT / "configs" / f"{job}.toml")] if job != "default" else []  # default: the embedded job
-        medians: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+        means: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
         for round_ in range(rounds):
             for variant, extra in VARIANTS.items():
                 run = work / f"{job}-{variant}-{round_}"
@@ -290,14 +295,14 @@ def step_times(steps: int, jobs: list[str], rounds: int) -> dict:
                 subprocess.run(args, check=True, capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
                 rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
                 per_step = [r["perf/step_s"] for r in rows if "perf/step_s" in r][1:]
-                medians[variant].append(statistics.median(per_step))
-                print(f"s/step {job} {variant} round {round_ + 1}: {medians[variant][-1]:.3f} "
-                      f"(median of {len(per_step)})", flush=True)
-        m = {variant: statistics.median(v) for variant, v in medians.items()}
-        out[job] = {**m, "ratio": m["ray"] / m["local_no_lending"], "ratio_to_lending": m["ray"] / m["local"],
-                    "rounds": medians}
-        print(f"s/step {job}: ray {m['ray']:.3f} / local without lending {m['local_no_lending']:.3f} = "
-              f"{out[job]['ratio']:.2f}x; local with lending (the default) {m['local']:.3f}", flush=True)
+                means[variant].append(statistics.mean(per_step))
+                print(f"s/step {job} {variant} round {round_ + 1}: {means[variant][-1]:.3f} "
+                      f"(mean of {len(per_step)})", flush=True)
+        m = {variant: statistics.median(v) for variant, v in means.items()}
+        out[job] = {**m, "ratio": m["ray"] / m["local"], "ratio_no_lending": m["ray"] / m["local_no_lending"],
+                    "rounds": means}
+        print(f"s/step {job}: ray {m['ray']:.3f} / local {m['local']:.3f} = {out[job]['ratio']:.2f}x; against local "
+              f"without lending {m['local_no_lending']:.3f}: {out[job]['ratio_no_lending']:.2f}x", flush=True)
     return out
 
 
@@ -307,7 +312,7 @@ def main() -> None:
     parser.add_argument("--held-out", type=int, default=32)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--push-reps", type=int, default=30)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=13)
     parser.add_argument("--step-jobs", default="smoke,default", help="steps part: configs/NAME.toml, or default (the embedded job)")
     parser.add_argument("--step-rounds", type=int, default=2)
     parser.add_argument("--parts", default="push,relay,steps", help="which of push, relay (and detection), steps")

@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from gapless.config import load_config

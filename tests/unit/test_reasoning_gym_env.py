@@ -27,7 +27,7 @@ def _answer(env):
     (lambda a: f"<answer>{a}</answer>", "ok", 1.0),
     (lambda a: f"<think>easy</think>\n<answer> {a}\n</answer> done", "ok", 1.0),
     (lambda a: f"<answer>0</answer> no wait <answer>{a}</answer>", "ok", 1.0),  # the last answer counts
-    (lambda a: f"<answer>#%&</answer>", "wrong_answer", 0.0),
+    (lambda a: "<answer>#%&</answer>", "wrong_answer", 0.0),
     (lambda a: a, "no_answer", 0.0),  # a bare answer is not in the data set's format
     (lambda a: f"Answer: {a}", "no_answer", 0.0),
     (lambda a: f"\\boxed{{{a}}}", "no_answer", 0.0),
@@ -113,7 +113,7 @@ def generated_completions(answer: str, other: str, rng: random.Random) -> list[s
         f"Answer: {answer}",
         f"\\boxed{{{answer}}}",
         "",
-        f"<answer></answer>",
+        "<answer></answer>",
         f"<answer>{answer} because {noise}</answer>",
         "x" * 20_000 + f"<answer>{answer}</answer>",  # huge
         f"<answer>{answer * 50}</answer>",

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import PurePosixPath

@@ -40,7 +40,6 @@ last snapshot are lost), or live objects (sockets, generators) surviving a snaps
 from __future__ import annotations
 
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable, Sequence

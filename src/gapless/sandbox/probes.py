@@ -32,7 +32,6 @@ from typing import Callable
 
 from gapless.sandbox.bwrap import BwrapSandbox
 from gapless.sandbox.limits import SandboxLimits
-from gapless.sandbox.result import Status
 from gapless.sandbox.seccomp import syscall_numbers
 
 QUICK = SandboxLimits(timeout_s=3.0)

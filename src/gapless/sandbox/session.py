@@ -36,7 +36,7 @@ from gapless.sandbox.limits import MIB, SandboxLimits
 from gapless.sandbox.pool import Slot, SlotPool
 from gapless.sandbox.result import SandboxError, Status
 from gapless.sandbox.streams import READ_CHUNK_BYTES, CappedSink
-from gapless.sandbox.worker import GRACE_S, JobPipes, SlotFailure
+from gapless.sandbox.worker import JobPipes, SlotFailure
 
 REPL = Job.of({"repl.py": Path(__file__).with_name("repl.py").read_bytes()}, "repl.py")
 LIVE_PROCESS_CPU_S = 3600.0  # RLIMIT_CPU of the live process, over all its calls
