@@ -1,6 +1,7 @@
 """Synchronous versus asynchronous pipeline at an equal number of trained samples.
 
     PYTHONPATH=src python bench/pipeline.py [--steps 20] [--rounds 1] [--budgets 0,1,2,4] [--keep runs/bench-pipeline]
+    PYTHONPATH=src python bench/pipeline.py --resummarise runs/bench-pipeline   # the figures of kept runs, again
 
 Workloads (each a set of config overrides on the default job):
   default       the embedded code task as configured (compute-bound on this machine)
@@ -18,7 +19,8 @@ reference loop, where generation and training take turns with every core -- the 
 synchronous baseline on a small machine, so async is compared with both.
 
 Per run: wall seconds per trained sample over steps 2..S (step 1 includes starting the actors),
-trainer idle and generator idle fractions (means over those steps), mean and max staleness,
+trainer idle, generator idle and generator blocked fractions (means over those steps; blocked:
+waiting for room in the bounded queue to the environment), mean and max staleness,
 held-out greedy pass@1 at the end, the environment's wall seconds per scored group (its
 timeline's `score` spans over steps 2..S, the added latency included), and the CPU cores the machine was busy over steps 2..S
 (/proc/stat sampled every 0.2 s; other tenants included, the machine is meant to be quiet). A
@@ -87,6 +89,11 @@ def run_job(workload: str, budget: str, steps: int, out: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     with BusySampler() as busy:
         subprocess.run(args, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return read_run(run_dir, workload, budget, busy)
+
+
+def read_run(run_dir: Path, workload: str, budget: str, busy: "BusySampler | None" = None) -> dict:
+    """One run's figures from its directory (busy cores only when sampled while it ran)."""
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     all_steps = [m for m in metrics if "perf/step_s" in m]
     steps_m = all_steps[1:]  # step 1 includes the actors' start
@@ -105,12 +112,13 @@ def run_job(workload: str, budget: str, steps: int, out: Path) -> dict:
         "s_per_sample": sum(m["perf/step_s"] for m in steps_m) / samples,
         "trainer_idle_frac": mean("perf/trainer_idle_frac"),  # the reference loop: time not training
         "generator_idle_frac": mean("perf/generator_idle_frac"),
+        "generator_blocked_frac": mean("perf/generator_blocked_frac"),  # waiting for room in a full queue to the environment
         "staleness_mean": mean("staleness/mean"),
         "staleness_max": max(m["staleness/max"] for m in steps_m),
         "pass_at_1_end": summary["eval/pass@1_end"],
         "weight_push_s": mean("perf/weight_push_s"),
         "score_span_s": statistics.mean(spans) if spans else None,  # the reference loop scores in-process: none
-        "busy_cores": busy.cores_between(all_steps[0]["time"], all_steps[-1]["time"]),
+        "busy_cores": busy.cores_between(all_steps[0]["time"], all_steps[-1]["time"]) if busy else None,
     }  # fmt: skip
 
 
@@ -202,9 +210,19 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep every run directory under this (ignored) folder, e.g. for gapless simulate --calibrate")
+    parser.add_argument("--resummarise", type=Path, default=None,
+                        help="run nothing: read the run directories a --keep run left in this folder and print "
+                             "the figures again (busy cores are not kept)")
     args = parser.parse_args()
     budgets = args.budgets.split(",")
     workloads = args.workloads.split(",")
+    if args.resummarise:
+        runs = [read_run(d, *d.name.rsplit("-", 1)[0].rsplit("-b", 1)) for d in sorted(args.resummarise.iterdir())
+                if (d / "summary.json").exists()]
+        runs = [r for r in runs if r["workload"] in workloads and r["budget"] in budgets]
+        print(json.dumps({"steps": None, "rounds": None, "resummarised_from": str(args.resummarise),
+                          **summarise(runs, workloads, budgets)}))
+        return
     runs = []
     with tempfile.TemporaryDirectory(prefix="gapless-bench-") as tmp:
         out = args.keep or Path(tmp)

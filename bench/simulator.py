@@ -5,16 +5,17 @@ speed-ups, and the speed of a 1,000-GPU simulation.
                                              [--lengths-from RUN_DIR] [--scale-steps 10000]
 
 error      calibrate on some (workload, budget) cells of bench/pipeline.py, predict the others:
-           ms per trained sample, trainer and generator idle. The measured cells are those of
+           ms per trained sample, trainer and generator idle (a real generator blocked on its
+           full queue to the environment counts as idle: it is not decoding). The measured cells are those of
            docs/performance.md (2026-11-29, a quiet machine, medians of 3 rounds), or the last
            JSON line of a bench/pipeline.py run (--measured FILE). The fit: machine costs
            (decode row cost, trainer cost per token, scoring CPU per group and the part of
            scoring that waits without CPU, parallel efficiency) minimise the squared log error
            of ms/sample plus the squared idle error over the calibration cells (Nelder-Mead on
-           the simulator itself); the heavy-tailed workload's
-           one extra figure (the share of its natural responses that run to the 192-token cap)
-           is fitted on its budget-0 cell. Lengths of the default workload come from a run's
-           metrics (--lengths-from) or the measured figures built in (mean 8.3 tokens).
+           the simulator itself). Lengths of the default workload come from a
+           run's metrics (--lengths-from) or the measured figures built in (mean 8.3 tokens); the
+           heavy-tailed workload has the same natural lengths, none of which reach its 192-token
+           cap (measured: its runs' truncated share is exactly the forced stragglers' 1/8).
 published  AReaL (1.5B and 7B, 1,000 PPO steps) and PipelineRL setups from their papers and
            READMEs (docs/simulator.md has the sources): the simulator's async/sync time ratio
            against the reported speed-up, with roofline costs of an H800/H100.
@@ -56,8 +57,7 @@ DOCS_MEASURED = {
     "latency": {"ms": [8.72, 8.86, 6.76, 6.82, 6.71]},
     "latency_200ms": {"ms": [11.38, 11.44, 7.92, 7.81, 6.50]},
 }
-CALIBRATION = [("default", "ref"), ("default", "0"), ("default", "1"), ("latency_200ms", "1")]
-TAIL_CALIBRATION = ("heavy_tail", "0")
+CALIBRATION = [("default", "ref"), ("default", "0"), ("default", "1"), ("latency_200ms", "1"), ("heavy_tail", "0")]
 
 
 def cell_config(workload: str, budget: str, steps: int = 12):
@@ -69,9 +69,9 @@ def cell_config(workload: str, budget: str, steps: int = 12):
     return load_config(None, overrides)
 
 
-def simulate_cell(costs: Costs, workload: str, budget: str, tail: float) -> dict:
-    if workload == "heavy_tail":
-        costs = replace(costs, lengths=replace(costs.lengths, truncated_frac=tail))
+def simulate_cell(costs: Costs, workload: str, budget: str) -> dict:
+    if workload == "heavy_tail":  # natural responses stop long before 192 tokens; the stragglers are forced
+        costs = replace(costs, lengths=replace(costs.lengths, truncated_frac=0.0))
     return Simulation(cell_config(workload, budget), costs).run().summary()
 
 
@@ -93,7 +93,10 @@ def from_bench_json(path: str) -> dict:
     runs = json.loads(lines[-1])["runs"]
     return {w: {"ms": [runs[w][b]["s_per_sample"] * 1e3 for b in BUDGETS],
                 "trainer_idle": [runs[w][b]["trainer_idle_frac"] for b in BUDGETS],
-                "generator_idle": [runs[w][b]["generator_idle_frac"] or 0.0 for b in BUDGETS],
+                # not decoding: idle, or blocked on the full queue to the environment (the simulator
+                # has no such queue: its generator idles instead)
+                "generator_idle": [(runs[w][b]["generator_idle_frac"] or 0.0) + (runs[w][b].get("generator_blocked_frac") or 0.0)
+                                   for b in BUDGETS],
                 "score_span": [runs[w][b].get("score_span_s") for b in BUDGETS]} for w in runs}  # None: not measured
 
 
@@ -109,7 +112,7 @@ def loss(costs: Costs, cells: dict, names) -> float:
     total = 0.0
     for workload, budget in names:
         want = cells[(workload, budget)]
-        got = simulate_cell(costs, workload, budget, 0.0)
+        got = simulate_cell(costs, workload, budget)
         total += math.log(got["s_per_sample"] * 1e3 / want["ms"]) ** 2
         for key in ("trainer_idle", "generator_idle"):
             if key in want:
@@ -152,19 +155,11 @@ def part_error(measured: dict, lengths: LengthModel, iterations: int) -> dict:
     x0 = [math.log(8e-5), math.log(7e-5), math.log(0.02), 0.9, math.log(0.005)]
     x = nelder_mead(lambda v: loss(costs_from(v, lengths), cells, CALIBRATION), x0, [0.3, 0.3, 0.6, 0.15, 1.0], iterations)
     costs = costs_from(x, lengths)
-    # the heavy tail's natural truncation at the 192-token cap, from its budget-0 cell (bisection)
-    want = cells[TAIL_CALIBRATION]["ms"]
-    lo, hi = 0.0, 1.0
-    for _ in range(14):
-        mid = (lo + hi) / 2
-        got = simulate_cell(costs, *TAIL_CALIBRATION, mid)["s_per_sample"] * 1e3
-        lo, hi = (mid, hi) if got < want else (lo, mid)
-    tail = (lo + hi) / 2
     rows = []
     for (workload, budget), want in cells.items():
-        got = simulate_cell(costs, workload, budget, tail)
+        got = simulate_cell(costs, workload, budget)
         row = {"workload": workload, "budget": budget,
-               "role": "calibration" if (workload, budget) in CALIBRATION or (workload, budget) == TAIL_CALIBRATION else "test",
+               "role": "calibration" if (workload, budget) in CALIBRATION else "test",
                "measured_ms": want["ms"], "predicted_ms": got["s_per_sample"] * 1e3,
                "error": got["s_per_sample"] * 1e3 / want["ms"] - 1,
                "predicted_trainer_idle": got["trainer_idle_frac"], "predicted_generator_idle": got["generator_idle_frac"],
@@ -182,7 +177,7 @@ def part_error(measured: dict, lengths: LengthModel, iterations: int) -> dict:
     tests = [r for r in rows if r["role"] == "test"]
     idle_errors = [abs(r[f"predicted_{k}"] - r[f"measured_{k}"]) for r in tests for k in ("trainer_idle", "generator_idle")
                    if f"measured_{k}" in r]
-    return {"costs": json.loads(costs.to_json()), "heavy_tail_truncated_frac": tail, "cells": rows,
+    return {"costs": json.loads(costs.to_json()), "cells": rows,
             "test_max_abs_error": max(abs(r["error"]) for r in tests),
             "test_within_15pct": sum(abs(r["error"]) <= 0.15 for r in tests), "tests": len(tests),
             "test_max_idle_error": max(idle_errors, default=None)}

@@ -2,7 +2,6 @@
 
 import multiprocessing as mp
 import threading
-import time
 
 import pytest
 import torch
