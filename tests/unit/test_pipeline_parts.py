@@ -214,3 +214,37 @@ def test_a_stopped_actor_gets_no_start_up_allowance(tmp_path):
     finally:
         actor.kill()
         actor.wait()
+
+
+class _BrokenSource:
+    """A channel whose second read fails, as a message this process cannot unpickle does."""
+
+    def __init__(self):
+        self.reads = 0
+
+    def get(self, *args, **kwargs):
+        self.reads += 1
+        if self.reads == 2:
+            raise RuntimeError("cannot unpickle this message here")
+        return f"item {self.reads}"
+
+
+def test_a_failed_read_reaches_the_reader_as_an_error_not_a_silent_wait():
+    import queue
+
+    from gapless.orchestrate.actors import _read_into, _take
+    from gapless.orchestrate.messages import ActorError
+    from gapless.orchestrate.pipeline import _forward
+
+    inbox: queue.Queue = queue.Queue()
+    _forward("generator", _BrokenSource(), inbox)  # returns after the failed read
+    assert inbox.get_nowait() == "item 1"
+    failure = inbox.get_nowait()
+    assert isinstance(failure, ActorError) and failure.actor == "generator"
+    assert "could not read a message from generator" in failure.traceback and "cannot unpickle" in failure.traceback
+
+    groups: queue.Queue = queue.Queue()
+    _read_into(_BrokenSource(), groups)  # the environment's reader thread
+    assert _take(groups, timeout=1) == "item 1"
+    with pytest.raises(RuntimeError, match="cannot unpickle"):
+        _take(groups, timeout=1)

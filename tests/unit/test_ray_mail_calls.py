@@ -187,3 +187,28 @@ def test_a_timed_out_stop_poll_does_not_stop_the_actor(fake_ray, monkeypatch):
         assert flag.wait(5.0)  # the trainer's stop still arrives
     finally:
         office.close()
+
+
+def _refuse_to_load():
+    raise ImportError("No module named 'a_module_only_the_writer_has'")
+
+
+class _OnlyTheWriterCanLoad:
+    """Pickles fine; unpickling fails, as a message does on a node that runs different code."""
+
+    def __reduce__(self):
+        return _refuse_to_load, ()
+
+
+def test_an_item_the_reader_cannot_unpickle_raises_in_order_and_the_rest_still_arrive(fake_ray):
+    office = _LocalOffice({})
+    channel = ray_mail.RayChannel(office)
+    try:
+        for item in (1, _OnlyTheWriterCanLoad(), 3):
+            channel.put(item)
+        assert channel.get(timeout=10) == 1
+        with pytest.raises(ray_mail.ChannelError, match="a_module_only_the_writer_has.*same gapless"):
+            channel.get(timeout=10)
+        assert channel.get(timeout=10) == 3
+    finally:
+        office.close()

@@ -324,9 +324,23 @@ def environment_main(spec: ActorSpec) -> None:
 
 def _read_into(source, sink: queue.Queue) -> None:
     """Forward one replica's groups into the environment's own queue (a thread per replica: a
-    replica killed in the middle of a write leaves only this reader waiting)."""
+    replica killed in the middle of a write leaves only this reader waiting). A read that fails
+    goes into the queue as its exception, for `_take` to raise in the environment's loop."""
     while True:
-        sink.put(source.get())
+        try:
+            item = source.get()
+        except Exception as exc:  # noqa: BLE001 - e.g. ray_mail.ChannelError: the loop must fail, not wait
+            sink.put(exc)
+            return
+        sink.put(item)
+
+
+def _take(source: queue.Queue, timeout: float | None = None):
+    """The next item a `_read_into` thread forwarded; raises what its read raised."""
+    item = source.get(timeout=timeout) if timeout is not None else source.get_nowait()
+    if isinstance(item, Exception):
+        raise item
+    return item
 
 
 def _environment_loop(spec: ActorSpec) -> None:
@@ -386,7 +400,7 @@ def _environment_loop(spec: ActorSpec) -> None:
                 if not slots.acquire(timeout=0.1):
                     continue
                 try:
-                    item = groups.get(timeout=0.1)
+                    item = _take(groups, timeout=0.1)
                 except queue.Empty:
                     slots.release()
                     continue
@@ -428,9 +442,9 @@ def _episode_loop(spec: ActorSpec, env, tasks) -> None:
                 except queue.Empty:
                     break
             try:
-                runner.handle(messages.get(timeout=POLL_S))
+                runner.handle(_take(messages, timeout=POLL_S))
                 while True:  # everything that arrived, before acting on the results
-                    runner.handle(messages.get_nowait())
+                    runner.handle(_take(messages))
             except queue.Empty:
                 pass
             runner.poll()

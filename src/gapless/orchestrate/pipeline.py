@@ -37,6 +37,7 @@ import os
 import queue
 import threading
 import time
+import traceback
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -283,7 +284,8 @@ class ProcessSource:
                          outbox=self.placement.channel(INBOX_MESSAGES), **fields)
 
     def _start(self, spec: ActorSpec, main) -> None:
-        threading.Thread(target=_forward, args=(spec.outbox, self.inbox), name=f"read-{spec.name}", daemon=True).start()
+        threading.Thread(target=_forward, args=(spec.name, spec.outbox, self.inbox), name=f"read-{spec.name}",
+                         daemon=True).start()
         self.actors.add(spec.name)
         self.placement.start(spec.name, main, spec)
 
@@ -484,9 +486,15 @@ class ProcessSource:
                               "(killed by the OOM killer or a signal?); see the system log")
 
 
-def _forward(source, sink: queue.Queue) -> None:
-    """One actor's outbox into the trainer's inbox (a thread per actor: an actor killed in the
-    middle of a write leaves only its own reader waiting)."""
+def _forward(name: str, source, sink: queue.Queue) -> None:
+    """The actor `name`'s outbox into the trainer's inbox (a thread per actor: an actor killed in
+    the middle of a write leaves only its own reader waiting). A read that fails (a message this
+    process cannot unpickle) arrives as that actor's ActorError: the run fails saying so."""
     while True:
-        sink.put(source.get())
+        try:
+            item = source.get()
+        except Exception:  # noqa: BLE001 - the trainer must hear of it, not wait for the stall watch
+            sink.put(ActorError(name, f"the trainer could not read a message from {name}:\n{traceback.format_exc()}"))
+            return
+        sink.put(item)
 

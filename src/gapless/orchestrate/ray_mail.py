@@ -27,7 +27,9 @@ poll reads a value); a bounded channel (maxsize > 0) holds at most
 three times maxsize items in all (writer list, mailbox, reader queue), so a writer still feels
 back-pressure (`put` raises queue.Full at its timeout); every Ray call is bounded by a timeout;
 `flush_writers` waits until what this process put has reached the mailbox (an actor calls it
-before its main function returns, so its last words arrive). Heartbeat ages are measured on the
+before its main function returns, so its last words arrive); an item the reader cannot unpickle
+(two nodes running different code) makes its `get` raise ChannelError, in order, and the items
+after it still arrive. Heartbeat ages are measured on the
 trainer's clock, from when it saw a beat change, so clocks of other machines do not matter; an age
 is up to ~0.5 s older than on the local placement (push and poll periods); time in which the
 mailbox answered no read (a stalled Ray, a starved trainer) is not counted as any actor's silence; `quiesce` (before
@@ -205,6 +207,17 @@ def no_auto_init() -> None:
 _writers: list["RayChannel"] = []  # channels this process wrote to (flush_writers)
 
 
+class ChannelError(RuntimeError):
+    """An item reached this process but cannot be unpickled here (different code on two nodes)."""
+
+
+class _Undeliverable:
+    """Stands in the reader's queue for an item that could not be unpickled: `get` raises there."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+
 def flush_writers(timeout_s: float = 10.0) -> None:
     """Wait until everything this process put has reached the mailbox (or `timeout_s` passed)."""
     deadline = time.monotonic() + timeout_s
@@ -285,7 +298,10 @@ class RayChannel:
         if self._reader is None:
             self._reader = threading.Thread(target=self._read_loop, name=f"ray-get-{self.box[:6]}", daemon=True)
             self._reader.start()
-        return self._received.get(block, timeout)
+        item = self._received.get(block, timeout)
+        if isinstance(item, _Undeliverable):
+            raise ChannelError(item.why)
+        return item
 
     def get_nowait(self) -> Any:
         return self.get(block=False)
@@ -298,7 +314,13 @@ class RayChannel:
                 return
             self._have += len(items)
             for blob in items:
-                self._received.put(pickle.loads(blob))  # blocks when the reader is maxsize behind
+                try:
+                    item = pickle.loads(blob)
+                except Exception as exc:  # noqa: BLE001 - whatever the bytes raise, the reader must hear of it
+                    item = _Undeliverable(
+                        f"a message on channel {self.box[:8]} cannot be unpickled in this process ({type(exc).__name__}: "
+                        f"{exc}); every node of the cluster must run the same gapless, torch and Python versions")
+                self._received.put(item)  # blocks when the reader is maxsize behind
 
 
 # ---- the stop flag ----------------------------------------------------------------------------
