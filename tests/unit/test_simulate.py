@@ -119,6 +119,19 @@ def test_shared_cores_contention_slows_both():
     assert ends[11] - ends[10] == pytest.approx(0.3)
 
 
+def test_groups_scored_at_once_share_the_sandboxs_slots():
+    # The environment has one sandbox pool: sandbox.concurrency programs at once over every group
+    # it scores. P = 4 groups of G = 2 finish together; 2 workers score 2 groups at a time, each
+    # with 1 s of CPU, on 2 slots (cores to spare): each group gets 1 slot, so scoring takes
+    # 2 rounds x 1 s (2 slots per group, the old model, would take 2 x 0.5 s).
+    shared = {"simulate.placement": '"shared"', "simulate.cores": "16", "sandbox.concurrency": "2",
+              "pipeline.env_workers": "2"}
+    costs = replace(constant_costs(1e-4, 1e-4), env=EnvCost(cpu_s=1.0, cpu_sigma=0.0), parallel_efficiency=1.0)
+    result = Simulation(config(0, steps=3, **shared), costs).run()
+    ends = [r.end_s for r in result.steps]
+    assert ends[2] - ends[1] == pytest.approx(2.0, abs=0.01)
+
+
 def heavy_costs() -> Costs:
     return Costs(GenerationCost(1e-3, 1e-4, 1e-5), LengthModel(12, sigma=1.2, truncated_frac=0.1), TrainerCost(1e-5),
                  EnvCost(cpu_s=0.002, wait_p50_s=0.01, wait_p99_s=0.05), RelayCost(latency_s=1e-3), prompt_tokens=8)

@@ -11,7 +11,8 @@ at speed `speed(x) = min(x, 1) + parallel_efficiency * max(x - 1, 0)`.
     one group's response lengths            LengthModel: truncated at the cap with probability
                                             truncated_frac, else lognormal(mean, sigma) below the cap
     scoring one group                       cpu_s on the pool (shared; its G programs use up to
-                                            min(G, sandbox.concurrency) cores; lognormal across
+                                            min(G, sandbox.concurrency) cores, the groups scored at
+                                            once sandbox.concurrency in all; lognormal across
                                             groups with mean cpu_s, shape cpu_sigma) + a wait with no CPU,
                                             lognormal through (wait_p50_s, wait_p99_s)
     training step on T tokens               step_s + token_s * T

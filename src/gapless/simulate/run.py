@@ -177,6 +177,8 @@ class Simulation:
         self.gen_version = 0
         self.workers = min(pl.env_workers, cfg.sandbox.concurrency)
         self.score_cap = float(min(self.G, cfg.sandbox.concurrency))
+        self.sandbox_slots = float(cfg.sandbox.concurrency)  # shared by every group being scored
+        self.cpu_works: list = []  # the groups in their CPU phase (pool.Work)
         self.env_queue: deque[SimGroup] = deque()
         self.scoring = 0
         self.free_workers = list(range(self.workers - 1, -1, -1))
@@ -275,10 +277,23 @@ class Simulation:
         if cpu <= 0:
             self._scored(group, worker, start)
         elif self.shared:
-            # a group's G programs run on the sandbox's processes: up to min(G, sandbox.concurrency) at once
-            Work(self.loop, self.pool, self.score_cap, cpu, lambda: self._scored(group, worker, start))
+            # a group's G programs run on the environment's one sandbox pool: sandbox.concurrency
+            # programs at once over every group in its CPU phase, at most G for one group
+            work = Work(self.loop, self.pool, self.score_cap, cpu, lambda: self._cpu_done(work, group, worker, start))
+            self.cpu_works.append(work)
+            self._share_sandbox()
         else:
             self.loop.after(cpu, lambda: self._scored(group, worker, start))
+
+    def _cpu_done(self, work, group: SimGroup, worker: int, start: float) -> None:
+        self.cpu_works.remove(work)
+        self._share_sandbox()
+        self._scored(group, worker, start)
+
+    def _share_sandbox(self) -> None:
+        cap = min(self.score_cap, self.sandbox_slots / max(len(self.cpu_works), 1))
+        for work in self.cpu_works:
+            work.set_cap(cap)
 
     def _scored(self, group: SimGroup, worker: int, start: float) -> None:
         self.scoring -= 1
