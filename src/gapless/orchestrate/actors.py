@@ -39,7 +39,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -322,15 +322,16 @@ def environment_main(spec: ActorSpec) -> None:
         _report_crash(spec)
 
 
-def _read_into(source, sink: queue.Queue) -> None:
-    """Forward one replica's groups into the environment's own queue (a thread per replica: a
-    replica killed in the middle of a write leaves only this reader waiting). A read that fails
-    goes into the queue as its exception, for `_take` to raise in the environment's loop."""
+def _read_into(source, sink: queue.Queue, failed: Callable[[Exception], Any] = lambda exc: exc) -> None:
+    """Forward one channel into a local queue (a thread per channel: a writer killed in the middle
+    of a write leaves only this reader waiting). A read that fails goes into the queue as
+    `failed(exc)`, called while the exception is handled, and the thread ends: by default the
+    exception itself, for `_take` to raise in the environment's loop."""
     while True:
         try:
             item = source.get()
-        except Exception as exc:  # noqa: BLE001 - e.g. ray_mail.ChannelError: the loop must fail, not wait
-            sink.put(exc)
+        except Exception as exc:  # noqa: BLE001 - e.g. ray_mail.ChannelError: the reader must fail, not wait
+            sink.put(failed(exc))
             return
         sink.put(item)
 

@@ -45,7 +45,7 @@ from pathlib import Path
 from gapless.config import Config, ConfigError
 from gapless.envs.base import InfraUnavailable, Task
 from gapless.errors import InfrastructureError, RunStopped
-from gapless.orchestrate.actors import ActorSpec, environment_main, generator_main
+from gapless.orchestrate.actors import ActorSpec, _read_into, environment_main, generator_main
 from gapless.orchestrate.admission import Admission, PromptSource
 from gapless.orchestrate.buffer import StalenessBuffer
 from gapless.orchestrate.dispatch import Dispatcher
@@ -487,14 +487,9 @@ class ProcessSource:
 
 
 def _forward(name: str, source, sink: queue.Queue) -> None:
-    """The actor `name`'s outbox into the trainer's inbox (a thread per actor: an actor killed in
-    the middle of a write leaves only its own reader waiting). A read that fails (a message this
-    process cannot unpickle) arrives as that actor's ActorError: the run fails saying so."""
-    while True:
-        try:
-            item = source.get()
-        except Exception:  # noqa: BLE001 - the trainer must hear of it, not wait for the stall watch
-            sink.put(ActorError(name, f"the trainer could not read a message from {name}:\n{traceback.format_exc()}"))
-            return
-        sink.put(item)
+    """The actor `name`'s outbox into the trainer's inbox (actors._read_into). A read that fails (a
+    message this process cannot unpickle) arrives as that actor's ActorError: the run fails saying
+    so, instead of waiting for the stall watch."""
+    _read_into(source, sink, lambda exc: ActorError(name, f"the trainer could not read a message from {name}:\n"
+                                                          f"{traceback.format_exc()}"))
 

@@ -178,7 +178,7 @@ class Simulation:
         self.workers = min(pl.env_workers, cfg.sandbox.concurrency)
         self.score_cap = float(min(self.G, cfg.sandbox.concurrency))
         self.sandbox_slots = float(cfg.sandbox.concurrency)  # shared by every group being scored
-        self.cpu_works: list = []  # the groups in their CPU phase (pool.Work)
+        self.cpu_works: list[Work] = []  # the groups in their CPU phase
         self.env_queue: deque[SimGroup] = deque()
         self.scoring = 0
         self.free_workers = list(range(self.workers - 1, -1, -1))
