@@ -248,3 +248,43 @@ def test_a_failed_read_reaches_the_reader_as_an_error_not_a_silent_wait():
     assert _take(groups, timeout=1) == "item 1"
     with pytest.raises(RuntimeError, match="cannot unpickle"):
         _take(groups, timeout=1)
+
+
+def test_the_group_that_empties_a_replica_carries_its_report(tmp_path, tiny_policy, problems, monkeypatch):
+    """A step shorter than the periodic report (STATS_EVERY_S) still gets the generator's figures:
+    the group after which the replica has nothing to decode carries the report to the environment,
+    which passes it on with the scored group (the CI flake where a 0.04 s smoke step had none)."""
+    import queue
+    import threading
+
+    from gapless.config import load_config
+    from gapless.orchestrate import actors
+    from gapless.orchestrate.messages import Assign, GenStats, ToScore
+    from gapless.orchestrate.watchdog import StopFlag
+
+    monkeypatch.setattr(actors, "STATS_EVERY_S", 1e9)  # no periodic report during the test
+    ctx = mp.get_context("spawn")
+    cfg = load_config(None, {"run_dir": json.dumps(str(tmp_path)), "generator.group_size": "2",
+                             "generator.max_new_tokens": "4"})
+    tiny_policy.save(tmp_path / "policy")
+    state = {k: v.detach().clone() for k, v in tiny_policy.model.state_dict().items()}
+    to_env, inbox, outbox = queue.Queue(), queue.Queue(), queue.Queue()
+    spec = actors.ActorSpec(cfg, "generator", [(p.uid, p.prompt) for p in problems[:3]], tmp_path / "policy", 0,
+                            Heartbeats(ctx, ("generator",)), StopFlag(ctx), inbox, outbox,
+                            weights=SharedWeights(state, 0, ctx), to_env=(to_env,))
+    actor = actors._GeneratorActor(spec)
+    inbox.put(Assign(((0, 0, 0), (1, 1, 0), (2, 2, 0))))
+    runner = threading.Thread(target=actor.run)
+    runner.start()
+    try:
+        scored = [to_env.get(timeout=60) for _ in range(3)]
+    finally:
+        spec.stop.set()
+        runner.join(timeout=30)
+    assert all(isinstance(item, ToScore) for item in scored)
+    reports = [item.gen_stats for item in scored if item.gen_stats is not None]
+    assert len(reports) == 1 and reports[0] is scored[-1].gen_stats  # the last group out, once
+    stats = reports[0].stats
+    assert isinstance(reports[0], GenStats) and stats["groups"] == 3 and stats["busy_s"] > 0
+    assert stats["tokens"] >= 3 * 2  # at least one token per sequence, all decoded before the report
+    assert outbox.empty()  # nothing went the periodic way

@@ -11,7 +11,9 @@ the version it now holds (`Loaded`), starts the groups the trainer assigns it (a
 central: dispatch.py), and decodes. With `partial_rollout_tokens` or `partial_rollout_s`, a group
 past its token or time deadline while others wait for a slot is cut and resumed at the back of
 the queue (re-prefilled by the weights current then; partial.py). It reports busy / idle / stall
-times to the trainer.
+times to the trainer every STATS_EVERY_S, and with the group that leaves it with nothing to
+decode (the report rides in ToScore and Scored), so every synchronous step carries one however
+short it is; a report on a cut group is passed on alone.
 Environment: scores groups on `env_workers` threads (the sandbox runs the programs in its own
 processes) and forwards them; one reader thread per replica queue, so a replica killed in the
 middle of a write blocks only its own reader. A group whose every rollout failed in the
@@ -282,6 +284,7 @@ class _GeneratorActor:
                                                     self.spec.stop, self._beat)
             return
         n = self.cfg.generator.group_size
+        done = []
         for completion in finished:
             index = int(completion.request_id)
             group = self.groups.get(index)
@@ -289,29 +292,44 @@ class _GeneratorActor:
                 continue
             group.append(completion)
             if len(group) == n:
-                task, born, scorer = self.meta.pop(index)
                 del self.groups[index]
                 group.sort(key=lambda c: c.index)
                 self.clock["groups"] += 1
-                self.spans.mark("wait_env_queue")
-                self.clock["blocked_s"] += _put(self.spec.to_env[scorer], ToScore(index, task, born, group), self.spec.stop,
-                                                self._beat)
+                done.append((index, group))
+        for i, (index, group) in enumerate(done):
+            task, born, scorer = self.meta.pop(index)
+            # the group that empties the replica carries its report: the trainer has it by the time the
+            # group is trained, so a step shorter than STATS_EVERY_S still gets its generator figures
+            stats = self._stats() if i == len(done) - 1 and not self.engine.has_work else None
+            self.spans.mark("wait_env_queue")
+            self.clock["blocked_s"] += _put(self.spec.to_env[scorer], ToScore(index, task, born, group, stats),
+                                            self.spec.stop, self._beat)
 
     def _cut_partial(self) -> None:
         cut = self.partial.cut(self.engine, lambda request_id: sampling_params(self.cfg, int(request_id)))
         self.clock["partial_cuts"] += len(cut)
 
     def _report(self) -> None:
+        _put(self.spec.outbox, self._stats(), self.spec.stop, self._beat)
+
+    def _stats(self) -> GenStats:
+        """The clock since the last report (then reset)."""
         now = time.perf_counter()
         stats = dict(self.clock, wall_s=now - self.last_report, version=self.engine.version,
                      running=self.engine.num_running, waiting=self.engine.num_waiting)
-        _put(self.spec.outbox, GenStats(stats), self.spec.stop, self._beat)
         self.clock = dict.fromkeys(self.clock, 0.0)
         self.last_report = now
+        return GenStats(stats)
 
 
 def _born(message: Assign) -> int:
     return max(born for _, _, born in message.groups)
+
+
+def _pass_on(stats: GenStats | None, outbox, stop, beat) -> None:
+    """A cut group's replica report still reaches the trainer (on its own)."""
+    if stats is not None:
+        _put(outbox, stats, stop, beat)
 
 
 def environment_main(spec: ActorSpec) -> None:
@@ -379,8 +397,10 @@ def _environment_loop(spec: ActorSpec) -> None:
                     rollouts = env.score_groups([tasks[item.task_index]], [item.completions])[0]
             fault_point("environment", "score")
             if item.index in cancelled:
+                _pass_on(item.gen_stats, spec.outbox, spec.stop, beat)
                 return
-            _put(spec.outbox, Scored(ScoredGroup(item.index, item.task_index, item.born, rollouts)), spec.stop, beat)
+            _put(spec.outbox, Scored(ScoredGroup(item.index, item.task_index, item.born, rollouts), item.gen_stats),
+                 spec.stop, beat)
         except BaseException:
             failures.append(traceback.format_exc())
         finally:
@@ -407,6 +427,7 @@ def _environment_loop(spec: ActorSpec) -> None:
                     continue
                 take_cancellations()
                 if item.index in cancelled:
+                    _pass_on(item.gen_stats, spec.outbox, spec.stop, beat)
                     slots.release()
                     continue
                 pool.submit(score, item)

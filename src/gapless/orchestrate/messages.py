@@ -31,6 +31,7 @@ class Loaded:
 @dataclass(frozen=True)
 class Scored:
     group: ScoredGroup
+    gen_stats: GenStats | None = None  # the replica's report that travelled with the group (ToScore.gen_stats)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class ToScore:
     task_index: int
     born: int
     completions: list[Completion]
+    gen_stats: GenStats | None = None  # the replica's report, sent with the group that emptied it (see actors.py)
 
 
 @dataclass(frozen=True)

@@ -436,6 +436,8 @@ class ProcessSource:
             self.prompts.feedback(self.train[group.task_index].uid,
                                   [r.reward for r in group.rollouts if not r.is_infra_failure])
             self._file(group)
+            if message.gen_stats is not None:
+                self.gen_stats.append(message.gen_stats.stats)
         elif isinstance(message, Ready):
             self.ready_actors.add(message.actor)
             self.envs.mark_ready(message.actor)
