@@ -100,12 +100,13 @@ def from_bench_json(path: str) -> dict:
                 "score_span": [runs[w][b].get("score_span_s") for b in BUDGETS]} for w in runs}  # None: not measured
 
 
-def costs_from(x: list[float], lengths: LengthModel) -> Costs:
+def costs_from(x: list[float], lengths: LengthModel, barrier_teams: bool = True) -> Costs:
     row_s, token_s, cpu_s, efficiency = math.exp(x[0]), math.exp(x[1]), math.exp(x[2]), min(max(x[3], 0.2), 1.0)
     wait_s = math.exp(x[4])  # the part of scoring a group that holds its worker without CPU
     return Costs(GenerationCost(12 * row_s, row_s), lengths, TrainerCost(token_s),
                  EnvCost(cpu_s=cpu_s, wait_p50_s=wait_s, wait_p99_s=wait_s),
-                 RelayCost(latency_s=2e-4), prompt_tokens=64, parallel_efficiency=efficiency).check()
+                 RelayCost(latency_s=2e-4), prompt_tokens=64, parallel_efficiency=efficiency,
+                 barrier_teams=barrier_teams).check()
 
 
 def loss(costs: Costs, cells: dict, names) -> float:
@@ -150,11 +151,12 @@ def nelder_mead(f, x0: list[float], step: list[float], iterations: int) -> list[
     return simplex[min(range(len(simplex)), key=lambda i: values[i])]
 
 
-def part_error(measured: dict, lengths: LengthModel, iterations: int) -> dict:
+def part_error(measured: dict, lengths: LengthModel, iterations: int, barrier_teams: bool = True) -> dict:
     cells = measured_cells(measured)
     x0 = [math.log(8e-5), math.log(7e-5), math.log(0.02), 0.9, math.log(0.005)]
-    x = nelder_mead(lambda v: loss(costs_from(v, lengths), cells, CALIBRATION), x0, [0.3, 0.3, 0.6, 0.15, 1.0], iterations)
-    costs = costs_from(x, lengths)
+    x = nelder_mead(lambda v: loss(costs_from(v, lengths, barrier_teams), cells, CALIBRATION), x0, [0.3, 0.3, 0.6, 0.15, 1.0],
+                    iterations)
+    costs = costs_from(x, lengths, barrier_teams)
     rows = []
     for (workload, budget), want in cells.items():
         got = simulate_cell(costs, workload, budget)
@@ -274,6 +276,8 @@ def main() -> None:
     parser.add_argument("--decode-step-overhead-s", type=float, default=0.0,
                         help="published setups: fixed time of each decode step (simulate.decode_step_overhead_s)")
     parser.add_argument("--scale-steps", type=int, default=10000)
+    parser.add_argument("--fair-share", action="store_true",
+                        help="error part: the pool without OpenMP teams (every job at its share of the cores)")
     args = parser.parse_args()
     figures: dict = {"cores": os.cpu_count(), "load_avg_1m_start": os.getloadavg()[0]}
     parts = args.part.split(",")
@@ -285,7 +289,7 @@ def main() -> None:
             lengths = lengths_of(read_run(args.lengths_from, 2))
         measured = from_bench_json(args.measured) if args.measured else DOCS_MEASURED
         figures["error"] = {"measured_from": args.measured or "docs/performance.md (2026-11-29)",
-                            "lengths": lengths.__dict__ | {}, **part_error(measured, lengths, args.iterations)}
+                            "lengths": lengths.__dict__ | {}, **part_error(measured, lengths, args.iterations, not args.fair_share)}
         figures["error"]["lengths"].pop("_quantiles", None)
     if "published" in parts:
         figures["published"] = part_published(args.published_steps, args.decode_step_overhead_s)

@@ -132,6 +132,37 @@ def test_groups_scored_at_once_share_the_sandboxs_slots():
     assert ends[2] - ends[1] == pytest.approx(2.0, abs=0.01)
 
 
+@pytest.mark.parametrize("barrier_teams,ends", [(False, (1.0, 1.0)), (True, (1.25, 1.0))])
+def test_an_openmp_team_runs_at_one_threads_share_on_oversubscribed_cores(barrier_teams, ends):
+    # 2 cores, perfect scaling: a 2-thread team (decode) and 2 sandbox programs, 1 s of work each at
+    # speed 1. Fair share: each gets 1 core, both end at 1 s. Teams: the team runs at one thread's
+    # share (2 / 4 = 0.5) while the programs run at 1: they end at 1 s, the team has 0.5 s of work
+    # left and then both cores (speed 2): it ends at 1.25 s.
+    from gapless.simulate.clock import EventLoop
+    from gapless.simulate.pool import SharedPool, Work
+
+    loop, done = EventLoop(), {}
+    pool = SharedPool(2, 1.0, barrier_teams)
+    Work(loop, pool, 2, 1.0, lambda: done.setdefault("team", loop.now), team=True)
+    Work(loop, pool, 2, 1.0, lambda: done.setdefault("programs", loop.now))
+    loop.run(until=lambda: len(done) == 2)
+    assert (done["team"], done["programs"]) == pytest.approx(ends)
+
+
+@pytest.mark.parametrize("threads,barrier_teams,step_s", [(2, False, 0.3), (2, True, 0.6), (1, True, 0.3)])
+def test_the_simulated_decode_and_training_are_teams(threads, barrier_teams, step_s):
+    # budget 1, groups admitted on arrival: a batch's decode (10 steps x 0.03 s = 0.3 s of work) and
+    # the previous batch's training (0.3 s) overlap on 2 cores. With 2 threads each (4 on 2 cores)
+    # fair sharing gives each actor 1 core: 0.3 s per step; as teams each runs at one thread's
+    # share, 0.5: 0.6 s. With 1 thread each nothing is oversubscribed: 0.3 s either way.
+    costs = replace(constant_costs(0.03, 0.3), parallel_efficiency=1.0, barrier_teams=barrier_teams)
+    cfg = config(1, steps=8, **{"simulate.placement": '"shared"', "simulate.cores": "2", "pipeline.lend_idle_cores": "false",
+                                "pipeline.generator_threads": str(threads), "pipeline.trainer_threads": str(threads),
+                                "simulate.trainer_inbox": '"continuous"'})
+    ends = [r.end_s for r in Simulation(cfg, costs).run().steps]
+    assert ends[5] - ends[4] == pytest.approx(step_s)
+
+
 def heavy_costs() -> Costs:
     return Costs(GenerationCost(1e-3, 1e-4, 1e-5), LengthModel(12, sigma=1.2, truncated_frac=0.1), TrainerCost(1e-5),
                  EnvCost(cpu_s=0.002, wait_p50_s=0.01, wait_p99_s=0.05), RelayCost(latency_s=1e-3), prompt_tokens=8)

@@ -4,7 +4,9 @@ Every cost is in seconds on one unit of the resource that runs it. With `placeme
 (generator replicas and trainer ranks on their own devices) a unit is a whole replica or the
 whole trainer; with `placement = "shared"` (every actor on one pool of cores or devices, as on
 this project's 2-core machine) a unit is one core (or device), and an actor given x units runs
-at speed `speed(x) = min(x, 1) + parallel_efficiency * max(x - 1, 0)`.
+at speed `speed(x) = min(x, 1) + parallel_efficiency * max(x - 1, 0)`; with `barrier_teams`
+(CPU cores) a multi-threaded decode or training step runs at one thread's share while the cores
+are oversubscribed (pool.py).
 
     decode step with b running sequences   step_s + row_s * b                (continuous batching)
     prefill of n tokens                     prefill_token_s * n
@@ -123,6 +125,7 @@ class Costs:
     prompt_tokens: int = 32  # mean prompt length (tokens)
     parallel_efficiency: float = 1.0  # shared placement: value of each unit beyond the first
     source: str = "given"  # where the figures come from (a run directory, a device spec)
+    barrier_teams: bool = False  # shared placement on CPU cores: decode and training are OpenMP teams (pool.py)
 
     def check(self) -> "Costs":
         for part in (self.generation, self.lengths, self.trainer, self.env, self.relay):
@@ -142,7 +145,8 @@ class Costs:
     def from_dict(cls, data: dict) -> "Costs":
         return cls(GenerationCost(**data["generation"]), LengthModel(**data["lengths"]), TrainerCost(**data["trainer"]),
                    EnvCost(**data.get("env", {})), RelayCost(**data.get("relay", {})),
-                   data.get("prompt_tokens", 32), data.get("parallel_efficiency", 1.0), data.get("source", "given")).check()
+                   data.get("prompt_tokens", 32), data.get("parallel_efficiency", 1.0), data.get("source", "given"),
+                   data.get("barrier_teams", False)).check()
 
     @classmethod
     def load(cls, path: str | Path) -> "Costs":

@@ -106,7 +106,7 @@ class Replica:
             self.spans.append(("wait_weights" if busy else "generate", self._span_start, now))
         self._span_start = now
         if busy:
-            self.pool.start(self, self.cap, self.on_speed)
+            self.pool.start(self, self.cap, self.on_speed, team=True)  # torch's decode threads: an OpenMP team
         else:
             self.pool.stop(self)
             self.speed = 0.0

@@ -7,11 +7,18 @@ threads, as a fair OS scheduler shares cores among runnable threads:
     allocation(job) = cap(job) * min(1, units / sum of caps of busy jobs)
     speed(job)      = min(x, 1) + parallel_efficiency * max(x - 1, 0)     for allocation x
 
+With `barrier_teams`, a *team* job (an OpenMP team: the generator's decode, the trainer's step)
+of more than one thread gains nothing from its threads while the pool is oversubscribed: it runs
+at one thread's share, `speed = units / sum of caps` (< 1), while it still takes its cap from the
+others. Its threads meet at a barrier after every parallel region, a thread preempted by another
+job's makes the rest spin there, and the team goes no faster than its slowest thread
+(docs/performance.md, "Two decode threads beside the environment"; measured in docs/simulator.md).
+
 A job is told its speed through its `on_speed(speed)` callback whenever the set of busy jobs (or
 a cap) changes, and must reschedule its own completion then. With `placement = "split"` there is
 no pool: `DedicatedPool` gives every job speed 1 and never calls back.
-Not guaranteed: the cost of contention beyond the share of cores (an OpenMP barrier waiting on a
-preempted thread slows a multi-threaded job more than its share says).
+Not guaranteed: anything between the two regimes (a team's loss does not grow with how far the
+pool is oversubscribed), caches and memory bandwidth shared by the jobs.
 """
 
 from __future__ import annotations
@@ -20,21 +27,21 @@ from typing import Callable
 
 
 class SharedPool:
-    def __init__(self, units: float, parallel_efficiency: float = 1.0):
-        self.units, self.efficiency = units, parallel_efficiency
-        self.jobs: dict[object, tuple[float, Callable[[float], None]]] = {}  # key -> (cap, on_speed)
+    def __init__(self, units: float, parallel_efficiency: float = 1.0, barrier_teams: bool = False):
+        self.units, self.efficiency, self.barrier_teams = units, parallel_efficiency, barrier_teams
+        self.jobs: dict[object, tuple[float, Callable[[float], None], bool]] = {}  # key -> (cap, on_speed, team)
         self.speeds: dict[object, float] = {}
 
     def speed_of(self, allocation: float) -> float:
         return min(allocation, 1.0) + self.efficiency * max(allocation - 1.0, 0.0)
 
-    def start(self, key: object, cap: float, on_speed: Callable[[float], None]) -> None:
-        self.jobs[key] = (cap, on_speed)
+    def start(self, key: object, cap: float, on_speed: Callable[[float], None], team: bool = False) -> None:
+        self.jobs[key] = (cap, on_speed, team)
         self._share()
 
     def set_cap(self, key: object, cap: float) -> None:
         if key in self.jobs and self.jobs[key][0] != cap:
-            self.jobs[key] = (cap, self.jobs[key][1])
+            self.jobs[key] = (cap, *self.jobs[key][1:])
             self._share()
 
     def stop(self, key: object) -> None:
@@ -43,10 +50,13 @@ class SharedPool:
             self._share()
 
     def _share(self) -> None:
-        demand = sum(cap for cap, _ in self.jobs.values())
+        demand = sum(cap for cap, _, _ in self.jobs.values())
         scale = min(1.0, self.units / demand) if demand > 0 else 1.0
-        for key, (cap, on_speed) in list(self.jobs.items()):
-            speed = self.speed_of(cap * scale)
+        for key, (cap, on_speed, team) in list(self.jobs.items()):
+            if team and self.barrier_teams and scale < 1.0 and cap > 1.0:
+                speed = scale  # one thread's share: the others wait for it at the barrier
+            else:
+                speed = self.speed_of(cap * scale)
             if self.speeds.get(key) != speed:
                 self.speeds[key] = speed
                 on_speed(speed)
@@ -55,7 +65,7 @@ class SharedPool:
 class DedicatedPool:
     """Every actor on its own devices: speed 1, no contention."""
 
-    def start(self, key: object, cap: float, on_speed: Callable[[float], None]) -> None:
+    def start(self, key: object, cap: float, on_speed: Callable[[float], None], team: bool = False) -> None:
         on_speed(1.0)
 
     def set_cap(self, key: object, cap: float) -> None:
@@ -67,13 +77,13 @@ class DedicatedPool:
 
 class Work:
     """A fixed amount of work (seconds at speed 1) on a pool; calls `on_done()` when finished,
-    tracking every speed change on the way."""
+    tracking every speed change on the way. `team`: an OpenMP team (SharedPool.barrier_teams)."""
 
-    def __init__(self, loop, pool, cap: float, amount_s: float, on_done: Callable[[], None]):
+    def __init__(self, loop, pool, cap: float, amount_s: float, on_done: Callable[[], None], team: bool = False):
         self.loop, self.pool, self.on_done = loop, pool, on_done
         self.remaining, self.speed, self.t_last, self.token = amount_s, 0.0, loop.now, None
         self.finished = False
-        pool.start(self, cap, self._on_speed)
+        pool.start(self, cap, self._on_speed, team)
 
     def _on_speed(self, speed: float) -> None:
         now = self.loop.now

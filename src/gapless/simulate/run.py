@@ -156,7 +156,7 @@ class Simulation:
         self.rng = random.Random(f"{cfg.seed}-simulate")
         self.shared = sim.placement == "shared"
         cores = sim.cores or os.cpu_count() or 2
-        self.pool = SharedPool(cores, costs.parallel_efficiency) if self.shared else DedicatedPool()
+        self.pool = SharedPool(cores, costs.parallel_efficiency, costs.barrier_teams) if self.shared else DedicatedPool()
         self.gen_threads, self.trainer_threads = resolved_threads(cfg, cores) if self.shared else (1, 1)
         self.lends = self.shared and self.s > 0 and pl.lend_idle_cores and not self.reference
         uids = [f"task-{i}" for i in range(cfg.task.num_train_prompts)]
@@ -388,7 +388,8 @@ class Simulation:
 
         self._span("trainer", "wait_rollouts", self.wait_start, now, step)
         ranks = 1 if self.shared else self.cfg.simulate.trainer_ranks  # split: data parallel over the ranks
-        self.work = Work(self.loop, self.pool, self._trainer_cap(), cost.step_s + cost.token_s * tokens / ranks, trained)
+        self.work = Work(self.loop, self.pool, self._trainer_cap(), cost.step_s + cost.token_s * tokens / ranks, trained,
+                         team=True)
 
     def _published(self, step, groups, lengths, waited, train_s, push_s, tokens) -> None:
         now = self.loop.now
