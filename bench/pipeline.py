@@ -19,7 +19,8 @@ reference loop, where generation and training take turns with every core -- the 
 synchronous baseline on a small machine, so async is compared with both.
 
 Per run: wall seconds per trained sample over steps 2..S (step 1 includes starting the actors),
-trainer idle, generator idle and generator blocked fractions (means over those steps; blocked:
+trainer idle, generator idle and generator blocked fractions (shares of the time of those steps:
+each step's fraction weighted by its duration, as the simulator computes them; blocked:
 waiting for room in the bounded queue to the environment), mean and max staleness,
 held-out greedy pass@1 at the end, the environment's wall seconds per scored group (its
 timeline's `score` spans over steps 2..S, the added latency included), and the CPU cores the machine was busy over steps 2..S
@@ -107,12 +108,19 @@ def read_run(run_dir: Path, workload: str, budget: str, busy: "BusySampler | Non
         values = [m[key] for m in steps_m if key in m]
         return sum(values) / len(values) if values else None
 
+    def share_of_time(key):
+        """A per-step fraction over the run: weighted by step time, as the simulator reports it
+        (a plain mean of alternating long and short steps, as at budget 1, is not a share of time)."""
+        pairs = [(m[key], m["perf/step_s"]) for m in steps_m if key in m]
+        total = sum(step_s for _, step_s in pairs)
+        return sum(value * step_s for value, step_s in pairs) / total if total > 0 else None
+
     return {
         "workload": workload, "budget": budget,
         "s_per_sample": sum(m["perf/step_s"] for m in steps_m) / samples,
-        "trainer_idle_frac": mean("perf/trainer_idle_frac"),  # the reference loop: time not training
-        "generator_idle_frac": mean("perf/generator_idle_frac"),
-        "generator_blocked_frac": mean("perf/generator_blocked_frac"),  # waiting for room in a full queue to the environment
+        "trainer_idle_frac": share_of_time("perf/trainer_idle_frac"),  # the reference loop: time not training
+        "generator_idle_frac": share_of_time("perf/generator_idle_frac"),
+        "generator_blocked_frac": share_of_time("perf/generator_blocked_frac"),  # waiting for room in a full queue to the environment
         "staleness_mean": mean("staleness/mean"),
         "staleness_max": max(m["staleness/max"] for m in steps_m),
         "pass_at_1_end": summary["eval/pass@1_end"],
