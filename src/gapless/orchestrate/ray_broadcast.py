@@ -132,6 +132,7 @@ class BroadcastSender(StagedPublish):
         self.sums: dict[int, int] = {}  # version -> checksum of what was sent
         self.flips: dict[str, list[int]] = {}  # member -> versions it acknowledged flipping to, in order
         self.epochs = 0
+        self.groups: list[list[str]] = []  # the members of each epoch's group, in order
         self.error: BaseException | None = None
         self._expected: dict[str, float] = {}  # member -> when the placement made its handle
         self._members: list[str] = []  # of the current group, ranks 1..
@@ -193,6 +194,7 @@ class BroadcastSender(StagedPublish):
         epoch = self.epochs = self.epochs + 1
         self._pg = None
         self._members = list(members)
+        self.groups.append(list(members))
         n = self._put_op({"kind": "group", "epoch": epoch, "members": members})
         for m in members:
             self.store.set(f"start/{m}", str(n))
@@ -232,7 +234,7 @@ class BroadcastSender(StagedPublish):
     def report(self) -> dict:
         """What the relay did: written to the run directory as relay.json."""
         return {"transport": "broadcast", "backend": "nccl" if self.cuda else "gloo", "epochs": self.epochs,
-                "dropped": self.dropped, "flips": self.flips, "checksums": {str(v): c for v, c in self.sums.items()},
+                "groups": self.groups, "dropped": self.dropped, "flips": self.flips, "checksums": {str(v): c for v, c in self.sums.items()},
                 "relay_s": self.relay_s, "published": self.version, "error": repr(self.error) if self.error else None}
 
     def _relay(self) -> None:
