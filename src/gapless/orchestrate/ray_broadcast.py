@@ -234,7 +234,8 @@ class BroadcastSender(StagedPublish):
     def report(self) -> dict:
         """What the relay did: written to the run directory as relay.json."""
         return {"transport": "broadcast", "backend": "nccl" if self.cuda else "gloo", "epochs": self.epochs,
-                "groups": self.groups, "dropped": self.dropped, "flips": self.flips, "checksums": {str(v): c for v, c in self.sums.items()},
+                "groups": self.groups, "dropped": self.dropped, "flips": self.flips,
+                "checksums": {str(v): c for v, c in self.sums.items()},
                 "relay_s": self.relay_s, "published": self.version, "error": repr(self.error) if self.error else None}
 
     def _relay(self) -> None:
