@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python bench/pipeline.py [--steps 20] [--rounds 1] [--budgets 0,1,2,4] [--keep runs/bench-pipeline]
     PYTHONPATH=src python bench/pipeline.py --resummarise runs/bench-pipeline   # the figures of kept runs, again
+    PYTHONPATH=src python bench/pipeline.py --budgets 1,1:on,2,2:on --workloads default,heavy_tail   # admission modes
 
 Workloads (each a set of config overrides on the default job):
   default       the embedded code task as configured (compute-bound on this machine)
@@ -71,8 +72,10 @@ RunLoop(load_config(None, overrides), log=lambda *a: None, source="inline").run(
 
 def run_job(workload: str, budget: str, steps: int, out: Path) -> dict:
     """budget: a staleness budget for the pipeline, or 'ref' for the one-process reference loop
-    (generation and training take turns, each with every core)."""
-    run_dir = out / f"{workload}-b{budget}-{time.monotonic_ns()}"
+    (generation and training take turns, each with every core); 'B:MODE' is budget B with
+    pipeline.admit_while_training = MODE."""
+    label = budget
+    run_dir = out / f"{workload}-b{label}-{time.monotonic_ns()}"
     overrides = {"run_dir": json.dumps(str(run_dir)), "loop.steps": str(steps), "loop.eval_every": "100000",
                  "loop.checkpoint_every": "100000", "metrics.tensorboard": "false", **WORKLOADS[workload]}
     if budget == "ref":
@@ -81,7 +84,10 @@ def run_job(workload: str, budget: str, steps: int, out: Path) -> dict:
         for key, value in overrides.items():
             args += [key, value]
     else:
+        budget, _, admit = budget.partition(":")
         overrides["pipeline.max_staleness"] = budget
+        if admit:
+            overrides["pipeline.admit_while_training"] = json.dumps(admit)
         args = [sys.executable, "-m", "gapless.cli", "train", "--run-dir", str(run_dir)]
         for key, value in overrides.items():
             if key == "run_dir":
@@ -90,7 +96,7 @@ def run_job(workload: str, budget: str, steps: int, out: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     with BusySampler() as busy:
         subprocess.run(args, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    return read_run(run_dir, workload, budget, busy)
+    return read_run(run_dir, workload, label, busy)
 
 
 def read_run(run_dir: Path, workload: str, budget: str, busy: "BusySampler | None" = None) -> dict:
@@ -214,7 +220,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--budgets", default="ref,0,1,2,4", help="staleness budgets; 'ref' = the one-process reference loop")
+    parser.add_argument("--budgets", default="ref,0,1,2,4",
+                        help="staleness budgets; 'ref' = the one-process reference loop; 'B:MODE' = budget B with "
+                             "pipeline.admit_while_training = MODE (e.g. 1,1:on compares the admission modes side by side)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep every run directory under this (ignored) folder, e.g. for gapless simulate --calibrate")

@@ -1,7 +1,7 @@
 """The capacity simulator against measurements: bench/pipeline.py's cells, published async
 speed-ups, and the speed of a 1,000-GPU simulation.
 
-    PYTHONPATH=src python bench/simulator.py [--part error,published,scale] [--measured FILE]
+    PYTHONPATH=src python bench/simulator.py [--part error,admission,published,scale] [--measured FILE]
                                              [--lengths-from RUN_DIR] [--scale-steps 10000]
 
 error      calibrate on some (workload, budget) cells of bench/pipeline.py, predict the others:
@@ -16,6 +16,9 @@ error      calibrate on some (workload, budget) cells of bench/pipeline.py, pred
            run's metrics (--lengths-from) or the measured figures built in (mean 8.3 tokens); the
            heavy-tailed workload has the same natural lengths, none of which reach its 192-token
            cap (measured: its runs' truncated share is exactly the forced stragglers' 1/8).
+admission  the cells of a bench/pipeline.py run over budgets B and B:on (--measured FILE:
+           pipeline.admit_while_training 'auto' against 'on'), predicted with the built-in
+           costs, no fit to that run: a held-out check of the trainer's two admission modes.
 published  AReaL (1.5B and 7B, 1,000 PPO steps) and PipelineRL setups from their papers and
            READMEs (docs/simulator.md has the sources): the simulator's async/sync time ratio
            against the reported speed-up, with roofline costs of an H800/H100.
@@ -60,8 +63,9 @@ DOCS_MEASURED = {
 CALIBRATION = [("default", "ref"), ("default", "0"), ("default", "1"), ("latency_200ms", "1"), ("heavy_tail", "0")]
 
 
-def cell_config(workload: str, budget: str, steps: int = 12):
-    overrides = {"loop.steps": str(steps), "simulate.cores": "2", "simulate.timeline_steps": "0", **WORKLOADS[workload]}
+def cell_config(workload: str, budget: str, steps: int = 12, admit: str = "auto"):
+    overrides = {"loop.steps": str(steps), "simulate.cores": "2", "simulate.timeline_steps": "0", **WORKLOADS[workload],
+                 "pipeline.admit_while_training": json.dumps(admit)}
     if budget == "ref":
         overrides["simulate.reference_loop"] = "true"
     else:
@@ -266,6 +270,44 @@ def part_scale(steps: int) -> dict:
             "load_avg_1m": os.getloadavg()[0]}
 
 
+def part_admission(path: str) -> dict:
+    """A held-out check: bench/pipeline.py cells run with both admission modes (budgets 'B' and
+    'B:on'), against the simulator with its built-in costs (no fit to these runs)."""
+    from gapless.simulate import MACHINE_COSTS
+
+    lines = [line for line in Path(path).read_text().splitlines() if line.startswith("{")]
+    runs = json.loads(lines[-1])["runs"]
+    rows = []
+    for workload, cells in runs.items():
+        for label, want in cells.items():
+            budget, _, mode = label.partition(":")
+            costs = MACHINE_COSTS
+            if workload == "heavy_tail":
+                costs = replace(costs, lengths=replace(costs.lengths, truncated_frac=0.0))
+            got = Simulation(cell_config(workload, budget, admit=mode or "auto"), costs).run().summary()
+            row = {"workload": workload, "budget": label, "measured_ms": want["s_per_sample"] * 1e3,
+                   "predicted_ms": got["s_per_sample"] * 1e3,
+                   "measured_trainer_idle": want["trainer_idle_frac"], "predicted_trainer_idle": got["trainer_idle_frac"],
+                   "measured_generator_idle": (want["generator_idle_frac"] or 0.0) + (want.get("generator_blocked_frac") or 0.0),
+                   "predicted_generator_idle": got["generator_idle_frac"]}
+            row["error"] = row["predicted_ms"] / row["measured_ms"] - 1
+            rows.append(row)
+            print(f"{workload:<14} {label:>5} measured {row['measured_ms']:6.2f} predicted {row['predicted_ms']:6.2f} "
+                  f"({row['error']:+6.1%})  trainer idle {row['measured_trainer_idle']:.2f}/{row['predicted_trainer_idle']:.2f}  "
+                  f"generator idle {row['measured_generator_idle']:.2f}/{row['predicted_generator_idle']:.2f}", flush=True)
+    ratios = {}
+    for row in rows:
+        budget, _, mode = row["budget"].partition(":")
+        base = next((r for r in rows if r["workload"] == row["workload"] and r["budget"] == budget), None)
+        if mode and base:
+            ratios[f"{row['workload']} {row['budget']} / {budget}"] = {
+                "measured": row["measured_ms"] / base["measured_ms"], "predicted": row["predicted_ms"] / base["predicted_ms"]}
+    for name, r in ratios.items():
+        print(f"{name}: measured {r['measured']:.3f} predicted {r['predicted']:.3f}")
+    return {"measured_from": path, "cells": rows, "ratios": ratios,
+            "within_15pct": sum(abs(r["error"]) <= 0.15 for r in rows), "cells_n": len(rows)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", default="error,published,scale")
@@ -291,6 +333,10 @@ def main() -> None:
         figures["error"] = {"measured_from": args.measured or "docs/performance.md (2026-11-29)",
                             "lengths": lengths.__dict__ | {}, **part_error(measured, lengths, args.iterations, not args.fair_share)}
         figures["error"]["lengths"].pop("_quantiles", None)
+    if "admission" in parts:
+        if not args.measured:
+            parser.error("--part admission needs --measured: a bench/pipeline.py run with budgets B and B:on")
+        figures["admission"] = part_admission(args.measured)
     if "published" in parts:
         figures["published"] = part_published(args.published_steps, args.decode_step_overhead_s)
     if "scale" in parts:

@@ -495,6 +495,15 @@ class PipelineConfig(_Section):
     lend_idle_cores: bool = True
     """With a budget: the trainer borrows the generator's threads while the generator has nothing to
     decode, and hands them back at its next decoder layer when it has (orchestrate/lending.py)."""
+    admit_while_training: Literal["auto", "on", "off"] = "auto"
+    """When the trainer admits the groups a replica's newly loaded policy version allows. 'on': the
+    moment the replica's Loaded arrives, also while the trainer trains, so the generator works on
+    the next batch during the step. 'off': only while the trainer waits in take(); when a batch is
+    ready at a step's end the new version's groups wait for the next wait, and the generator and
+    the trainer take turns. 'auto': 'off' while the trainer borrows the generator's cores
+    (lend_idle_cores, one local replica, a budget), else 'on'. On 2 cores 'on' beside lending
+    doubled the trainer's step, whose two-thread team then shares the cores with the decode and
+    the sandbox (docs/pipeline.md)."""
 
     @property
     def generator_threads_resolved(self) -> int:
@@ -584,12 +593,12 @@ class SimulateConfig(_Section):
     2-core CPU box; actors share it by threads); 'split': generator replicas and trainer ranks
     each on their own devices (a cluster)."""
     trainer_inbox: Literal["take", "continuous"] = "take"
-    """When the simulated trainer handles scored groups and the replicas' Loaded messages.
-    'take': only while it waits for a batch, as gapless's trainer does (a batch ready at a step's
-    end is trained at once, and groups of the version just published are admitted only at the
-    next wait: the budget-1 trainer idle). 'continuous': the moment they arrive, as in systems
-    whose rollout controller admits on its own (AReaL, PipelineRL; used for their published
-    speed-ups, docs/simulator.md)."""
+    """When the simulated trainer handles scored groups and the replicas' Loaded messages. 'take':
+    as gapless's trainer does: scored groups only while it waits for a batch (a batch ready at a
+    step's end is trained at once, the groups that arrived meanwhile wait in its inbox, and so do
+    the backfills their drops would allow), Loaded as `pipeline.admit_while_training` says.
+    'continuous': both the moment they arrive, as in systems whose rollout controller admits on
+    its own (AReaL, PipelineRL; used for their published speed-ups, docs/simulator.md)."""
     cores: int = Field(0, ge=0, le=65536)
     """Shared placement: cores (or devices) in the pool; 0 = this machine's cores."""
     replicas: int = Field(1, ge=1, le=65536)

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,9 +60,8 @@ def _drive(loop: RunLoop, budget: int) -> list[list[list[int]]]:
                 assert set(versions) == {step}
             batch, _ = step_batch(taken.rollouts, cfg.generator.group_size, cfg.trainer, cfg.generator.max_new_tokens,
                                   loop.policy.pad_id, loop.trainer.reference_kl)
-            loop.trainer.step(batch)
-            with source.lend_threads():
-                pass
+            with source.training():
+                loop.trainer.step(batch)
             assert isinstance(source.publish(loop.trainer.state_for_push(), loop.trainer.version), dict)
             assert all(isinstance(v, float) for v in source.stats().values())
             sampled.append(sorted(r.completion.token_ids for r in taken.rollouts))
@@ -95,6 +95,36 @@ def test_budget_zero_sources_agree_bitwise_with_lora(tmp_path, warm_cache):
 def test_the_process_source_keeps_the_contract_with_a_budget(tmp_path, warm_cache):
     _drive(_loop(tmp_path, warm_cache, "process", 1), 1)
     assert not [p.name for p in multiprocessing.active_children() if p.name.startswith("gapless-")]  # close stopped the actors
+
+
+def test_the_process_source_admits_a_new_versions_groups_while_the_trainer_trains(tmp_path, warm_cache):
+    """Budget 1, pipeline.admit_while_training = 'on': version 0 allows 2 P groups; the Loaded of
+    version 1 arrives while the trainer is inside training(), and the groups it allows are
+    admitted then, not at the next take. 'auto' is 'off' here: the trainer borrows the
+    generator's core (one local replica, lend_idle_cores)."""
+    auto = _loop(tmp_path / "auto", warm_cache, "process", 1)
+    assert auto.source.admit_while_training is False
+    auto.sinks.close()
+    auto.env.close()
+    loop = _loop(tmp_path, warm_cache, "process", 1, **{"pipeline.admit_while_training": '"on"'})
+    source, admission = loop.source, loop.source.dispatcher.admission
+    source.start(loop.trainer.state_for_push(), loop.trainer.version)
+    try:
+        source.take(0)
+        before = admission.admitted
+        assert before == admission.limit(0)
+        source.publish(loop.trainer.state_for_push(), 1)
+        with source.training():
+            deadline = time.monotonic() + 120
+            while admission.admitted < admission.limit(1) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert admission.admitted == admission.limit(1) > before
+        assert 1 in source.buffer.in_flight.values()  # born at version 1
+        assert isinstance(source.take(1).groups, list)  # what arrived meanwhile was kept for it
+    finally:
+        source.close("run_ended", 1)
+        loop.sinks.close()
+        loop.env.close()
 
 
 @pytest.mark.slow

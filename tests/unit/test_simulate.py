@@ -48,52 +48,72 @@ def test_sync_constant_costs_closed_form():
 
 
 def test_async_trainer_bound_closed_form():
-    # budget 1, g = 0.1 < T = 0.3. The trainer handles Loaded messages only while it waits in
-    # take() (as the real trainer does): at a step's end the next batch (born one version back,
-    # generated during that step) is ready, so it trains at once, and nothing born at the new
-    # version is admitted until it waits again. Steps come in pairs: T, then g + T (it waits g
-    # for the batch admitted at its wait; the two batches in flight are decoded together, a
-    # decode step here costing the same for any batch). The summary covers steps 2-8: three
-    # waits of g and three generations of g in (ends[7] - ends[0]).
+    # budget 1, g = 0.1 < T = 0.3. The trainer handles the replicas' Loaded messages on arrival,
+    # also while it trains (pipeline.py training()): the groups born at the version just
+    # published are admitted at once and generated during the step, so from step 2 on a step
+    # takes T, the trainer never waits, and the generator idles 1 - g / T.
     result = Simulation(config(1), constant_costs(0.01, 0.3)).run()
     ends = [r.end_s for r in result.steps]
     s = result.summary()
-    assert ends[7] - ends[5] == pytest.approx(2 * 0.3 + 0.1)
-    assert ends[7] - ends[6] == pytest.approx(0.3)
-    window = ends[7] - ends[0]
-    assert s["s_per_sample"] == pytest.approx(window / 7 / (P * G))
-    assert s["trainer_idle_frac"] == pytest.approx(3 * 0.1 / window)
-    assert s["generator_idle_frac"] == pytest.approx(1 - 3 * 0.1 / window)
+    assert all(b - a == pytest.approx(0.3) for a, b in zip(ends, ends[1:]))
+    assert s["s_per_sample"] == pytest.approx(0.3 / (P * G))
+    assert s["trainer_idle_frac"] == pytest.approx(0.0, abs=1e-12)
+    assert s["generator_idle_frac"] == pytest.approx(1 - 0.1 / 0.3)
     assert s["staleness_max"] == 1
 
 
 def test_async_generator_bound_two_batches_in_flight():
     # budget 1, g = 0.5 > T = 0.1, and a decode step costs the same for any batch: the real
-    # admission bound (v + 2) P keeps two batches in flight, generated together. The trainer
-    # handles the replicas' Loaded messages only while it waits (as the real one does): the
-    # second batch is ready when the first is trained, so it trains at once and admits nothing
-    # born at the new version until it next waits. Two steps take g + 2 T in steady state.
+    # admission bound (v + 2) P keeps two batches in flight, generated together; each published
+    # version's groups are admitted when its Loaded arrives. Two steps take g + T in steady state.
     result = Simulation(config(1, steps=12), constant_costs(0.05, 0.1)).run()
     ends = [r.end_s for r in result.steps]
-    assert ends[11] - ends[9] == pytest.approx(0.5 + 2 * 0.1)
-    assert ends[10] - ends[8] == pytest.approx(0.5 + 2 * 0.1)
-    assert ends[11] - ends[10] == pytest.approx(0.1)  # the second of a pair: ready, trained at once
-
-
-def test_a_continuous_inbox_admits_the_new_version_at_once():
-    # simulate.trainer_inbox = 'continuous' (a rollout controller that admits on its own, as for
-    # the published systems): Loaded is handled on arrival, so the next batch is always generated
-    # while the trainer trains. Trainer-bound (g = 0.1 < T = 0.3): a step takes T, the trainer
-    # never waits, the generator idles 1 - g / T. Generator-bound (g = 0.5 > T = 0.1), two batches
-    # in flight: two steps take g + T.
-    continuous = {"simulate.trainer_inbox": '"continuous"'}
-    s = Simulation(config(1, **continuous), constant_costs(0.01, 0.3)).run().summary()
-    assert s["s_per_sample"] == pytest.approx(0.3 / (P * G))
-    assert s["trainer_idle_frac"] == pytest.approx(0.0, abs=1e-12)
-    assert s["generator_idle_frac"] == pytest.approx(1 - 0.1 / 0.3)
-    ends = [r.end_s for r in Simulation(config(1, steps=12, **continuous), constant_costs(0.05, 0.1)).run().steps]
     assert ends[11] - ends[9] == pytest.approx(0.5 + 0.1)
     assert ends[10] - ends[8] == pytest.approx(0.5 + 0.1)
+
+
+def test_admission_at_take_only_pairs_the_steps():
+    # pipeline.admit_while_training = 'off': the trainer handles Loaded only while it waits in
+    # take(). Budget 1, g = 0.1 < T = 0.3: at a step's end the next batch (born one version back,
+    # generated during that step) is ready, so it trains at once, and nothing born at the new
+    # version is admitted until it waits again. Steps come in pairs: T, then g + T (it waits g
+    # for the batch admitted at its wait; the two batches in flight are decoded together, a
+    # decode step here costing the same for any batch). The summary covers steps 2-8: three
+    # waits of g and three generations of g in (ends[7] - ends[0]).
+    result = Simulation(config(1, **{"pipeline.admit_while_training": '"off"'}), constant_costs(0.01, 0.3)).run()
+    ends = [r.end_s for r in result.steps]
+    s = result.summary()
+    assert ends[7] - ends[5] == pytest.approx(2 * 0.3 + 0.1)
+    assert ends[7] - ends[6] == pytest.approx(0.3)
+    window = ends[7] - ends[0]
+    assert s["trainer_idle_frac"] == pytest.approx(3 * 0.1 / window)
+    assert s["generator_idle_frac"] == pytest.approx(1 - 3 * 0.1 / window)
+
+
+def test_auto_admission_takes_turns_where_the_trainer_borrows_the_cores():
+    # 'auto' resolves as the real trainer does (pipeline.py): 'off' with core lending (shared
+    # cores, a budget, lend_idle_cores), 'on' without.
+    costs = replace(constant_costs(0.01, 0.3), parallel_efficiency=1.0)
+    shared = {"simulate.placement": '"shared"', "simulate.cores": "2"}
+
+    def ends(**extra):
+        return [r.end_s for r in Simulation(config(1, **shared, **extra), costs).run().steps]
+
+    assert ends() == ends(**{"pipeline.admit_while_training": '"off"'})
+    assert ends() != ends(**{"pipeline.admit_while_training": '"on"'})
+    no_lending = {"pipeline.lend_idle_cores": "false"}
+    assert ends(**no_lending) == ends(**no_lending, **{"pipeline.admit_while_training": '"on"'})
+
+
+@pytest.mark.parametrize("decode_step_s, train_s", [(0.01, 0.3), (0.05, 0.1)])
+def test_a_continuous_inbox_changes_nothing_without_drops(decode_step_s, train_s):
+    # simulate.trainer_inbox = 'continuous' (a rollout controller that admits on its own, as for
+    # the published systems) also handles scored groups on arrival. Loaded is handled on arrival
+    # either way and nothing is dropped here, so the two disciplines time every step alike.
+    take = Simulation(config(1, steps=12), constant_costs(decode_step_s, train_s)).run()
+    continuous = Simulation(config(1, steps=12, **{"simulate.trainer_inbox": '"continuous"'}),
+                            constant_costs(decode_step_s, train_s)).run()
+    assert [r.end_s for r in take.steps] == pytest.approx([r.end_s for r in continuous.steps])
 
 
 def test_shared_cores_sync_closed_form():
@@ -105,18 +125,18 @@ def test_shared_cores_sync_closed_form():
 
 
 def test_shared_cores_contention_slows_both():
-    # budget 1 on 1 core, g = 0.1, T = 0.3: nothing overlaps, the actors share the core. The
-    # trainer admits groups of a new version only while it waits (see above), so the two
-    # batches in flight are decoded together (here a decode step costs the same for any batch)
-    # and two steps take 2 T + g: the second of a pair is ready when the first is trained.
+    # budget 1 on 1 core, g = 0.1, T = 0.3, the actors share the core. The groups of each new
+    # version are admitted on arrival of its Loaded and decoded while the trainer trains: both
+    # run at half speed until the batch is generated (0.2 s), then the trainer alone. Every step
+    # costs the core g + T, as a synchronous one does: async gains nothing without idle cores.
     costs = replace(constant_costs(0.01, 0.3), parallel_efficiency=1.0)
     shared = {"simulate.placement": '"shared"', "simulate.cores": "1", "pipeline.lend_idle_cores": "false"}
     sync = Simulation(config(0, **shared), costs).run().summary()["s_per_sample"]
     result = Simulation(config(1, steps=12, **shared), costs).run()
     ends = [r.end_s for r in result.steps]
     assert sync == pytest.approx(0.4 / (P * G))
-    assert ends[11] - ends[9] == pytest.approx(2 * 0.3 + 0.1)
-    assert ends[11] - ends[10] == pytest.approx(0.3)
+    assert ends[11] - ends[10] == pytest.approx(0.4)
+    assert ends[10] - ends[9] == pytest.approx(0.4)
 
 
 def test_groups_scored_at_once_share_the_sandboxs_slots():

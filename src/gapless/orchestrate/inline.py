@@ -64,7 +64,7 @@ class InlineSource:
                             {"perf/generate_s": t1 - t0, "perf/score_s": t2 - t1,
                              "perf/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9)})
 
-    def lend_threads(self):
+    def training(self):
         return contextlib.nullcontext()
 
     def publish(self, state, version: int) -> dict[str, float]:

@@ -9,7 +9,11 @@ The trainer process owns the run (loop.py RunLoop: the policy, the optimizer, ev
 own engine copy, checkpoints and metrics); this source is its side of the pipeline. `take(t)`:
 drain the inbound queue until the `StalenessBuffer` says step t's batch is ready (this wait is the
 trainer's idle time), take it (checking each group's staleness <= max_staleness), tell the
-generator what was dropped (so it backfills) and which stragglers to cut. `publish`: one memory
+generator what was dropped (so it backfills) and which stragglers to cut. `training()`, around
+the GRPO step: lends the trainer the generator's idle threads, and with
+`pipeline.admit_while_training` a helper thread admits the groups a replica's new version allows
+the moment its `Loaded` arrives (every other message waits for the next take), so the generator
+works on the next batch while the trainer trains. `publish`: one memory
 copy into `SharedWeights`; the generator swaps them in between two decode steps without dropping
 sequences in flight. In a LoRA run the state is the adapter tensors alone: the generators load
 the frozen base from `generator_policy/` once and merge each version's adapters into it. The
@@ -41,6 +45,7 @@ import traceback
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from gapless.config import Config, ConfigError
 from gapless.envs.base import InfraUnavailable, Task
@@ -50,6 +55,7 @@ from gapless.orchestrate.admission import Admission, PromptSource
 from gapless.orchestrate.buffer import StalenessBuffer
 from gapless.orchestrate.dispatch import Dispatcher
 from gapless.orchestrate.env_actors import EnvActors
+from gapless.orchestrate.inbox import Inbox
 from gapless.orchestrate.ipc import clean_leftover_ipc, name_ipc_objects
 from gapless.orchestrate.ledger import GroupLedger
 from gapless.orchestrate.lending import LendingFlags, TrainerLending
@@ -149,7 +155,7 @@ class ProcessSource:
         self.actors: set[str] = set()  # the actors that must report Ready
         self.ready_actors: set[str] = set()
         self.started = False  # every actor of the first step was ready once
-        self.inbox: queue.Queue = queue.Queue()  # every actor's messages, forwarded by one reader thread each
+        self.inbox = Inbox()  # every actor's messages, forwarded by one reader thread each
         self.infra_since: float | None = None  # when groups started failing in the infrastructure (None: none failing)
         self.evictions: list[dict] = []  # replica, why, silent_s, step: written to staleness.json
         self.env_evictions: list[dict] = []  # environment, why, silent_s, step: likewise
@@ -162,6 +168,9 @@ class ProcessSource:
             trained = trained_model.get_base_model() if trained_model is not None else policy.model
             if not self.lending.install(trained):
                 self.lending = None  # no decoder layer list to hook: nothing to lend at
+        # 'auto': phases take turns where the trainer borrows the generator's cores (config.py)
+        self.admit_while_training = pl.admit_while_training == "on" or (pl.admit_while_training == "auto"
+                                                                        and self.lending is None)
 
     # ---- the source protocol (source.py) --------------------------------------------------------
     def start(self, state, version: int) -> None:
@@ -214,8 +223,15 @@ class ProcessSource:
         self._step_started = t0
         return StepRollouts([list(g.rollouts) for g in groups], t0, waited)
 
-    def lend_threads(self):
-        return self.lending.borrowing() if self.lending else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def training(self) -> Iterator[None]:
+        """While the trainer computes: the trainer borrows the generator's threads while it idles
+        (lending.py); with `admit_while_training`, a helper thread handles the replicas' `Loaded`
+        messages as they arrive (dispatcher and buffer are left to it: the trainer touches neither
+        until the block ends) and keeps every other message, in order, for the next take."""
+        admit = self.inbox.meanwhile(Loaded, self._loaded) if self.admit_while_training else contextlib.nullcontext()
+        with admit, self.lending.borrowing() if self.lending else contextlib.nullcontext():
+            yield
 
     def publish(self, state, version: int) -> dict[str, float]:
         pl, wait = self.cfg.pipeline, 0.0
@@ -425,9 +441,7 @@ class ProcessSource:
             return
         self.watch.check(waiting_for, starting)  # also while groups still arrive: a stalled actor ends the run now
         if isinstance(message, Loaded):
-            if self._replica(message.replica) is not None:  # not from an evicted replica
-                self.dispatcher.loaded(message.replica, message.version)
-                self._assign()
+            self._loaded(message)
         elif isinstance(message, Scored):
             self.watch.progressed()
             group = message.group
@@ -447,6 +461,11 @@ class ProcessSource:
         elif isinstance(message, ActorError):
             if message.actor in self.actors:  # not an evicted actor's last words
                 raise ActorFailed(f"the {message.actor} process failed:\n{message.traceback}")
+
+    def _loaded(self, message: Loaded) -> None:
+        if self._replica(message.replica) is not None:  # not from an evicted replica
+            self.dispatcher.loaded(message.replica, message.version)
+            self._assign()
 
     def _file(self, group) -> None:
         reason = self.buffer.arrived(group)
@@ -488,7 +507,7 @@ class ProcessSource:
                               "(killed by the OOM killer or a signal?); see the system log")
 
 
-def _forward(name: str, source, sink: queue.Queue) -> None:
+def _forward(name: str, source, sink: Inbox) -> None:
     """The actor `name`'s outbox into the trainer's inbox (actors._read_into). A read that fails (a
     message this process cannot unpickle) arrives as that actor's ActorError: the run fails saying
     so, instead of waiting for the stall watch."""

@@ -56,9 +56,9 @@ class RolloutSource(Protocol):
         """Block until step `step`'s groups are scored, then hand them over (bounded: a source
         whose producers die or stall raises an InfrastructureError)."""
 
-    def lend_threads(self) -> AbstractContextManager[None]:
-        """Wraps the trainer's compute between take and publish (a source may lend the trainer
-        threads it is not using)."""
+    def training(self) -> AbstractContextManager[None]:
+        """Wraps the trainer's compute between take and publish: a source may go on admitting
+        work meanwhile and lend the trainer threads it is not using."""
 
     def publish(self, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """Make `state` policy version `version` for every later sample; returns push metrics."""

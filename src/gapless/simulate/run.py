@@ -14,11 +14,14 @@ rewards), `sampling_params` (which groups are synthetic stragglers), `StalenessB
 batch is ready, what is taken, what is cut or dropped and why), `PartialRollouts` (the time
 deadline, on the simulated clock), the ledger's event records, and the trainer's drop handling
 (each drop frees a place; the dispatcher's guard decides when a backfill may be born), and the
-trainer's inbox discipline: it handles scored groups and the replicas' Loaded messages only while
-it waits in take(), so those arriving while it trains or publishes wait, and a batch already
-ready at take() is trained at once with them still queued (no group born at the new version is
-admitted until the next wait: what makes a budget-1 trainer idle); `simulate.trainer_inbox =
-'continuous'` handles them on arrival instead (a rollout controller that admits on its own).
+trainer's inbox discipline: it handles scored groups only while it waits in take(), so those
+arriving while it trains or publishes wait, and a batch already ready at take() is trained at
+once with them still queued; the replicas' Loaded messages likewise, unless
+`pipeline.admit_while_training` resolves to 'on' (the default where the trainer does not borrow
+the generator's cores), when they are handled on arrival and the groups a new version allows
+are generated during the step (with 'off' nothing born at the new version is admitted until the
+next wait: what makes a budget-1 trainer idle); `simulate.trainer_inbox = 'continuous'` handles
+every message on arrival (a rollout controller that admits on its own).
 What is modelled: generation (engine.py), scoring and training durations (costs.py), rewards
 (each task has a pass probability drawn uniformly from [0, 1]; a rollout passes with it), and
 sharing of the cores (pool.py). `reference_loop` simulates the one-process reference loop
@@ -188,6 +191,8 @@ class Simulation:
         self.training = False  # training or publishing: messages to the trainer wait in its inbox
         self.inbox: deque = deque()
         self.continuous = self.reference or sim.trainer_inbox == "continuous"  # no inbox: handled on arrival
+        mode = pl.admit_while_training  # as the real trainer resolves it (pipeline.py)
+        self.admit_on_loaded = mode == "on" or (mode == "auto" and not self.lends)
         self.work: Work | None = None
         self.wait_start = 0.0
         self.last_end = 0.0
@@ -329,10 +334,10 @@ class Simulation:
 
     # ---- the trainer's inbox ---------------------------------------------------------------
     def _deliver(self, handle) -> None:
-        """A message to the trainer (a scored group, a replica's Loaded): as in the real pipeline,
-        the trainer handles messages only while it waits in take(); those arriving while it trains
-        or publishes wait in its inbox until its next take() finds the batch not ready (trainer_inbox
-        'take'; 'continuous' handles them where they arise)."""
+        """A message to the trainer (a scored group; a replica's Loaded unless admitted on arrival):
+        as in the real pipeline, the trainer handles it only while it waits in take(); those
+        arriving while it trains or publishes wait in its inbox until its next take() finds the
+        batch not ready (trainer_inbox 'take'; 'continuous' handles them where they arise)."""
         if not self.training:
             handle()
             self._try_step()
@@ -433,8 +438,11 @@ class Simulation:
             self._try_step()
             return
         # the replicas' Loaded(version) reaches the trainer just after it looked at its buffer (same
-        # instant, next event)
-        self.loop.after(0.0, lambda v=self.version: self._deliver(lambda: self._loaded(v)))
+        # instant, next event); with admit_while_training it is handled on arrival, training or not
+        if self.admit_on_loaded:
+            self.loop.after(0.0, lambda v=self.version: self._loaded(v))
+        else:
+            self.loop.after(0.0, lambda v=self.version: self._deliver(lambda: self._loaded(v)))
         self._take()
 
     def _span(self, lane: str, name: str, start: float, end: float, step: int) -> None:
