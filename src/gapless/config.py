@@ -505,6 +505,11 @@ class PipelineConfig(_Section):
     doubled the trainer's step, whose two-thread team then shares the cores with the decode and
     the sandbox (docs/pipeline.md)."""
 
+    def admit_while_training_resolved(self, lending: bool) -> bool:
+        """`admit_while_training` for a trainer that does (`lending`) or does not borrow the
+        generator's cores; the pipeline and the simulator both resolve it here."""
+        return self.admit_while_training == "on" or (self.admit_while_training == "auto" and not lending)
+
     @property
     def generator_threads_resolved(self) -> int:
         cores = usable_cores()

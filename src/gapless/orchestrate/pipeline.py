@@ -168,9 +168,7 @@ class ProcessSource:
             trained = trained_model.get_base_model() if trained_model is not None else policy.model
             if not self.lending.install(trained):
                 self.lending = None  # no decoder layer list to hook: nothing to lend at
-        # 'auto': phases take turns where the trainer borrows the generator's cores (config.py)
-        self.admit_while_training = pl.admit_while_training == "on" or (pl.admit_while_training == "auto"
-                                                                        and self.lending is None)
+        self.admit_while_training = pl.admit_while_training_resolved(lending=self.lending is not None)
 
     # ---- the source protocol (source.py) --------------------------------------------------------
     def start(self, state, version: int) -> None:

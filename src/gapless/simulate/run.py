@@ -191,8 +191,7 @@ class Simulation:
         self.training = False  # training or publishing: messages to the trainer wait in its inbox
         self.inbox: deque = deque()
         self.continuous = self.reference or sim.trainer_inbox == "continuous"  # no inbox: handled on arrival
-        mode = pl.admit_while_training  # as the real trainer resolves it (pipeline.py)
-        self.admit_on_loaded = mode == "on" or (mode == "auto" and not self.lends)
+        self.admit_on_loaded = pl.admit_while_training_resolved(lending=self.lends)  # as the real trainer
         self.work: Work | None = None
         self.wait_start = 0.0
         self.last_end = 0.0
