@@ -1,7 +1,7 @@
 """The capacity simulator against measurements: bench/pipeline.py's cells, published async
 speed-ups, and the speed of a 1,000-GPU simulation.
 
-    PYTHONPATH=src python bench/simulator.py [--part error,admission,published,scale] [--measured FILE]
+    PYTHONPATH=src python bench/simulator.py [--part error,builtin,published,scale] [--measured FILE]
                                              [--lengths-from RUN_DIR] [--scale-steps 10000]
 
 error      calibrate on some (workload, budget) cells of bench/pipeline.py, predict the others:
@@ -16,9 +16,9 @@ error      calibrate on some (workload, budget) cells of bench/pipeline.py, pred
            run's metrics (--lengths-from) or the measured figures built in (mean 8.3 tokens); the
            heavy-tailed workload has the same natural lengths, none of which reach its 192-token
            cap (measured: its runs' truncated share is exactly the forced stragglers' 1/8).
-admission  the cells of a bench/pipeline.py run over budgets B and B:on (--measured FILE:
-           pipeline.admit_while_training 'auto' against 'on'), predicted with the built-in
-           costs, no fit to that run: a held-out check of the trainer's two admission modes.
+builtin    every cell of a bench/pipeline.py run (--measured FILE) predicted with the built-in
+           costs, no fit to that run: a held-out check. Budgets 'B:MODE' (pipeline.admit_while_training)
+           are predicted in that mode, and 'B:on' / 'B' ratios are printed.
 published  AReaL (1.5B and 7B, 1,000 PPO steps) and PipelineRL setups from their papers and
            READMEs (docs/simulator.md has the sources): the simulator's async/sync time ratio
            against the reported speed-up, with roofline costs of an H800/H100.
@@ -270,9 +270,9 @@ def part_scale(steps: int) -> dict:
             "load_avg_1m": os.getloadavg()[0]}
 
 
-def part_admission(path: str) -> dict:
-    """A held-out check: bench/pipeline.py cells run with both admission modes (budgets 'B' and
-    'B:on'), against the simulator with its built-in costs (no fit to these runs)."""
+def part_builtin(path: str) -> dict:
+    """A held-out check: every cell of a bench/pipeline.py run (budgets 'B:MODE' in that admission
+    mode) against the simulator with its built-in costs (no fit to that run)."""
     from gapless.simulate import MACHINE_COSTS
 
     lines = [line for line in Path(path).read_text().splitlines() if line.startswith("{")]
@@ -304,8 +304,14 @@ def part_admission(path: str) -> dict:
                 "measured": row["measured_ms"] / base["measured_ms"], "predicted": row["predicted_ms"] / base["predicted_ms"]}
     for name, r in ratios.items():
         print(f"{name}: measured {r['measured']:.3f} predicted {r['predicted']:.3f}")
-    return {"measured_from": path, "cells": rows, "ratios": ratios,
-            "within_15pct": sum(abs(r["error"]) <= 0.15 for r in rows), "cells_n": len(rows)}
+    idle = [abs(r[f"predicted_{k}"] - r[f"measured_{k}"]) for r in rows for k in ("trainer_idle", "generator_idle")
+            if r[f"measured_{k}"] is not None]
+    out = {"measured_from": path, "cells": rows, "ratios": ratios,
+           "within_15pct": sum(abs(r["error"]) <= 0.15 for r in rows), "cells_n": len(rows),
+           "idle_within_0_10": sum(e <= 0.10 for e in idle), "idle_n": len(idle)}
+    print(f"{out['within_15pct']} of {len(rows)} cells within 15%, {out['idle_within_0_10']} of {len(idle)} idle figures "
+          "within 0.10")
+    return out
 
 
 def main() -> None:
@@ -333,10 +339,10 @@ def main() -> None:
         figures["error"] = {"measured_from": args.measured or "docs/performance.md (2026-11-29)",
                             "lengths": lengths.__dict__ | {}, **part_error(measured, lengths, args.iterations, not args.fair_share)}
         figures["error"]["lengths"].pop("_quantiles", None)
-    if "admission" in parts:
+    if "builtin" in parts:
         if not args.measured:
-            parser.error("--part admission needs --measured: a bench/pipeline.py run with budgets B and B:on")
-        figures["admission"] = part_admission(args.measured)
+            parser.error("--part builtin needs --measured: the output of a bench/pipeline.py run")
+        figures["builtin"] = part_builtin(args.measured)
     if "published" in parts:
         figures["published"] = part_published(args.published_steps, args.decode_step_overhead_s)
     if "scale" in parts:
