@@ -73,10 +73,10 @@ def cell_config(workload: str, budget: str, steps: int = 12, admit: str = "auto"
     return load_config(None, overrides)
 
 
-def simulate_cell(costs: Costs, workload: str, budget: str) -> dict:
+def simulate_cell(costs: Costs, workload: str, budget: str, admit: str = "auto") -> dict:
     if workload == "heavy_tail":  # natural responses stop long before 192 tokens; the stragglers are forced
         costs = replace(costs, lengths=replace(costs.lengths, truncated_frac=0.0))
-    return Simulation(cell_config(workload, budget), costs).run().summary()
+    return Simulation(cell_config(workload, budget, admit=admit), costs).run().summary()
 
 
 def measured_cells(measured: dict) -> dict:
@@ -91,16 +91,24 @@ def measured_cells(measured: dict) -> dict:
     return cells
 
 
-def from_bench_json(path: str) -> dict:
+def bench_runs(path: str) -> dict:
     """The last JSON line of bench/pipeline.py: runs[workload][budget] -> figures."""
     lines = [line for line in Path(path).read_text().splitlines() if line.startswith("{")]
-    runs = json.loads(lines[-1])["runs"]
+    return json.loads(lines[-1])["runs"]
+
+
+def not_decoding(cell: dict) -> float:
+    """A measured cell's generator idle: idle, or blocked on the full queue to the environment
+    (the simulator has no such queue: its generator idles instead)."""
+    return (cell["generator_idle_frac"] or 0.0) + (cell.get("generator_blocked_frac") or 0.0)
+
+
+def from_bench_json(path: str) -> dict:
+    """bench/pipeline.py's cells in the layout of DOCS_MEASURED."""
+    runs = bench_runs(path)
     return {w: {"ms": [runs[w][b]["s_per_sample"] * 1e3 for b in BUDGETS],
                 "trainer_idle": [runs[w][b]["trainer_idle_frac"] for b in BUDGETS],
-                # not decoding: idle, or blocked on the full queue to the environment (the simulator
-                # has no such queue: its generator idles instead)
-                "generator_idle": [(runs[w][b]["generator_idle_frac"] or 0.0) + (runs[w][b].get("generator_blocked_frac") or 0.0)
-                                   for b in BUDGETS],
+                "generator_idle": [not_decoding(runs[w][b]) for b in BUDGETS],
                 "score_span": [runs[w][b].get("score_span_s") for b in BUDGETS]} for w in runs}  # None: not measured
 
 
@@ -275,20 +283,15 @@ def part_builtin(path: str) -> dict:
     mode) against the simulator with its built-in costs (no fit to that run)."""
     from gapless.simulate import MACHINE_COSTS
 
-    lines = [line for line in Path(path).read_text().splitlines() if line.startswith("{")]
-    runs = json.loads(lines[-1])["runs"]
     rows = []
-    for workload, cells in runs.items():
+    for workload, cells in bench_runs(path).items():
         for label, want in cells.items():
             budget, _, mode = label.partition(":")
-            costs = MACHINE_COSTS
-            if workload == "heavy_tail":
-                costs = replace(costs, lengths=replace(costs.lengths, truncated_frac=0.0))
-            got = Simulation(cell_config(workload, budget, admit=mode or "auto"), costs).run().summary()
+            got = simulate_cell(MACHINE_COSTS, workload, budget, admit=mode or "auto")
             row = {"workload": workload, "budget": label, "measured_ms": want["s_per_sample"] * 1e3,
                    "predicted_ms": got["s_per_sample"] * 1e3,
                    "measured_trainer_idle": want["trainer_idle_frac"], "predicted_trainer_idle": got["trainer_idle_frac"],
-                   "measured_generator_idle": (want["generator_idle_frac"] or 0.0) + (want.get("generator_blocked_frac") or 0.0),
+                   "measured_generator_idle": not_decoding(want),
                    "predicted_generator_idle": got["generator_idle_frac"]}
             row["error"] = row["predicted_ms"] / row["measured_ms"] - 1
             rows.append(row)
