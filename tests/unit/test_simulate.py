@@ -86,8 +86,22 @@ def test_admission_at_take_only_pairs_the_steps():
     assert ends[7] - ends[5] == pytest.approx(2 * 0.3 + 0.1)
     assert ends[7] - ends[6] == pytest.approx(0.3)
     window = ends[7] - ends[0]
+    assert s["s_per_sample"] == pytest.approx(window / 7 / (P * G))
     assert s["trainer_idle_frac"] == pytest.approx(3 * 0.1 / window)
     assert s["generator_idle_frac"] == pytest.approx(1 - 3 * 0.1 / window)
+    assert s["staleness_max"] == 1
+
+
+def test_admission_at_take_only_generator_bound():
+    # 'off', budget 1, g = 0.5 > T = 0.1, a decode step costing the same for any batch: two
+    # batches in flight are generated together; the second is ready when the first is trained,
+    # so it trains at once and admits nothing born at the new version until it next waits. Two
+    # steps take g + 2 T in steady state.
+    off = {"pipeline.admit_while_training": '"off"'}
+    ends = [r.end_s for r in Simulation(config(1, steps=12, **off), constant_costs(0.05, 0.1)).run().steps]
+    assert ends[11] - ends[9] == pytest.approx(0.5 + 2 * 0.1)
+    assert ends[10] - ends[8] == pytest.approx(0.5 + 2 * 0.1)
+    assert ends[11] - ends[10] == pytest.approx(0.1)  # the second of a pair: ready, trained at once
 
 
 def test_auto_admission_takes_turns_where_the_trainer_borrows_the_cores():
@@ -137,6 +151,12 @@ def test_shared_cores_contention_slows_both():
     assert sync == pytest.approx(0.4 / (P * G))
     assert ends[11] - ends[10] == pytest.approx(0.4)
     assert ends[10] - ends[9] == pytest.approx(0.4)
+    # 'off': nothing overlaps; the two batches in flight are decoded together (a decode step here
+    # costs the same for any batch) and two steps take 2 T + g, the second of a pair ready at once
+    off = Simulation(config(1, steps=12, **shared, **{"pipeline.admit_while_training": '"off"'}), costs).run()
+    ends = [r.end_s for r in off.steps]
+    assert ends[11] - ends[9] == pytest.approx(2 * 0.3 + 0.1)
+    assert ends[11] - ends[10] == pytest.approx(0.3)
 
 
 def test_groups_scored_at_once_share_the_sandboxs_slots():
