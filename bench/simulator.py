@@ -1,8 +1,8 @@
 """The capacity simulator against measurements: bench/pipeline.py's cells, published async
 speed-ups, and the speed of a 1,000-GPU simulation.
 
-    PYTHONPATH=src python bench/simulator.py [--part error,builtin,published,scale] [--measured FILE]
-                                             [--lengths-from RUN_DIR] [--scale-steps 10000]
+    PYTHONPATH=src python bench/simulator.py [--part error,builtin,phases,published,scale] [--measured FILE]
+                                             [--lengths-from RUN_DIR] [--runs-dir DIR] [--scale-steps 10000]
 
 error      calibrate on some (workload, budget) cells of bench/pipeline.py, predict the others:
            ms per trained sample, trainer and generator idle (a real generator blocked on its
@@ -16,9 +16,14 @@ error      calibrate on some (workload, budget) cells of bench/pipeline.py, pred
            run's metrics (--lengths-from) or the measured figures built in (mean 8.3 tokens); the
            heavy-tailed workload has the same natural lengths, none of which reach its 192-token
            cap (measured: its runs' truncated share is exactly the forced stragglers' 1/8).
+           --calibrate-all fits every cell of the run instead (--write-costs FILE keeps the costs,
+           to be tested on other runs with --part builtin --costs FILE).
 builtin    every cell of a bench/pipeline.py run (--measured FILE) predicted with the built-in
-           costs, no fit to that run: a held-out check. Budgets 'B:MODE' (pipeline.admit_while_training)
-           are predicted in that mode, and 'B:on' / 'B' ratios are printed.
+           costs (or --costs FILE), no fit to that run: a held-out check. Budgets 'B:MODE'
+           (pipeline.admit_while_training) are predicted in that mode, and 'B:on' / 'B' ratios are printed.
+phases     where each cell's time goes, measured against simulated: the generator's decode and the
+           trainer's training seconds per step, from the timelines a `bench/pipeline.py --keep DIR`
+           run left (--runs-dir DIR; median of its rounds) and from the simulation of the cell.
 published  AReaL (1.5B and 7B, 1,000 PPO steps) and PipelineRL setups from their papers and
            READMEs (docs/simulator.md has the sources): the simulator's async/sync time ratio
            against the reported speed-up, with roofline costs of an H800/H100.
@@ -113,6 +118,7 @@ def from_bench_json(path: str) -> dict:
 
 
 def costs_from(x: list[float], lengths: LengthModel, barrier_teams: bool = True) -> Costs:
+    """x: log row_s, log trainer token_s, log scoring CPU, parallel efficiency, log scoring wait."""
     row_s, token_s, cpu_s, efficiency = math.exp(x[0]), math.exp(x[1]), math.exp(x[2]), min(max(x[3], 0.2), 1.0)
     wait_s = math.exp(x[4])  # the part of scoring a group that holds its worker without CPU
     return Costs(GenerationCost(12 * row_s, row_s), lengths, TrainerCost(token_s),
@@ -163,17 +169,19 @@ def nelder_mead(f, x0: list[float], step: list[float], iterations: int) -> list[
     return simplex[min(range(len(simplex)), key=lambda i: values[i])]
 
 
-def part_error(measured: dict, lengths: LengthModel, iterations: int, barrier_teams: bool = True) -> dict:
+def part_error(measured: dict, lengths: LengthModel, iterations: int, barrier_teams: bool = True,
+               calibration=CALIBRATION) -> dict:
     cells = measured_cells(measured)
+    calibration = list(cells) if calibration == "all" else calibration
     x0 = [math.log(8e-5), math.log(7e-5), math.log(0.02), 0.9, math.log(0.005)]
-    x = nelder_mead(lambda v: loss(costs_from(v, lengths, barrier_teams), cells, CALIBRATION), x0, [0.3, 0.3, 0.6, 0.15, 1.0],
+    x = nelder_mead(lambda v: loss(costs_from(v, lengths, barrier_teams), cells, calibration), x0, [0.3, 0.3, 0.6, 0.15, 1.0],
                     iterations)
     costs = costs_from(x, lengths, barrier_teams)
     rows = []
     for (workload, budget), want in cells.items():
         got = simulate_cell(costs, workload, budget)
         row = {"workload": workload, "budget": budget,
-               "role": "calibration" if (workload, budget) in CALIBRATION else "test",
+               "role": "calibration" if (workload, budget) in calibration else "test",
                "measured_ms": want["ms"], "predicted_ms": got["s_per_sample"] * 1e3,
                "error": got["s_per_sample"] * 1e3 / want["ms"] - 1,
                "predicted_trainer_idle": got["trainer_idle_frac"], "predicted_generator_idle": got["generator_idle_frac"],
@@ -188,7 +196,7 @@ def part_error(measured: dict, lengths: LengthModel, iterations: int, barrier_te
               f"({row['error']:+6.1%})  trainer idle {want.get('trainer_idle', float('nan')):.2f}/{got['trainer_idle_frac']:.2f}  "
               f"generator idle {want.get('generator_idle', float('nan')):.2f}/{got['generator_idle_frac']:.2f}  "
               f"score span {want.get('score_span', float('nan')) * 1e3:5.1f}/{got['score_span_s'] * 1e3:5.1f} ms", flush=True)
-    tests = [r for r in rows if r["role"] == "test"]
+    tests = [r for r in rows if r["role"] == "test"] or rows  # every cell calibrated: the fit's own error
     idle_errors = [abs(r[f"predicted_{k}"] - r[f"measured_{k}"]) for r in tests for k in ("trainer_idle", "generator_idle")
                    if f"measured_{k}" in r]
     return {"costs": json.loads(costs.to_json()), "cells": rows,
@@ -278,16 +286,17 @@ def part_scale(steps: int) -> dict:
             "load_avg_1m": os.getloadavg()[0]}
 
 
-def part_builtin(path: str) -> dict:
+def part_builtin(path: str, costs: Costs | None = None) -> dict:
     """A held-out check: every cell of a bench/pipeline.py run (budgets 'B:MODE' in that admission
-    mode) against the simulator with its built-in costs (no fit to that run)."""
+    mode) against the simulator with its built-in costs, or the given ones (no fit to that run)."""
     from gapless.simulate import MACHINE_COSTS
 
+    costs = costs or MACHINE_COSTS
     rows = []
     for workload, cells in bench_runs(path).items():
         for label, want in cells.items():
             budget, _, mode = label.partition(":")
-            got = simulate_cell(MACHINE_COSTS, workload, budget, admit=mode or "auto")
+            got = simulate_cell(costs, workload, budget, admit=mode or "auto")
             row = {"workload": workload, "budget": label, "measured_ms": want["s_per_sample"] * 1e3,
                    "predicted_ms": got["s_per_sample"] * 1e3,
                    "measured_trainer_idle": want["trainer_idle_frac"], "predicted_trainer_idle": got["trainer_idle_frac"],
@@ -317,6 +326,58 @@ def part_builtin(path: str) -> dict:
     return out
 
 
+def busy_per_step(spans, steps: int) -> dict[str, float]:
+    """Seconds per trained step that the generator decodes and the trainer trains, between the
+    first training step's start and the last one's end. spans: (lane, name, start, end)."""
+    trains = sorted((s, e) for lane, name, s, e in spans if lane == "trainer" and name == "train")
+    if not trains:
+        return {}
+    start, end = trains[0][0], trains[-1][1]
+    out = {"generate": 0.0, "train": 0.0}
+    for lane, name, s, e in spans:
+        key = "generate" if lane.startswith("generator") and name == "generate" else "train" if name == "train" else None
+        if key and min(e, end) > max(s, start):
+            out[key] += min(e, end) - max(s, start)
+    return {k: v / steps for k, v in out.items()}
+
+
+def part_phases(runs_dir: str, costs: Costs | None = None) -> dict:
+    """Where each cell's time goes, measured against simulated: the generator's decode seconds and
+    the trainer's training seconds per step, from the timelines a `bench/pipeline.py --keep DIR`
+    run left (median over its rounds) and from the simulation of the same cell."""
+    import statistics
+
+    from gapless.simulate import MACHINE_COSTS
+    from gapless.timeline import read_records
+
+    costs = costs or MACHINE_COSTS
+    rows = []
+    for workload in WORKLOADS:
+        for budget in BUDGETS[1:]:  # the reference loop keeps no generator timeline
+            dirs = sorted(Path(runs_dir).glob(f"{workload}-b{budget}-*"))
+            measured = []
+            for run_dir in dirs:
+                steps = json.loads((run_dir / "summary.json").read_text())["steps"]
+                records = read_records(run_dir)
+                measured.append(busy_per_step([(r["actor"], r["name"], r["start"], r["end"]) for r in records], steps))
+            if not measured:
+                continue
+            cfg = cell_config(workload, budget).model_copy(deep=True)
+            cell_costs = replace(costs, lengths=replace(costs.lengths, truncated_frac=0.0)) if workload == "heavy_tail" else costs
+            result = Simulation(cfg, cell_costs, timeline_steps=10**9).run()
+            simulated = busy_per_step([(lane, n, s, e) for lane, spans in result.spans.items() for n, s, e in spans],
+                                      cfg.loop.steps)
+            row = {"workload": workload, "budget": budget, "rounds": len(measured),
+                   **{f"measured_{k}_s": statistics.median(m[k] for m in measured) for k in ("generate", "train")},
+                   **{f"predicted_{k}_s": simulated[k] for k in ("generate", "train")}}
+            rows.append(row)
+            print(f"{workload:<14} {budget:>3}  decode s/step measured {row['measured_generate_s']:.3f} predicted "
+                  f"{row['predicted_generate_s']:.3f} ({row['predicted_generate_s'] / row['measured_generate_s']:.2f}x)  "
+                  f"training s/step measured {row['measured_train_s']:.3f} predicted {row['predicted_train_s']:.3f} "
+                  f"({row['predicted_train_s'] / row['measured_train_s']:.2f}x)", flush=True)
+    return {"runs_dir": runs_dir, "cells": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", default="error,published,scale")
@@ -329,6 +390,11 @@ def main() -> None:
     parser.add_argument("--scale-steps", type=int, default=10000)
     parser.add_argument("--fair-share", action="store_true",
                         help="error part: the pool without OpenMP teams (every job at its share of the cores)")
+    parser.add_argument("--calibrate-all", action="store_true",
+                        help="error part: fit on every cell of the run (test the costs on other runs with --costs)")
+    parser.add_argument("--write-costs", default=None, help="error part: write the fitted costs (JSON) here")
+    parser.add_argument("--costs", default=None, help="builtin and phases parts: these costs (JSON), not the built-in ones")
+    parser.add_argument("--runs-dir", default=None, help="phases part: the folder of a bench/pipeline.py --keep run")
     args = parser.parse_args()
     figures: dict = {"cores": os.cpu_count(), "load_avg_1m_start": os.getloadavg()[0]}
     parts = args.part.split(",")
@@ -340,12 +406,20 @@ def main() -> None:
             lengths = lengths_of(read_run(args.lengths_from, 2))
         measured = from_bench_json(args.measured) if args.measured else DOCS_MEASURED
         figures["error"] = {"measured_from": args.measured or "docs/performance.md (2026-11-29)",
-                            "lengths": lengths.__dict__ | {}, **part_error(measured, lengths, args.iterations, not args.fair_share)}
+                            "lengths": lengths.__dict__ | {},
+                            **part_error(measured, lengths, args.iterations, not args.fair_share,
+                                         "all" if args.calibrate_all else CALIBRATION)}
         figures["error"]["lengths"].pop("_quantiles", None)
+        if args.write_costs:
+            Path(args.write_costs).write_text(json.dumps(figures["error"]["costs"], indent=2))
     if "builtin" in parts:
         if not args.measured:
             parser.error("--part builtin needs --measured: the output of a bench/pipeline.py run")
-        figures["builtin"] = part_builtin(args.measured)
+        figures["builtin"] = part_builtin(args.measured, Costs.load(args.costs) if args.costs else None)
+    if "phases" in parts:
+        if not args.runs_dir:
+            parser.error("--part phases needs --runs-dir: the folder a bench/pipeline.py --keep run filled")
+        figures["phases"] = part_phases(args.runs_dir, Costs.load(args.costs) if args.costs else None)
     if "published" in parts:
         figures["published"] = part_published(args.published_steps, args.decode_step_overhead_s)
     if "scale" in parts:
