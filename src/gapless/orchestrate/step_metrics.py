@@ -26,6 +26,9 @@ def rollout_metrics(rollouts: list[Rollout], zero_variance_groups: int, num_grou
         "rollout/completion_len_mean": sum(lengths) / len(lengths),
         "rollout/truncated_frac": sum(r.completion.finish_reason == "length" for r in rollouts) / len(rollouts),
         "rollout/zero_variance_frac": zero_variance_groups / num_groups,
+        # distinct (task, text) pairs per group: a code environment runs each once, so this is
+        # also the sandbox programs a group costs (all G when every completion differs)
+        "rollout/distinct_per_group": len({(r.prompt_uid, r.completion.text) for r in rollouts}) / num_groups,
         "sandbox/infra_errors": float(sum(r.is_infra_failure for r in rollouts)),
     }
     run_s = [r.info["wall_s"] for r in rollouts if "wall_s" in r.info]
