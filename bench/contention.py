@@ -59,7 +59,7 @@ def score_forever(stop, scored, ready) -> None:
         t.start()
     for t in threads:
         t.join()
-    env.close() if hasattr(env, "close") else None
+    env.close()
 
 
 def decode_steps(engine, prompts, params, seconds: float) -> list[float]:

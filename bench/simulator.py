@@ -68,7 +68,10 @@ DOCS_MEASURED = {
 CALIBRATION = [("default", "ref"), ("default", "0"), ("default", "1"), ("latency_200ms", "1"), ("heavy_tail", "0")]
 
 
-def cell_config(workload: str, budget: str, steps: int = 12, admit: str = "auto"):
+STEPS = 12  # per simulated cell, as bench/pipeline.py's documented runs (--steps 12)
+
+
+def cell_config(workload: str, budget: str, steps: int = STEPS, admit: str = "auto"):
     overrides = {"loop.steps": str(steps), "simulate.cores": "2", "simulate.timeline_steps": "0", **WORKLOADS[workload],
                  "pipeline.admit_while_training": json.dumps(admit)}
     if budget == "ref":
@@ -78,10 +81,15 @@ def cell_config(workload: str, budget: str, steps: int = 12, admit: str = "auto"
     return load_config(None, overrides)
 
 
-def simulate_cell(costs: Costs, workload: str, budget: str, admit: str = "auto") -> dict:
+def run_cell(costs: Costs, workload: str, budget: str, admit: str = "auto", timeline_steps: int | None = None):
+    """The simulation of one bench/pipeline.py cell (a SimResult; spans kept for `timeline_steps`)."""
     if workload == "heavy_tail":  # natural responses stop long before 192 tokens; the stragglers are forced
         costs = replace(costs, lengths=replace(costs.lengths, truncated_frac=0.0))
-    return Simulation(cell_config(workload, budget, admit=admit), costs).run().summary()
+    return Simulation(cell_config(workload, budget, admit=admit), costs, timeline_steps=timeline_steps).run()
+
+
+def simulate_cell(costs: Costs, workload: str, budget: str, admit: str = "auto") -> dict:
+    return run_cell(costs, workload, budget, admit).summary()
 
 
 def measured_cells(measured: dict) -> dict:
@@ -362,11 +370,8 @@ def part_phases(runs_dir: str, costs: Costs | None = None) -> dict:
                 measured.append(busy_per_step([(r["actor"], r["name"], r["start"], r["end"]) for r in records], steps))
             if not measured:
                 continue
-            cfg = cell_config(workload, budget).model_copy(deep=True)
-            cell_costs = replace(costs, lengths=replace(costs.lengths, truncated_frac=0.0)) if workload == "heavy_tail" else costs
-            result = Simulation(cfg, cell_costs, timeline_steps=10**9).run()
-            simulated = busy_per_step([(lane, n, s, e) for lane, spans in result.spans.items() for n, s, e in spans],
-                                      cfg.loop.steps)
+            result = run_cell(costs, workload, budget, timeline_steps=STEPS)
+            simulated = busy_per_step([(lane, n, s, e) for lane, spans in result.spans.items() for n, s, e in spans], STEPS)
             row = {"workload": workload, "budget": budget, "rounds": len(measured),
                    **{f"measured_{k}_s": statistics.median(m[k] for m in measured) for k in ("generate", "train")},
                    **{f"predicted_{k}_s": simulated[k] for k in ("generate", "train")}}

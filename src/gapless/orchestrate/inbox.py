@@ -8,9 +8,9 @@ message, in arrival order, for the trainer's next `get`.
 Guaranteed: every message put is handled at most once, by `handle` or by a later `get`; the
 messages kept back come out before any that arrived after the span; an exception raised by
 `handle` is re-raised in the caller's thread when the span ends (the message it failed on is
-not kept; later messages of `kind` are kept back unhandled). Not guaranteed: the order between a message handled meanwhile and the ones
-kept back (that is the point); `handle` runs on another thread, so whatever it touches must be
-left alone by the caller during the span.
+not kept; later messages of `kind` are kept back unhandled). Not guaranteed: the order between a
+message handled meanwhile and the ones kept back (that is the point); `handle` runs on another
+thread, so whatever it touches must be left alone by the caller during the span.
 """
 
 from __future__ import annotations
