@@ -20,8 +20,9 @@ no pool: `DedicatedPool` gives every job speed 1 and never calls back.
 Not guaranteed: anything between the two regimes (a team's loss does not grow with how far the
 pool is oversubscribed), caches and memory bandwidth shared by the jobs. Measured on this
 project's machine (bench/contention.py), the scheduler does not share by thread beside the
-sandbox's short-lived programs: one decode thread keeps 86% of a core where this model gives it
-40%, and a two-thread team slows 11.6x where this model says 5.5x (docs/simulator.md).
+sandbox's short-lived programs: one decode thread keeps 43-88% of a core, depending on the run,
+where this model gives it 40%, and a two-thread team slows 11.6x where this model says 5.5x
+(docs/simulator.md).
 """
 
 from __future__ import annotations
