@@ -77,16 +77,20 @@ def decode_steps(engine, prompts, params, seconds: float) -> list[float]:
 
 
 def pool_slowdown(threads: int, slots: int, cores: int) -> float:
-    """The simulator's prediction (simulate/pool.py, built-in costs): a job alone runs at
-    speed(threads); beside the sandbox's slots the cores are shared by threads, and a team of more
-    than one thread runs at one thread's share."""
-    from gapless.simulate import MACHINE_COSTS
+    """The simulator's prediction: the decode's speed alone over its speed beside the sandbox's
+    slots, from simulate/pool.py's SharedPool with the built-in costs' rules (a team of more than
+    one thread at one thread's share; a one-thread decode served first)."""
+    from gapless.simulate import MACHINE_COSTS as costs
+    from gapless.simulate.pool import SharedPool
 
-    alone = min(threads, 1) + MACHINE_COSTS.parallel_efficiency * max(threads - 1, 0)
-    share = min(1.0, cores / (threads + slots))
-    beside = share if threads > 1 and share < 1 else min(threads * share, 1) + \
-        MACHINE_COSTS.parallel_efficiency * max(threads * share - 1, 0)
-    return alone / beside
+    def speed(beside: bool) -> float:
+        pool = SharedPool(cores, costs.parallel_efficiency, costs.barrier_teams, costs.decode_first)
+        pool.start("decode", threads, lambda _: None, team=True, first=True)
+        if beside:
+            pool.start("programs", slots, lambda _: None)
+        return pool.speeds["decode"]
+
+    return speed(False) / speed(True)
 
 
 def main() -> None:

@@ -17,7 +17,8 @@ error      calibrate on some (workload, budget) cells of bench/pipeline.py, pred
            heavy-tailed workload has the same natural lengths, none of which reach its 192-token
            cap (measured: its runs' truncated share is exactly the forced stragglers' 1/8).
            --calibrate-all fits every cell of the run instead (--write-costs FILE keeps the costs,
-           to be tested on other runs with --part builtin --costs FILE).
+           to be tested on other runs with --part builtin --costs FILE); --fair-decode fits the
+           model in which the one-thread decode is not served first (simulate/pool.py).
 builtin    every cell of a bench/pipeline.py run (--measured FILE) predicted with the built-in
            costs (or --costs FILE), no fit to that run: a held-out check. Budgets 'B:MODE'
            (pipeline.admit_while_training) are predicted in that mode, and 'B:on' / 'B' ratios are printed.
@@ -125,14 +126,14 @@ def from_bench_json(path: str) -> dict:
                 "score_span": [runs[w][b].get("score_span_s") for b in BUDGETS]} for w in runs}  # None: not measured
 
 
-def costs_from(x: list[float], lengths: LengthModel, barrier_teams: bool = True) -> Costs:
+def costs_from(x: list[float], lengths: LengthModel, barrier_teams: bool = True, decode_first: bool = True) -> Costs:
     """x: log row_s, log trainer token_s, log scoring CPU, parallel efficiency, log scoring wait."""
     row_s, token_s, cpu_s, efficiency = math.exp(x[0]), math.exp(x[1]), math.exp(x[2]), min(max(x[3], 0.2), 1.0)
     wait_s = math.exp(x[4])  # the part of scoring a group that holds its worker without CPU
     return Costs(GenerationCost(12 * row_s, row_s), lengths, TrainerCost(token_s),
                  EnvCost(cpu_s=cpu_s, wait_p50_s=wait_s, wait_p99_s=wait_s),
                  RelayCost(latency_s=2e-4), prompt_tokens=64, parallel_efficiency=efficiency,
-                 barrier_teams=barrier_teams).check()
+                 barrier_teams=barrier_teams, decode_first=decode_first).check()
 
 
 def loss(costs: Costs, cells: dict, names) -> float:
@@ -178,13 +179,14 @@ def nelder_mead(f, x0: list[float], step: list[float], iterations: int) -> list[
 
 
 def part_error(measured: dict, lengths: LengthModel, iterations: int, barrier_teams: bool = True,
-               calibration=CALIBRATION) -> dict:
+               calibration=CALIBRATION, decode_first: bool = True) -> dict:
     cells = measured_cells(measured)
     calibration = list(cells) if calibration == "all" else calibration
     x0 = [math.log(8e-5), math.log(7e-5), math.log(0.02), 0.9, math.log(0.005)]
-    x = nelder_mead(lambda v: loss(costs_from(v, lengths, barrier_teams), cells, calibration), x0, [0.3, 0.3, 0.6, 0.15, 1.0],
+    x = nelder_mead(lambda v: loss(costs_from(v, lengths, barrier_teams, decode_first), cells, calibration), x0,
+                    [0.3, 0.3, 0.6, 0.15, 1.0],
                     iterations)
-    costs = costs_from(x, lengths, barrier_teams)
+    costs = costs_from(x, lengths, barrier_teams, decode_first)
     rows = []
     for (workload, budget), want in cells.items():
         got = simulate_cell(costs, workload, budget)
@@ -395,6 +397,8 @@ def main() -> None:
     parser.add_argument("--scale-steps", type=int, default=10000)
     parser.add_argument("--fair-share", action="store_true",
                         help="error part: the pool without OpenMP teams (every job at its share of the cores)")
+    parser.add_argument("--fair-decode", action="store_true",
+                        help="error part: the one-thread decode at its share of the cores, not served first (pool.py)")
     parser.add_argument("--calibrate-all", action="store_true",
                         help="error part: fit on every cell of the run (test the costs on other runs with --costs)")
     parser.add_argument("--write-costs", default=None, help="error part: write the fitted costs (JSON) here")
@@ -413,7 +417,7 @@ def main() -> None:
         figures["error"] = {"measured_from": args.measured or "docs/performance.md (2026-11-29)",
                             "lengths": lengths.__dict__ | {},
                             **part_error(measured, lengths, args.iterations, not args.fair_share,
-                                         "all" if args.calibrate_all else CALIBRATION)}
+                                         "all" if args.calibrate_all else CALIBRATION, not args.fair_decode)}
         figures["error"]["lengths"].pop("_quantiles", None)
         if args.write_costs:
             Path(args.write_costs).write_text(json.dumps(figures["error"]["costs"], indent=2))

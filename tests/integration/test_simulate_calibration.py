@@ -34,6 +34,7 @@ def test_calibrate_on_tiny_real_runs(tmp_path, warm_cache):
     out = json.loads(done.stdout.strip().splitlines()[-1])
     costs = Costs.load(costs_path)  # valid: finite, non-negative
     assert costs.source.startswith("calibrated on")
+    assert costs.barrier_teams and costs.decode_first  # CPU runs: the pool's rules for this engine on cores
     for row in out["runs"]:
         # 6 steps of 8 samples each, on whatever else the machine runs: the figures must come back
         # finite and of the right order; accuracy is bench/simulator.py's job (docs/simulator.md)

@@ -189,6 +189,41 @@ def test_an_openmp_team_runs_at_one_threads_share_on_oversubscribed_cores(barrie
     assert (done["team"], done["programs"]) == pytest.approx(ends)
 
 
+@pytest.mark.parametrize("decode_first,cap,ends", [(False, 1, (2.5, 2.5)), (True, 1, (1.0, 2.5)), (True, 2, (3.0, 3.0))])
+def test_a_one_thread_decode_is_served_first_where_the_pool_says_so(decode_first, cap, ends):
+    # 2 cores, perfect scaling: a decode (1 s of work at speed 1) beside the sandbox's programs
+    # (cap 4, 4 s of work). Shared by thread count: 2 / 5 of a core each, the decode at 0.4 and the
+    # programs at 1.6: both end at 2.5 s. Decode first: the decode runs at 1 and ends at 1 s, the
+    # programs get the other core (speed 1) until then and both after (speed 2): 1 + 3 / 2 = 2.5 s.
+    # A two-thread decode is never served first: as a team at one thread's share (2 / 6) beside
+    # the programs (4 / 3), both end at 3 s.
+    from gapless.simulate.clock import EventLoop
+    from gapless.simulate.pool import SharedPool, Work
+
+    loop, done = EventLoop(), {}
+    pool = SharedPool(2, 1.0, barrier_teams=True, decode_first=decode_first)
+    Work(loop, pool, cap, 1.0, lambda: done.setdefault("decode", loop.now), team=True, first=True)
+    Work(loop, pool, 4, 4.0, lambda: done.setdefault("programs", loop.now))
+    loop.run(until=lambda: len(done) == 2)
+    assert (done["decode"], done["programs"]) == pytest.approx(ends)
+
+
+def test_decodes_served_first_leave_the_others_a_core_or_are_not_served_first():
+    # 2 cores, decode first: two one-thread decodes would take both cores and stop the programs
+    # (cap 2), so nobody is served first: all at 2 / 4 of a core, the programs (1 s of work) at
+    # speed 1 end at 1 s, the decodes (1 s each) have 0.5 s left and a core each: they end at 1.5 s.
+    from gapless.simulate.clock import EventLoop
+    from gapless.simulate.pool import SharedPool, Work
+
+    loop, done = EventLoop(), {}
+    pool = SharedPool(2, 1.0, barrier_teams=True, decode_first=True)
+    for name in ("a", "b"):
+        Work(loop, pool, 1, 1.0, lambda name=name: done.setdefault(name, loop.now), team=True, first=True)
+    Work(loop, pool, 2, 1.0, lambda: done.setdefault("programs", loop.now))
+    loop.run(until=lambda: len(done) == 3)
+    assert (done["a"], done["b"], done["programs"]) == pytest.approx((1.5, 1.5, 1.0))
+
+
 @pytest.mark.parametrize("threads,barrier_teams,step_s", [(2, False, 0.3), (2, True, 0.6), (1, True, 0.3)])
 def test_the_simulated_decode_and_training_are_teams(threads, barrier_teams, step_s):
     # budget 1, groups admitted on arrival: a batch's decode (10 steps x 0.03 s = 0.3 s of work) and

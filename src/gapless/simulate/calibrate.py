@@ -20,6 +20,8 @@ and fits a `Costs` (costs.py) for the shared placement on `simulate.cores` cores
                      trained sample
     OpenMP teams     on: the runs are CPU runs, where torch's decode and training threads slow
                      to one thread's share when the cores are oversubscribed (pool.py)
+    decode first     on, likewise: a one-thread decode runs at its speed alone beside the
+                     trainer and the sandbox (pool.py)
     decode step      step_s = 12 x row_s: the fixed part of a step is worth about 12 rows on
                      this machine (docs/engine.md: a + b x rows, fitted from the continuous and
                      static schedules); only the scale is fitted
@@ -157,7 +159,7 @@ def initial_costs(runs: list[Measured], cores: int, efficiency: float) -> Costs:
     cpu_s = max(run.score_s, 1e-4) * 0.5  # refined by simulation
     return Costs(GenerationCost(STEP_ROWS * row_s, row_s, 0.0), lengths, TrainerCost(token_s),
                  EnvCost(cpu_s=cpu_s), RelayCost(latency_s=run.push_s), prompt, efficiency,
-                 source="calibrated", barrier_teams=True).check()  # runs of this engine on CPU cores
+                 source="calibrated", barrier_teams=True, decode_first=True).check()  # runs of this engine on CPU cores
 
 
 def fit(runs: list[Measured], cores: int, efficiency: float, rounds: int = 5) -> Costs:

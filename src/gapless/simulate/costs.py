@@ -6,7 +6,8 @@ whole trainer; with `placement = "shared"` (every actor on one pool of cores or 
 this project's 2-core machine) a unit is one core (or device), and an actor given x units runs
 at speed `speed(x) = min(x, 1) + parallel_efficiency * max(x - 1, 0)`; with `barrier_teams`
 (CPU cores) a multi-threaded decode or training step runs at one thread's share while the cores
-are oversubscribed (pool.py).
+are oversubscribed, and with `decode_first` a one-thread decode runs at its speed alone while the
+others share the rest (pool.py).
 
     decode step with b running sequences   step_s + row_s * b                (continuous batching)
     prefill of n tokens                     prefill_token_s * n
@@ -126,6 +127,7 @@ class Costs:
     parallel_efficiency: float = 1.0  # shared placement: value of each unit beyond the first
     source: str = "given"  # where the figures come from (a run directory, a device spec)
     barrier_teams: bool = False  # shared placement on CPU cores: decode and training are OpenMP teams (pool.py)
+    decode_first: bool = False  # shared placement on CPU cores: a one-thread decode is served first (pool.py)
 
     def check(self) -> "Costs":
         for part in (self.generation, self.lengths, self.trainer, self.env, self.relay):
@@ -146,7 +148,7 @@ class Costs:
         return cls(GenerationCost(**data["generation"]), LengthModel(**data["lengths"]), TrainerCost(**data["trainer"]),
                    EnvCost(**data.get("env", {})), RelayCost(**data.get("relay", {})),
                    data.get("prompt_tokens", 32), data.get("parallel_efficiency", 1.0), data.get("source", "given"),
-                   data.get("barrier_teams", False)).check()
+                   data.get("barrier_teams", False), data.get("decode_first", False)).check()
 
     @classmethod
     def load(cls, path: str | Path) -> "Costs":

@@ -106,7 +106,8 @@ class Replica:
             self.spans.append(("wait_weights" if busy else "generate", self._span_start, now))
         self._span_start = now
         if busy:
-            self.pool.start(self, self.cap, self.on_speed, team=True)  # torch's decode threads: an OpenMP team
+            # torch's decode threads: an OpenMP team; one thread or less: served first where the pool says so
+            self.pool.start(self, self.cap, self.on_speed, team=True, first=True)
         else:
             self.pool.stop(self)
             self.speed = 0.0

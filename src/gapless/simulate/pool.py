@@ -14,15 +14,24 @@ others. Its threads meet at a barrier after every parallel region, a thread pree
 job's makes the rest spin there, and the team goes no faster than its slowest thread
 (docs/performance.md, "Two decode threads beside the environment"; measured in docs/simulator.md).
 
+With `decode_first`, a generator replica's decode on one thread or less (`first`) is served
+before everything else: it runs at its cap's speed, and the other jobs share what is left by the
+rules above, as long as the decodes served first leave at least one whole unit (else nobody is
+served first). Measured on this project's 2-core machine: the pipeline's one-thread decode at
+budgets 1 and 2 runs at about its speed alone (simulated so, its seconds per step come within
+0.65-1.56x of the measured ones in every workload, against 1.5-2.2x too slow when shared by
+thread count; `bench/simulator.py --part phases`), beside four sandbox programs and the trainer
+that by thread count would leave it a third of a core; bench/contention.py's decode thread beside
+the sandbox keeps 0.43-0.88 of a core. Why the scheduler favours it is not established. At budget
+4, where the trainer never waits, the real decode is slower than this rule says (simulated
+0.57-0.98x of the measured time).
+
 A job is told its speed through its `on_speed(speed)` callback whenever the set of busy jobs (or
 a cap) changes, and must reschedule its own completion then. With `placement = "split"` there is
 no pool: `DedicatedPool` gives every job speed 1 and never calls back.
 Not guaranteed: anything between the two regimes (a team's loss does not grow with how far the
-pool is oversubscribed), caches and memory bandwidth shared by the jobs. Measured on this
-project's machine (bench/contention.py), the scheduler does not share by thread beside the
-sandbox's short-lived programs: one decode thread keeps 43-88% of a core, depending on the run,
-where this model gives it 40%, and a two-thread team slows 11.6x where this model says 5.5x
-(docs/simulator.md).
+pool is oversubscribed), caches and memory bandwidth shared by the jobs. A two-thread team beside
+the sandbox slowed 11.6x in bench/contention.py where this model says 5.7x (docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -31,16 +40,21 @@ from typing import Callable
 
 
 class SharedPool:
-    def __init__(self, units: float, parallel_efficiency: float = 1.0, barrier_teams: bool = False):
+    def __init__(self, units: float, parallel_efficiency: float = 1.0, barrier_teams: bool = False,
+                 decode_first: bool = False):
         self.units, self.efficiency, self.barrier_teams = units, parallel_efficiency, barrier_teams
-        self.jobs: dict[object, tuple[float, Callable[[float], None], bool]] = {}  # key -> (cap, on_speed, team)
+        self.decode_first = decode_first
+        # key -> (cap, on_speed, team, first)
+        self.jobs: dict[object, tuple[float, Callable[[float], None], bool, bool]] = {}
         self.speeds: dict[object, float] = {}
 
     def speed_of(self, allocation: float) -> float:
         return min(allocation, 1.0) + self.efficiency * max(allocation - 1.0, 0.0)
 
-    def start(self, key: object, cap: float, on_speed: Callable[[float], None], team: bool = False) -> None:
-        self.jobs[key] = (cap, on_speed, team)
+    def start(self, key: object, cap: float, on_speed: Callable[[float], None], team: bool = False,
+              first: bool = False) -> None:
+        """`first`: a one-thread decode, served before the others when the pool has `decode_first`."""
+        self.jobs[key] = (cap, on_speed, team, first and cap <= 1.0)
         self._share()
 
     def set_cap(self, key: object, cap: float) -> None:
@@ -54,10 +68,16 @@ class SharedPool:
             self._share()
 
     def _share(self) -> None:
-        demand = sum(cap for cap, _, _ in self.jobs.values())
-        scale = min(1.0, self.units / demand) if demand > 0 else 1.0
-        for key, (cap, on_speed, team) in list(self.jobs.items()):
-            if team and self.barrier_teams and scale < 1.0 and cap > 1.0:
+        first = {key: cap for key, (cap, _, _, is_first) in self.jobs.items() if is_first} if self.decode_first else {}
+        if sum(first.values()) > self.units - 1.0:
+            first = {}  # they would leave the others less than a unit: everyone shares
+        left = self.units - sum(first.values())
+        demand = sum(cap for key, (cap, *_) in self.jobs.items() if key not in first)
+        scale = min(1.0, left / demand) if demand > 0 else 1.0
+        for key, (cap, on_speed, team, _) in list(self.jobs.items()):
+            if key in first:
+                speed = self.speed_of(cap)
+            elif team and self.barrier_teams and scale < 1.0 and cap > 1.0:
                 speed = scale  # one thread's share: the others wait for it at the barrier
             else:
                 speed = self.speed_of(cap * scale)
@@ -69,7 +89,8 @@ class SharedPool:
 class DedicatedPool:
     """Every actor on its own devices: speed 1, no contention."""
 
-    def start(self, key: object, cap: float, on_speed: Callable[[float], None], team: bool = False) -> None:
+    def start(self, key: object, cap: float, on_speed: Callable[[float], None], team: bool = False,
+              first: bool = False) -> None:
         on_speed(1.0)
 
     def set_cap(self, key: object, cap: float) -> None:
@@ -81,13 +102,15 @@ class DedicatedPool:
 
 class Work:
     """A fixed amount of work (seconds at speed 1) on a pool; calls `on_done()` when finished,
-    tracking every speed change on the way. `team`: an OpenMP team (SharedPool.barrier_teams)."""
+    tracking every speed change on the way. `team`: an OpenMP team (SharedPool.barrier_teams);
+    `first`: a one-thread decode (SharedPool.decode_first)."""
 
-    def __init__(self, loop, pool, cap: float, amount_s: float, on_done: Callable[[], None], team: bool = False):
+    def __init__(self, loop, pool, cap: float, amount_s: float, on_done: Callable[[], None], team: bool = False,
+                 first: bool = False):
         self.loop, self.pool, self.on_done = loop, pool, on_done
         self.remaining, self.speed, self.t_last, self.token = amount_s, 0.0, loop.now, None
         self.finished = False
-        pool.start(self, cap, self._on_speed, team)
+        pool.start(self, cap, self._on_speed, team, first)
 
     def _on_speed(self, speed: float) -> None:
         now = self.loop.now
