@@ -184,8 +184,7 @@ def part_error(measured: dict, lengths: LengthModel, iterations: int, barrier_te
     calibration = list(cells) if calibration == "all" else calibration
     x0 = [math.log(8e-5), math.log(7e-5), math.log(0.02), 0.9, math.log(0.005)]
     x = nelder_mead(lambda v: loss(costs_from(v, lengths, barrier_teams, decode_first), cells, calibration), x0,
-                    [0.3, 0.3, 0.6, 0.15, 1.0],
-                    iterations)
+                    [0.3, 0.3, 0.6, 0.15, 1.0], iterations)
     costs = costs_from(x, lengths, barrier_teams, decode_first)
     rows = []
     for (workload, budget), want in cells.items():

@@ -19,8 +19,8 @@ before everything else: it runs at its cap's speed, and the other jobs share wha
 rules above, as long as the decodes served first leave at least one whole unit (else nobody is
 served first). Measured on this project's 2-core machine: the pipeline's one-thread decode at
 budgets 1 and 2 runs at about its speed alone (simulated so, its seconds per step come within
-0.65-1.56x of the measured ones in every workload, against 1.5-2.2x too slow when shared by
-thread count; `bench/simulator.py --part phases`), beside four sandbox programs and the trainer
+0.65-1.68x of the measured ones in every workload of three runs, against 1.5-2.2x too slow when
+shared by thread count; `bench/simulator.py --part phases`), beside four sandbox programs and the trainer
 that by thread count would leave it a third of a core; bench/contention.py's decode thread beside
 the sandbox keeps 0.43-0.88 of a core. Why the scheduler favours it is not established. At budget
 4, where the trainer never waits, the real decode is slower than this rule says (simulated
