@@ -21,8 +21,9 @@ served first). Measured on this project's 2-core machine: the pipeline's one-thr
 budgets 1 and 2 runs at about its speed alone (simulated so, its seconds per step come within
 0.65-1.68x of the measured ones in every workload of three runs, against 1.5-2.2x too slow when
 shared by thread count; `bench/simulator.py --part phases`), beside four sandbox programs and the trainer
-that by thread count would leave it a third of a core; bench/contention.py's decode thread beside
-the sandbox keeps 0.43-0.88 of a core. Why the scheduler favours it is not established. At budget
+that by thread count would leave it a third of a core. bench/contention.py's decode thread beside
+the sandbox alone is bimodal from run to run: it keeps 0.76-0.88 of a core in most rounds, and
+0.38-0.54 in others. Why the scheduler favours it is not established. At budget
 4, where the trainer never waits, the real decode is slower than this rule says (simulated
 0.57-0.98x of the measured time).
 
