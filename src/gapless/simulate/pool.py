@@ -24,8 +24,8 @@ shared by thread count; `bench/simulator.py --part phases`), beside four sandbox
 that by thread count would leave it a third of a core. bench/contention.py's decode thread beside
 the sandbox alone is bimodal from run to run: it keeps 0.76-0.88 of a core in most rounds, and
 0.38-0.54 in others. Why the scheduler favours it is not established. At budget
-4, where the trainer never waits, the real decode is slower than this rule says (simulated
-0.57-0.98x of the measured time).
+4, where the trainer never waits, the real decode is slower than this rule says (simulated in
+0.57-1.00x of the measured time).
 
 A job is told its speed through its `on_speed(speed)` callback whenever the set of busy jobs (or
 a cap) changes, and must reschedule its own completion then. With `placement = "split"` there is
