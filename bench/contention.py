@@ -8,8 +8,9 @@ concurrency, `pipeline.env_workers` groups at once, each group 8 programs of whi
 as the environment actor does during a pipeline run. Phases are interleaved (alone, beside the
 sandbox, alone, ...) so that drift on the host hits both. Printed per thread count: the median
 decode step alone and beside the sandbox, their ratio, and the groups the sandbox scored per
-second meanwhile and alone; the simulator's pool model's prediction for comparison (fair shares
-by thread, a team at one thread's share). JSON on the last line.
+second meanwhile and alone; the simulator's pool model's prediction for comparison (its
+`SharedPool` with the built-in costs' rules: a team at one thread's share, a one-thread decode
+served first). JSON on the last line.
 
     PYTHONPATH=src python bench/contention.py [--rounds 3] [--phase-s 4]
 """
@@ -84,7 +85,7 @@ def pool_slowdown(threads: int, slots: int, cores: int) -> float:
     from gapless.simulate.pool import SharedPool
 
     def speed(beside: bool) -> float:
-        pool = SharedPool(cores, costs.parallel_efficiency, costs.barrier_teams, costs.decode_first)
+        pool = SharedPool.for_costs(cores, costs)
         pool.start("decode", threads, lambda _: None, team=True, first=True)
         if beside:
             pool.start("programs", slots, lambda _: None)

@@ -14,18 +14,18 @@ others. Its threads meet at a barrier after every parallel region, a thread pree
 job's makes the rest spin there, and the team goes no faster than its slowest thread
 (docs/performance.md, "Two decode threads beside the environment"; measured in docs/simulator.md).
 
-With `decode_first`, a generator replica's decode on one thread or less (`first`) is served
-before everything else: it runs at its cap's speed, and the other jobs share what is left by the
-rules above, as long as the decodes served first leave at least one whole unit (else nobody is
-served first). Measured on this project's 2-core machine: the pipeline's one-thread decode at
-budgets 1 and 2 runs at about its speed alone (simulated so, its seconds per step come within
-0.65-1.68x of the measured ones in every workload of three runs, against 1.5-2.2x too slow when
-shared by thread count; `bench/simulator.py --part phases`), beside four sandbox programs and the trainer
-that by thread count would leave it a third of a core. bench/contention.py's decode thread beside
-the sandbox alone is bimodal from run to run: it keeps 0.76-0.88 of a core in most rounds, and
-0.38-0.54 in others. Why the scheduler favours it is not established. At budget
-4, where the trainer never waits, the real decode is slower than this rule says (simulated in
-0.57-1.00x of the measured time).
+With `decode_first`, a generator replica's decode on one thread or less (`first`) is served before
+everything else: it runs at its cap's speed, and the other jobs share what is left by the rules
+above, as long as the decodes served first leave at least one whole unit (else nobody is served
+first). Measured on this project's 2-core machine: the pipeline's one-thread decode at budgets 1
+and 2 runs at about its speed alone (simulated so, its seconds per step come within 0.65-1.68x of
+the measured ones in every workload of three runs, against 1.5-2.2x too slow when shared by thread
+count; `bench/simulator.py --part phases`), beside four sandbox programs and the trainer that by
+thread count would leave it a third of a core. bench/contention.py's decode thread beside the
+sandbox alone is bimodal from run to run: it keeps 0.76-0.88 of a core in most rounds, and
+0.38-0.54 in others. Why the scheduler favours it is not established. At budget 4, where the
+trainer never waits, the real decode is slower than this rule says (simulated in 0.57-1.00x of the
+measured time).
 
 A job is told its speed through its `on_speed(speed)` callback whenever the set of busy jobs (or
 a cap) changes, and must reschedule its own completion then. With `placement = "split"` there is
@@ -37,7 +37,10 @@ the sandbox slowed 11.6x in bench/contention.py where this model says 5.7x (docs
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from gapless.simulate.costs import Costs
 
 
 class SharedPool:
@@ -48,6 +51,11 @@ class SharedPool:
         # key -> (cap, on_speed, team, first)
         self.jobs: dict[object, tuple[float, Callable[[float], None], bool, bool]] = {}
         self.speeds: dict[object, float] = {}
+
+    @classmethod
+    def for_costs(cls, units: float, costs: "Costs") -> "SharedPool":
+        """The pool a cost model's sharing rules describe (its efficiency, teams, decode first)."""
+        return cls(units, costs.parallel_efficiency, costs.barrier_teams, costs.decode_first)
 
     def speed_of(self, allocation: float) -> float:
         return min(allocation, 1.0) + self.efficiency * max(allocation - 1.0, 0.0)

@@ -159,7 +159,7 @@ class Simulation:
         self.rng = random.Random(f"{cfg.seed}-simulate")
         self.shared = sim.placement == "shared"
         cores = sim.cores or os.cpu_count() or 2
-        self.pool = SharedPool(cores, costs.parallel_efficiency, costs.barrier_teams, costs.decode_first) if self.shared else DedicatedPool()
+        self.pool = SharedPool.for_costs(cores, costs) if self.shared else DedicatedPool()
         self.gen_threads, self.trainer_threads = resolved_threads(cfg, cores) if self.shared else (1, 1)
         self.lends = self.shared and self.s > 0 and pl.lend_idle_cores and not self.reference
         uids = [f"task-{i}" for i in range(cfg.task.num_train_prompts)]
