@@ -1,13 +1,16 @@
 """Core lending between the generator and the trainer: the handshake and the layer hooks."""
 
 import multiprocessing as mp
+import queue
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from gapless.config import ModelConfig
 from gapless.models import build_tiny
+from gapless.orchestrate.actors import _GeneratorActor
 from gapless.orchestrate.lending import LendingFlags, TrainerLending
 
 
@@ -74,3 +77,24 @@ def test_hooks_check_at_every_decoder_layer_forward_and_backward(problems):
         policy.model(input_ids=ids)
     assert lending.checks == 3  # no backward hooks without gradients
     assert lending.install(torch.nn.Linear(2, 2)) == 0  # no decoder layers: nothing hooked
+
+
+def test_a_replica_blocked_on_a_full_queue_to_the_environment_lends_its_threads():
+    flags = LendingFlags(mp.get_context("spawn"))
+    actor = _GeneratorActor.__new__(_GeneratorActor)  # only its queue-to-the-environment half
+    actor.spec = SimpleNamespace(lending=flags, stop=threading.Event())
+    actor._beat = lambda: None
+    to_env = queue.Queue(maxsize=1)
+    flags.want(max_wait_s=0.0)  # decoding
+    assert actor._to_env(to_env, "first") == 0.0 and flags.wanted  # room: nothing changes
+    seen = []
+
+    def drain():
+        seen.append(flags.wanted)
+        to_env.get()
+
+    timer = threading.Timer(0.2, drain)
+    timer.start()
+    blocked = actor._to_env(to_env, "second")  # full: blocks until drained
+    timer.join()
+    assert seen == [False] and 0.15 < blocked < 5.0 and to_env.get_nowait() == "second"

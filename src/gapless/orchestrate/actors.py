@@ -280,8 +280,7 @@ class _GeneratorActor:
         if self.multi_turn:
             for completion in finished:
                 if int(completion.request_id) not in self.cut_groups:
-                    self.clock["blocked_s"] += _put(self.spec.to_env[0], TurnDone(int(completion.request_id), completion),
-                                                    self.spec.stop, self._beat)
+                    self.clock["blocked_s"] += self._to_env(self.spec.to_env[0], TurnDone(int(completion.request_id), completion))
             return
         n = self.cfg.generator.group_size
         done = []
@@ -302,8 +301,19 @@ class _GeneratorActor:
             # group is trained, so a step shorter than STATS_EVERY_S still gets its generator figures
             stats = self._stats() if i == len(done) - 1 and not self.engine.has_work else None
             self.spans.mark("wait_env_queue")
-            self.clock["blocked_s"] += _put(self.spec.to_env[scorer], ToScore(index, task, born, group, stats),
-                                            self.spec.stop, self._beat)
+            self.clock["blocked_s"] += self._to_env(self.spec.to_env[scorer], ToScore(index, task, born, group, stats))
+
+    def _to_env(self, q, item) -> float:
+        """Put on a queue to the environment; returns seconds blocked. Blocked on a full queue, the
+        replica decodes nothing: it lends the trainer its threads meanwhile, and asks for them
+        back before its next decode step (as after any idle spell)."""
+        try:
+            q.put_nowait(item)
+            return 0.0
+        except queue.Full:
+            if self.spec.lending is not None:
+                self.spec.lending.idle()
+            return _put(q, item, self.spec.stop, self._beat)
 
     def _cut_partial(self) -> None:
         cut = self.partial.cut(self.engine, lambda request_id: sampling_params(self.cfg, int(request_id)))

@@ -8,8 +8,9 @@ cores with the native decode kernels, the trainer at 1 thread was never idle whi
 was idle 70-90% of the time and the machine 20-45% idle. Lending makes the split
 work-conserving without oversubscribing the cores:
 
-- the generator raises `wants` before each decode step and lowers it when it goes idle; before
-  decoding it waits until the trainer has handed its threads back, at most `max_wait_s`;
+- the generator raises `wants` before each decode step and lowers it when it goes idle or blocks
+  on a full queue to the environment; before decoding it waits until the trainer has handed its
+  threads back, at most `max_wait_s`;
 - the trainer, inside a training step (`TrainerLending.borrowing`), looks at the flag at every
   decoder layer's forward and backward (a few ms apart): it takes the generator's threads when
   they are not wanted and gives them back when they are; leaving the step gives them back.
