@@ -13,6 +13,16 @@ second meanwhile and alone; the simulator's pool model's prediction for comparis
 served first). JSON on the last line.
 
     PYTHONPATH=src python bench/contention.py [--rounds 3] [--phase-s 4]
+    PYTHONPATH=src python bench/contention.py --part matrix [--rounds 3] [--phase-s 3]
+
+`--part matrix`: the three loads of an asynchronous step on this machine, one thread each where
+the pipeline gives them one (budgets >= 1): the decode above, a training step of the same model
+(forward and backward over 32 sequences of 64 tokens, AdamW) in another process, and the
+sandbox. For every combination of them, each load's speed beside the others as a share of its
+speed alone (decode and training: median step time alone / beside; the sandbox: groups scored
+per second beside / alone), with the pool model's prediction beside each (its `SharedPool` with
+the built-in costs' rules: the decode a one-thread job served first, the training step a
+one-thread team, the sandbox `sandbox.concurrency` programs).
 """
 
 from __future__ import annotations
@@ -94,8 +104,122 @@ def pool_slowdown(threads: int, slots: int, cores: int) -> float:
     return speed(False) / speed(True)
 
 
+def train_forever(stop, go, times) -> None:
+    """One training thread: steps of the decode's model on 32 x 64 tokens until `stop`, timed."""
+    import torch
+
+    torch.set_num_threads(1)
+    model = build_model()[1].model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(0, 100, (32, 64), generator=torch.Generator().manual_seed(0))
+    go.wait()
+    while not stop.is_set():
+        start = time.perf_counter()
+        model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+
+
+def build_model():
+    from gapless.config import load_config
+    from gapless.envs.problems import generate_problems
+    from gapless.models import build_tiny
+
+    cfg = load_config(None, {})
+    problems = generate_problems(0, "train", 200, [1, 2, 3])
+    return problems, build_tiny(cfg.model, [p.prompt + p.solution for p in problems], seed=0)
+
+
+LOADS = ("decode", "train", "sandbox")
+
+
+def pool_matrix(slots: int, cores: int) -> dict[str, dict[str, float]]:
+    """The pool model's speeds (share of alone) for every combination of LOADS."""
+    from itertools import combinations
+
+    from gapless.simulate import MACHINE_COSTS as costs
+    from gapless.simulate.pool import SharedPool
+
+    def speeds(loads) -> dict[str, float]:
+        pool = SharedPool.for_costs(cores, costs)
+        for load in loads:
+            pool.start(load, {"decode": 1.0, "train": 1.0, "sandbox": float(slots)}[load], lambda _: None,
+                       team=load != "sandbox", first=load == "decode")
+        return dict(pool.speeds)
+
+    alone = {load: speeds([load])[load] for load in LOADS}
+    return {"+".join(c): {load: v / alone[load] for load, v in speeds(c).items()}
+            for n in (2, 3) for c in combinations(LOADS, n)}
+
+
+def part_matrix(args, engine, prompts, params, slots: int) -> dict:
+    """Each combination of decode, training and sandbox, interleaved round by round."""
+    ctx = mp.get_context("spawn")
+    manager = ctx.Manager()
+    phase = args.phase_s
+    rounds = []
+    for r in range(args.rounds):
+        stop, go, times = ctx.Event(), ctx.Event(), manager.list()
+        trainer = ctx.Process(target=train_forever, args=(stop, go, times), daemon=True)
+        trainer.start()
+        time.sleep(1.0)
+        res: dict[str, float] = {"decode": statistics.median(decode_steps(engine, prompts, params, phase))}
+        go.set()
+        time.sleep(1.0)
+
+        def train_median(seconds: float | None = None, during=None):
+            n = len(times)
+            out = during() if during else time.sleep(seconds)
+            return statistics.median(list(times)[n:]), out
+
+        res["train|decode"], res["decode|train"] = train_median(during=lambda: statistics.median(
+            decode_steps(engine, prompts, params, phase)))
+        res["train"], _ = train_median(phase)
+        sandbox_stop, scored, ready = ctx.Event(), ctx.Value("i", 0), ctx.Event()
+        sandbox = ctx.Process(target=score_forever, args=(sandbox_stop, scored, ready), daemon=True)
+        sandbox.start()
+        ready.wait(120)
+        time.sleep(0.5)
+
+        def rate(during):
+            n0, t0 = scored.value, time.perf_counter()
+            out = during()
+            return (scored.value - n0) / (time.perf_counter() - t0), out
+
+        res["sandbox|train"], (res["train|sandbox"], _) = rate(lambda: train_median(phase))
+        res["sandbox|decode+train"], (res["train|decode+sandbox"], res["decode|train+sandbox"]) = rate(
+            lambda: train_median(during=lambda: statistics.median(decode_steps(engine, prompts, params, phase))))
+        stop.set()
+        trainer.join(30)
+        res["sandbox|decode"], res["decode|sandbox"] = rate(lambda: statistics.median(
+            decode_steps(engine, prompts, params, phase)))
+        res["sandbox"], _ = rate(lambda: time.sleep(phase))
+        sandbox_stop.set()
+        sandbox.join(30)
+        shares = {}
+        for key, value in res.items():
+            load, _, beside = key.partition("|")
+            if beside:
+                alone = res[load]
+                combo = "+".join(x for x in LOADS if x == load or x in beside.split("+"))
+                shares.setdefault(combo, {})[load] = value / alone if load == "sandbox" else alone / value
+        rounds.append({"alone": {load: res[load] for load in LOADS}, "shares": shares})
+        print(f"round {r}: " + "; ".join(f"{combo}: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(s.items()))
+                                      for combo, s in sorted(shares.items())), flush=True)
+    predicted = pool_matrix(slots, os.cpu_count() or 2)
+    print("speed beside the others / alone, median of rounds (the pool model's prediction):")
+    medians = {}
+    for combo in predicted:
+        medians[combo] = {load: statistics.median(r["shares"][combo][load] for r in rounds) for load in predicted[combo]}
+        print(f"  {combo:<20} " + "  ".join(f"{load} {medians[combo][load]:.2f} ({predicted[combo][load]:.2f})"
+                                          for load in LOADS if load in predicted[combo]))
+    return {"rounds": rounds, "median": medians, "predicted": predicted}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", default="sandbox", choices=["sandbox", "matrix"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--phase-s", type=float, default=4.0)
     ap.add_argument("--threads", default="1,2")
@@ -104,18 +228,21 @@ def main() -> None:
     import torch
 
     from gapless.config import load_config
-    from gapless.envs.problems import generate_problems
     from gapless.generate.engine import TorchEngine
-    from gapless.models import build_tiny
     from gapless.types import SamplingParams
 
     cfg = load_config(None, {})
-    problems = generate_problems(0, "train", 200, [1, 2, 3])
-    tiny = build_tiny(cfg.model, [p.prompt + p.solution for p in problems], seed=0)
+    problems, tiny = build_model()
     prompts = [tiny.encode(p.prompt) for p in problems[:64]]
     params = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True)
     engine = TorchEngine(tiny.model, tiny.eos_id, max_batch=128, max_seq_len=max(map(len, prompts)) + 32)
 
+    if args.part == "matrix":
+        torch.set_num_threads(1)
+        decode_steps(engine, prompts, params, 1.0)  # warm-up
+        out = part_matrix(args, engine, prompts, params, cfg.sandbox.concurrency)
+        print(json.dumps({"cores": os.cpu_count(), "rounds": args.rounds, "phase_s": args.phase_s, "matrix": out}))
+        return
     ctx = mp.get_context("spawn")
     results: dict[int, dict[str, list[float]]] = {}
     for threads in [int(t) for t in args.threads.split(",")]:

@@ -23,9 +23,11 @@ the measured ones in every workload of three runs, against 1.5-2.2x too slow whe
 count; `bench/simulator.py --part phases`), beside four sandbox programs and the trainer that by
 thread count would leave it a third of a core. bench/contention.py's decode thread beside the
 sandbox alone is bimodal from run to run: it keeps 0.76-0.88 of a core in most rounds, and
-0.38-0.54 in others. Why the scheduler favours it is not established. At budget 4, where the
-trainer never waits, the real decode is slower than this rule says (simulated in 0.57-1.00x of the
-measured time).
+0.38-0.54 in others. Why the scheduler favours it is not established. Beside the sandbox and a
+training thread at once the decode keeps only 0.23 of its speed where this rule gives it 1.00
+(`bench/contention.py --part matrix`); that case is the heavy tail at budget 4, where the
+simulated decode takes 0.56-1.00x the measured time. A rule that follows the matrix fits the
+pipeline's cells worse (docs/simulator.md).
 
 A job is told its speed through its `on_speed(speed)` callback whenever the set of busy jobs (or
 a cap) changes, and must reschedule its own completion then. With `placement = "split"` there is
