@@ -153,6 +153,24 @@ def pool_matrix(slots: int, cores: int) -> dict[str, dict[str, float]]:
             for n in (2, 3) for c in combinations(LOADS, n)}
 
 
+def start_sandbox(ctx):
+    """The environment's load in another process, scoring once this returns: (stop, the count of
+    groups scored, the process)."""
+    stop, scored, ready = ctx.Event(), ctx.Value("i", 0), ctx.Event()
+    proc = ctx.Process(target=score_forever, args=(stop, scored, ready), daemon=True)
+    proc.start()
+    ready.wait(120)
+    time.sleep(0.5)
+    return stop, scored, proc
+
+
+def scored_per_s(scored, during):
+    """Groups scored per second while `during()` runs, and what it returned."""
+    n0, t0 = scored.value, time.perf_counter()
+    out = during()
+    return (scored.value - n0) / (time.perf_counter() - t0), out
+
+
 def part_matrix(args, engine, prompts, params, slots: int) -> dict:
     """Each combination of decode, training and sandbox, interleaved round by round."""
     ctx = mp.get_context("spawn")
@@ -164,7 +182,11 @@ def part_matrix(args, engine, prompts, params, slots: int) -> dict:
         trainer = ctx.Process(target=train_forever, args=(stop, go, times), daemon=True)
         trainer.start()
         time.sleep(1.0)
-        res: dict[str, float] = {"decode": statistics.median(decode_steps(engine, prompts, params, phase))}
+
+        def decode_median():
+            return statistics.median(decode_steps(engine, prompts, params, phase))
+
+        res: dict[str, float] = {"decode": decode_median()}
         go.set()
         time.sleep(1.0)
 
@@ -173,28 +195,16 @@ def part_matrix(args, engine, prompts, params, slots: int) -> dict:
             out = during() if during else time.sleep(seconds)
             return statistics.median(list(times)[n:]), out
 
-        res["train|decode"], res["decode|train"] = train_median(during=lambda: statistics.median(
-            decode_steps(engine, prompts, params, phase)))
+        res["train|decode"], res["decode|train"] = train_median(during=decode_median)
         res["train"], _ = train_median(phase)
-        sandbox_stop, scored, ready = ctx.Event(), ctx.Value("i", 0), ctx.Event()
-        sandbox = ctx.Process(target=score_forever, args=(sandbox_stop, scored, ready), daemon=True)
-        sandbox.start()
-        ready.wait(120)
-        time.sleep(0.5)
-
-        def rate(during):
-            n0, t0 = scored.value, time.perf_counter()
-            out = during()
-            return (scored.value - n0) / (time.perf_counter() - t0), out
-
-        res["sandbox|train"], (res["train|sandbox"], _) = rate(lambda: train_median(phase))
-        res["sandbox|decode+train"], (res["train|decode+sandbox"], res["decode|train+sandbox"]) = rate(
-            lambda: train_median(during=lambda: statistics.median(decode_steps(engine, prompts, params, phase))))
+        sandbox_stop, scored, sandbox = start_sandbox(ctx)
+        res["sandbox|train"], (res["train|sandbox"], _) = scored_per_s(scored, lambda: train_median(phase))
+        res["sandbox|decode+train"], (res["train|decode+sandbox"], res["decode|train+sandbox"]) = scored_per_s(
+            scored, lambda: train_median(during=decode_median))
         stop.set()
         trainer.join(30)
-        res["sandbox|decode"], res["decode|sandbox"] = rate(lambda: statistics.median(
-            decode_steps(engine, prompts, params, phase)))
-        res["sandbox"], _ = rate(lambda: time.sleep(phase))
+        res["sandbox|decode"], res["decode|sandbox"] = scored_per_s(scored, decode_median)
+        res["sandbox"], _ = scored_per_s(scored, lambda: time.sleep(phase))
         sandbox_stop.set()
         sandbox.join(30)
         shares = {}
@@ -251,17 +261,11 @@ def main() -> None:
         res = {"alone_ms": [], "beside_ms": [], "groups_per_s": [], "alone_groups_per_s": []}
         for _ in range(args.rounds):
             res["alone_ms"].append(1e3 * statistics.median(decode_steps(engine, prompts, params, args.phase_s)))
-            stop, scored, ready = ctx.Event(), ctx.Value("i", 0), ctx.Event()
-            proc = ctx.Process(target=score_forever, args=(stop, scored, ready), daemon=True)
-            proc.start()
-            ready.wait(120)
-            time.sleep(0.5)
-            n0, t0 = scored.value, time.perf_counter()
-            res["beside_ms"].append(1e3 * statistics.median(decode_steps(engine, prompts, params, args.phase_s)))
-            res["groups_per_s"].append((scored.value - n0) / (time.perf_counter() - t0))
-            n0, t0 = scored.value, time.perf_counter()
-            time.sleep(args.phase_s)  # the sandbox alone
-            res["alone_groups_per_s"].append((scored.value - n0) / (time.perf_counter() - t0))
+            stop, scored, proc = start_sandbox(ctx)
+            rate, beside = scored_per_s(scored, lambda: statistics.median(decode_steps(engine, prompts, params, args.phase_s)))
+            res["beside_ms"].append(1e3 * beside)
+            res["groups_per_s"].append(rate)
+            res["alone_groups_per_s"].append(scored_per_s(scored, lambda: time.sleep(args.phase_s))[0])  # the sandbox alone
             stop.set()
             proc.join(30)
         results[threads] = res
