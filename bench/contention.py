@@ -188,6 +188,8 @@ def part_matrix(args, engine, prompts, params, slots: int) -> dict:
 
         res: dict[str, float] = {"decode": decode_median()}
         go.set()
+        while not times and trainer.is_alive():  # its first step done: the model is built (slow on a busy machine)
+            time.sleep(0.05)
         time.sleep(1.0)
 
         def train_median(seconds: float | None = None, during=None):
