@@ -168,6 +168,18 @@ class BusySampler:
         return (busy_at(end) - busy_at(start)) / (end - start)
 
 
+def cpu_model() -> str:
+    """The processor's name (/proc/cpuinfo): this project's sessions have run on more than one
+    kind of machine, and costs fitted on one do not hold on another (docs/simulator.md)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def weight_push_vs_copy(repeats: int = 50) -> dict:
     from gapless.config import ModelConfig
     from gapless.models import build_tiny
@@ -254,7 +266,8 @@ def main() -> None:
                           f"staleness {result['staleness_mean']:.2f} (max {result['staleness_max']:.0f})  "
                           f"busy {result['busy_cores']:.2f} cores  "
                           f"pass@1 {result['pass_at_1_end']:.3f}", flush=True)
-    figures = {"steps": args.steps, "rounds": args.rounds, "cores": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+    figures = {"steps": args.steps, "rounds": args.rounds, "cores": os.cpu_count(), "cpu": cpu_model(),
+               "load_avg_1m": os.getloadavg()[0],
                **summarise(runs, workloads, budgets), "weight_push": weight_push_vs_copy()}
     print(json.dumps(figures))
 

@@ -22,6 +22,9 @@ error      calibrate on some (workload, budget) cells of bench/pipeline.py, pred
 builtin    every cell of a bench/pipeline.py run (--measured FILE) predicted with the built-in
            costs (or --costs FILE), no fit to that run: a held-out check. Budgets 'B:MODE'
            (pipeline.admit_while_training) are predicted in that mode, and 'B:on' / 'B' ratios are printed.
+           --rounds R --jitter J (here and in the error part's predictions): each figure the median
+           of R simulations with costs jittered by J (simulate/rounds.py), as the benchmark's
+           figure is the median of its rounds.
 phases     where each cell's time goes, measured against simulated: the generator's decode and the
            trainer's training seconds per step, from the timelines a `bench/pipeline.py --keep DIR`
            run left (--runs-dir DIR; median of its rounds) and from the simulation of the cell.
@@ -49,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from gapless.config import load_config  # noqa: E402
 from gapless.simulate import resolve_costs  # noqa: E402
 from gapless.simulate.costs import Costs, EnvCost, GenerationCost, LengthModel, RelayCost, TrainerCost  # noqa: E402
+from gapless.simulate.rounds import simulate_rounds  # noqa: E402
 from gapless.simulate.run import Simulation  # noqa: E402
 
 WORKLOADS = {  # bench/pipeline.py's workloads
@@ -82,15 +86,23 @@ def cell_config(workload: str, budget: str, steps: int = STEPS, admit: str = "au
     return load_config(None, overrides)
 
 
+def cell_costs(costs: Costs, workload: str) -> Costs:
+    if workload == "heavy_tail":  # natural responses stop long before 192 tokens; the stragglers are forced
+        return replace(costs, lengths=replace(costs.lengths, truncated_frac=0.0))
+    return costs
+
+
 def run_cell(costs: Costs, workload: str, budget: str, admit: str = "auto", timeline_steps: int | None = None):
     """The simulation of one bench/pipeline.py cell (a SimResult; spans kept for `timeline_steps`)."""
-    if workload == "heavy_tail":  # natural responses stop long before 192 tokens; the stragglers are forced
-        costs = replace(costs, lengths=replace(costs.lengths, truncated_frac=0.0))
-    return Simulation(cell_config(workload, budget, admit=admit), costs, timeline_steps=timeline_steps).run()
+    return Simulation(cell_config(workload, budget, admit=admit), cell_costs(costs, workload),
+                      timeline_steps=timeline_steps).run()
 
 
-def simulate_cell(costs: Costs, workload: str, budget: str, admit: str = "auto") -> dict:
-    return run_cell(costs, workload, budget, admit).summary()
+def simulate_cell(costs: Costs, workload: str, budget: str, admit: str = "auto", rounds: int = 1,
+                  jitter: float = 0.0) -> dict:
+    """One cell's summary: one simulation, or the medians of `rounds` with jittered costs (rounds.py)."""
+    cfg = cell_config(workload, budget, admit=admit)
+    return simulate_rounds(cfg, cell_costs(costs, workload), rounds, jitter)[0].summary()
 
 
 def measured_cells(measured: dict) -> dict:
@@ -179,7 +191,9 @@ def nelder_mead(f, x0: list[float], step: list[float], iterations: int) -> list[
 
 
 def part_error(measured: dict, lengths: LengthModel, iterations: int, barrier_teams: bool = True,
-               calibration=CALIBRATION, decode_first: bool = True) -> dict:
+               calibration=CALIBRATION, decode_first: bool = True, rounds: int = 1, jitter: float = 0.0) -> dict:
+    """Fit the costs to the calibration cells (one simulation each), then predict every cell (the
+    median of `rounds` with jittered costs, when given)."""
     cells = measured_cells(measured)
     calibration = list(cells) if calibration == "all" else calibration
     x0 = [math.log(8e-5), math.log(7e-5), math.log(0.02), 0.9, math.log(0.005)]
@@ -188,7 +202,7 @@ def part_error(measured: dict, lengths: LengthModel, iterations: int, barrier_te
     costs = costs_from(x, lengths, barrier_teams, decode_first)
     rows = []
     for (workload, budget), want in cells.items():
-        got = simulate_cell(costs, workload, budget)
+        got = simulate_cell(costs, workload, budget, rounds=rounds, jitter=jitter)
         row = {"workload": workload, "budget": budget,
                "role": "calibration" if (workload, budget) in calibration else "test",
                "measured_ms": want["ms"], "predicted_ms": got["s_per_sample"] * 1e3,
@@ -295,9 +309,10 @@ def part_scale(steps: int) -> dict:
             "load_avg_1m": os.getloadavg()[0]}
 
 
-def part_builtin(path: str, costs: Costs | None = None) -> dict:
+def part_builtin(path: str, costs: Costs | None = None, rounds: int = 1, jitter: float = 0.0) -> dict:
     """A held-out check: every cell of a bench/pipeline.py run (budgets 'B:MODE' in that admission
-    mode) against the simulator with its built-in costs, or the given ones (no fit to that run)."""
+    mode) against the simulator with its built-in costs, or the given ones (no fit to that run);
+    with `rounds`, each predicted figure is the median of that many rounds of jittered costs."""
     from gapless.simulate import MACHINE_COSTS
 
     costs = costs or MACHINE_COSTS
@@ -305,7 +320,7 @@ def part_builtin(path: str, costs: Costs | None = None) -> dict:
     for workload, cells in bench_runs(path).items():
         for label, want in cells.items():
             budget, _, mode = label.partition(":")
-            got = simulate_cell(costs, workload, budget, admit=mode or "auto")
+            got = simulate_cell(costs, workload, budget, admit=mode or "auto", rounds=rounds, jitter=jitter)
             row = {"workload": workload, "budget": label, "measured_ms": want["s_per_sample"] * 1e3,
                    "predicted_ms": got["s_per_sample"] * 1e3,
                    "measured_trainer_idle": want["trainer_idle_frac"], "predicted_trainer_idle": got["trainer_idle_frac"],
@@ -403,6 +418,11 @@ def main() -> None:
     parser.add_argument("--write-costs", default=None, help="error part: write the fitted costs (JSON) here")
     parser.add_argument("--costs", default=None, help="builtin and phases parts: these costs (JSON), not the built-in ones")
     parser.add_argument("--runs-dir", default=None, help="phases part: the folder of a bench/pipeline.py --keep run")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="builtin and error parts: predict each figure as the median of this many simulations "
+                             "with jittered costs")
+    parser.add_argument("--jitter", type=float, default=0.0,
+                        help="with --rounds: lognormal shape of each cost's factor per round (rounds.py)")
     args = parser.parse_args()
     figures: dict = {"cores": os.cpu_count(), "load_avg_1m_start": os.getloadavg()[0]}
     parts = args.part.split(",")
@@ -416,14 +436,16 @@ def main() -> None:
         figures["error"] = {"measured_from": args.measured or "docs/performance.md (2026-11-29)",
                             "lengths": lengths.__dict__ | {},
                             **part_error(measured, lengths, args.iterations, not args.fair_share,
-                                         "all" if args.calibrate_all else CALIBRATION, not args.fair_decode)}
+                                         "all" if args.calibrate_all else CALIBRATION, not args.fair_decode,
+                                         args.rounds, args.jitter)}
         figures["error"]["lengths"].pop("_quantiles", None)
         if args.write_costs:
             Path(args.write_costs).write_text(json.dumps(figures["error"]["costs"], indent=2))
     if "builtin" in parts:
         if not args.measured:
             parser.error("--part builtin needs --measured: the output of a bench/pipeline.py run")
-        figures["builtin"] = part_builtin(args.measured, Costs.load(args.costs) if args.costs else None)
+        figures["builtin"] = part_builtin(args.measured, Costs.load(args.costs) if args.costs else None, args.rounds,
+                                          args.jitter)
     if "phases" in parts:
         if not args.runs_dir:
             parser.error("--part phases needs --runs-dir: the folder a bench/pipeline.py --keep run filled")

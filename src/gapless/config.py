@@ -661,6 +661,16 @@ class SimulateConfig(_Section):
     is the fastest configuration that fits. 0 = no limit."""
     timeline_steps: int = Field(20, ge=0)
     """Steps whose spans go to the simulated run's timeline (the report's Gantt chart)."""
+    rounds: int = Field(1, ge=1, le=1000)
+    """Simulate the job this many times, each round with its costs jittered by `cost_jitter`, and
+    report each figure's median and range over the rounds (simulate/rounds.py); a configuration
+    whose idle figures move by more than 0.10 within the jitter is flagged. 1 = one simulation."""
+    cost_jitter: float = Field(0.0, ge=0, le=2)
+    """Rounds: lognormal shape of each cost component's factor in each round (decode, training,
+    scoring CPU, scoring wait, weight relay; median 1). On this project's 2-core machine a
+    benchmark cell's decode and training seconds varied by about 0.05 (log standard deviation)
+    between the rounds of one run, and by 0.2-0.6 between runs on different days
+    (docs/simulator.md)."""
 
 
 class MetricsConfig(_Section):

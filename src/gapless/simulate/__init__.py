@@ -17,6 +17,7 @@ and ends with one JSON object (the summary, the sweep and the recommendation).
 | run.py | the pipeline: real admission, buffer, partial rollouts, curriculum, driven by events |
 | calibrate.py | fitting the costs to real runs |
 | sweep.py | the sweep over replicas, trainer ranks, budget, oversampling; the recommendation |
+| rounds.py | a configuration simulated over rounds of jittered costs: medians and ranges |
 | record.py | the simulated run directory |
 """
 
@@ -76,6 +77,10 @@ def _check(cfg: Config) -> None:
     if cfg.pipeline.partial_rollout_tokens:
         raise ConfigError("pipeline.partial_rollout_tokens is not simulated (the simulator does not track tokens "
                           "between events); use pipeline.partial_rollout_s, or set it to 0")
+    if (sim.rounds > 1) != (sim.cost_jitter > 0):
+        raise ConfigError(f"simulate.rounds = {sim.rounds} with simulate.cost_jitter = {sim.cost_jitter:g}: rounds differ "
+                          "only by their jittered costs; set both (e.g. --simulate.rounds 9 --simulate.cost_jitter 0.1) "
+                          "or neither")
     if sim.reference_loop and sim.placement == "split":
         raise ConfigError("simulate.reference_loop runs every actor on the same cores: use simulate.placement = 'shared'")
 
@@ -96,6 +101,7 @@ def simulate(cfg: Config, log=print) -> dict:
     """Simulate `cfg` into cfg.run_dir (run files and report), then sweep; returns the summary."""
     from gapless.orchestrate.ledger import GroupLedger
     from gapless.simulate.record import write_run
+    from gapless.simulate.rounds import simulate_rounds
     from gapless.simulate.run import Simulation
     from gapless.simulate.sweep import devices, recommend, sweep
 
@@ -106,10 +112,14 @@ def simulate(cfg: Config, log=print) -> dict:
     _check_not_real(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     costs = resolve_costs(cfg)
+    rounds = None
+    if cfg.simulate.rounds > 1:  # the run directory shows the median round; the summary is over all
+        rounds, per_round = simulate_rounds(cfg, costs)
+        costs = per_round[rounds.median_round]
     ledger = GroupLedger(run_dir / "groups.jsonl")
     result = Simulation(cfg, costs, ledger).run()
     write_run(result, run_dir, cfg.model_dump(mode="json"), costs)
-    summary = {"devices": devices(cfg), **result.summary()}
+    summary = {"devices": devices(cfg), **(rounds.summary() if rounds else result.summary())}
     log(_line("simulated", summary))
     out: dict = {"run_dir": str(run_dir), "costs": costs.source, "summary": summary}
     sim = cfg.simulate
@@ -134,9 +144,15 @@ def simulate(cfg: Config, log=print) -> dict:
 
 def _line(label: str, s: dict) -> str:
     drops = ", ".join(f"{k[6:]} {v:.0f}" for k, v in s.items() if k.startswith("drops/")) or "none"
-    return (f"{label}: {s['s_per_sample'] * 1e3:.3f} ms/sample ({s['samples_per_s']:.1f} samples/s)  trainer idle "
+    line = (f"{label}: {s['s_per_sample'] * 1e3:.3f} ms/sample ({s['samples_per_s']:.1f} samples/s)  trainer idle "
             f"{s['trainer_idle_frac']:.2f}  generator idle {s['generator_idle_frac']:.2f}  staleness "
             f"{s['staleness_mean']:.2f} (max {s['staleness_max']:.0f})  drops: {drops}")
+    if "rounds" in s:  # medians over jittered rounds (rounds.py), with their ranges
+        line += (f"  [median of {s['rounds']:.0f} rounds: ms {s['s_per_sample_min'] * 1e3:.2f}-"
+                 f"{s['s_per_sample_max'] * 1e3:.2f}, trainer idle {s['trainer_idle_frac_min']:.2f}-"
+                 f"{s['trainer_idle_frac_max']:.2f}, generator idle {s['generator_idle_frac_min']:.2f}-"
+                 f"{s['generator_idle_frac_max']:.2f}{'; idle moves > 0.10 within the jitter' if s['sensitive'] else ''}]")
+    return line
 
 
 def calibrate_command(run_dirs: list[str], cfg: Config, log=print) -> dict:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 
 from gapless.config import Config
-from gapless.simulate.run import Simulation
+from gapless.simulate.rounds import simulate_rounds
 
 
 def devices(cfg: Config) -> int:
@@ -41,9 +41,8 @@ def sweep(cfg: Config, resolve_costs) -> list[dict]:
     rows = []
     for replicas, ranks, budget, oversample in grid:
         point = with_levers(cfg, replicas, ranks, budget, oversample)
-        result = Simulation(point, resolve_costs(point), timeline_steps=0).run()
         rows.append({"replicas": replicas, "trainer_ranks": ranks, "max_staleness": budget, "oversample": oversample,
-                     "devices": devices(point), **result.summary()})
+                     "devices": devices(point), **simulate_rounds(point, resolve_costs(point))[0].summary()})
     return rows
 
 
