@@ -18,7 +18,8 @@ error      calibrate on some (workload, budget) cells of bench/pipeline.py, pred
            cap (measured: its runs' truncated share is exactly the forced stragglers' 1/8).
            --calibrate-all fits every cell of the run instead (--write-costs FILE keeps the costs,
            to be tested on other runs with --part builtin --costs FILE); --fair-decode fits the
-           model in which the one-thread decode is not served first (simulate/pool.py).
+           model in which the one-thread decode is not served first (simulate/pool.py);
+           --choose-decode-rule fits both and keeps the one with the lower calibration loss.
 builtin    every cell of a bench/pipeline.py run (--measured FILE) predicted with the built-in
            costs (or --costs FILE), no fit to that run: a held-out check. Budgets 'B:MODE'
            (pipeline.admit_while_training) are predicted in that mode, and 'B:on' / 'B' ratios are printed.
@@ -191,15 +192,21 @@ def nelder_mead(f, x0: list[float], step: list[float], iterations: int) -> list[
 
 
 def part_error(measured: dict, lengths: LengthModel, iterations: int, barrier_teams: bool = True,
-               calibration=CALIBRATION, decode_first: bool = True, rounds: int = 1, jitter: float = 0.0) -> dict:
+               calibration=CALIBRATION, decode_first: bool | None = True, rounds: int = 1, jitter: float = 0.0) -> dict:
     """Fit the costs to the calibration cells (one simulation each), then predict every cell (the
-    median of `rounds` with jittered costs, when given)."""
+    median of `rounds` with jittered costs, when given). `decode_first` None: fit both decode
+    rules and keep the one with the lower loss on the calibration cells."""
     cells = measured_cells(measured)
     calibration = list(cells) if calibration == "all" else calibration
     x0 = [math.log(8e-5), math.log(7e-5), math.log(0.02), 0.9, math.log(0.005)]
-    x = nelder_mead(lambda v: loss(costs_from(v, lengths, barrier_teams, decode_first), cells, calibration), x0,
-                    [0.3, 0.3, 0.6, 0.15, 1.0], iterations)
-    costs = costs_from(x, lengths, barrier_teams, decode_first)
+    fits = []
+    for rule in (True, False) if decode_first is None else (decode_first,):
+        x = nelder_mead(lambda v: loss(costs_from(v, lengths, barrier_teams, rule), cells, calibration), x0,
+                        [0.3, 0.3, 0.6, 0.15, 1.0], iterations)
+        costs = costs_from(x, lengths, barrier_teams, rule)
+        fits.append((loss(costs, cells, calibration), costs))
+        print(f"decode first {rule}: calibration loss {fits[-1][0]:.4f}", flush=True)
+    costs = min(fits, key=lambda pair: pair[0])[1]
     rows = []
     for (workload, budget), want in cells.items():
         got = simulate_cell(costs, workload, budget, rounds=rounds, jitter=jitter)
@@ -411,6 +418,9 @@ def main() -> None:
     parser.add_argument("--scale-steps", type=int, default=10000)
     parser.add_argument("--fair-share", action="store_true",
                         help="error part: the pool without OpenMP teams (every job at its share of the cores)")
+    parser.add_argument("--choose-decode-rule", action="store_true",
+                        help="error part: fit both decode rules (served first, shared by threads) and keep the one "
+                             "with the lower loss on the calibration cells, as `gapless simulate --calibrate` does")
     parser.add_argument("--fair-decode", action="store_true",
                         help="error part: the one-thread decode at its share of the cores, not served first (pool.py)")
     parser.add_argument("--calibrate-all", action="store_true",
@@ -436,7 +446,8 @@ def main() -> None:
         figures["error"] = {"measured_from": args.measured or "docs/performance.md (2026-11-29)",
                             "lengths": lengths.__dict__ | {},
                             **part_error(measured, lengths, args.iterations, not args.fair_share,
-                                         "all" if args.calibrate_all else CALIBRATION, not args.fair_decode,
+                                         "all" if args.calibrate_all else CALIBRATION,
+                                         None if args.choose_decode_rule else not args.fair_decode,
                                          args.rounds, args.jitter)}
         figures["error"]["lengths"].pop("_quantiles", None)
         if args.write_costs:

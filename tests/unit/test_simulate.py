@@ -315,6 +315,26 @@ def test_calibration_round_trip(tmp_path):
     assert costs.lengths.truncated_frac == pytest.approx(0.3, abs=0.08)
 
 
+@pytest.mark.parametrize("decode_first", [True, False])
+def test_calibration_recovers_how_the_decode_shares_the_cores(tmp_path, decode_first):
+    # runs simulated on a machine whose one-thread decode is served first (or shares the cores
+    # by threads): calibration fits both rules and keeps the one these runs came from
+    truth = Costs(GenerationCost(1.2e-3, 1e-4), LengthModel(15, 0.5, 0.0), TrainerCost(1.5e-4),
+                  EnvCost(cpu_s=0.04), RelayCost(latency_s=2e-4), prompt_tokens=64, parallel_efficiency=0.8,
+                  barrier_teams=True, decode_first=decode_first)
+    runs = []
+    for budget in (0, 1, 2):
+        cfg = load_config(None, {"pipeline.max_staleness": str(budget), "loop.steps": "8", "simulate.cores": "2",
+                                 "simulate.timeline_steps": "8"})
+        run_dir = tmp_path / f"b{budget}"
+        write_run(Simulation(cfg, truth).run(), run_dir, cfg.model_dump(mode="json"), truth)
+        runs.append(run_dir)
+    costs, rows = calibrate(runs, cores=2)
+    assert costs.decode_first is decode_first
+    for row in rows:
+        assert abs(row["error"]) < 0.05
+
+
 def test_simulate_writes_a_run_the_report_draws(tmp_path):
     cfg = load_config(None, {"run_dir": json.dumps(str(tmp_path / "sim")), "loop.steps": "4", "simulate.cores": "2",
                              "pipeline.max_staleness": "1", "simulate.sweep_budgets": "[0, 1]"})

@@ -16,12 +16,17 @@ and fits a `Costs` (costs.py) for the shared placement on `simulate.cores` cores
     parallel_efficiency
                      when the runs use different thread counts (budget 0: every core per
                      actor; budget >= 1: half), the value in 0.3..1.0 (0.4, 0.6, 0.8, 1.0, then
-                     +-0.1 around the best) whose fitted costs best predict every run's ms per
-                     trained sample
+                     +-0.1 around the best) whose fitted costs best predict the runs (below)
     OpenMP teams     on: the runs are CPU runs, where torch's decode and training threads slow
                      to one thread's share when the cores are oversubscribed (pool.py)
-    decode first     on, likewise: a one-thread decode runs at its speed alone beside the
-                     trainer and the sandbox (pool.py)
+    decode first     whether a one-thread decode runs at its speed alone beside the trainer and
+                     the sandbox, or shares the cores by threads like the other jobs (pool.py): a
+                     property of the machine's scheduler (docs/simulator.md: the first on the
+                     machine the built-in costs come from, the second on an Intel Xeon), so both
+                     are fitted and the one that predicts the runs better is kept
+    the choice       of efficiency and rule: the lowest summed error over the runs of (log of
+                     predicted / measured ms per trained sample)^2 + (trainer idle error)^2 +
+                     (error in the share of time the generator is not decoding)^2
     decode step      step_s = 12 x row_s: the fixed part of a step is worth about 12 rows on
                      this machine (docs/engine.md: a + b x rows, fitted from the continuous and
                      static schedules); only the scale is fitted
@@ -142,7 +147,7 @@ def _gmean(values: list[float]) -> float:
     return math.exp(sum(map(math.log, values)) / len(values)) if values else 1.0
 
 
-def initial_costs(runs: list[Measured], cores: int, efficiency: float) -> Costs:
+def initial_costs(runs: list[Measured], cores: int, efficiency: float, decode_first: bool = True) -> Costs:
     """Direct estimates from the first run: busy seconds x speed of its threads / work done."""
     run = runs[0]
     cfg = run.cfg
@@ -159,11 +164,11 @@ def initial_costs(runs: list[Measured], cores: int, efficiency: float) -> Costs:
     cpu_s = max(run.score_s, 1e-4) * 0.5  # refined by simulation
     return Costs(GenerationCost(STEP_ROWS * row_s, row_s, 0.0), lengths, TrainerCost(token_s),
                  EnvCost(cpu_s=cpu_s), RelayCost(latency_s=run.push_s), prompt, efficiency,
-                 source="calibrated", barrier_teams=True, decode_first=True).check()  # runs of this engine on CPU cores
+                 source="calibrated", barrier_teams=True, decode_first=decode_first).check()  # runs on CPU cores
 
 
-def fit(runs: list[Measured], cores: int, efficiency: float, rounds: int = 5) -> Costs:
-    costs = initial_costs(runs, cores, efficiency)
+def fit(runs: list[Measured], cores: int, efficiency: float, decode_first: bool = True, rounds: int = 5) -> Costs:
+    costs = initial_costs(runs, cores, efficiency, decode_first)
     for _ in range(rounds):
         predicted = [simulate_run(run, costs, lengths_of(run)) for run in runs]
         gen = _gmean([r.gen_busy_s / p["gen_busy_s"] for r, p in zip(runs, predicted) if p["gen_busy_s"] > 0])
@@ -184,25 +189,36 @@ def calibrate(run_dirs: list[str | Path], cores: int = 0) -> tuple[Costs, list[d
     cores = cores or os.cpu_count() or 2
     runs = [read_run(path, cores) for path in run_dirs]
     threads = {resolved_threads(run.cfg, cores) for run in runs}
-    tried: dict[float, tuple[float, Costs]] = {}
+    tried: dict[tuple[float, bool], tuple[float, Costs]] = {}
 
-    def attempt(efficiency: float) -> None:
-        if efficiency in tried or not 0.3 <= efficiency <= 1.0:
+    def attempt(efficiency: float, decode_first: bool) -> None:
+        if (efficiency, decode_first) in tried or not 0.3 <= efficiency <= 1.0:
             return
-        costs = fit(runs, cores, efficiency)
-        error = sum(math.log(simulate_run(run, costs, lengths_of(run))["s_per_sample"] / run.s_per_sample) ** 2
-                    for run in runs)
-        tried[efficiency] = (error, costs)
+        costs = fit(runs, cores, efficiency, decode_first)
+        tried[(efficiency, decode_first)] = (sum(run_error(run, costs) for run in runs), costs)
 
-    for efficiency in EFFICIENCIES if len(threads) > 1 else (1.0,):
-        attempt(efficiency)
-    if len(threads) > 1:
-        coarse = min(tried, key=lambda e: tried[e][0])
-        attempt(round(coarse - 0.1, 2))
-        attempt(round(coarse + 0.1, 2))
+    for decode_first in (True, False):
+        for efficiency in EFFICIENCIES if len(threads) > 1 else (1.0,):
+            attempt(efficiency, decode_first)
+        if len(threads) > 1:
+            coarse = min((e for e, d in tried if d == decode_first), key=lambda e: tried[(e, decode_first)][0])
+            attempt(round(coarse - 0.1, 2), decode_first)
+            attempt(round(coarse + 0.1, 2), decode_first)
     best = min(tried.values(), key=lambda pair: pair[0])
     costs = replace(best[1], source="calibrated on " + ", ".join(run.name for run in runs))
     return costs, [compare(run, costs) for run in runs]
+
+
+def run_error(run: Measured, costs: Costs) -> float:
+    """How far the costs predict one run: squared log error of ms per trained sample plus the
+    squared errors of the trainer's idle share and of the share of time the generator is not
+    decoding (idle or blocked)."""
+    predicted = simulate_run(run, costs, lengths_of(run))
+    step_s = run.s_per_sample * run.cfg.loop.prompts_per_step * run.cfg.generator.group_size
+    not_decoding = 1 - run.gen_busy_s / step_s if step_s > 0 else 0.0
+    return (math.log(predicted["s_per_sample"] / run.s_per_sample) ** 2
+            + (predicted["trainer_idle_frac"] - run.trainer_idle_frac) ** 2
+            + (predicted["generator_idle_frac"] - not_decoding) ** 2)
 
 
 def compare(run: Measured, costs: Costs) -> dict:

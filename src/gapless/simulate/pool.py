@@ -27,7 +27,9 @@ sandbox alone is bimodal from run to run: it keeps 0.76-0.88 of a core in most r
 training thread at once the decode keeps only 0.23 of its speed where this rule gives it 1.00
 (`bench/contention.py --part matrix`); that case is the heavy tail at budget 4, where the
 simulated decode takes 0.56-1.00x the measured time. A rule that follows the matrix fits the
-pipeline's cells worse (docs/simulator.md).
+pipeline's cells worse (docs/simulator.md). On another machine (an Intel Xeon) the decode shares
+the cores by threads instead, at budget 4 in every workload: the rule is the machine's, and
+calibration (calibrate.py) keeps it or not by fit.
 
 A job is told its speed through its `on_speed(speed)` callback whenever the set of busy jobs (or
 a cap) changes, and must reschedule its own completion then. With `placement = "split"` there is
