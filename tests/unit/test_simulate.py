@@ -295,19 +295,24 @@ def test_deterministic():
     assert a == b
 
 
-def test_calibration_round_trip(tmp_path):
-    # a run simulated with known costs, written as a run directory, calibrates back to costs
-    # that predict it (the fit is by simulation, so it must recover its own model)
-    truth = Costs(GenerationCost(1.2e-3, 1e-4), LengthModel(15, 0.5, 0.3), TrainerCost(1.5e-4),
-                  EnvCost(cpu_s=0.01), RelayCost(latency_s=2e-4), prompt_tokens=64, parallel_efficiency=0.7)
+def simulated_runs(tmp_path, truth: Costs, budgets) -> list:
+    """The default job at each budget on 2 cores, simulated with `truth` and written as run directories."""
     runs = []
-    for budget in (0, 1):
+    for budget in budgets:
         cfg = load_config(None, {"pipeline.max_staleness": str(budget), "loop.steps": "8", "simulate.cores": "2",
                                  "simulate.timeline_steps": "8"})
         run_dir = tmp_path / f"b{budget}"
         write_run(Simulation(cfg, truth).run(), run_dir, cfg.model_dump(mode="json"), truth)
         runs.append(run_dir)
-    costs, rows = calibrate(runs, cores=2)
+    return runs
+
+
+def test_calibration_round_trip(tmp_path):
+    # a run simulated with known costs, written as a run directory, calibrates back to costs
+    # that predict it (the fit is by simulation, so it must recover its own model)
+    truth = Costs(GenerationCost(1.2e-3, 1e-4), LengthModel(15, 0.5, 0.3), TrainerCost(1.5e-4),
+                  EnvCost(cpu_s=0.01), RelayCost(latency_s=2e-4), prompt_tokens=64, parallel_efficiency=0.7)
+    costs, rows = calibrate(simulated_runs(tmp_path, truth, (0, 1)), cores=2)
     for row in rows:
         assert abs(row["error"]) < 0.03
         assert row["predicted_trainer_idle"] == pytest.approx(row["measured_trainer_idle"], abs=0.03)
@@ -322,14 +327,7 @@ def test_calibration_recovers_how_the_decode_shares_the_cores(tmp_path, decode_f
     truth = Costs(GenerationCost(1.2e-3, 1e-4), LengthModel(15, 0.5, 0.0), TrainerCost(1.5e-4),
                   EnvCost(cpu_s=0.04), RelayCost(latency_s=2e-4), prompt_tokens=64, parallel_efficiency=0.8,
                   barrier_teams=True, decode_first=decode_first)
-    runs = []
-    for budget in (0, 1, 2):
-        cfg = load_config(None, {"pipeline.max_staleness": str(budget), "loop.steps": "8", "simulate.cores": "2",
-                                 "simulate.timeline_steps": "8"})
-        run_dir = tmp_path / f"b{budget}"
-        write_run(Simulation(cfg, truth).run(), run_dir, cfg.model_dump(mode="json"), truth)
-        runs.append(run_dir)
-    costs, rows = calibrate(runs, cores=2)
+    costs, rows = calibrate(simulated_runs(tmp_path, truth, (0, 1, 2)), cores=2)
     assert costs.decode_first is decode_first
     for row in rows:
         assert abs(row["error"]) < 0.05
