@@ -15,24 +15,11 @@ from gapless.simulate import simulate
 from gapless.simulate.costs import Costs, EnvCost, GenerationCost, LengthModel, RelayCost, TrainerCost
 from gapless.simulate.rounds import jittered, round_costs, simulate_rounds
 from gapless.simulate.run import Simulation
-
-P, G, L = 4, 2, 10
-
-
-def costs(decode_step_s: float, train_step_s: float) -> Costs:
-    return Costs(GenerationCost(decode_step_s, 0.0), LengthModel(L, sigma=0.0), TrainerCost(0.0, train_step_s),
-                 EnvCost(), RelayCost(), prompt_tokens=8).check()
-
-
-def config(budget: int, **extra: str):
-    overrides = {"loop.prompts_per_step": str(P), "generator.group_size": str(G), "generator.max_new_tokens": "32",
-                 "generator.max_batch": "256", "pipeline.max_staleness": str(budget), "loop.steps": "8",
-                 "simulate.placement": '"split"', "task.num_train_prompts": "50", **extra}
-    return load_config(None, overrides)
+from sim_pipelines import G, L, P, config, constant_costs
 
 
 def test_one_round_without_jitter_is_the_plain_simulation():
-    cfg, c = config(1), costs(0.01, 0.3)
+    cfg, c = config(1), constant_costs(0.01, 0.3)
     rounds, per_round = simulate_rounds(cfg, c, 1, 0.0)
     assert per_round == [c]
     assert rounds.summary() == Simulation(cfg, c).run().summary()
@@ -62,7 +49,7 @@ def test_each_component_gets_its_own_factor():
 def test_medians_in_closed_form():
     # synchronous, split placement: a step is g + T, g = L decode steps. Each round's ms per
     # sample follows from its own factors; the summary is their median, its range their extremes.
-    cfg, c = config(0), costs(0.01, 0.3)
+    cfg, c = config(0), constant_costs(0.01, 0.3)
     rounds, per_round = simulate_rounds(cfg, c, 7, 0.4)
     expected = [(L * r.generation.step_s + r.trainer.step_s) / (P * G) for r in per_round]
     s = rounds.summary()
@@ -78,7 +65,7 @@ def test_medians_in_closed_form():
 def test_a_configuration_at_a_regime_boundary_is_flagged_sensitive():
     # budget 1, generation g = 0.3 s against training T = 0.3 s: the trainer waits in rounds where
     # g > T and the generator in rounds where T > g; with the costs as given neither does
-    cfg, c = config(1), costs(0.03, 0.3)
+    cfg, c = config(1), constant_costs(0.03, 0.3)
     plain = simulate_rounds(cfg, c, 9, 0.0)[0].summary()
     assert plain["sensitive"] == 0.0 and plain["trainer_idle_frac_max"] == plain["trainer_idle_frac_min"]
     flagged = simulate_rounds(cfg, c, 9, 0.5)[0].summary()
