@@ -74,6 +74,9 @@ DOCS_MEASURED = {
 CALIBRATION = [("default", "ref"), ("default", "0"), ("default", "1"), ("latency_200ms", "1"), ("heavy_tail", "0")]
 
 
+# the default task's training prompts under its warm-started tokenizer: 23.8 tokens on average
+# (runs from before rollout/prompt_len_mean was recorded do not say)
+DEFAULT_PROMPT_TOKENS = 24
 STEPS = 12  # per simulated cell, as bench/pipeline.py's documented runs (--steps 12)
 
 
@@ -139,14 +142,20 @@ def from_bench_json(path: str) -> dict:
                 "score_span": [runs[w][b].get("score_span_s") for b in BUDGETS]} for w in runs}  # None: not measured
 
 
-def costs_from(x: list[float], lengths: LengthModel, barrier_teams: bool = True, decode_first: bool = True) -> Costs:
-    """x: log row_s, log trainer token_s, log scoring CPU, parallel efficiency, log scoring wait."""
-    row_s, token_s, cpu_s, efficiency = math.exp(x[0]), math.exp(x[1]), math.exp(x[2]), min(max(x[3], 0.2), 1.0)
+def costs_from(x: list[float], lengths: LengthModel, prompt_tokens: int, barrier_teams: bool = True,
+               decode_first: bool = True) -> Costs:
+    """x: log row_s, log trainer token_s, log scoring CPU, parallel efficiency, log scoring wait,
+    barrier efficiency, contention efficiency (pool.py; the efficiencies clamped to 0.2..1)."""
+    def unit(v: float) -> float:
+        return min(max(v, 0.2), 1.0)
+
+    row_s, token_s, cpu_s, efficiency = math.exp(x[0]), math.exp(x[1]), math.exp(x[2]), unit(x[3])
     wait_s = math.exp(x[4])  # the part of scoring a group that holds its worker without CPU
     return Costs(GenerationCost(12 * row_s, row_s), lengths, TrainerCost(token_s),
                  EnvCost(cpu_s=cpu_s, wait_p50_s=wait_s, wait_p99_s=wait_s),
-                 RelayCost(latency_s=2e-4), prompt_tokens=64, parallel_efficiency=efficiency,
-                 barrier_teams=barrier_teams, decode_first=decode_first).check()
+                 RelayCost(latency_s=2e-4), prompt_tokens=prompt_tokens, parallel_efficiency=efficiency,
+                 barrier_teams=barrier_teams, decode_first=decode_first, barrier_efficiency=unit(x[5]),
+                 contention_efficiency=unit(x[6])).check()
 
 
 def loss(costs: Costs, cells: dict, names) -> float:
@@ -191,19 +200,19 @@ def nelder_mead(f, x0: list[float], step: list[float], iterations: int) -> list[
     return simplex[min(range(len(simplex)), key=lambda i: values[i])]
 
 
-def part_error(measured: dict, lengths: LengthModel, iterations: int, barrier_teams: bool = True,
+def part_error(measured: dict, lengths: LengthModel, prompt_tokens: int, iterations: int, barrier_teams: bool = True,
                calibration=CALIBRATION, decode_first: bool | None = True, rounds: int = 1, jitter: float = 0.0) -> dict:
     """Fit the costs to the calibration cells (one simulation each), then predict every cell (the
     median of `rounds` with jittered costs, when given). `decode_first` None: fit both decode
     rules and keep the one with the lower loss on the calibration cells."""
     cells = measured_cells(measured)
     calibration = list(cells) if calibration == "all" else calibration
-    x0 = [math.log(8e-5), math.log(7e-5), math.log(0.02), 0.9, math.log(0.005)]
+    x0 = [math.log(8e-5), math.log(7e-5), math.log(0.02), 0.9, math.log(0.005), 0.8, 0.95]
     fits = []
     for rule in (True, False) if decode_first is None else (decode_first,):
-        x = nelder_mead(lambda v: loss(costs_from(v, lengths, barrier_teams, rule), cells, calibration), x0,
-                        [0.3, 0.3, 0.6, 0.15, 1.0], iterations)
-        costs = costs_from(x, lengths, barrier_teams, rule)
+        x = nelder_mead(lambda v: loss(costs_from(v, lengths, prompt_tokens, barrier_teams, rule), cells, calibration),
+                        x0, [0.3, 0.3, 0.6, 0.15, 1.0, 0.3, 0.1], iterations)
+        costs = costs_from(x, lengths, prompt_tokens, barrier_teams, rule)
         fits.append((loss(costs, cells, calibration), costs))
         print(f"decode first {rule}: calibration loss {fits[-1][0]:.4f}", flush=True)
     costs = min(fits, key=lambda pair: pair[0])[1]
@@ -411,6 +420,9 @@ def main() -> None:
     parser.add_argument("--part", default="error,published,scale")
     parser.add_argument("--measured", default=None, help="output of bench/pipeline.py (its last line is used)")
     parser.add_argument("--lengths-from", default=None, help="a run directory of the default workload")
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="error part: mean prompt tokens of the runs (default: rollout/prompt_len_mean of "
+                             "--lengths-from, else 24, the default task's training prompts under its tokenizer)")
     parser.add_argument("--iterations", type=int, default=60)
     parser.add_argument("--published-steps", type=int, default=12)
     parser.add_argument("--decode-step-overhead-s", type=float, default=0.0,
@@ -438,14 +450,18 @@ def main() -> None:
     parts = args.part.split(",")
     if "error" in parts:
         lengths = LengthModel(8.3, 0.5, 0.0)  # the default task's lengths, measured (docs/simulator.md)
+        prompt_tokens = args.prompt_tokens or DEFAULT_PROMPT_TOKENS
         if args.lengths_from:
             from gapless.simulate.calibrate import lengths_of, read_run
 
-            lengths = lengths_of(read_run(args.lengths_from, 2))
+            run = read_run(args.lengths_from, 2)
+            lengths = lengths_of(run)
+            prompt_tokens = args.prompt_tokens or run.prompt_tokens or DEFAULT_PROMPT_TOKENS
         measured = from_bench_json(args.measured) if args.measured else DOCS_MEASURED
         figures["error"] = {"measured_from": args.measured or "docs/performance.md (2026-11-29)",
                             "lengths": lengths.__dict__ | {},
-                            **part_error(measured, lengths, args.iterations, not args.fair_share,
+                            "prompt_tokens": prompt_tokens,
+                            **part_error(measured, lengths, prompt_tokens, args.iterations, not args.fair_share,
                                          "all" if args.calibrate_all else CALIBRATION,
                                          None if args.choose_decode_rule else not args.fair_decode,
                                          args.rounds, args.jitter)}

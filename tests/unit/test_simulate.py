@@ -21,6 +21,17 @@ from gapless.simulate.run import Simulation
 from sim_pipelines import G, P, config, constant_costs
 
 
+@pytest.mark.parametrize("micro_batch_size,positions", [(64, 8 * 40), (4, 4 * 18 + 4 * 40)])
+def test_a_training_step_costs_the_padded_positions_of_the_trainers_micro_batches(micro_batch_size, positions):
+    # every 2nd group runs to the cap (32 tokens), the others end at L = 10; prompts are 8 tokens:
+    # 4 rows of 40 and 4 of 18. One micro-batch pads all 8 rows to 40; micro-batches of 4 rows
+    # put the short rows together (4 x 18 + 4 x 40, nothing padded).
+    costs = replace(constant_costs(0.01, 0.3), trainer=TrainerCost(1e-3))
+    cfg = config(0, steps=3, **{"generator.force_long_every": "2", "trainer.micro_batch_size": str(micro_batch_size)})
+    for step in Simulation(cfg, costs).run().steps:
+        assert step.train_s == pytest.approx(1e-3 * positions)
+
+
 def test_sync_constant_costs_closed_form():
     # g = L x 0.01 = 0.1 s to generate a step (all groups decode together), T = 0.3 s to train:
     # a synchronous step is g + T = 0.4 s; the trainer waits g of it, the generator T.
@@ -174,6 +185,27 @@ def test_an_openmp_team_runs_at_one_threads_share_on_oversubscribed_cores(barrie
     assert (done["team"], done["programs"]) == pytest.approx(ends)
 
 
+@pytest.mark.parametrize("barrier,contention,ends", [(1.0, 1.0, (1.25, 1.0)), (0.5, 1.0, (1.375, 1.0)),
+                                                     (1.0, 0.8, (1.5, 1.25)), (0.5, 0.8, (1.625, 1.25))])
+def test_an_oversubscribed_pool_loses_what_its_efficiencies_say(barrier, contention, ends):
+    # The team of the test above (a 2-thread decode, 1 s of work) beside 2 sandbox programs (1 s),
+    # 2 cores. The team runs at one thread's share (0.5) x barrier, every job x contention while
+    # the 4 threads oversubscribe the cores; the team alone after (cap 2 on 2 cores) runs at 2:
+    #   none:        team 0.5, programs 1 until 1 s; team 0.5 left at 2: 1.25 s
+    #   barrier 0.5: team 0.25, programs 1 until 1 s; team 0.75 left: 1.375 s
+    #   contention:  team 0.4, programs 0.8 until 1.25 s; team 0.5 left: 1.5 s
+    #   both:        team 0.2, programs 0.8 until 1.25 s; team 0.75 left: 1.625 s
+    from gapless.simulate.clock import EventLoop
+    from gapless.simulate.pool import SharedPool, Work
+
+    loop, done = EventLoop(), {}
+    pool = SharedPool(2, 1.0, barrier_teams=True, barrier_efficiency=barrier, contention_efficiency=contention)
+    Work(loop, pool, 2, 1.0, lambda: done.setdefault("team", loop.now), team=True)
+    Work(loop, pool, 2, 1.0, lambda: done.setdefault("programs", loop.now))
+    loop.run(until=lambda: len(done) == 2)
+    assert (done["team"], done["programs"]) == pytest.approx(ends)
+
+
 @pytest.mark.parametrize("decode_first,cap,ends", [(False, 1, (2.5, 2.5)), (True, 1, (1.0, 2.5)), (True, 2, (3.0, 3.0))])
 def test_a_one_thread_decode_is_served_first_where_the_pool_says_so(decode_first, cap, ends):
     # 2 cores, perfect scaling: a decode (1 s of work at speed 1) beside the sandbox's programs
@@ -295,9 +327,11 @@ def simulated_runs(tmp_path, truth: Costs, budgets) -> list:
 def test_calibration_round_trip(tmp_path):
     # a run simulated with known costs, written as a run directory, calibrates back to costs
     # that predict it (the fit is by simulation, so it must recover its own model)
+    # prompts of 24 tokens, read from the runs' rollout/prompt_len_mean (the config says 64)
     truth = Costs(GenerationCost(1.2e-3, 1e-4), LengthModel(15, 0.5, 0.3), TrainerCost(1.5e-4),
-                  EnvCost(cpu_s=0.01), RelayCost(latency_s=2e-4), prompt_tokens=64, parallel_efficiency=0.7)
+                  EnvCost(cpu_s=0.01), RelayCost(latency_s=2e-4), prompt_tokens=24, parallel_efficiency=0.7)
     costs, rows = calibrate(simulated_runs(tmp_path, truth, (0, 1)), cores=2)
+    assert costs.prompt_tokens == 24
     for row in rows:
         assert abs(row["error"]) < 0.03
         assert row["predicted_trainer_idle"] == pytest.approx(row["measured_trainer_idle"], abs=0.03)

@@ -8,11 +8,12 @@ import torch
 
 from gapless.config import TrainerConfig
 from gapless.generate.sampler import TorchSampler
-from gapless.trainer.batch import balanced_cuts, build_batch
+from gapless.trainer.batch import build_batch
 from gapless.trainer.losses import LOSSES
+from gapless.trainer.micro_batches import balanced_cuts, padded_tokens
 from gapless.trainer.normalisers import StepNorm
 from gapless.trainer.trainer import GRPOTrainer
-from gapless.types import SamplingParams
+from gapless.types import Completion, SamplingParams
 
 GROUP_SIZE = 4
 MAX_NEW_TOKENS = 10
@@ -175,3 +176,22 @@ def test_balanced_cuts_minimise_the_largest_micro_batch():
         assert len(cuts) <= parts and cuts[0][0] == 0 and cuts[-1][1] == len(lengths)
         assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(cuts, cuts[1:]))
         assert max((stop - start) * lengths[stop - 1] for start, stop in cuts) == best(len(lengths), parts)
+
+
+def test_padded_tokens_are_the_positions_the_micro_batches_hold():
+    """What the simulator prices a step by is what `Batch.micro_batches` builds (rows x width)."""
+    import random
+
+    rng = random.Random(1)
+    for _ in range(20):
+        prompts = [rng.randint(2, 9) for _ in range(rng.randint(1, 14))]
+        completions = []
+        for p in prompts:
+            n = rng.randint(1, 30)
+            completions.append(Completion(list(range(p)), list(range(n)), [0.0] * n, [0] * n, "stop", ""))
+        batch = build_batch(completions, [0.0] * len(completions), [True] * len(completions), 0)
+        size = rng.randint(1, 5)
+        held = sum(len(index) * mb.input_ids.shape[1] for index, mb in batch.micro_batches(size))
+        assert padded_tokens([len(c.prompt_ids) + len(c.token_ids) for c in completions], size) == held
+    # by hand: rows 1, 2, 3, 10 in two micro-batches: [1, 2, 3] padded to 3, [10] alone: 9 + 10
+    assert padded_tokens([10, 2, 1, 3], 2) == 19

@@ -24,6 +24,7 @@ def rollout_metrics(rollouts: list[Rollout], zero_variance_groups: int, num_grou
         "rollout/reward_mean": sum(rewards) / max(len(rewards), 1),
         "rollout/solved_frac": sum(r.status == "ok" for r in rollouts) / len(rollouts),
         "rollout/completion_len_mean": sum(lengths) / len(lengths),
+        "rollout/prompt_len_mean": sum(len(r.completion.prompt_ids) for r in rollouts) / len(rollouts),
         "rollout/truncated_frac": sum(r.completion.finish_reason == "length" for r in rollouts) / len(rollouts),
         "rollout/zero_variance_frac": zero_variance_groups / num_groups,
         # distinct (task, text) pairs per group: a code environment runs each once, so this is

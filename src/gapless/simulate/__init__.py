@@ -33,8 +33,11 @@ from gapless.simulate.costs import Costs, DeviceSpec, EnvCost, GenerationCost, L
 # This machine (2 cores): bench/simulator.py's fit (`--part error`, its five calibration cells) to
 # bench/pipeline.py's measured cells of 2026-12-05 16:56 UTC (docs/simulator.md, "Measured error":
 # OpenMP teams, a one-thread decode served first, the first run, idle as shares of time); the
-# default cost model of the shared placement.
-MACHINE_COSTS = Costs(GenerationCost(1.022e-3, 85.2e-6), LengthModel(8.2, 0.5, 0.0), TrainerCost(60.2e-6),
+# default cost model of the shared placement. Fitted when a step was priced by its tokens; since
+# it is priced by its padded positions (costs.py) token_s is 0.921 x the fitted 60.2e-6: the
+# default task's step (prompts priced at 64 tokens, as in the fit) costs what it did, the heavy
+# tail's 14% more.
+MACHINE_COSTS = Costs(GenerationCost(1.022e-3, 85.2e-6), LengthModel(8.2, 0.5, 0.0), TrainerCost(55.4e-6),
                       EnvCost(cpu_s=0.0449, wait_p50_s=0.0073, wait_p99_s=0.0073), RelayCost(latency_s=2e-4),
                       prompt_tokens=64, parallel_efficiency=0.89, source="built in: this project's 2-core machine",
                       barrier_teams=True, decode_first=True)

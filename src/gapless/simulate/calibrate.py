@@ -27,6 +27,13 @@ and fits a `Costs` (costs.py) for the shared placement on `simulate.cores` cores
     the choice       of efficiency and rule: the lowest summed error over the runs of (log of
                      predicted / measured ms per trained sample)^2 + (trainer idle error)^2 +
                      (error in the share of time the generator is not decoding)^2
+    losses           what oversubscribed cores lose (pool.py's barrier and contention
+                     efficiencies) stay 1.0: this fit scales each cost by measured / simulated
+                     seconds, which absorbs them (on runs simulated with losses 0.5 and 0.8 it
+                     predicts as well without them); bench/simulator.py's joint fit does fit them
+    prompt length    the runs' rollout/prompt_len_mean (runs that predate it: simulate.prompt_tokens);
+                     a training step costs token_s per padded token position, cut as the trainer
+                     cuts it (trainer/micro_batches.py)
     decode step      step_s = 12 x row_s: the fixed part of a step is worth about 12 rows on
                      this machine (docs/engine.md: a + b x rows, fitted from the continuous and
                      static schedules); only the scale is fitted
@@ -72,6 +79,7 @@ class Measured:
     length_mean: float
     truncated_frac: float
     borrowed_frac: float
+    prompt_tokens: int  # mean of rollout/prompt_len_mean; 0 where the run did not record it
 
 
 def _mean(values: list[float]) -> float:
@@ -114,7 +122,8 @@ def read_run(path: str | Path, cores: int) -> Measured:
         _mean([m["perf/train_s"] for m in measured]), _mean(gen_busy), _mean(score),
         _mean([m.get("perf/weight_push_s", 0.0) for m in measured]),
         _mean([m["rollout/completion_len_mean"] for m in measured]), _mean([m["rollout/truncated_frac"] for m in measured]),
-        _mean([m.get("perf/trainer_borrowed_frac", 0.0) for m in measured]))  # fmt: skip
+        _mean([m.get("perf/trainer_borrowed_frac", 0.0) for m in measured]),
+        round(_mean([m["rollout/prompt_len_mean"] for m in measured if "rollout/prompt_len_mean" in m])))  # fmt: skip
 
 
 def lengths_of(run: Measured, sigma: float = 0.5) -> LengthModel:
@@ -155,7 +164,7 @@ def initial_costs(runs: list[Measured], cores: int, efficiency: float, decode_fi
     gen_threads, trainer_threads = resolved_threads(cfg, cores)
     lengths = lengths_of(run)
     samples = cfg.loop.prompts_per_step * cfg.generator.group_size
-    prompt = cfg.simulate.prompt_tokens
+    prompt = run.prompt_tokens or cfg.simulate.prompt_tokens
     tokens = samples * run.length_mean
     decode_steps = cfg.generator.max_new_tokens  # a step's batch fits the engine: it decodes to its longest
     row_s = run.gen_busy_s * pool.speed_of(gen_threads) / (STEP_ROWS * decode_steps + tokens)

@@ -6,8 +6,9 @@ whole trainer; with `placement = "shared"` (every actor on one pool of cores or 
 this project's 2-core machine) a unit is one core (or device), and an actor given x units runs
 at speed `speed(x) = min(x, 1) + parallel_efficiency * max(x - 1, 0)`; with `barrier_teams`
 (CPU cores) a multi-threaded decode or training step runs at one thread's share while the cores
-are oversubscribed, and with `decode_first` a one-thread decode runs at its speed alone while the
-others share the rest (pool.py).
+are oversubscribed (keeping `barrier_efficiency` of that share), every job keeps
+`contention_efficiency` of its speed while the pool is oversubscribed, and with `decode_first` a
+one-thread decode runs at its speed alone while the others share the rest (pool.py).
 
     decode step with b running sequences   step_s + row_s * b                (continuous batching)
     prefill of n tokens                     prefill_token_s * n
@@ -18,7 +19,9 @@ others share the rest (pool.py).
                                             once sandbox.concurrency in all; lognormal across
                                             groups with mean cpu_s, shape cpu_sigma) + a wait with no CPU,
                                             lognormal through (wait_p50_s, wait_p99_s)
-    training step on T tokens               step_s + token_s * T
+    training step on T token positions      step_s + token_s * T, T the step's rows (prompt_tokens +
+                                            response) cut into micro-batches as the trainer cuts
+                                            them, each padded to its longest row (micro_batches.py)
     weight relay                            latency_s + bytes / bandwidth_bps (trainer and generator)
 
 `roofline_costs` derives them from a device spec (FLOP/s, memory bandwidth) and a model size:
@@ -101,7 +104,7 @@ class EnvCost:
 
 @dataclass
 class TrainerCost:
-    token_s: float  # per trained token (prompt + response) on one trainer rank (split) or core (shared)
+    token_s: float  # per padded token position (prompt + response) on one trainer rank (split) or core (shared)
     step_s: float = 0.0  # per optimizer step, whatever its size
 
 
@@ -128,6 +131,8 @@ class Costs:
     source: str = "given"  # where the figures come from (a run directory, a device spec)
     barrier_teams: bool = False  # shared placement on CPU cores: decode and training are OpenMP teams (pool.py)
     decode_first: bool = False  # shared placement on CPU cores: a one-thread decode is served first (pool.py)
+    barrier_efficiency: float = 1.0  # with barrier_teams: share of one thread's speed an oversubscribed team keeps
+    contention_efficiency: float = 1.0  # shared placement: share of its speed every job keeps while the pool is oversubscribed
 
     def check(self) -> "Costs":
         for part in (self.generation, self.lengths, self.trainer, self.env, self.relay):
@@ -137,6 +142,9 @@ class Costs:
                     raise ValueError(f"cost {type(part).__name__}.{f.name} = {value} must be finite and >= 0")
         if self.generation.step_s + self.generation.row_s <= 0 or self.trainer.token_s + self.trainer.step_s <= 0:
             raise ValueError("generation and training costs must not both be zero: the simulation would not advance")
+        for name in ("parallel_efficiency", "barrier_efficiency", "contention_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"cost {name} = {getattr(self, name)} must be in (0, 1]")
         return self
 
     def to_json(self) -> str:
@@ -148,7 +156,8 @@ class Costs:
         return cls(GenerationCost(**data["generation"]), LengthModel(**data["lengths"]), TrainerCost(**data["trainer"]),
                    EnvCost(**data.get("env", {})), RelayCost(**data.get("relay", {})),
                    data.get("prompt_tokens", 32), data.get("parallel_efficiency", 1.0), data.get("source", "given"),
-                   data.get("barrier_teams", False), data.get("decode_first", False)).check()
+                   data.get("barrier_teams", False), data.get("decode_first", False),
+                   data.get("barrier_efficiency", 1.0), data.get("contention_efficiency", 1.0)).check()
 
     @classmethod
     def load(cls, path: str | Path) -> "Costs":

@@ -14,6 +14,14 @@ others. Its threads meet at a barrier after every parallel region, a thread pree
 job's makes the rest spin there, and the team goes no faster than its slowest thread
 (docs/performance.md, "Two decode threads beside the environment"; measured in docs/simulator.md).
 
+Two losses of an oversubscribed pool (1.0 = none, as in the built-in costs and in what `gapless
+simulate --calibrate` fits; bench/simulator.py's joint fit fits them): a team held at one
+thread's share keeps only `barrier_efficiency` of it (its spinning threads burn the time they wait),
+and every job keeps `contention_efficiency` of its speed while the busy jobs' threads outnumber the
+units (context switches, caches). On the Intel Xeon of docs/simulator.md, a 2-core machine runs
+15% more CPU-seconds per step in the heavy-tail workload at budget 4 than at budget 1 for the
+same work, with the cores busy in both (bench/pipeline.py's busy cores).
+
 With `decode_first`, a generator replica's decode on one thread or less (`first`) is served before
 everything else: it runs at its cap's speed, and the other jobs share what is left by the rules
 above, as long as the decodes served first leave at least one whole unit (else nobody is served
@@ -49,9 +57,10 @@ if TYPE_CHECKING:
 
 class SharedPool:
     def __init__(self, units: float, parallel_efficiency: float = 1.0, barrier_teams: bool = False,
-                 decode_first: bool = False):
+                 decode_first: bool = False, barrier_efficiency: float = 1.0, contention_efficiency: float = 1.0):
         self.units, self.efficiency, self.barrier_teams = units, parallel_efficiency, barrier_teams
-        self.decode_first = decode_first
+        self.decode_first, self.barrier_efficiency = decode_first, barrier_efficiency
+        self.contention_efficiency = contention_efficiency
         # key -> (cap, on_speed, team, first)
         self.jobs: dict[object, tuple[float, Callable[[float], None], bool, bool]] = {}
         self.speeds: dict[object, float] = {}
@@ -59,7 +68,8 @@ class SharedPool:
     @classmethod
     def for_costs(cls, units: float, costs: "Costs") -> "SharedPool":
         """The pool a cost model's sharing rules describe (its efficiency, teams, decode first)."""
-        return cls(units, costs.parallel_efficiency, costs.barrier_teams, costs.decode_first)
+        return cls(units, costs.parallel_efficiency, costs.barrier_teams, costs.decode_first, costs.barrier_efficiency,
+                   costs.contention_efficiency)
 
     def speed_of(self, allocation: float) -> float:
         return min(allocation, 1.0) + self.efficiency * max(allocation - 1.0, 0.0)
@@ -91,9 +101,11 @@ class SharedPool:
             if key in first:
                 speed = self.speed_of(cap)
             elif team and self.barrier_teams and scale < 1.0 and cap > 1.0:
-                speed = scale  # one thread's share: the others wait for it at the barrier
+                speed = scale * self.barrier_efficiency  # one thread's share at best: the others wait for it at the barrier
             else:
                 speed = self.speed_of(cap * scale)
+            if scale < 1.0:
+                speed *= self.contention_efficiency  # more runnable threads than cores: switches, caches
             if self.speeds.get(key) != speed:
                 self.speeds[key] = speed
                 on_speed(speed)

@@ -25,7 +25,7 @@ from gapless.timeline import TIMELINE_DIR
 EPOCH = 946684800.0  # 2000-01-01 UTC
 
 
-def step_metrics(result: SimResult) -> list[dict]:
+def step_metrics(result: SimResult, prompt_tokens: int = 0) -> list[dict]:
     out = []
     for r in result.steps:
         rollouts = max(sum(r.staleness.values()), 1)
@@ -41,6 +41,7 @@ def step_metrics(result: SimResult) -> list[dict]:
             **{f"staleness/count_{k}": float(v) for k, v in sorted(r.staleness.items())},
             "rollout/reward_mean": r.reward_mean,
             "rollout/completion_len_mean": r.length_mean,
+            **({"rollout/prompt_len_mean": float(prompt_tokens)} if prompt_tokens else {}),
             "rollout/truncated_frac": r.truncated_frac,
             "generator/partial_cuts": float(r.partial_cuts),
             **{f"drops/{k}_total": float(v) for k, v in sorted(r.drops.items())},
@@ -52,7 +53,7 @@ def step_metrics(result: SimResult) -> list[dict]:
 def write_run(result: SimResult, run_dir: Path, config: dict, costs: Costs) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "metrics.jsonl", "w") as fh:
-        for record in step_metrics(result):
+        for record in step_metrics(result, costs.prompt_tokens):
             fh.write(json.dumps(record) + "\n")
     (run_dir / "summary.json").write_text(json.dumps({"simulated": True, **result.summary()}, indent=2))
     (run_dir / "config.json").write_text(json.dumps(config, indent=2))

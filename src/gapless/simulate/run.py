@@ -48,6 +48,7 @@ from gapless.simulate.clock import EventLoop
 from gapless.simulate.costs import Costs
 from gapless.simulate.engine import PartialView, Replica, SimGroup
 from gapless.simulate.pool import DedicatedPool, SharedPool, Work
+from gapless.trainer.micro_batches import padded_tokens
 from gapless.types import Completion, Rollout
 
 
@@ -380,6 +381,8 @@ class Simulation:
         for index in [i for i in self.lengths_of if i in self.buffer.closed]:
             del self.lengths_of[index]  # dropped after scoring
         tokens = sum(self.costs.prompt_tokens * self.G + sum(n) for n in lengths)
+        padded = padded_tokens([self.costs.prompt_tokens + n for group in lengths for n in group],
+                               self.cfg.trainer.micro_batch_size)  # what the forward and backward passes compute
         cost = self.costs.trainer
         self.training = True
         train_start = now
@@ -392,7 +395,7 @@ class Simulation:
 
         self._span("trainer", "wait_rollouts", self.wait_start, now, step)
         ranks = 1 if self.shared else self.cfg.simulate.trainer_ranks  # split: data parallel over the ranks
-        self.work = Work(self.loop, self.pool, self._trainer_cap(), cost.step_s + cost.token_s * tokens / ranks, trained,
+        self.work = Work(self.loop, self.pool, self._trainer_cap(), cost.step_s + cost.token_s * padded / ranks, trained,
                          team=True)
 
     def _published(self, step, groups, lengths, waited, train_s, push_s, tokens) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
+from gapless.trainer.micro_batches import balanced_cuts
 from gapless.trainer.selected_logprobs import selected_logprobs
 from gapless.types import Completion
 
@@ -68,29 +69,6 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum())
-
-
-def balanced_cuts(lengths: list[int], parts: int) -> list[tuple[int, int]]:
-    """Cut ascending `lengths` into at most `parts` contiguous [start, stop) ranges minimising the
-    largest rows x longest-row product. For a bound A, filling ranges greedily from the longest
-    row down (each as many rows as fit under A) needs the fewest ranges, so a binary search over
-    A on that greedy count finds the least A that `parts` ranges reach."""
-
-    def cuts(bound: int) -> list[tuple[int, int]]:
-        out, stop = [], len(lengths)
-        while stop > 0:
-            start = max(0, stop - max(1, bound // lengths[stop - 1]))
-            out.append((start, stop))
-            stop = start
-        return out[::-1]
-
-    if not lengths:
-        return []
-    lo, hi = 1, -(-len(lengths) // parts) * lengths[-1]  # the even split of sorted rows reaches hi
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if len(cuts(mid)) <= parts else (mid + 1, hi)
-    return cuts(lo)
 
 
 def build_batch(completions: list[Completion], advantages: list[float], valid: list[bool], pad_id: int,
