@@ -25,7 +25,7 @@ from gapless.timeline import TIMELINE_DIR
 EPOCH = 946684800.0  # 2000-01-01 UTC
 
 
-def step_metrics(result: SimResult, prompt_tokens: int = 0) -> list[dict]:
+def step_metrics(result: SimResult, prompt_tokens: int) -> list[dict]:
     out = []
     for r in result.steps:
         rollouts = max(sum(r.staleness.values()), 1)
@@ -41,7 +41,7 @@ def step_metrics(result: SimResult, prompt_tokens: int = 0) -> list[dict]:
             **{f"staleness/count_{k}": float(v) for k, v in sorted(r.staleness.items())},
             "rollout/reward_mean": r.reward_mean,
             "rollout/completion_len_mean": r.length_mean,
-            **({"rollout/prompt_len_mean": float(prompt_tokens)} if prompt_tokens else {}),
+            "rollout/prompt_len_mean": float(prompt_tokens),
             "rollout/truncated_frac": r.truncated_frac,
             "generator/partial_cuts": float(r.partial_cuts),
             **{f"drops/{k}_total": float(v) for k, v in sorted(r.drops.items())},

@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
-from gapless.trainer.micro_batches import balanced_cuts
+from gapless.trainer.micro_batches import micro_batch_rows
 from gapless.trainer.selected_logprobs import selected_logprobs
 from gapless.types import Completion
 
@@ -46,13 +46,10 @@ class Batch:
     def micro_batches(self, size: int) -> list[tuple[torch.Tensor, "Batch"]]:
         """(row index, micro-batch) pairs covering every row once, in ceil(rows / size) micro-batches
         of length-sorted rows, each cut to its own longest row (see the module docstring)."""
-        lengths = self.attention_mask.sum(-1).clamp(min=2)
-        order = torch.sort(lengths, stable=True).indices
         out = []
-        for start, stop in balanced_cuts(lengths[order].tolist(), -(-len(self) // size)):
-            index = order[start:stop]
-            width = int(lengths[index].max())
-            mb = self.select(index.tolist())
+        for rows, width in micro_batch_rows(self.attention_mask.sum(-1).tolist(), size):
+            index = torch.tensor(rows, dtype=torch.long)
+            mb = self.select(rows)
             out.append((index, replace(mb, input_ids=mb.input_ids[:, :width], attention_mask=mb.attention_mask[:, :width],
                                        loss_mask=mb.loss_mask[:, : width - 1], behaviour_logprobs=mb.behaviour_logprobs[:, : width - 1])))
         return out

@@ -1,9 +1,10 @@
 """Where a step's length-sorted rows are cut into micro-batches, and what that costs in padding.
 
 Torch-free, so that the capacity simulator (simulate/run.py) prices a training step with the
-trainer's own cuts. `balanced_cuts` is exact (a binary search over the bound); `padded_tokens`
-is the number of token positions the forward and backward passes compute: every row of a
-micro-batch is right-padded to that micro-batch's longest row (batch.py).
+trainer's own cuts: `micro_batch_rows` is how `Batch.micro_batches` (batch.py) cuts a step, and
+`padded_tokens` the number of token positions its forward and backward passes then compute
+(every row of a micro-batch right-padded to that micro-batch's longest row). `balanced_cuts` is
+exact (a binary search over the bound).
 """
 
 from __future__ import annotations
@@ -32,9 +33,19 @@ def balanced_cuts(lengths: list[int], parts: int) -> list[tuple[int, int]]:
     return cuts(lo)
 
 
+def micro_batch_rows(lengths: list[int], micro_batch_size: int) -> list[tuple[list[int], int]]:
+    """How the trainer cuts a step whose rows have `lengths` (tokens, prompt included):
+    (row indices, width) per micro-batch, ceil(rows / micro_batch_size) of them over the rows
+    sorted by length (stable), each padded to its own longest row (at least 2 positions: a row
+    predicts its next token)."""
+    widths = [max(n, 2) for n in lengths]
+    order = sorted(range(len(widths)), key=widths.__getitem__)
+    parts = -(-len(order) // micro_batch_size)
+    cuts = balanced_cuts([widths[i] for i in order], parts)
+    return [(order[start:stop], widths[order[stop - 1]]) for start, stop in cuts]
+
+
 def padded_tokens(lengths: list[int], micro_batch_size: int) -> int:
-    """Token positions of a step whose rows have `lengths`, cut as the trainer cuts them:
-    ceil(rows / micro_batch_size) micro-batches, each padded to its own longest row."""
-    ordered = sorted(lengths)
-    parts = -(-len(ordered) // micro_batch_size)
-    return sum((stop - start) * ordered[stop - 1] for start, stop in balanced_cuts(ordered, parts))
+    """Token positions the trainer computes for a step whose rows have `lengths`: rows x width
+    summed over its micro-batches (`micro_batch_rows`)."""
+    return sum(len(rows) * width for rows, width in micro_batch_rows(lengths, micro_batch_size))
