@@ -180,6 +180,16 @@ def cpu_model() -> str:
     return "unknown"
 
 
+def autogroup() -> bool | None:
+    """Whether the kernel shares the cores among sessions before threads (Linux autogroup; every
+    sandbox slot is its own session): one of the machine's properties that decide how the sandbox
+    and the torch actors share the cores (docs/simulator.md). None where the kernel does not say."""
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return None
+
+
 def weight_push_vs_copy(repeats: int = 50) -> dict:
     from gapless.config import ModelConfig
     from gapless.models import build_tiny
@@ -267,7 +277,7 @@ def main() -> None:
                           f"busy {result['busy_cores']:.2f} cores  "
                           f"pass@1 {result['pass_at_1_end']:.3f}", flush=True)
     figures = {"steps": args.steps, "rounds": args.rounds, "cores": os.cpu_count(), "cpu": cpu_model(),
-               "load_avg_1m": os.getloadavg()[0],
+               "autogroup": autogroup(), "load_avg_1m": os.getloadavg()[0],
                **summarise(runs, workloads, budgets), "weight_push": weight_push_vs_copy()}
     print(json.dumps(figures))
 

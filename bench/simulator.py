@@ -1,7 +1,7 @@
 """The capacity simulator against measurements: bench/pipeline.py's cells, published async
 speed-ups, and the speed of a 1,000-GPU simulation.
 
-    PYTHONPATH=src python bench/simulator.py [--part error,builtin,phases,published,scale] [--measured FILE]
+    PYTHONPATH=src python bench/simulator.py [--part error,builtin,agreement,phases,published,scale] [--measured FILE]
                                              [--lengths-from RUN_DIR] [--runs-dir DIR] [--scale-steps 10000]
 
 error      calibrate on some (workload, budget) cells of bench/pipeline.py, predict the others:
@@ -26,6 +26,9 @@ builtin    every cell of a bench/pipeline.py run (--measured FILE) predicted wit
            --rounds R --jitter J (here and in the error part's predictions): each figure the median
            of R simulations with costs jittered by J (simulate/rounds.py), as the benchmark's
            figure is the median of its rounds.
+agreement  one real run against another (--measured FILE --other FILE): the other run's figures
+           as the prediction, counted against the same bars; how far the benchmark itself moves
+           between runs, which bounds what any calibrated model can show.
 phases     where each cell's time goes, measured against simulated: the generator's decode and the
            trainer's training seconds per step, from the timelines a `bench/pipeline.py --keep DIR`
            run left (--runs-dir DIR; median of its rounds) and from the simulation of the cell.
@@ -332,11 +335,35 @@ def part_builtin(path: str, costs: Costs | None = None, rounds: int = 1, jitter:
     from gapless.simulate import MACHINE_COSTS
 
     costs = costs or MACHINE_COSTS
+
+    def predict(workload: str, label: str) -> dict:
+        budget, _, mode = label.partition(":")
+        return simulate_cell(costs, workload, budget, admit=mode or "auto", rounds=rounds, jitter=jitter)
+
+    return compare(path, predict)
+
+
+def part_agreement(path: str, other: str) -> dict:
+    """How well one real run predicts another: the other run's measured figures stand in for the
+    simulator's, cell by cell. What no model of the machine can beat while the benchmark itself
+    moves this much between runs."""
+    runs = bench_runs(other)
+
+    def predict(workload: str, label: str) -> dict:
+        cell = runs[workload][label]
+        return {"s_per_sample": cell["s_per_sample"], "trainer_idle_frac": cell["trainer_idle_frac"],
+                "generator_idle_frac": not_decoding(cell)}
+
+    return {"predicted_from": other, **compare(path, predict)}
+
+
+def compare(path: str, predict) -> dict:
+    """Every cell of a bench/pipeline.py run against `predict(workload, label)` (a summary with
+    s_per_sample and the idle fractions); prints each cell and the counts within the issue's bars."""
     rows = []
     for workload, cells in bench_runs(path).items():
         for label, want in cells.items():
-            budget, _, mode = label.partition(":")
-            got = simulate_cell(costs, workload, budget, admit=mode or "auto", rounds=rounds, jitter=jitter)
+            got = predict(workload, label)
             row = {"workload": workload, "budget": label, "measured_ms": want["s_per_sample"] * 1e3,
                    "predicted_ms": got["s_per_sample"] * 1e3,
                    "measured_trainer_idle": want["trainer_idle_frac"], "predicted_trainer_idle": got["trainer_idle_frac"],
@@ -423,7 +450,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=0,
                         help="error part: mean prompt tokens of the runs (default: rollout/prompt_len_mean of "
                              "--lengths-from, else 24, the default task's training prompts under its tokenizer)")
-    parser.add_argument("--iterations", type=int, default=60)
+    parser.add_argument("--iterations", type=int, default=60,
+                        help="error part: Nelder-Mead iterations; fits on every cell (--calibrate-all) need more: "
+                             "150 lowered one run's loss from 0.36 to 0.28 (docs/simulator.md)")
     parser.add_argument("--published-steps", type=int, default=12)
     parser.add_argument("--decode-step-overhead-s", type=float, default=0.0,
                         help="published setups: fixed time of each decode step (simulate.decode_step_overhead_s)")
@@ -439,6 +468,8 @@ def main() -> None:
                         help="error part: fit on every cell of the run (test the costs on other runs with --costs)")
     parser.add_argument("--write-costs", default=None, help="error part: write the fitted costs (JSON) here")
     parser.add_argument("--costs", default=None, help="builtin and phases parts: these costs (JSON), not the built-in ones")
+    parser.add_argument("--other", default=None,
+                        help="agreement part: another bench/pipeline.py run's output, used as the prediction")
     parser.add_argument("--runs-dir", default=None, help="phases part: the folder of a bench/pipeline.py --keep run")
     parser.add_argument("--rounds", type=int, default=1,
                         help="builtin and error parts: predict each figure as the median of this many simulations "
@@ -473,6 +504,10 @@ def main() -> None:
             parser.error("--part builtin needs --measured: the output of a bench/pipeline.py run")
         figures["builtin"] = part_builtin(args.measured, Costs.load(args.costs) if args.costs else None, args.rounds,
                                           args.jitter)
+    if "agreement" in parts:
+        if not (args.measured and args.other):
+            parser.error("--part agreement needs --measured and --other: the outputs of two bench/pipeline.py runs")
+        figures["agreement"] = part_agreement(args.measured, args.other)
     if "phases" in parts:
         if not args.runs_dir:
             parser.error("--part phases needs --runs-dir: the folder a bench/pipeline.py --keep run filled")
