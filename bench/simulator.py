@@ -480,14 +480,12 @@ def main() -> None:
     figures: dict = {"cores": os.cpu_count(), "load_avg_1m_start": os.getloadavg()[0]}
     parts = args.part.split(",")
     if "error" in parts:
-        lengths = LengthModel(8.3, 0.5, 0.0)  # the default task's lengths, measured (docs/simulator.md)
-        prompt_tokens = args.prompt_tokens or DEFAULT_PROMPT_TOKENS
-        if args.lengths_from:
-            from gapless.simulate.calibrate import lengths_of, read_run
+        from gapless.simulate.calibrate import lengths_of, read_run
 
-            run = read_run(args.lengths_from, 2)
-            lengths = lengths_of(run)
-            prompt_tokens = args.prompt_tokens or run.prompt_tokens or DEFAULT_PROMPT_TOKENS
+        run = read_run(args.lengths_from, 2) if args.lengths_from else None
+        # the default task's lengths, measured (docs/simulator.md), unless a run gives them
+        lengths = lengths_of(run) if run else LengthModel(8.3, 0.5, 0.0)
+        prompt_tokens = args.prompt_tokens or (run.prompt_tokens if run else 0) or DEFAULT_PROMPT_TOKENS
         measured = from_bench_json(args.measured) if args.measured else DOCS_MEASURED
         figures["error"] = {"measured_from": args.measured or "docs/performance.md (2026-11-29)",
                             "lengths": lengths.__dict__ | {},

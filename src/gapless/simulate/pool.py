@@ -67,7 +67,7 @@ class SharedPool:
 
     @classmethod
     def for_costs(cls, units: float, costs: "Costs") -> "SharedPool":
-        """The pool a cost model's sharing rules describe (its efficiency, teams, decode first)."""
+        """The pool a cost model's sharing rules describe (its efficiencies, teams, decode first)."""
         return cls(units, costs.parallel_efficiency, costs.barrier_teams, costs.decode_first, costs.barrier_efficiency,
                    costs.contention_efficiency)
 
