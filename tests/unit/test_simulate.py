@@ -393,6 +393,29 @@ def test_replica_finishes_groups_late_in_a_long_run():
     assert len(finished) == 8 and events[0] < 100
 
 
+@pytest.mark.parametrize("lengths,order,ends_ms", [
+    # the first two groups fill the batch; their short sequences end after one step and free the
+    # four slots the third group needs: it starts then and ends first, before their long sequences
+    ([[20, 1, 1, 1], [20, 1, 1, 1], [2, 2, 2, 2]], [2, 0, 1], [3.0, 20.0, 20.0]),
+    # sequences that all run equally long free no slot before their group ends
+    ([[5, 5, 5, 5], [5, 5, 5, 5], [5, 5, 5, 5]], [0, 1, 2], [5.0, 5.0, 10.0]),
+])
+def test_a_waiting_group_starts_when_enough_sequences_have_ended(lengths, order, ends_ms):
+    from gapless.simulate.clock import EventLoop
+    from gapless.simulate.engine import Replica, SimGroup
+    from gapless.simulate.pool import DedicatedPool
+
+    loop, finished = EventLoop(), []
+    # 1 ms per decode step whatever the rows; max_batch 8 sequences = two groups of G = 4 at full occupancy
+    replica = Replica(0, loop, DedicatedPool(), 1.0, GenerationCost(1e-3, 0.0), 8, 8,
+                      lambda g: finished.append((g.index, loop.now)), lambda *a: None)
+    for i, group_lengths in enumerate(lengths):
+        replica.add(SimGroup(i, 0, 0, group_lengths))
+    loop.run(until=lambda: len(finished) == len(lengths), max_time_s=1.0)
+    assert [i for i, _ in finished] == order
+    assert [t * 1e3 for _, t in finished] == pytest.approx(ends_ms)
+
+
 def test_simulate_refuses_a_real_run_dir(tmp_path):
     from gapless.config import ConfigError
 

@@ -6,16 +6,23 @@ change, so the replica's decode-step counter advances linearly and the next even
 earliest group to finish: a few events per group, not one per token, which is what lets a
 1,000-GPU run of 10,000 steps finish in seconds.
 
-    waiting groups ──(free slots: running sequences + G <= max_batch)──> running groups
+    waiting groups ──(G slots free: sequences still running + G <= max_batch)──> running groups
                         prefill (prompt and already generated tokens) pauses the replica
     running group ends after max(remaining lengths) steps ──> on_finished(group)
 
-Approximation (stated in docs/simulator.md): a group counts as `sum(remaining) / max(remaining)`
-rows over its whole life (its mean occupancy) and holds G slots until it ends; the real engine
-frees a slot as each sequence ends. Throughput with a cost linear in rows is exact; the tail of
-a heavy-tailed group is spread over its life. A weight update pauses the replica for the relay
-time; groups in flight keep decoding (their oldest token keeps its version), as in the real
-generator. `PartialView` exposes the replica to the real `orchestrate.partial.PartialRollouts`.
+A running sequence holds its slot until it ends, as in the real engine, so a waiting group starts
+at the decode step when enough of the running sequences have ended for all of its own (one event
+per waiting group, at the step computed from the running sequences' lengths). The real engine
+starts each waiting sequence as soon as one slot frees, so it starts a group's sequences a few
+steps earlier than this. Either way a short group admitted later often ends before an earlier
+group's longest sequence (measured: at budget 1 a step's last group is scored after most of the
+next step's, docs/simulator.md).
+Approximation (stated in docs/simulator.md): for the decode step's cost a group counts as
+`sum(remaining) / max(remaining)` rows over its whole life (its mean occupancy). Throughput with
+a cost linear in rows is exact; the tail of a heavy-tailed group is spread over its life. A
+weight update pauses the replica for the relay time; groups in flight keep decoding (their oldest
+token keeps its version), as in the real generator. `PartialView` exposes the replica to the real
+`orchestrate.partial.PartialRollouts`.
 """
 
 from __future__ import annotations
@@ -44,6 +51,21 @@ class SimGroup:
             self.done = [0] * len(self.lengths)
 
 
+def _remaining(group: SimGroup) -> list[int]:
+    return [max(n - d, 0) for n, d in zip(group.lengths, group.done)]
+
+
+def _sequences(group: SimGroup) -> int:
+    """The slots a group takes when it starts: its unfinished sequences (at least one)."""
+    return max(sum(1 for n in _remaining(group) if n > 0), 1)
+
+
+def _occupancy(group: SimGroup) -> float:
+    """The rows a group keeps busy over its life, on average: sum(remaining) / max(remaining)."""
+    remaining = _remaining(group)
+    return sum(remaining) / max(max(remaining), 1)
+
+
 class Replica:
     def __init__(self, rid: int, loop: EventLoop, pool, cap: float, cost: GenerationCost, prompt_tokens: int,
                  max_batch: int, on_finished: Callable[[SimGroup], None], on_busy: Callable[[int, bool], None]):
@@ -52,11 +74,15 @@ class Replica:
         self.on_finished, self.on_busy = on_finished, on_busy
         self.version = 0
         self.waiting: deque[SimGroup] = deque()
-        self.running: dict[int, tuple[SimGroup, float, float]] = {}  # index -> (group, start step, end step)
+        self.running: dict[int, tuple[SimGroup, float, float, int]] = {}  # index -> (group, start step, end step, serial)
         self.ends: list[tuple[float, int]] = []  # heap of (end step, index), lazily cleaned
         self.k = 0.0  # decode steps done (fractional between events)
-        self.rows = 0.0  # mean occupancy of the running groups
-        self.slots = 0  # sequences holding a slot
+        self.rows = 0.0  # mean occupancy of the running groups: the rows a decode step costs
+        self.seq_ends: list[tuple[float, int]] = []  # heap of (end step, admission serial), one per running sequence
+        self.unreleased: dict[int, int] = {}  # serial of a running group -> its entries still in seq_ends
+        self.held = 0  # slots held: entries of running groups not yet released
+        self.serials = 0
+        self.admit_k: float | None = None  # the decode step at which the waiting group's slots are free
         self.speed = 0.0
         self.paused_until = 0.0
         self.t_last = 0.0
@@ -69,7 +95,8 @@ class Replica:
 
     # ---- bookkeeping ----------------------------------------------------------------------
     def load(self) -> int:
-        return self.slots + sum(len(g.lengths) for g in self.waiting)
+        """Sequences here: the slots held and every waiting sequence."""
+        return self.held + sum(len(g.lengths) for g in self.waiting)
 
     def _advance(self) -> None:
         now = self.loop.now
@@ -90,9 +117,10 @@ class Replica:
         self.token = None
         while self.ends and self.ends[0][1] not in self.running:
             heapq.heappop(self.ends)
-        if not self.ends or self.speed <= 0:
+        next_k = [k for k in (self.ends[0][0] if self.ends else None, self.admit_k) if k is not None]
+        if not next_k or self.speed <= 0:
             return
-        end_k = self.ends[0][0]
+        end_k = min(next_k)
         rate = self.speed / self.cost.decode_step_s(self.rows)
         start = max(self.loop.now, self.paused_until)
         self.token = self.loop.at(start + max(end_k - self.k, 0.0) / rate, self._finish_due)
@@ -127,19 +155,40 @@ class Replica:
         self.waiting.append(group)
         self._fill()
 
+    def _release(self) -> None:
+        """Free the slots of the sequences that have ended by now."""
+        tolerance = 1e-6 + 1e-12 * self.k
+        while self.seq_ends and self.seq_ends[0][0] <= self.k + tolerance:
+            _, serial = heapq.heappop(self.seq_ends)
+            if serial in self.unreleased:  # else its group was cut: released then
+                self.unreleased[serial] -= 1
+                self.held -= 1
+
     def _fill(self) -> None:
         prefill_tokens = 0
-        while self.waiting and (not self.running or self.slots + len(self.waiting[0].lengths) <= self.max_batch):
+        self._release()
+        while self.waiting and (not self.running or self.held + _sequences(self.waiting[0]) <= self.max_batch):
             group = self.waiting.popleft()
-            remaining = [max(n - d, 0) for n, d in zip(group.lengths, group.done)]
+            remaining = _remaining(group)
             longest = max(max(remaining), 1)
             if group.oldest is None:
                 group.oldest = self.version
-            self.running[group.index] = (group, self.k, self.k + longest)
+            self.serials += 1
+            self.running[group.index] = (group, self.k, self.k + longest, self.serials)
             heapq.heappush(self.ends, (self.k + longest, group.index))
-            self.rows += sum(remaining) / longest
-            self.slots += len(group.lengths)
+            for n in remaining:
+                if n > 0:
+                    heapq.heappush(self.seq_ends, (self.k + n, self.serials))
+            self.unreleased[self.serials] = _sequences(group)
+            self.held += _sequences(group)
+            self.rows += _occupancy(group)
             prefill_tokens += sum(self.prompt_tokens + d for d in group.done)
+        self.admit_k = None
+        if self.waiting:  # the step at which enough running sequences will have ended for the next group
+            needed = self.held + _sequences(self.waiting[0]) - self.max_batch
+            live = [k for k, serial in self.seq_ends if serial in self.unreleased]
+            if 0 < needed <= len(live):
+                self.admit_k = heapq.nsmallest(needed, live)[-1]
         if self.running:
             self._set_busy(True)
         if prefill_tokens and self.speed > 0:
@@ -147,12 +196,11 @@ class Replica:
         self._reschedule()
 
     def _remove(self, index: int) -> SimGroup:
-        group, start_k, _ = self.running.pop(index)
-        remaining = [max(n - d, 0) for n, d in zip(group.lengths, group.done)]
-        self.rows -= sum(remaining) / max(max(remaining), 1)
-        self.slots -= len(group.lengths)
+        group, start_k, _, serial = self.running.pop(index)
+        self.rows -= _occupancy(group)
+        self.held -= self.unreleased.pop(serial, 0)
         if not self.running:
-            self.rows, self.slots = 0.0, 0
+            self.rows, self.held, self.seq_ends, self.unreleased = 0.0, 0, [], {}
         steps = self.k - start_k
         group.done = [min(n, d + round(steps)) for n, d in zip(group.lengths, group.done)]
         return group
