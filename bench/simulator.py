@@ -8,7 +8,8 @@ error      calibrate on some (workload, budget) cells of bench/pipeline.py, pred
            ms per trained sample, trainer and generator idle (a real generator blocked on its
            full queue to the environment counts as idle: it is not decoding). The measured cells are those of
            docs/performance.md (2026-11-29, a quiet machine, medians of 3 rounds), or the last
-           JSON line of a bench/pipeline.py run (--measured FILE). The fit: machine costs
+           JSON line of a bench/pipeline.py run (--measured FILE), or the mean of several runs
+           (--measured A,B: geometric mean ms, mean idle, per cell). The fit: machine costs
            (decode row cost, trainer cost per token, scoring CPU per group and the part of
            scoring that waits without CPU, parallel efficiency) minimise the squared log error
            of ms/sample plus the squared idle error over the calibration cells (Nelder-Mead on
@@ -143,6 +144,25 @@ def from_bench_json(path: str) -> dict:
                 "trainer_idle": [runs[w][b]["trainer_idle_frac"] for b in BUDGETS],
                 "generator_idle": [not_decoding(runs[w][b]) for b in BUDGETS],
                 "score_span": [runs[w][b].get("score_span_s") for b in BUDGETS]} for w in runs}  # None: not measured
+
+
+def mean_of_runs(paths: list[str]) -> dict:
+    """Several bench/pipeline.py runs' cells as one target: the geometric mean of their ms per
+    sample, the mean of each idle fraction and score span (a figure missing from a run is left out)."""
+    runs = [from_bench_json(path) for path in paths]
+    if len(runs) == 1:
+        return runs[0]
+    out: dict = {}
+    for workload in runs[0]:
+        out[workload] = {}
+        for key in runs[0][workload]:
+            columns = zip(*(run[workload][key] for run in runs))
+            if key == "ms":
+                out[workload][key] = [math.exp(sum(math.log(v) for v in col) / len(col)) for col in columns]
+            else:
+                out[workload][key] = [(sum(v) / len(v)) if (v := [x for x in col if x is not None]) else None
+                                      for col in columns]
+    return out
 
 
 def costs_from(x: list[float], lengths: LengthModel, prompt_tokens: int, barrier_teams: bool = True,
@@ -445,7 +465,9 @@ def part_phases(runs_dir: str, costs: Costs | None = None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", default="error,published,scale")
-    parser.add_argument("--measured", default=None, help="output of bench/pipeline.py (its last line is used)")
+    parser.add_argument("--measured", default=None,
+                        help="output of bench/pipeline.py (its last line is used); the error part also takes "
+                             "several, comma-separated, and fits their mean (mean_of_runs)")
     parser.add_argument("--lengths-from", default=None, help="a run directory of the default workload")
     parser.add_argument("--prompt-tokens", type=int, default=0,
                         help="error part: mean prompt tokens of the runs (default: rollout/prompt_len_mean of "
@@ -486,7 +508,7 @@ def main() -> None:
         # the default task's lengths, measured (docs/simulator.md), unless a run gives them
         lengths = lengths_of(run) if run else LengthModel(8.3, 0.5, 0.0)
         prompt_tokens = args.prompt_tokens or (run.prompt_tokens if run else 0) or DEFAULT_PROMPT_TOKENS
-        measured = from_bench_json(args.measured) if args.measured else DOCS_MEASURED
+        measured = mean_of_runs(args.measured.split(",")) if args.measured else DOCS_MEASURED
         figures["error"] = {"measured_from": args.measured or "docs/performance.md (2026-11-29)",
                             "lengths": lengths.__dict__ | {},
                             "prompt_tokens": prompt_tokens,
