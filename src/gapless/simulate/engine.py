@@ -155,10 +155,14 @@ class Replica:
         self.waiting.append(group)
         self._fill()
 
+    def _tolerance(self) -> float:
+        """Steps: float rounding of a long run's counter must not leave a sequence or a group a hair
+        short of its end, re-firing at the same instant."""
+        return 1e-6 + 1e-12 * self.k
+
     def _release(self) -> None:
         """Free the slots of the sequences that have ended by now."""
-        tolerance = 1e-6 + 1e-12 * self.k
-        while self.seq_ends and self.seq_ends[0][0] <= self.k + tolerance:
+        while self.seq_ends and self.seq_ends[0][0] <= self.k + self._tolerance():
             _, serial = heapq.heappop(self.seq_ends)
             if serial in self.unreleased:  # else its group was cut: released then
                 self.unreleased[serial] -= 1
@@ -179,8 +183,8 @@ class Replica:
             for n in remaining:
                 if n > 0:
                     heapq.heappush(self.seq_ends, (self.k + n, self.serials))
-            self.unreleased[self.serials] = _sequences(group)
-            self.held += _sequences(group)
+            self.unreleased[self.serials] = taken = _sequences(group)
+            self.held += taken
             self.rows += _occupancy(group)
             prefill_tokens += sum(self.prompt_tokens + d for d in group.done)
         self.admit_k = None
@@ -209,8 +213,7 @@ class Replica:
         self.token = None
         self._advance()
         finished = []
-        tolerance = 1e-6 + 1e-12 * self.k  # steps: float rounding of a long run's counter must not leave a group
-        while self.ends and self.ends[0][0] <= self.k + tolerance:  # a hair short, re-firing at the same instant
+        while self.ends and self.ends[0][0] <= self.k + self._tolerance():
             _, index = heapq.heappop(self.ends)
             if index in self.running:
                 group = self._remove(index)
