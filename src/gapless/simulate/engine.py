@@ -55,14 +55,13 @@ def _remaining(group: SimGroup) -> list[int]:
     return [max(n - d, 0) for n, d in zip(group.lengths, group.done)]
 
 
-def _sequences(group: SimGroup) -> int:
+def _sequences(remaining: list[int]) -> int:
     """The slots a group takes when it starts: its unfinished sequences (at least one)."""
-    return max(sum(1 for n in _remaining(group) if n > 0), 1)
+    return max(sum(1 for n in remaining if n > 0), 1)
 
 
-def _occupancy(group: SimGroup) -> float:
+def _occupancy(remaining: list[int]) -> float:
     """The rows a group keeps busy over its life, on average: sum(remaining) / max(remaining)."""
-    remaining = _remaining(group)
     return sum(remaining) / max(max(remaining), 1)
 
 
@@ -171,7 +170,7 @@ class Replica:
     def _fill(self) -> None:
         prefill_tokens = 0
         self._release()
-        while self.waiting and (not self.running or self.held + _sequences(self.waiting[0]) <= self.max_batch):
+        while self.waiting and (not self.running or self.held + _sequences(_remaining(self.waiting[0])) <= self.max_batch):
             group = self.waiting.popleft()
             remaining = _remaining(group)
             longest = max(max(remaining), 1)
@@ -183,13 +182,13 @@ class Replica:
             for n in remaining:
                 if n > 0:
                     heapq.heappush(self.seq_ends, (self.k + n, self.serials))
-            self.unreleased[self.serials] = taken = _sequences(group)
+            self.unreleased[self.serials] = taken = _sequences(remaining)
             self.held += taken
-            self.rows += _occupancy(group)
+            self.rows += _occupancy(remaining)
             prefill_tokens += sum(self.prompt_tokens + d for d in group.done)
         self.admit_k = None
         if self.waiting:  # the step at which enough running sequences will have ended for the next group
-            needed = self.held + _sequences(self.waiting[0]) - self.max_batch
+            needed = self.held + _sequences(_remaining(self.waiting[0])) - self.max_batch
             live = [k for k, serial in self.seq_ends if serial in self.unreleased]
             if 0 < needed <= len(live):
                 self.admit_k = heapq.nsmallest(needed, live)[-1]
@@ -201,7 +200,7 @@ class Replica:
 
     def _remove(self, index: int) -> SimGroup:
         group, start_k, _, serial = self.running.pop(index)
-        self.rows -= _occupancy(group)
+        self.rows -= _occupancy(_remaining(group))
         self.held -= self.unreleased.pop(serial, 0)
         if not self.running:
             self.rows, self.held, self.seq_ends, self.unreleased = 0.0, 0, [], {}
