@@ -20,7 +20,10 @@ error      calibrate on some (workload, budget) cells of bench/pipeline.py, pred
            --calibrate-all fits every cell of the run instead (--write-costs FILE keeps the costs,
            to be tested on other runs with --part builtin --costs FILE); --fair-decode fits the
            model in which the one-thread decode is not served first (simulate/pool.py);
-           --choose-decode-rule fits both and keeps the one with the lower calibration loss.
+           --choose-decode-rule fits both and keeps the one with the lower calibration loss;
+           --restarts N fits N more times, each from the last fit's costs with a fresh simplex
+           (Nelder-Mead's simplex shrinks around a point that need not be the best near it),
+           --start FILE starts from fitted costs instead of the defaults.
 builtin    every cell of a bench/pipeline.py run (--measured FILE) predicted with the built-in
            costs (or --costs FILE), no fit to that run: a held-out check. Budgets 'B:MODE'
            (pipeline.admit_while_training) are predicted in that mode, and 'B:on' / 'B' ratios are printed.
@@ -195,6 +198,13 @@ def loss(costs: Costs, cells: dict, names) -> float:
     return total
 
 
+def point_of(costs: Costs) -> list[float]:
+    """The fit's coordinates of costs (costs_from's inverse, up to the clamped efficiencies)."""
+    return [math.log(costs.generation.row_s), math.log(costs.trainer.token_s), math.log(costs.env.cpu_s),
+            costs.parallel_efficiency, math.log(costs.env.wait_p50_s), costs.barrier_efficiency,
+            costs.contention_efficiency]
+
+
 def nelder_mead(f, x0: list[float], step: list[float], iterations: int) -> list[float]:
     simplex = [x0] + [[v + (step[i] if i == j else 0.0) for i, v in enumerate(x0)] for j in range(len(x0))]
     values = [f(x) for x in simplex]
@@ -224,21 +234,32 @@ def nelder_mead(f, x0: list[float], step: list[float], iterations: int) -> list[
 
 
 def part_error(measured: dict, lengths: LengthModel, prompt_tokens: int, iterations: int, barrier_teams: bool = True,
-               calibration=CALIBRATION, decode_first: bool | None = True, rounds: int = 1, jitter: float = 0.0) -> dict:
+               calibration=CALIBRATION, decode_first: bool | None = True, rounds: int = 1, jitter: float = 0.0,
+               start: Costs | None = None, restarts: int = 0) -> dict:
     """Fit the costs to the calibration cells (one simulation each), then predict every cell (the
     median of `rounds` with jittered costs, when given). `decode_first` None: fit both decode
-    rules and keep the one with the lower loss on the calibration cells."""
+    rules and keep the one with the lower loss on the calibration cells. `start`: begin at these
+    costs (and their decode rule) instead of the defaults; `restarts`: fit again from the result
+    that many times (its rule kept)."""
     cells = measured_cells(measured)
     calibration = list(cells) if calibration == "all" else calibration
     x0 = [math.log(8e-5), math.log(7e-5), math.log(0.02), 0.9, math.log(0.005), 0.8, 0.95]
+    step = [0.3, 0.3, 0.6, 0.15, 1.0, 0.3, 0.1]
+    if start is not None:
+        x0, decode_first = point_of(start), start.decode_first
     fits = []
     for rule in (True, False) if decode_first is None else (decode_first,):
         x = nelder_mead(lambda v: loss(costs_from(v, lengths, prompt_tokens, barrier_teams, rule), cells, calibration),
-                        x0, [0.3, 0.3, 0.6, 0.15, 1.0, 0.3, 0.1], iterations)
+                        x0, step, iterations)
         costs = costs_from(x, lengths, prompt_tokens, barrier_teams, rule)
         fits.append((loss(costs, cells, calibration), costs))
         print(f"decode first {rule}: calibration loss {fits[-1][0]:.4f}", flush=True)
     costs = min(fits, key=lambda pair: pair[0])[1]
+    for restart in range(restarts):
+        x = nelder_mead(lambda v: loss(costs_from(v, lengths, prompt_tokens, barrier_teams, costs.decode_first), cells,
+                                       calibration), point_of(costs), step, iterations)
+        costs = costs_from(x, lengths, prompt_tokens, barrier_teams, costs.decode_first)
+        print(f"restart {restart + 1}: calibration loss {loss(costs, cells, calibration):.4f}", flush=True)
     rows = []
     for (workload, budget), want in cells.items():
         got = simulate_cell(costs, workload, budget, rounds=rounds, jitter=jitter)
@@ -488,6 +509,10 @@ def main() -> None:
                         help="error part: the one-thread decode at its share of the cores, not served first (pool.py)")
     parser.add_argument("--calibrate-all", action="store_true",
                         help="error part: fit on every cell of the run (test the costs on other runs with --costs)")
+    parser.add_argument("--restarts", type=int, default=0,
+                        help="error part: fit again from the result this many times (a fresh simplex each time)")
+    parser.add_argument("--start", default=None,
+                        help="error part: start the fit at these costs (JSON from --write-costs): a restart")
     parser.add_argument("--write-costs", default=None, help="error part: write the fitted costs (JSON) here")
     parser.add_argument("--costs", default=None, help="builtin and phases parts: these costs (JSON), not the built-in ones")
     parser.add_argument("--other", default=None,
@@ -515,7 +540,8 @@ def main() -> None:
                             **part_error(measured, lengths, prompt_tokens, args.iterations, not args.fair_share,
                                          "all" if args.calibrate_all else CALIBRATION,
                                          None if args.choose_decode_rule else not args.fair_decode,
-                                         args.rounds, args.jitter)}
+                                         args.rounds, args.jitter, Costs.load(args.start) if args.start else None,
+                                         args.restarts)}
         figures["error"]["lengths"].pop("_quantiles", None)
         if args.write_costs:
             Path(args.write_costs).write_text(json.dumps(figures["error"]["costs"], indent=2))

@@ -339,6 +339,23 @@ def test_calibration_round_trip(tmp_path):
     assert costs.lengths.truncated_frac == pytest.approx(0.3, abs=0.08)
 
 
+def test_a_runs_generator_idle_counts_the_time_it_was_blocked(tmp_path):
+    # a real pipeline reports the generator's time stopped on its full queue to the environment
+    # apart from its idle time; the simulator's generator idle is all time not decoding, so a run
+    # read for calibration adds the two (as the fit's error does)
+    from gapless.simulate.calibrate import read_run
+
+    run_dir = simulated_runs(tmp_path, heavy_costs(), (1,))[0]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    before = read_run(run_dir, 2).generator_idle_frac
+    for m in records:  # the same time, reported the way a real run splits it
+        m["perf/generator_blocked_frac"] = m["perf/generator_idle_frac"] / 4
+        m["perf/generator_idle_frac"] -= m["perf/generator_blocked_frac"]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in records))
+    assert read_run(run_dir, 2).generator_idle_frac == pytest.approx(before)
+    assert before > 0.05
+
+
 @pytest.mark.parametrize("decode_first", [True, False])
 def test_calibration_recovers_how_the_decode_shares_the_cores(tmp_path, decode_first):
     # runs simulated on a machine whose one-thread decode is served first (or shares the cores

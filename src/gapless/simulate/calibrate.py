@@ -71,7 +71,7 @@ class Measured:
     steps: int
     s_per_sample: float
     trainer_idle_frac: float
-    generator_idle_frac: float
+    generator_idle_frac: float  # not decoding: idle or blocked on the environment's queue
     train_s: float  # mean per measured step
     gen_busy_s: float  # mean per measured step
     score_s: float  # mean per group (pipeline) or per step's scoring phase (reference loop)
@@ -118,7 +118,8 @@ def read_run(path: str | Path, cores: int) -> Measured:
     return Measured(
         path.name, cfg, len(steps), total / (len(measured) * samples),
         sum(m["perf/trainer_idle_frac"] * m["perf/step_s"] for m in measured) / total,
-        sum(m.get("perf/generator_idle_frac", 0) * m["perf/step_s"] for m in measured) / total,
+        sum((m.get("perf/generator_idle_frac", 0) + m.get("perf/generator_blocked_frac", 0)) * m["perf/step_s"]
+            for m in measured) / total,
         _mean([m["perf/train_s"] for m in measured]), _mean(gen_busy), _mean(score),
         _mean([m.get("perf/weight_push_s", 0.0) for m in measured]),
         _mean([m["rollout/completion_len_mean"] for m in measured]), _mean([m["rollout/truncated_frac"] for m in measured]),
