@@ -247,19 +247,21 @@ def part_error(measured: dict, lengths: LengthModel, prompt_tokens: int, iterati
     step = [0.3, 0.3, 0.6, 0.15, 1.0, 0.3, 0.1]
     if start is not None:
         x0, decode_first = point_of(start), start.decode_first
+
+    def fit(start_x: list[float], rule: bool) -> tuple[float, Costs]:
+        x = nelder_mead(lambda v: loss(costs_from(v, lengths, prompt_tokens, barrier_teams, rule), cells, calibration),
+                        start_x, step, iterations)
+        costs = costs_from(x, lengths, prompt_tokens, barrier_teams, rule)
+        return loss(costs, cells, calibration), costs
+
     fits = []
     for rule in (True, False) if decode_first is None else (decode_first,):
-        x = nelder_mead(lambda v: loss(costs_from(v, lengths, prompt_tokens, barrier_teams, rule), cells, calibration),
-                        x0, step, iterations)
-        costs = costs_from(x, lengths, prompt_tokens, barrier_teams, rule)
-        fits.append((loss(costs, cells, calibration), costs))
+        fits.append(fit(x0, rule))
         print(f"decode first {rule}: calibration loss {fits[-1][0]:.4f}", flush=True)
     costs = min(fits, key=lambda pair: pair[0])[1]
     for restart in range(restarts):
-        x = nelder_mead(lambda v: loss(costs_from(v, lengths, prompt_tokens, barrier_teams, costs.decode_first), cells,
-                                       calibration), point_of(costs), step, iterations)
-        costs = costs_from(x, lengths, prompt_tokens, barrier_teams, costs.decode_first)
-        print(f"restart {restart + 1}: calibration loss {loss(costs, cells, calibration):.4f}", flush=True)
+        value, costs = fit(point_of(costs), costs.decode_first)
+        print(f"restart {restart + 1}: calibration loss {value:.4f}", flush=True)
     rows = []
     for (workload, budget), want in cells.items():
         got = simulate_cell(costs, workload, budget, rounds=rounds, jitter=jitter)

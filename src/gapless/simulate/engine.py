@@ -170,9 +170,12 @@ class Replica:
     def _fill(self) -> None:
         prefill_tokens = 0
         self._release()
-        while self.waiting and (not self.running or self.held + _sequences(_remaining(self.waiting[0])) <= self.max_batch):
+        while self.waiting:
+            remaining = _remaining(self.waiting[0])
+            taken = _sequences(remaining)
+            if self.running and self.held + taken > self.max_batch:
+                break  # the next group waits: `remaining` and `taken` stay its own
             group = self.waiting.popleft()
-            remaining = _remaining(group)
             longest = max(max(remaining), 1)
             if group.oldest is None:
                 group.oldest = self.version
@@ -182,13 +185,13 @@ class Replica:
             for n in remaining:
                 if n > 0:
                     heapq.heappush(self.seq_ends, (self.k + n, self.serials))
-            self.unreleased[self.serials] = taken = _sequences(remaining)
+            self.unreleased[self.serials] = taken
             self.held += taken
             self.rows += _occupancy(remaining)
             prefill_tokens += sum(self.prompt_tokens + d for d in group.done)
         self.admit_k = None
         if self.waiting:  # the step at which enough running sequences will have ended for the next group
-            needed = self.held + _sequences(_remaining(self.waiting[0])) - self.max_batch
+            needed = self.held + taken - self.max_batch
             live = [k for k, serial in self.seq_ends if serial in self.unreleased]
             if 0 < needed <= len(live):
                 self.admit_k = heapq.nsmallest(needed, live)[-1]
