@@ -14,6 +14,7 @@ served first). JSON on the last line.
 
     PYTHONPATH=src python bench/contention.py [--rounds 3] [--phase-s 4]
     PYTHONPATH=src python bench/contention.py --part matrix [--rounds 3] [--phase-s 3]
+    PYTHONPATH=src python bench/contention.py --part train-threads [--rounds 3] [--phase-s 4]
 
 `--part matrix`: the three loads of an asynchronous step on this machine, one thread each where
 the pipeline gives them one (budgets >= 1): the decode above, a training step of the same model
@@ -23,6 +24,12 @@ speed alone (decode and training: median step time alone / beside; the sandbox: 
 per second beside / alone), with the pool model's prediction beside each (its `SharedPool` with
 the built-in costs' rules: the decode a one-thread job served first, the training step a
 one-thread team, the sandbox `sandbox.concurrency` programs).
+
+`--part train-threads`: the question behind core lending's rule (orchestrate/lending.py): the
+same training step (forward and backward, then AdamW) in this process on 1 and on 2 threads,
+alone and beside the sandbox, interleaved round by round. Printed per thread count: the median
+step alone and beside, their ratio, and beside the sandbox the 2-thread step over the 1-thread
+one (above 1: a borrowed thread slows the trainer while the environment scores).
 """
 
 from __future__ import annotations
@@ -119,6 +126,54 @@ def train_forever(stop, go, times) -> None:
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
+
+
+def train_steps(model, optimizer, ids, seconds: float) -> list[float]:
+    """Training steps (forward, backward, AdamW) for `seconds`; each one's wall time."""
+    out, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        start = time.perf_counter()
+        model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def part_train_threads(args) -> dict:
+    """A training step on 1 and 2 threads, alone and beside the sandbox, rounds interleaved."""
+    import torch
+
+    model = build_model()[1].model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(0, 100, (32, 64), generator=torch.Generator().manual_seed(0))
+    threads = [int(t) for t in args.threads.split(",")]
+    ctx = mp.get_context("spawn")
+    ms: dict[int, dict[str, list[float]]] = {t: {"alone": [], "beside": []} for t in threads}
+    for t in threads:
+        torch.set_num_threads(t)
+        train_steps(model, optimizer, ids, 1.0)  # warm-up
+    for _ in range(args.rounds):
+        for t in threads:
+            torch.set_num_threads(t)
+            ms[t]["alone"].append(1e3 * statistics.median(train_steps(model, optimizer, ids, args.phase_s)))
+        stop, _, proc = start_sandbox(ctx)
+        for t in threads:
+            torch.set_num_threads(t)
+            ms[t]["beside"].append(1e3 * statistics.median(train_steps(model, optimizer, ids, args.phase_s)))
+        stop.set()
+        proc.join(30)
+    medians = {t: {k: statistics.median(v) for k, v in m.items()} for t, m in ms.items()}
+    for t in threads:
+        a, b = medians[t]["alone"], medians[t]["beside"]
+        print(f"{t} thread(s): training step alone {a:.1f} ms, beside the sandbox {b:.1f} ms ({b / a:.2f}x; "
+              f"rounds {[round(y / x, 2) for x, y in zip(ms[t]['alone'], ms[t]['beside'])]})", flush=True)
+    out = {"ms": ms, "median_ms": medians}
+    if 1 in medians and 2 in medians:
+        out["beside_2_over_1"] = medians[2]["beside"] / medians[1]["beside"]
+        out["alone_2_over_1"] = medians[2]["alone"] / medians[1]["alone"]
+        print(f"2 threads / 1 thread: {out['alone_2_over_1']:.2f} alone, {out['beside_2_over_1']:.2f} beside the sandbox")
+    return out
 
 
 def build_model():
@@ -231,11 +286,15 @@ def part_matrix(args, engine, prompts, params, slots: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", default="sandbox", choices=["sandbox", "matrix"])
+    ap.add_argument("--part", default="sandbox", choices=["sandbox", "matrix", "train-threads"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--phase-s", type=float, default=4.0)
     ap.add_argument("--threads", default="1,2")
     args = ap.parse_args()
+    if args.part == "train-threads":
+        out = part_train_threads(args)
+        print(json.dumps({"cores": os.cpu_count(), "rounds": args.rounds, "phase_s": args.phase_s, "train_threads": out}))
+        return
 
     import torch
 

@@ -3,6 +3,7 @@
     PYTHONPATH=src python bench/pipeline.py [--steps 20] [--rounds 1] [--budgets 0,1,2,4] [--keep runs/bench-pipeline]
     PYTHONPATH=src python bench/pipeline.py --resummarise runs/bench-pipeline   # the figures of kept runs, again
     PYTHONPATH=src python bench/pipeline.py --budgets 1,1:on,2,2:on --workloads default,heavy_tail   # admission modes
+    PYTHONPATH=src python bench/pipeline.py --budgets 1,1:lend-scoring,2,2:lend-scoring,4,4:lend-scoring   # core lending
 
 Workloads (each a set of config overrides on the default job):
   default       the embedded code task as configured (compute-bound on this machine)
@@ -28,7 +29,8 @@ timeline's `score` spans over steps 2..S, the added latency included), and the C
 (/proc/stat sampled every 0.2 s; other tenants included, the machine is meant to be quiet). A
 run whose busy cores equal the machine's cores cannot go faster by overlapping its actors: only
 less work can, which bounds what asynchrony can win on a small machine. Ratios are async / sync (per baseline) of the same workload,
-medians over rounds.
+medians over rounds; a budget 'B:OPTION' is also divided by plain 'B' of the same rounds (printed
+above the JSON line).
 Latency hidden (per latency workload) = 1 - (async latency-workload time - async default time) /
 (sync latency-workload time - sync default time), per trained sample. Also: a weight push (SharedWeights.publish)
 against a plain copy of the same weights into preallocated memory (median of 50).
@@ -73,7 +75,9 @@ RunLoop(load_config(None, overrides), log=lambda *a: None, source="inline").run(
 def run_job(workload: str, budget: str, steps: int, out: Path) -> dict:
     """budget: a staleness budget for the pipeline, or 'ref' for the one-process reference loop
     (generation and training take turns, each with every core); 'B:MODE' is budget B with
-    pipeline.admit_while_training = MODE."""
+    pipeline.admit_while_training = MODE, 'B:lend-scoring' budget B with
+    pipeline.lend_while_scoring = true (the trainer borrows the generator's cores while groups
+    are scored: the rule before 2026-12-06)."""
     label = budget
     run_dir = out / f"{workload}-b{label}-{time.monotonic_ns()}"
     overrides = {"run_dir": json.dumps(str(run_dir)), "loop.steps": str(steps), "loop.eval_every": "100000",
@@ -84,10 +88,12 @@ def run_job(workload: str, budget: str, steps: int, out: Path) -> dict:
         for key, value in overrides.items():
             args += [key, value]
     else:
-        budget, _, admit = budget.partition(":")
+        budget, _, option = budget.partition(":")
         overrides["pipeline.max_staleness"] = budget
-        if admit:
-            overrides["pipeline.admit_while_training"] = json.dumps(admit)
+        if option == "lend-scoring":
+            overrides["pipeline.lend_while_scoring"] = "true"
+        elif option:
+            overrides["pipeline.admit_while_training"] = json.dumps(option)
         args = [sys.executable, "-m", "gapless.cli", "train", "--run-dir", str(run_dir)]
         for key, value in overrides.items():
             if key == "run_dir":
@@ -133,6 +139,7 @@ def read_run(run_dir: Path, workload: str, budget: str, busy: "BusySampler | Non
         "weight_push_s": mean("perf/weight_push_s"),
         "score_span_s": statistics.mean(spans) if spans else None,  # the reference loop scores in-process: none
         "busy_cores": busy.cores_between(all_steps[0]["time"], all_steps[-1]["time"]) if busy else None,
+        "lend_while_scoring": config["pipeline"].get("lend_while_scoring", True),  # absent: a run from before the field
     }  # fmt: skip
 
 
@@ -235,7 +242,12 @@ def summarise(runs: list[dict], workloads: list[str], budgets: list[int]) -> dic
             hidden.setdefault(lat, {})[f"vs_{base}"] = {
                 b: 1 - (med(lat, b, "s_per_sample") - med("default", b, "s_per_sample")) / added_sync
                 for b in budgets if b not in ("0", "ref") and added_sync > 0}
-    return {"runs": table, "async_over_sync_time": ratios, "latency_hidden_frac": hidden}  # fmt: skip
+    # 'B:OPTION' against plain 'B', run side by side (admission modes, lending through the scoring)
+    variants = {w: {b: med(w, b, "s_per_sample") / med(w, b.partition(":")[0], "s_per_sample")
+                    for b in budgets if ":" in b and b.partition(":")[0] in budgets} for w in workloads}
+    variants = {w: v for w, v in variants.items() if v}
+    return {"runs": table, "async_over_sync_time": ratios, "latency_hidden_frac": hidden,
+            "variant_over_plain_time": variants}  # fmt: skip
 
 
 def main() -> None:
@@ -244,7 +256,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--budgets", default="ref,0,1,2,4",
                         help="staleness budgets; 'ref' = the one-process reference loop; 'B:MODE' = budget B with "
-                             "pipeline.admit_while_training = MODE (e.g. 1,1:on compares the admission modes side by side)")
+                             "pipeline.admit_while_training = MODE (e.g. 1,1:on compares the admission modes side by side); "
+                             "'B:lend-scoring' = budget B with pipeline.lend_while_scoring = true")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep every run directory under this (ignored) folder, e.g. for gapless simulate --calibrate")
@@ -279,6 +292,10 @@ def main() -> None:
     figures = {"steps": args.steps, "rounds": args.rounds, "cores": os.cpu_count(), "cpu": cpu_model(),
                "autogroup": autogroup(), "load_avg_1m": os.getloadavg()[0],
                **summarise(runs, workloads, budgets), "weight_push": weight_push_vs_copy()}
+    for workload, ratios in figures["variant_over_plain_time"].items():
+        for label, ratio in ratios.items():
+            print(f"{workload:<14} {label} / {label.partition(':')[0]}: {ratio:.3f} of the time per trained sample "
+                  f"(median of {args.rounds} rounds)")
     print(json.dumps(figures))
 
 

@@ -87,9 +87,12 @@ DEFAULT_PROMPT_TOKENS = 24
 STEPS = 12  # per simulated cell, as bench/pipeline.py's documented runs (--steps 12)
 
 
-def cell_config(workload: str, budget: str, steps: int = STEPS, admit: str = "auto"):
+def cell_config(workload: str, budget: str, steps: int = STEPS, admit: str = "auto", lend_while_scoring: bool = False):
+    """lend_while_scoring: the measured run's pipeline.lend_while_scoring (true for runs from before
+    the field existed: bench/pipeline.py records it per cell)."""
     overrides = {"loop.steps": str(steps), "simulate.cores": "2", "simulate.timeline_steps": "0", **WORKLOADS[workload],
-                 "pipeline.admit_while_training": json.dumps(admit)}
+                 "pipeline.admit_while_training": json.dumps(admit),
+                 "pipeline.lend_while_scoring": json.dumps(lend_while_scoring)}
     if budget == "ref":
         overrides["simulate.reference_loop"] = "true"
     else:
@@ -103,16 +106,17 @@ def cell_costs(costs: Costs, workload: str) -> Costs:
     return costs
 
 
-def run_cell(costs: Costs, workload: str, budget: str, admit: str = "auto", timeline_steps: int | None = None):
+def run_cell(costs: Costs, workload: str, budget: str, admit: str = "auto", timeline_steps: int | None = None,
+             lend_while_scoring: bool = False):
     """The simulation of one bench/pipeline.py cell (a SimResult; spans kept for `timeline_steps`)."""
-    return Simulation(cell_config(workload, budget, admit=admit), cell_costs(costs, workload),
-                      timeline_steps=timeline_steps).run()
+    return Simulation(cell_config(workload, budget, admit=admit, lend_while_scoring=lend_while_scoring),
+                      cell_costs(costs, workload), timeline_steps=timeline_steps).run()
 
 
 def simulate_cell(costs: Costs, workload: str, budget: str, admit: str = "auto", rounds: int = 1,
-                  jitter: float = 0.0) -> dict:
+                  jitter: float = 0.0, lend_while_scoring: bool = False) -> dict:
     """One cell's summary: one simulation, or the medians of `rounds` with jittered costs (rounds.py)."""
-    cfg = cell_config(workload, budget, admit=admit)
+    cfg = cell_config(workload, budget, admit=admit, lend_while_scoring=lend_while_scoring)
     return simulate_rounds(cfg, cell_costs(costs, workload), rounds, jitter)[0].summary()
 
 
@@ -120,7 +124,7 @@ def measured_cells(measured: dict) -> dict:
     cells = {}
     for workload, figures in measured.items():
         for i, budget in enumerate(BUDGETS):
-            cell = {"ms": figures["ms"][i]}
+            cell = {"ms": figures["ms"][i], "lend_while_scoring": figures.get("lend_while_scoring", [True] * len(BUDGETS))[i]}
             for key in ("trainer_idle", "generator_idle", "score_span"):
                 if key in figures and figures[key][i] is not None:
                     cell[key] = figures[key][i]
@@ -146,7 +150,8 @@ def from_bench_json(path: str) -> dict:
     return {w: {"ms": [runs[w][b]["s_per_sample"] * 1e3 for b in BUDGETS],
                 "trainer_idle": [runs[w][b]["trainer_idle_frac"] for b in BUDGETS],
                 "generator_idle": [not_decoding(runs[w][b]) for b in BUDGETS],
-                "score_span": [runs[w][b].get("score_span_s") for b in BUDGETS]} for w in runs}  # None: not measured
+                "score_span": [runs[w][b].get("score_span_s") for b in BUDGETS],  # None: not measured
+                "lend_while_scoring": [bool(runs[w][b].get("lend_while_scoring", True)) for b in BUDGETS]} for w in runs}
 
 
 def mean_of_runs(paths: list[str]) -> dict:
@@ -162,6 +167,11 @@ def mean_of_runs(paths: list[str]) -> dict:
             columns = zip(*(run[workload][key] for run in runs))
             if key == "ms":
                 out[workload][key] = [math.exp(sum(math.log(v) for v in col) / len(col)) for col in columns]
+            elif key == "lend_while_scoring":
+                out[workload][key] = [col[0] for col in columns]
+                if any(len(set(col)) > 1 for col in zip(*(run[workload][key] for run in runs))):
+                    raise SystemExit(f"--measured: the runs' {workload} cells were measured with different "
+                                     "pipeline.lend_while_scoring; average runs of one rule")
             else:
                 out[workload][key] = [(sum(v) / len(v)) if (v := [x for x in col if x is not None]) else None
                                       for col in columns]
@@ -188,7 +198,7 @@ def loss(costs: Costs, cells: dict, names) -> float:
     total = 0.0
     for workload, budget in names:
         want = cells[(workload, budget)]
-        got = simulate_cell(costs, workload, budget)
+        got = simulate_cell(costs, workload, budget, lend_while_scoring=want["lend_while_scoring"])
         total += math.log(got["s_per_sample"] * 1e3 / want["ms"]) ** 2
         for key in ("trainer_idle", "generator_idle"):
             if key in want:
@@ -264,7 +274,8 @@ def part_error(measured: dict, lengths: LengthModel, prompt_tokens: int, iterati
         print(f"restart {restart + 1}: calibration loss {value:.4f}", flush=True)
     rows = []
     for (workload, budget), want in cells.items():
-        got = simulate_cell(costs, workload, budget, rounds=rounds, jitter=jitter)
+        got = simulate_cell(costs, workload, budget, rounds=rounds, jitter=jitter,
+                            lend_while_scoring=want["lend_while_scoring"])
         row = {"workload": workload, "budget": budget,
                "role": "calibration" if (workload, budget) in calibration else "test",
                "measured_ms": want["ms"], "predicted_ms": got["s_per_sample"] * 1e3,
@@ -379,9 +390,11 @@ def part_builtin(path: str, costs: Costs | None = None, rounds: int = 1, jitter:
 
     costs = costs or MACHINE_COSTS
 
-    def predict(workload: str, label: str) -> dict:
-        budget, _, mode = label.partition(":")
-        return simulate_cell(costs, workload, budget, admit=mode or "auto", rounds=rounds, jitter=jitter)
+    def predict(workload: str, label: str, measured: dict) -> dict:
+        budget, _, option = label.partition(":")  # an admission mode, or lend-scoring (recorded in the cell)
+        return simulate_cell(costs, workload, budget, admit=option if option in ("on", "off", "auto") else "auto",
+                             rounds=rounds, jitter=jitter,
+                             lend_while_scoring=bool(measured.get("lend_while_scoring", True)))
 
     return compare(path, predict)
 
@@ -392,7 +405,7 @@ def part_agreement(path: str, other: str) -> dict:
     moves this much between runs."""
     runs = bench_runs(other)
 
-    def predict(workload: str, label: str) -> dict:
+    def predict(workload: str, label: str, measured: dict) -> dict:
         cell = runs[workload][label]
         return {"s_per_sample": cell["s_per_sample"], "trainer_idle_frac": cell["trainer_idle_frac"],
                 "generator_idle_frac": not_decoding(cell)}
@@ -401,12 +414,12 @@ def part_agreement(path: str, other: str) -> dict:
 
 
 def compare(path: str, predict) -> dict:
-    """Every cell of a bench/pipeline.py run against `predict(workload, label)` (a summary with
+    """Every cell of a bench/pipeline.py run against `predict(workload, label, measured cell)` (a summary with
     s_per_sample and the idle fractions); prints each cell and the counts within the issue's bars."""
     rows = []
     for workload, cells in bench_runs(path).items():
         for label, want in cells.items():
-            got = predict(workload, label)
+            got = predict(workload, label, want)
             row = {"workload": workload, "budget": label, "measured_ms": want["s_per_sample"] * 1e3,
                    "predicted_ms": got["s_per_sample"] * 1e3,
                    "measured_trainer_idle": want["trainer_idle_frac"], "predicted_trainer_idle": got["trainer_idle_frac"],
@@ -465,14 +478,15 @@ def part_phases(runs_dir: str, costs: Costs | None = None) -> dict:
     for workload in WORKLOADS:
         for budget in BUDGETS[1:]:  # the reference loop keeps no generator timeline
             dirs = sorted(Path(runs_dir).glob(f"{workload}-b{budget}-*"))
-            measured = []
+            measured, lend = [], True
             for run_dir in dirs:
+                lend = json.loads((run_dir / "config.json").read_text())["pipeline"].get("lend_while_scoring", True)
                 steps = json.loads((run_dir / "summary.json").read_text())["steps"]
                 records = read_records(run_dir)
                 measured.append(busy_per_step([(r["actor"], r["name"], r["start"], r["end"]) for r in records], steps))
             if not measured:
                 continue
-            result = run_cell(costs, workload, budget, timeline_steps=STEPS)
+            result = run_cell(costs, workload, budget, timeline_steps=STEPS, lend_while_scoring=lend)
             simulated = busy_per_step([(lane, n, s, e) for lane, spans in result.spans.items() for n, s, e in spans], STEPS)
             row = {"workload": workload, "budget": budget, "rounds": len(measured),
                    **{f"measured_{k}_s": statistics.median(m[k] for m in measured) for k in ("generate", "train")},

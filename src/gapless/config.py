@@ -495,6 +495,12 @@ class PipelineConfig(_Section):
     lend_idle_cores: bool = True
     """With a budget: the trainer borrows the generator's threads while the generator has nothing to
     decode, and hands them back at its next decoder layer when it has (orchestrate/lending.py)."""
+    lend_while_scoring: bool = False
+    """With lend_idle_cores: whether the trainer also borrows the generator's threads while an
+    environment actor scores a group. Off: it hands them back while any group is being scored,
+    since beside the sandbox's programs a training team of two threads runs slower than one
+    (2.7x on 2 cores; orchestrate/lending.py). On: the rule before 2026-12-06, for environments
+    whose scoring uses no CPU of this machine (a remote judge)."""
     admit_while_training: Literal["auto", "on", "off"] = "auto"
     """When the trainer admits the groups a replica's newly loaded policy version allows. 'on': the
     moment the replica's Loaded arrives, also while the trainer trains, so the generator works on

@@ -97,6 +97,36 @@ def test_the_process_source_keeps_the_contract_with_a_budget(tmp_path, warm_cach
     assert not [p.name for p in multiprocessing.active_children() if p.name.startswith("gapless-")]  # close stopped the actors
 
 
+def test_the_environment_actor_counts_the_groups_it_scores_for_the_trainers_lending(tmp_path, warm_cache):
+    """With core lending (budget 1, one local replica), the environment process raises the shared
+    scoring count around each group it scores (orchestrate/lending.py): seen from the trainer's
+    process during a take, it rises and never exceeds the environment's workers."""
+    import threading
+
+    loop = _loop(tmp_path, warm_cache, "process", 1)
+    source = loop.source
+    assert source.lending is not None and not source.lending.while_scoring  # the default: no lending while scoring
+    counts, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            counts.append(source.lending.flags._scoring.value)
+            time.sleep(0.0005)
+
+    source.start(loop.trainer.state_for_push(), loop.trainer.version)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        source.take(0)
+    finally:
+        done.set()
+        watcher.join()
+        source.close("run_ended", 1)
+        loop.sinks.close()
+        loop.env.close()
+    assert 1 <= max(counts) <= loop.cfg.pipeline.env_workers and min(counts) >= 0
+
+
 def test_the_process_source_admits_a_new_versions_groups_while_the_trainer_trains(tmp_path, warm_cache):
     """Budget 1, pipeline.admit_while_training = 'on': version 0 allows 2 P groups; the Loaded of
     version 1 arrives while the trainer is inside training(), and the groups it allows are

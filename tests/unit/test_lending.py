@@ -98,3 +98,61 @@ def test_a_replica_blocked_on_a_full_queue_to_the_environment_lends_its_threads(
     blocked = actor._to_env(to_env, "second")  # full: blocks until drained
     timer.join()
     assert seen == [False] and 0.15 < blocked < 5.0 and to_env.get_nowait() == "second"
+
+
+def _score_in_child(flags, entered, release) -> None:
+    with flags.scoring():
+        entered.set()
+        release.wait(30)
+
+
+def test_the_trainer_hands_the_threads_back_while_an_environment_process_scores():
+    """pipeline.lend_while_scoring = false: a group being scored in another process counts as a
+    generator that wants its threads; true: the trainer borrows through it."""
+    ctx = mp.get_context("spawn")
+    lending = _lending()
+    entered, release = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_score_in_child, args=(lending.flags, entered, release))
+    child.start()
+    try:
+        assert entered.wait(60)
+        assert lending.flags.environment_busy
+        with lending.borrowing():
+            lending.check()
+            assert not lending.held and torch.get_num_threads() == 1
+            lending.while_scoring = True
+            lending.check()
+            assert lending.held and torch.get_num_threads() == 2
+            lending.while_scoring = False
+            lending.check()  # the next layer boundary gives them back
+            assert not lending.held and torch.get_num_threads() == 1
+            release.set()
+            child.join(30)
+            assert not lending.flags.environment_busy  # the count fell back when the scoring ended
+            lending.check()
+            assert lending.held
+    finally:
+        release.set()
+        child.join(30)
+
+
+def test_the_scoring_count_is_exact_under_concurrent_workers():
+    flags = LendingFlags(mp.get_context("spawn"))
+    seen = []
+
+    def worker():
+        for _ in range(300):
+            with flags.scoring():
+                seen.append(flags._scoring.value)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert flags._scoring.value == 0 and not flags.environment_busy
+    assert 1 <= min(seen) and max(seen) <= 4
+    with pytest.raises(RuntimeError):
+        with flags.scoring():
+            raise RuntimeError("a failed scoring still leaves the count")
+    assert flags._scoring.value == 0

@@ -115,6 +115,29 @@ def test_auto_admission_takes_turns_where_the_trainer_borrows_the_cores():
     assert ends(**no_lending) == ends(**no_lending, **{"pipeline.admit_while_training": '"on"'})
 
 
+def test_the_trainer_borrows_the_generators_core_only_while_nothing_is_scored_closed_form():
+    # Shared 2 cores, budget 1, admission on Loaded: each step's groups are decoded at once (free
+    # here) and scored for w = 0.2 s without CPU while the trainer trains T = 0.3 s of one
+    # thread's work; with the generator's core lent it runs twice as fast. Lending through the
+    # scoring (the rule before 2026-12-06), the trainer takes T / 2 = 0.15 s and then waits 0.05
+    # for the scoring: steps of 0.2 s. Handing the core back while a group is scored
+    # (orchestrate/lending.py), the first 0.2 s run on one thread and the rest of the work (0.1)
+    # on two: 0.25 s, no wait. (Scoring that uses no CPU, as here, is where lending through it pays.)
+    costs = replace(constant_costs(1e-6, 0.3), parallel_efficiency=1.0,
+                    env=EnvCost(cpu_s=0.0, wait_p50_s=0.2, wait_p99_s=0.2))
+
+    def steps(lend_while_scoring: str):
+        cfg = config(1, **{"simulate.placement": '"shared"', "simulate.cores": "2",
+                           "pipeline.admit_while_training": '"on"', "pipeline.lend_while_scoring": lend_while_scoring})
+        return Simulation(cfg, costs).run().steps[1:]
+
+    through, handed_back = steps("true"), steps("false")
+    assert [r.train_s for r in through] == pytest.approx([0.15] * 7, rel=1e-3)  # the decode's 1e-5 s aside
+    assert [r.waited_s for r in through] == pytest.approx([0.05] * 7, rel=1e-3)
+    assert [r.train_s for r in handed_back] == pytest.approx([0.25] * 7, rel=1e-3)
+    assert [r.waited_s for r in handed_back] == pytest.approx([0.0] * 7, abs=1e-4)
+
+
 @pytest.mark.parametrize("decode_step_s, train_s", [(0.01, 0.3), (0.05, 0.1)])
 def test_a_continuous_inbox_changes_nothing_without_drops(decode_step_s, train_s):
     # simulate.trainer_inbox = 'continuous' (a rollout controller that admits on its own, as for
@@ -354,6 +377,19 @@ def test_a_runs_generator_idle_counts_the_time_it_was_blocked(tmp_path):
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in records))
     assert read_run(run_dir, 2).generator_idle_frac == pytest.approx(before)
     assert before > 0.05
+
+
+def test_a_run_from_before_the_scoring_rule_is_calibrated_under_the_rule_it_ran(tmp_path):
+    # the trainer borrowed the generator's threads through the scoring until 2026-12-06: a run
+    # whose config.json has no pipeline.lend_while_scoring is simulated that way, not by the default
+    from gapless.simulate.calibrate import read_run
+
+    run_dir = simulated_runs(tmp_path, heavy_costs(), (1,))[0]
+    config = json.loads((run_dir / "config.json").read_text())
+    assert read_run(run_dir, 2).cfg.pipeline.lend_while_scoring is False  # written by today's code: the default
+    del config["pipeline"]["lend_while_scoring"]
+    (run_dir / "config.json").write_text(json.dumps(config))
+    assert read_run(run_dir, 2).cfg.pipeline.lend_while_scoring is True
 
 
 @pytest.mark.parametrize("decode_first", [True, False])

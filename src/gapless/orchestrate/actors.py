@@ -31,6 +31,7 @@ signal). No actor holds state worth keeping: the trainer's checkpoint is the run
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import queue
@@ -82,7 +83,7 @@ class ActorSpec:
     weights: SharedWeights | None = None  # a replica's own weight buffer (the placement's: SharedWeights locally)
     to_env: tuple = ()  # a replica's queues of ToScore, one per environment slot (env_actors.py)
     from_generators: tuple = ()  # the environment's: every replica's queue (restarts' included)
-    lending: LendingFlags | None = None  # the trainer borrows the generator's threads while it idles
+    lending: LendingFlags | None = None  # the trainer borrows the generator's threads while it idles and nothing is scored
     from_env: Any = None  # a replica's queue of NextTurns from the environment (multi-turn tasks only)
     to_generators: tuple = ()  # the environment's: every replica slot's NextTurns queue (multi-turn tasks)
     max_seq_len: int | None = None  # longest context to hold (an episode's); None: longest prompt + max_new_tokens
@@ -395,10 +396,11 @@ def _environment_loop(spec: ActorSpec) -> None:
     failures: list[str] = []
     cancelled: set[int] = set()  # groups the trainer cut: not scored if queued, not sent if scoring
     beat = lambda: spec.heartbeats.beat(spec.name)  # noqa: E731
+    busy = spec.lending.scoring if spec.lending is not None else contextlib.nullcontext  # no borrowing while it scores
 
     def score(item: ToScore) -> None:
         try:
-            with timeline.span("score", group=item.index):
+            with busy(), timeline.span("score", group=item.index):
                 rollouts = env.score_groups([tasks[item.task_index]], [item.completions])[0]
                 for attempt in range(cfg.pipeline.infra_retries):  # an outage is retried, never trained on
                     if not all(r.is_infra_failure for r in rollouts) or item.index in cancelled or spec.stop.is_set():

@@ -1,5 +1,6 @@
 """Core lending: with a staleness budget, the trainer borrows the generator's threads while the
-generator has nothing to decode, and hands them back when it has.
+generator has nothing to decode and the environment scores nothing, and hands them back when
+either needs the cores.
 
 With a budget the generator and the trainer run at once and split the cores (generator_threads +
 trainer_threads <= cores). On a small machine the trainer is then usually the bottleneck while the
@@ -11,16 +12,32 @@ work-conserving without oversubscribing the cores:
 - the generator raises `wants` before each decode step and lowers it when it goes idle or blocks
   on a full queue to the environment; before decoding it waits until the trainer has handed its
   threads back, at most `max_wait_s`;
-- the trainer, inside a training step (`TrainerLending.borrowing`), looks at the flag at every
+- an environment actor counts the groups it is scoring (`scoring()`): the sandbox's programs run
+  on the same cores, and a trainer team of two threads beside them is slower than one thread
+  (below); with `pipeline.lend_while_scoring = false` (the default) the trainer treats a busy
+  environment as a generator that wants its threads;
+- the trainer, inside a training step (`TrainerLending.borrowing`), looks at the flags at every
   decoder layer's forward and backward (a few ms apart): it takes the generator's threads when
-  they are not wanted and gives them back when they are; leaving the step gives them back.
+  nobody needs them and gives them back when somebody does; leaving the step gives them back.
+
+Why the environment counts: torch's threads meet at a barrier after every parallel region, and
+one preempted thread holds the rest. Measured on the 2-core AMD EPYC of docs/simulator.md
+(`bench/contention.py --part train-threads`, medians of 3 interleaved rounds), a training step
+of the default model took 106 ms on 2 threads and 187 ms on 1 alone, but 1,417 and 516 ms beside
+the sandbox's scoring: there the borrowed thread made the step 2.7x slower. In the pipeline
+(bench/pipeline.py's side-by-side `B:lend-scoring` cells, docs/performance.md) the rule was
+faster in 9 of 12 (workload, budget) cells, by 3-11%, and slower with the heavy tail at budgets
+2 and 4 (3% and 9%).
 
 Guaranteed: outside a training step the trainer runs on its own threads; the generator never
 waits longer than `max_wait_s` for its threads (after that it decodes anyway, and the two
 oversubscribe the cores until the trainer's next layer boundary); results do not change (only
 thread counts do; float sums may round differently with more threads).
 Not guaranteed: that borrowing pays. It does when the trainer is the bottleneck and the
-generator idles; `pipeline.lend_idle_cores = false` turns it off.
+generator idles; `pipeline.lend_idle_cores = false` turns it off. The environment's count covers
+a group's whole scoring, its waits without CPU included (a remote judge, `task.score_delay_s`):
+where scoring uses no local CPU, `pipeline.lend_while_scoring = true` lends through it. A
+multi-turn task's episodes (their tool calls) are not counted.
 """
 
 from __future__ import annotations
@@ -35,11 +52,14 @@ WAIT_POLL_S = 0.0002
 
 
 class LendingFlags:
-    """Two integers in shared memory: [generator wants its threads, trainer holds them].
-    Created by the trainer, handed to the generator process with its spec (picklable at spawn)."""
+    """Shared memory: [generator wants its threads, trainer holds them], and the number of groups
+    the environment actors are scoring (a counter with a lock: several processes and their
+    worker threads add to it). Created by the trainer, handed to the generator and environment
+    processes with their specs (picklable at spawn)."""
 
     def __init__(self, ctx):
         self._flags = ctx.Array("i", 2, lock=False)
+        self._scoring = ctx.Value("i", 0)
 
     # ---- generator side --------------------------------------------------------------------
     def want(self, max_wait_s: float) -> float:
@@ -56,10 +76,26 @@ class LendingFlags:
         """Nothing to decode: the trainer may borrow the threads."""
         self._flags[0] = 0
 
+    # ---- environment side ------------------------------------------------------------------
+    @contextmanager
+    def scoring(self) -> Iterator[None]:
+        """Around the scoring of one group: the sandbox's programs are on the cores meanwhile."""
+        with self._scoring.get_lock():
+            self._scoring.value += 1
+        try:
+            yield
+        finally:
+            with self._scoring.get_lock():
+                self._scoring.value -= 1
+
     # ---- trainer side ----------------------------------------------------------------------
     @property
     def wanted(self) -> bool:
         return bool(self._flags[0])
+
+    @property
+    def environment_busy(self) -> bool:
+        return self._scoring.value > 0
 
     def set_held(self, held: bool) -> None:
         self._flags[1] = int(held)
@@ -67,10 +103,11 @@ class LendingFlags:
 
 class TrainerLending:
     """The trainer's half: hooks on the policy's decoder layers that take or return the
-    generator's `lent_threads` on top of the trainer's `own_threads`."""
+    generator's `lent_threads` on top of the trainer's `own_threads`; `while_scoring`: borrow
+    also while the environment scores (pipeline.lend_while_scoring)."""
 
-    def __init__(self, flags: LendingFlags, own_threads: int, lent_threads: int):
-        self.flags, self.own, self.lent = flags, own_threads, lent_threads
+    def __init__(self, flags: LendingFlags, own_threads: int, lent_threads: int, while_scoring: bool = False):
+        self.flags, self.own, self.lent, self.while_scoring = flags, own_threads, lent_threads, while_scoring
         self.active = self.held = False
         self.checks = self.held_checks = 0  # for the borrowed fraction
 
@@ -92,10 +129,11 @@ class TrainerLending:
         self.check()
 
     def check(self) -> None:
-        """Take the lent threads if the generator does not want them; give them back if it does."""
+        """Take the lent threads if neither the generator nor (unless `while_scoring`) the
+        environment needs the cores; give them back if one does."""
         if not self.active:
             return
-        wanted = self.flags.wanted
+        wanted = self.flags.wanted or (not self.while_scoring and self.flags.environment_busy)
         if wanted and self.held:
             self._give_back()
         elif not wanted and not self.held:

@@ -164,7 +164,8 @@ class ProcessSource:
         self._publishing: _Replica | None = None
         self.lending: TrainerLending | None = None
         if pl.max_staleness > 0 and pl.lend_idle_cores and R == 1 and self.placement.kind == "local":
-            self.lending = TrainerLending(LendingFlags(self.ctx), pl.trainer_threads_resolved, pl.generator_threads_resolved)
+            self.lending = TrainerLending(LendingFlags(self.ctx), pl.trainer_threads_resolved, pl.generator_threads_resolved,
+                                          pl.lend_while_scoring)
             trained = trained_model.get_base_model() if trained_model is not None else policy.model
             if not self.lending.install(trained):
                 self.lending = None  # no decoder layer list to hook: nothing to lend at
@@ -320,7 +321,7 @@ class ProcessSource:
         slot = self.envs.started
         name = self.envs.names[slot]
         spec = self._spec(name, inbox=self.placement.channel(), from_generators=tuple(self.to_env[slot]),
-                          to_generators=tuple(self.to_replica))
+                          to_generators=tuple(self.to_replica), lending=self.lending.flags if self.lending else None)
         self.envs.start(spec)
         self.heartbeats.starting(name)
         if name not in self.watch.actors:

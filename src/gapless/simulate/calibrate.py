@@ -100,6 +100,8 @@ def read_run(path: str | Path, cores: int) -> Measured:
     reference = "perf/generate_s" in steps[0]
     measured = steps[1:]
     raw.pop("simulate", None)
+    # a run from before pipeline.lend_while_scoring existed lent the trainer its cores through the scoring
+    raw.setdefault("pipeline", {}).setdefault("lend_while_scoring", True)
     cfg = Config.model_validate(raw)
     sim = cfg.simulate.model_copy(update={"placement": "shared", "cores": cores, "steps": len(steps),
                                           "reference_loop": reference, "timeline_steps": 0})

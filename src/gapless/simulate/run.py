@@ -163,6 +163,7 @@ class Simulation:
         self.pool = SharedPool.for_costs(cores, costs) if self.shared else DedicatedPool()
         self.gen_threads, self.trainer_threads = resolved_threads(cfg, cores) if self.shared else (1, 1)
         self.lends = self.shared and self.s > 0 and pl.lend_idle_cores and not self.reference
+        self.lend_while_scoring = pl.lend_while_scoring  # else the trainer lends only while no group is being scored
         uids = [f"task-{i}" for i in range(cfg.task.num_train_prompts)]
         task_rng = random.Random(f"{cfg.seed}-tasks")
         self.pass_rate = [task_rng.random() for _ in uids]
@@ -251,11 +252,16 @@ class Simulation:
         self._arm_partial()
 
     def _replica_busy(self, rid: int, busy: bool) -> None:
+        self._lending_changed()
+
+    def _lending_changed(self) -> None:
         if self.lends and self.work is not None and not self.work.finished:
             self.work.set_cap(self._trainer_cap())
 
     def _trainer_cap(self) -> float:
-        if self.lends and not any(r.is_busy for r in self.replicas):
+        """The trainer's threads: the generator's too while no replica decodes and (unless
+        pipeline.lend_while_scoring) no group is being scored, as orchestrate/lending.py lends them."""
+        if self.lends and not any(r.is_busy for r in self.replicas) and (self.lend_while_scoring or not self.scoring):
             return self.trainer_threads + self.gen_threads
         return self.trainer_threads
 
@@ -273,6 +279,7 @@ class Simulation:
         while self.env_queue and self.scoring < self.workers:
             group = self.env_queue.popleft()
             self.scoring += 1
+            self._lending_changed()
             worker = self.free_workers.pop()
             wait = self.cfg.task.score_delay_s + self.costs.env.sample_wait(self.rng)
             self.loop.after(wait, lambda g=group, w=worker, t=self.loop.now: self._score_cpu(g, w, t))
@@ -302,6 +309,7 @@ class Simulation:
 
     def _scored(self, group: SimGroup, worker: int, start: float) -> None:
         self.scoring -= 1
+        self._lending_changed()
         self.free_workers.append(worker)
         self.score_sum += self.loop.now - start
         self.score_n += 1
