@@ -26,8 +26,8 @@ one preempted thread holds the rest. Measured on the 2-core AMD EPYC of docs/sim
 of the default model took 106 ms on 2 threads and 187 ms on 1 alone, but 1,417 and 516 ms beside
 the sandbox's scoring: there the borrowed thread made the step 2.7x slower. In the pipeline
 (bench/pipeline.py's side-by-side `B:lend-scoring` cells, docs/performance.md) the rule was
-faster in 9 of 12 (workload, budget) cells, by 3-11%, and slower with the heavy tail at budgets
-2 and 4 (3% and 9%).
+faster in 9 of 12 (workload, budget) cells, by up to 11% (under 2% in two), level in one, and
+slower with the heavy tail at budgets 2 and 4 (3% and 9%).
 
 Guaranteed: outside a training step the trainer runs on its own threads; the generator never
 waits longer than `max_wait_s` for its threads (after that it decodes anyway, and the two
