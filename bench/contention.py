@@ -116,27 +116,35 @@ def train_forever(stop, go, times) -> None:
     import torch
 
     torch.set_num_threads(1)
-    model = build_model()[1].model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    ids = torch.randint(0, 100, (32, 64), generator=torch.Generator().manual_seed(0))
+    model, optimizer, ids = training_setup()
     go.wait()
     while not stop.is_set():
-        start = time.perf_counter()
-        model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        times.append(time.perf_counter() - start)
+        times.append(train_step(model, optimizer, ids))
+
+
+def training_setup():
+    """The decode's model, AdamW and a batch of 32 x 64 token ids."""
+    import torch
+
+    model = build_model()[1].model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    return model, optimizer, torch.randint(0, 100, (32, 64), generator=torch.Generator().manual_seed(0))
+
+
+def train_step(model, optimizer, ids) -> float:
+    """One training step (forward, backward, AdamW); its wall seconds."""
+    start = time.perf_counter()
+    model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return time.perf_counter() - start
 
 
 def train_steps(model, optimizer, ids, seconds: float) -> list[float]:
-    """Training steps (forward, backward, AdamW) for `seconds`; each one's wall time."""
+    """Training steps for `seconds`; each one's wall time."""
     out, end = [], time.perf_counter() + seconds
     while time.perf_counter() < end:
-        start = time.perf_counter()
-        model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        out.append(time.perf_counter() - start)
+        out.append(train_step(model, optimizer, ids))
     return out
 
 
@@ -144,9 +152,7 @@ def part_train_threads(args) -> dict:
     """A training step on 1 and 2 threads, alone and beside the sandbox, rounds interleaved."""
     import torch
 
-    model = build_model()[1].model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    ids = torch.randint(0, 100, (32, 64), generator=torch.Generator().manual_seed(0))
+    model, optimizer, ids = training_setup()
     threads = [int(t) for t in args.threads.split(",")]
     ctx = mp.get_context("spawn")
     ms: dict[int, dict[str, list[float]]] = {t: {"alone": [], "beside": []} for t in threads}

@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from gapless.simulate.calibrate import lent_while_scoring
 from gapless.timeline import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,7 +140,7 @@ def read_run(run_dir: Path, workload: str, budget: str, busy: "BusySampler | Non
         "weight_push_s": mean("perf/weight_push_s"),
         "score_span_s": statistics.mean(spans) if spans else None,  # the reference loop scores in-process: none
         "busy_cores": busy.cores_between(all_steps[0]["time"], all_steps[-1]["time"]) if busy else None,
-        "lend_while_scoring": config["pipeline"].get("lend_while_scoring", True),  # absent: a run from before the field
+        "lend_while_scoring": lent_while_scoring(config),
     }  # fmt: skip
 
 

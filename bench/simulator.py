@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from gapless.config import load_config  # noqa: E402
 from gapless.simulate import resolve_costs  # noqa: E402
+from gapless.simulate.calibrate import lent_while_scoring  # noqa: E402
 from gapless.simulate.costs import Costs, EnvCost, GenerationCost, LengthModel, RelayCost, TrainerCost  # noqa: E402
 from gapless.simulate.rounds import simulate_rounds  # noqa: E402
 from gapless.simulate.run import Simulation  # noqa: E402
@@ -135,7 +136,11 @@ def measured_cells(measured: dict) -> dict:
 def bench_runs(path: str) -> dict:
     """The last JSON line of bench/pipeline.py: runs[workload][budget] -> figures."""
     lines = [line for line in Path(path).read_text().splitlines() if line.startswith("{")]
-    return json.loads(lines[-1])["runs"]
+    runs = json.loads(lines[-1])["runs"]
+    for cells in runs.values():
+        for cell in cells.values():  # a run from before bench/pipeline.py recorded it: the rule then
+            cell["lend_while_scoring"] = bool(cell.get("lend_while_scoring", True))
+    return runs
 
 
 def not_decoding(cell: dict) -> float:
@@ -151,7 +156,7 @@ def from_bench_json(path: str) -> dict:
                 "trainer_idle": [runs[w][b]["trainer_idle_frac"] for b in BUDGETS],
                 "generator_idle": [not_decoding(runs[w][b]) for b in BUDGETS],
                 "score_span": [runs[w][b].get("score_span_s") for b in BUDGETS],  # None: not measured
-                "lend_while_scoring": [bool(runs[w][b].get("lend_while_scoring", True)) for b in BUDGETS]} for w in runs}
+                "lend_while_scoring": [runs[w][b]["lend_while_scoring"] for b in BUDGETS]} for w in runs}
 
 
 def mean_of_runs(paths: list[str]) -> dict:
@@ -164,12 +169,12 @@ def mean_of_runs(paths: list[str]) -> dict:
     for workload in runs[0]:
         out[workload] = {}
         for key in runs[0][workload]:
-            columns = zip(*(run[workload][key] for run in runs))
+            columns = list(zip(*(run[workload][key] for run in runs)))
             if key == "ms":
                 out[workload][key] = [math.exp(sum(math.log(v) for v in col) / len(col)) for col in columns]
             elif key == "lend_while_scoring":
                 out[workload][key] = [col[0] for col in columns]
-                if any(len(set(col)) > 1 for col in zip(*(run[workload][key] for run in runs))):
+                if any(len(set(col)) > 1 for col in columns):
                     raise SystemExit(f"--measured: the runs' {workload} cells were measured with different "
                                      "pipeline.lend_while_scoring; average runs of one rule")
             else:
@@ -394,7 +399,7 @@ def part_builtin(path: str, costs: Costs | None = None, rounds: int = 1, jitter:
         budget, _, option = label.partition(":")  # an admission mode, or lend-scoring (recorded in the cell)
         return simulate_cell(costs, workload, budget, admit=option if option in ("on", "off", "auto") else "auto",
                              rounds=rounds, jitter=jitter,
-                             lend_while_scoring=bool(measured.get("lend_while_scoring", True)))
+                             lend_while_scoring=measured["lend_while_scoring"])
 
     return compare(path, predict)
 
@@ -480,7 +485,7 @@ def part_phases(runs_dir: str, costs: Costs | None = None) -> dict:
             dirs = sorted(Path(runs_dir).glob(f"{workload}-b{budget}-*"))
             measured, lend = [], True
             for run_dir in dirs:
-                lend = json.loads((run_dir / "config.json").read_text())["pipeline"].get("lend_while_scoring", True)
+                lend = lent_while_scoring(json.loads((run_dir / "config.json").read_text()))
                 steps = json.loads((run_dir / "summary.json").read_text())["steps"]
                 records = read_records(run_dir)
                 measured.append(busy_per_step([(r["actor"], r["name"], r["start"], r["end"]) for r in records], steps))

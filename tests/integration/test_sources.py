@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -101,8 +102,6 @@ def test_the_environment_actor_counts_the_groups_it_scores_for_the_trainers_lend
     """With core lending (budget 1, one local replica), the environment process raises the shared
     scoring count around each group it scores (orchestrate/lending.py): seen from the trainer's
     process during a take, it rises and never exceeds the environment's workers."""
-    import threading
-
     loop = _loop(tmp_path, warm_cache, "process", 1)
     source = loop.source
     assert source.lending is not None and not source.lending.while_scoring  # the default: no lending while scoring

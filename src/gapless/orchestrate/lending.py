@@ -95,7 +95,7 @@ class LendingFlags:
 
     @property
     def environment_busy(self) -> bool:
-        return self._scoring.value > 0
+        return self._scoring.get_obj().value > 0  # an aligned int read: no lock on the layer-check path
 
     def set_held(self, held: bool) -> None:
         self._flags[1] = int(held)

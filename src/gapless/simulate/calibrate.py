@@ -86,6 +86,12 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+def lent_while_scoring(config: dict) -> bool:
+    """`pipeline.lend_while_scoring` of a run's config.json. A run from before the field existed
+    lent the trainer the generator's cores through the scoring (orchestrate/lending.py)."""
+    return bool(config.get("pipeline", {}).get("lend_while_scoring", True))
+
+
 def read_run(path: str | Path, cores: int) -> Measured:
     path = Path(path)
     try:
@@ -100,8 +106,7 @@ def read_run(path: str | Path, cores: int) -> Measured:
     reference = "perf/generate_s" in steps[0]
     measured = steps[1:]
     raw.pop("simulate", None)
-    # a run from before pipeline.lend_while_scoring existed lent the trainer its cores through the scoring
-    raw.setdefault("pipeline", {}).setdefault("lend_while_scoring", True)
+    raw.setdefault("pipeline", {})["lend_while_scoring"] = lent_while_scoring(raw)  # the rule it ran, not today's default
     cfg = Config.model_validate(raw)
     sim = cfg.simulate.model_copy(update={"placement": "shared", "cores": cores, "steps": len(steps),
                                           "reference_loop": reference, "timeline_steps": 0})
