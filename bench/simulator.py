@@ -1,7 +1,7 @@
 """The capacity simulator against measurements: bench/pipeline.py's cells, published async
 speed-ups, and the speed of a 1,000-GPU simulation.
 
-    PYTHONPATH=src python bench/simulator.py [--part error,builtin,agreement,phases,published,scale] [--measured FILE]
+    PYTHONPATH=src python bench/simulator.py [--part error,builtin,agreement,phases,waits,published,scale] [--measured FILE]
                                              [--lengths-from RUN_DIR] [--runs-dir DIR] [--scale-steps 10000]
 
 error      calibrate on some (workload, budget) cells of bench/pipeline.py, predict the others:
@@ -36,6 +36,9 @@ agreement  one real run against another (--measured FILE --other FILE): the othe
 phases     where each cell's time goes, measured against simulated: the generator's decode and the
            trainer's training seconds per step, from the timelines a `bench/pipeline.py --keep DIR`
            run left (--runs-dir DIR; median of its rounds) and from the simulation of the cell.
+waits      in how many steps after the first the trainer waited (more than 5% of the step), in each
+           round of the --keep runs (--runs-dir A,B) and in the simulation of every pipelined cell:
+           whether a cell's rounds settle into one rhythm, as one simulation does, or switch.
 published  AReaL (1.5B and 7B, 1,000 PPO steps) and PipelineRL setups from their papers and
            READMEs (docs/simulator.md has the sources): the simulator's async/sync time ratio
            against the reported speed-up, with roofline costs of an H800/H100.
@@ -504,6 +507,41 @@ def part_phases(runs_dir: str, costs: Costs | None = None) -> dict:
     return {"runs_dir": runs_dir, "cells": rows}
 
 
+WAITED = 0.05  # a step in which the trainer waited more than this share of it counts as a wait
+
+
+def part_waits(runs_dirs: list[str], costs: Costs | None = None) -> dict:
+    """In how many steps after the first the trainer waited, in each real round of every pipelined
+    cell (the `bench/pipeline.py --keep DIR` runs' metrics) and in the cell's simulation. A cell
+    whose rounds settle into one rhythm (bursts: the trainer waits every few steps; a trickle: it
+    never does) waits alike in every round; a cell whose rounds switch between the two within a
+    round lands between the two rhythms' idle figures, which one simulation, in one rhythm, does not."""
+    from gapless.simulate import MACHINE_COSTS
+
+    costs = costs or MACHINE_COSTS
+    rows = []
+    for workload in WORKLOADS:
+        for budget in BUDGETS[2:]:
+            measured, rules = [], set()
+            for run_dir in sorted(d for runs in runs_dirs for d in Path(runs).glob(f"{workload}-b{budget}-*")):
+                rules.add(lent_while_scoring(json.loads((run_dir / "config.json").read_text())))
+                lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+                steps = [row for row in map(json.loads, lines) if "perf/trainer_idle_frac" in row][1:]
+                measured.append(sum(row["perf/trainer_idle_frac"] > WAITED for row in steps))
+            if not measured:
+                continue
+            if len(rules) > 1:
+                raise SystemExit(f"--runs-dir: the {workload} budget-{budget} rounds ran under different "
+                                 "pipeline.lend_while_scoring; give runs of one rule")
+            result = run_cell(costs, workload, budget, lend_while_scoring=rules.pop())
+            simulated = sum(step.waited_s > WAITED * step.step_s for step in result.steps[1:])
+            rows.append({"workload": workload, "budget": budget, "steps": STEPS - 1, "measured": measured,
+                         "predicted": simulated})
+            print(f"{workload:<14} {budget:>3}  steps waited of {STEPS - 1}: rounds {' '.join(map(str, measured))}"
+                  f"  simulated {simulated}", flush=True)
+    return {"runs_dirs": runs_dirs, "cells": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", default="error,published,scale")
@@ -535,10 +573,11 @@ def main() -> None:
     parser.add_argument("--start", default=None,
                         help="error part: start the fit at these costs (JSON from --write-costs): a restart")
     parser.add_argument("--write-costs", default=None, help="error part: write the fitted costs (JSON) here")
-    parser.add_argument("--costs", default=None, help="builtin and phases parts: these costs (JSON), not the built-in ones")
+    parser.add_argument("--costs", default=None, help="builtin, phases and waits parts: these costs (JSON), not the built-in ones")
     parser.add_argument("--other", default=None,
                         help="agreement part: another bench/pipeline.py run's output, used as the prediction")
-    parser.add_argument("--runs-dir", default=None, help="phases part: the folder of a bench/pipeline.py --keep run")
+    parser.add_argument("--runs-dir", default=None, help="phases part: the folder of a bench/pipeline.py --keep run; "
+                                                         "waits part: one or several, comma-separated")
     parser.add_argument("--rounds", type=int, default=1,
                         help="builtin and error parts: predict each figure as the median of this many simulations "
                              "with jittered costs")
@@ -579,6 +618,10 @@ def main() -> None:
         if not args.runs_dir:
             parser.error("--part phases needs --runs-dir: the folder a bench/pipeline.py --keep run filled")
         figures["phases"] = part_phases(args.runs_dir, Costs.load(args.costs) if args.costs else None)
+    if "waits" in parts:
+        if not args.runs_dir:
+            parser.error("--part waits needs --runs-dir: the folders bench/pipeline.py --keep runs filled, comma-separated")
+        figures["waits"] = part_waits(args.runs_dir.split(","), Costs.load(args.costs) if args.costs else None)
     if "published" in parts:
         figures["published"] = part_published(args.published_steps, args.decode_step_overhead_s)
     if "scale" in parts:
