@@ -29,7 +29,9 @@ instead: generation, then scoring of the whole step, then training, each with ev
 Guaranteed: the ledger and staleness invariants are those of the real buffer (tested with
 `check_ledger`); a simulation is deterministic for a config, costs and seed.
 Not guaranteed: evaluation, checkpoints and actor start-up are not simulated; the environment's
-outbound queue is unbounded (the real one holds 2 P groups).
+outbound queue is unbounded (the real one holds 2 P groups); a training step costs the same for
+the same tokens, so where real rounds switch between two rhythms (bursts and a trickle) within a
+round, one simulation keeps to one of them (docs/simulator.md).
 """
 
 from __future__ import annotations
