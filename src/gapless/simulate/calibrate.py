@@ -113,20 +113,20 @@ def read_run(path: str | Path, cores: int) -> Measured:
     cfg = cfg.model_copy(update={"simulate": sim})
     samples = cfg.loop.prompts_per_step * cfg.generator.group_size
     total = sum(m["perf/step_s"] for m in measured)
+    # seconds of each step the generator did not decode: idle, or blocked on the environment's queue
+    not_decoding = [(m.get("perf/generator_idle_frac", 0) + m.get("perf/generator_blocked_frac", 0)) * m["perf/step_s"]
+                    for m in measured]
     if reference:
         gen_busy = [m["perf/generate_s"] for m in measured]
         score = [m["perf/score_s"] for m in measured]
     else:
-        gen_busy = [(1 - m.get("perf/generator_idle_frac", 0) - m.get("perf/generator_blocked_frac", 0)) * m["perf/step_s"]
-                    for m in measured]
+        gen_busy = [m["perf/step_s"] - idle for m, idle in zip(measured, not_decoding)]
         start = measured[0]["time"] - measured[0]["perf/step_s"]
         score = [s["end"] - s["start"] for s in read_records(path)
                  if s.get("actor") == "env" and s.get("name") == "score" and s["start"] >= start]
     return Measured(
         path.name, cfg, len(steps), total / (len(measured) * samples),
-        sum(m["perf/trainer_idle_frac"] * m["perf/step_s"] for m in measured) / total,
-        sum((m.get("perf/generator_idle_frac", 0) + m.get("perf/generator_blocked_frac", 0)) * m["perf/step_s"]
-            for m in measured) / total,
+        sum(m["perf/trainer_idle_frac"] * m["perf/step_s"] for m in measured) / total, sum(not_decoding) / total,
         _mean([m["perf/train_s"] for m in measured]), _mean(gen_busy), _mean(score),
         _mean([m.get("perf/weight_push_s", 0.0) for m in measured]),
         _mean([m["rollout/completion_len_mean"] for m in measured]), _mean([m["rollout/truncated_frac"] for m in measured]),
@@ -231,11 +231,9 @@ def run_error(run: Measured, costs: Costs) -> float:
     squared errors of the trainer's idle share and of the share of time the generator is not
     decoding (idle or blocked)."""
     predicted = simulate_run(run, costs, lengths_of(run))
-    step_s = run.s_per_sample * run.cfg.loop.prompts_per_step * run.cfg.generator.group_size
-    not_decoding = 1 - run.gen_busy_s / step_s if step_s > 0 else 0.0
     return (math.log(predicted["s_per_sample"] / run.s_per_sample) ** 2
             + (predicted["trainer_idle_frac"] - run.trainer_idle_frac) ** 2
-            + (predicted["generator_idle_frac"] - not_decoding) ** 2)
+            + (predicted["generator_idle_frac"] - run.generator_idle_frac) ** 2)
 
 
 def compare(run: Measured, costs: Costs) -> dict:
