@@ -472,6 +472,17 @@ def busy_per_step(spans, steps: int) -> dict[str, float]:
     return {k: v / steps for k, v in out.items()}
 
 
+def cell_rounds(runs_dirs: list[str], workload: str, budget: str) -> tuple[list[Path], bool]:
+    """The round directories of one plain cell in `bench/pipeline.py --keep` folders, and the
+    pipeline.lend_while_scoring they ran under (one rule: rounds of different rules are an error)."""
+    dirs = sorted(d for runs in runs_dirs for d in Path(runs).glob(f"{workload}-b{budget}-*"))
+    rules = {lent_while_scoring(json.loads((d / "config.json").read_text())) for d in dirs}
+    if len(rules) > 1:
+        raise SystemExit(f"--runs-dir: the {workload} budget-{budget} rounds ran under different "
+                         "pipeline.lend_while_scoring; give runs of one rule")
+    return dirs, rules.pop() if rules else True
+
+
 def part_phases(runs_dir: str, costs: Costs | None = None) -> dict:
     """Where each cell's time goes, measured against simulated: the generator's decode seconds and
     the trainer's training seconds per step, from the timelines a `bench/pipeline.py --keep DIR`
@@ -485,10 +496,9 @@ def part_phases(runs_dir: str, costs: Costs | None = None) -> dict:
     rows = []
     for workload in WORKLOADS:
         for budget in BUDGETS[1:]:  # the reference loop keeps no generator timeline
-            dirs = sorted(Path(runs_dir).glob(f"{workload}-b{budget}-*"))
-            measured, lend = [], True
+            dirs, lend = cell_rounds([runs_dir], workload, budget)
+            measured = []
             for run_dir in dirs:
-                lend = lent_while_scoring(json.loads((run_dir / "config.json").read_text()))
                 steps = json.loads((run_dir / "summary.json").read_text())["steps"]
                 records = read_records(run_dir)
                 measured.append(busy_per_step([(r["actor"], r["name"], r["start"], r["end"]) for r in records], steps))
@@ -522,18 +532,15 @@ def part_waits(runs_dirs: list[str], costs: Costs | None = None) -> dict:
     rows = []
     for workload in WORKLOADS:
         for budget in BUDGETS[2:]:
-            measured, rules = [], set()
-            for run_dir in sorted(d for runs in runs_dirs for d in Path(runs).glob(f"{workload}-b{budget}-*")):
-                rules.add(lent_while_scoring(json.loads((run_dir / "config.json").read_text())))
+            dirs, lend = cell_rounds(runs_dirs, workload, budget)
+            measured = []
+            for run_dir in dirs:
                 lines = (run_dir / "metrics.jsonl").read_text().splitlines()
                 steps = [row for row in map(json.loads, lines) if "perf/trainer_idle_frac" in row][1:]
                 measured.append(sum(row["perf/trainer_idle_frac"] > WAITED for row in steps))
             if not measured:
                 continue
-            if len(rules) > 1:
-                raise SystemExit(f"--runs-dir: the {workload} budget-{budget} rounds ran under different "
-                                 "pipeline.lend_while_scoring; give runs of one rule")
-            result = run_cell(costs, workload, budget, lend_while_scoring=rules.pop())
+            result = run_cell(costs, workload, budget, lend_while_scoring=lend)
             simulated = sum(step.waited_s > WAITED * step.step_s for step in result.steps[1:])
             rows.append({"workload": workload, "budget": budget, "steps": STEPS - 1, "measured": measured,
                          "predicted": simulated})
