@@ -191,6 +191,20 @@ def test_groups_scored_at_once_share_the_sandboxs_slots():
     assert ends[2] - ends[1] == pytest.approx(2.0, abs=0.01)
 
 
+@pytest.mark.parametrize("runnable,seconds", [(1.0, 2.0), (0.5, 4.0), (0.25, 8.0)])
+def test_sandbox_programs_count_for_the_share_of_them_runnable(runnable, seconds):
+    # The test above with the sandbox's programs counted at a share of their threads (costs.py
+    # sandbox_runnable): the 2 slots count for 2 x runnable threads, so 1 s of CPU per group
+    # takes 1 / runnable s, and the step's 2 rounds of 2 groups 2 / runnable s, even with cores
+    # to spare.
+    shared = {"simulate.placement": '"shared"', "simulate.cores": "16", "sandbox.concurrency": "2",
+              "pipeline.env_workers": "2"}
+    costs = replace(constant_costs(1e-4, 1e-4), env=EnvCost(cpu_s=1.0, cpu_sigma=0.0), parallel_efficiency=1.0,
+                    sandbox_runnable=runnable)
+    ends = [r.end_s for r in Simulation(config(0, steps=3, **shared), costs).run().steps]
+    assert ends[2] - ends[1] == pytest.approx(seconds, abs=0.01)
+
+
 @pytest.mark.parametrize("barrier_teams,ends", [(False, (1.0, 1.0)), (True, (1.25, 1.0))])
 def test_an_openmp_team_runs_at_one_threads_share_on_oversubscribed_cores(barrier_teams, ends):
     # 2 cores, perfect scaling: a 2-thread team (decode) and 2 sandbox programs, 1 s of work each at

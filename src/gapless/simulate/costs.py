@@ -8,7 +8,11 @@ at speed `speed(x) = min(x, 1) + parallel_efficiency * max(x - 1, 0)`; with `bar
 (CPU cores) a multi-threaded decode or training step runs at one thread's share while the cores
 are oversubscribed (keeping `barrier_efficiency` of that share), every job keeps
 `contention_efficiency` of its speed while the pool is oversubscribed, and with `decode_first` a
-one-thread decode runs at its speed alone while the others share the rest (pool.py).
+one-thread decode runs at its speed alone while the others share the rest (pool.py). On a shared
+pool the sandbox's programs count for `sandbox_runnable` x their number (1.0: each a thread that
+is always runnable; fitted below 1 where the scheduler gives them less than that, as it does on
+this project's 2-core machine: docs/simulator.md; that they block on process start-up and pipes
+is the likely reason, not a measured one).
 
     decode step with b running sequences   step_s + row_s * b                (continuous batching)
     prefill of n tokens                     prefill_token_s * n
@@ -16,9 +20,11 @@ one-thread decode runs at its speed alone while the others share the rest (pool.
                                             truncated_frac, else lognormal(mean, sigma) below the cap
     scoring one group                       cpu_s on the pool (shared; its G programs use up to
                                             min(G, sandbox.concurrency) cores, the groups scored at
-                                            once sandbox.concurrency in all; lognormal across
-                                            groups with mean cpu_s, shape cpu_sigma) + a wait with no CPU,
-                                            lognormal through (wait_p50_s, wait_p99_s)
+                                            once sandbox.concurrency in all, each times
+                                            sandbox_runnable, the share of the programs runnable at
+                                            a time; lognormal across groups with mean cpu_s, shape
+                                            cpu_sigma) + a wait with no CPU, lognormal through
+                                            (wait_p50_s, wait_p99_s)
     training step on T token positions      step_s + token_s * T, T the step's rows (prompt_tokens +
                                             response) cut into micro-batches as the trainer cuts
                                             them, each padded to its longest row (micro_batches.py)
@@ -133,6 +139,7 @@ class Costs:
     decode_first: bool = False  # shared placement on CPU cores: a one-thread decode is served first (pool.py)
     barrier_efficiency: float = 1.0  # with barrier_teams: share of one thread's speed an oversubscribed team keeps
     contention_efficiency: float = 1.0  # shared placement: share of its speed every job keeps while the pool is oversubscribed
+    sandbox_runnable: float = 1.0  # shared placement: share of their threads the sandbox's programs count for (run.py)
 
     def check(self) -> "Costs":
         for part in (self.generation, self.lengths, self.trainer, self.env, self.relay):
@@ -142,7 +149,7 @@ class Costs:
                     raise ValueError(f"cost {type(part).__name__}.{f.name} = {value} must be finite and >= 0")
         if self.generation.step_s + self.generation.row_s <= 0 or self.trainer.token_s + self.trainer.step_s <= 0:
             raise ValueError("generation and training costs must not both be zero: the simulation would not advance")
-        for name in ("parallel_efficiency", "barrier_efficiency", "contention_efficiency"):
+        for name in ("parallel_efficiency", "barrier_efficiency", "contention_efficiency", "sandbox_runnable"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"cost {name} = {getattr(self, name)} must be in (0, 1]")
         return self
@@ -157,7 +164,8 @@ class Costs:
                    EnvCost(**data.get("env", {})), RelayCost(**data.get("relay", {})),
                    data.get("prompt_tokens", 32), data.get("parallel_efficiency", 1.0), data.get("source", "given"),
                    data.get("barrier_teams", False), data.get("decode_first", False),
-                   data.get("barrier_efficiency", 1.0), data.get("contention_efficiency", 1.0)).check()
+                   data.get("barrier_efficiency", 1.0), data.get("contention_efficiency", 1.0),
+                   data.get("sandbox_runnable", 1.0)).check()
 
     @classmethod
     def load(cls, path: str | Path) -> "Costs":

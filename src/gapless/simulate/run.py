@@ -183,8 +183,10 @@ class Simulation:
         self.where: dict[int, Replica] = {}  # group index -> its replica
         self.gen_version = 0
         self.workers = min(pl.env_workers, cfg.sandbox.concurrency)
-        self.score_cap = float(min(self.G, cfg.sandbox.concurrency))
-        self.sandbox_slots = float(cfg.sandbox.concurrency)  # shared by every group being scored
+        # the threads the scoring counts for on a shared pool: its programs, less the share of them blocked
+        runnable = costs.sandbox_runnable if self.shared else 1.0
+        self.score_cap = min(self.G, cfg.sandbox.concurrency) * runnable
+        self.sandbox_slots = cfg.sandbox.concurrency * runnable  # shared by every group being scored
         self.cpu_works: list[Work] = []  # the groups in their CPU phase
         self.env_queue: deque[SimGroup] = deque()
         self.scoring = 0
