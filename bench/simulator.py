@@ -199,7 +199,7 @@ def costs_from(x: list[float], lengths: LengthModel, prompt_tokens: int, barrier
                  EnvCost(cpu_s=cpu_s, wait_p50_s=wait_s, wait_p99_s=wait_s),
                  RelayCost(latency_s=2e-4), prompt_tokens=prompt_tokens, parallel_efficiency=efficiency,
                  barrier_teams=barrier_teams, decode_first=decode_first, barrier_efficiency=unit(x[5]),
-                 contention_efficiency=unit(x[6])).check()
+                 contention_efficiency=unit(x[6]), sandbox_runnable=unit(x[7]) if len(x) > 7 else 1.0).check()
 
 
 def loss(costs: Costs, cells: dict, names) -> float:
@@ -216,11 +216,11 @@ def loss(costs: Costs, cells: dict, names) -> float:
     return total
 
 
-def point_of(costs: Costs) -> list[float]:
+def point_of(costs: Costs, runnable: bool = False) -> list[float]:
     """The fit's coordinates of costs (costs_from's inverse, up to the clamped efficiencies)."""
     return [math.log(costs.generation.row_s), math.log(costs.trainer.token_s), math.log(costs.env.cpu_s),
             costs.parallel_efficiency, math.log(costs.env.wait_p50_s), costs.barrier_efficiency,
-            costs.contention_efficiency]
+            costs.contention_efficiency] + ([costs.sandbox_runnable] if runnable else [])
 
 
 def nelder_mead(f, x0: list[float], step: list[float], iterations: int) -> list[float]:
@@ -253,7 +253,7 @@ def nelder_mead(f, x0: list[float], step: list[float], iterations: int) -> list[
 
 def part_error(measured: dict, lengths: LengthModel, prompt_tokens: int, iterations: int, barrier_teams: bool = True,
                calibration=CALIBRATION, decode_first: bool | None = True, rounds: int = 1, jitter: float = 0.0,
-               start: Costs | None = None, restarts: int = 0) -> dict:
+               start: Costs | None = None, restarts: int = 0, runnable: bool = False) -> dict:
     """Fit the costs to the calibration cells (one simulation each), then predict every cell (the
     median of `rounds` with jittered costs, when given). `decode_first` None: fit both decode
     rules and keep the one with the lower loss on the calibration cells. `start`: begin at these
@@ -261,10 +261,10 @@ def part_error(measured: dict, lengths: LengthModel, prompt_tokens: int, iterati
     that many times (its rule kept)."""
     cells = measured_cells(measured)
     calibration = list(cells) if calibration == "all" else calibration
-    x0 = [math.log(8e-5), math.log(7e-5), math.log(0.02), 0.9, math.log(0.005), 0.8, 0.95]
-    step = [0.3, 0.3, 0.6, 0.15, 1.0, 0.3, 0.1]
+    x0 = [math.log(8e-5), math.log(7e-5), math.log(0.02), 0.9, math.log(0.005), 0.8, 0.95] + ([1.0] if runnable else [])
+    step = [0.3, 0.3, 0.6, 0.15, 1.0, 0.3, 0.1] + ([-0.3] if runnable else [])  # into (0, 1]: the clamp is flat above
     if start is not None:
-        x0, decode_first = point_of(start), start.decode_first
+        x0, decode_first = point_of(start, runnable), start.decode_first
 
     def fit(start_x: list[float], rule: bool) -> tuple[float, Costs]:
         x = nelder_mead(lambda v: loss(costs_from(v, lengths, prompt_tokens, barrier_teams, rule), cells, calibration),
@@ -278,7 +278,7 @@ def part_error(measured: dict, lengths: LengthModel, prompt_tokens: int, iterati
         print(f"decode first {rule}: calibration loss {fits[-1][0]:.4f}", flush=True)
     costs = min(fits, key=lambda pair: pair[0])[1]
     for restart in range(restarts):
-        value, costs = fit(point_of(costs), costs.decode_first)
+        value, costs = fit(point_of(costs, runnable), costs.decode_first)
         print(f"restart {restart + 1}: calibration loss {value:.4f}", flush=True)
     rows = []
     for (workload, budget), want in cells.items():
@@ -413,8 +413,10 @@ def part_agreement(path: str, other: str) -> dict:
     moves this much between runs."""
     runs = bench_runs(other)
 
-    def predict(workload: str, label: str, measured: dict) -> dict:
-        cell = runs[workload][label]
+    def predict(workload: str, label: str, measured: dict) -> dict | None:
+        cell = runs.get(workload, {}).get(label)
+        if cell is None:  # a cell the other run did not measure (another --budgets list)
+            return None
         return {"s_per_sample": cell["s_per_sample"], "trainer_idle_frac": cell["trainer_idle_frac"],
                 "generator_idle_frac": not_decoding(cell)}
 
@@ -423,11 +425,14 @@ def part_agreement(path: str, other: str) -> dict:
 
 def compare(path: str, predict) -> dict:
     """Every cell of a bench/pipeline.py run against `predict(workload, label, measured cell)` (a summary with
-    s_per_sample and the idle fractions); prints each cell and the counts within the issue's bars."""
+    s_per_sample and the idle fractions, or None to leave the cell out); prints each cell and the
+    counts within the issue's bars."""
     rows = []
     for workload, cells in bench_runs(path).items():
         for label, want in cells.items():
             got = predict(workload, label, want)
+            if got is None:
+                continue
             row = {"workload": workload, "budget": label, "measured_ms": want["s_per_sample"] * 1e3,
                    "predicted_ms": got["s_per_sample"] * 1e3,
                    "measured_trainer_idle": want["trainer_idle_frac"], "predicted_trainer_idle": got["trainer_idle_frac"],
@@ -579,6 +584,9 @@ def main() -> None:
                         help="error part: fit again from the result this many times (a fresh simplex each time)")
     parser.add_argument("--start", default=None,
                         help="error part: start the fit at these costs (JSON from --write-costs): a restart")
+    parser.add_argument("--fit-sandbox-runnable", action="store_true",
+                        help="error part: fit the share of the sandbox's programs runnable at a time as an eighth "
+                             "parameter (costs.py sandbox_runnable; 1.0 otherwise)")
     parser.add_argument("--write-costs", default=None, help="error part: write the fitted costs (JSON) here")
     parser.add_argument("--costs", default=None, help="builtin, phases and waits parts: these costs (JSON), not the built-in ones")
     parser.add_argument("--other", default=None,
@@ -608,7 +616,7 @@ def main() -> None:
                                          "all" if args.calibrate_all else CALIBRATION,
                                          None if args.choose_decode_rule else not args.fair_decode,
                                          args.rounds, args.jitter, Costs.load(args.start) if args.start else None,
-                                         args.restarts)}
+                                         args.restarts, args.fit_sandbox_runnable)}
         figures["error"]["lengths"].pop("_quantiles", None)
         if args.write_costs:
             Path(args.write_costs).write_text(json.dumps(figures["error"]["costs"], indent=2))
