@@ -39,7 +39,8 @@ from gapless.simulate.costs import Costs, DeviceSpec, EnvCost, GenerationCost, L
 # tail's 14% more.
 MACHINE_COSTS = Costs(GenerationCost(1.022e-3, 85.2e-6), LengthModel(8.2, 0.5, 0.0), TrainerCost(55.4e-6),
                       EnvCost(cpu_s=0.0449, wait_p50_s=0.0073, wait_p99_s=0.0073), RelayCost(latency_s=2e-4),
-                      prompt_tokens=64, parallel_efficiency=0.89, source="built in: this project's 2-core machine",
+                      prompt_tokens=64, parallel_efficiency=0.89,
+                      source="built in: fitted on the first 2-core machine of docs/simulator.md; calibrate on yours",
                       barrier_teams=True, decode_first=True)
 
 
