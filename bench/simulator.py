@@ -585,8 +585,8 @@ def main() -> None:
     parser.add_argument("--start", default=None,
                         help="error part: start the fit at these costs (JSON from --write-costs): a restart")
     parser.add_argument("--fit-sandbox-runnable", action="store_true",
-                        help="error part: fit the share of the sandbox's programs runnable at a time as an eighth "
-                             "parameter (costs.py sandbox_runnable; 1.0 otherwise)")
+                        help="error part: fit the share of their threads the sandbox's programs count for as an "
+                             "eighth parameter (costs.py sandbox_runnable; 1.0 otherwise)")
     parser.add_argument("--write-costs", default=None, help="error part: write the fitted costs (JSON) here")
     parser.add_argument("--costs", default=None, help="builtin, phases and waits parts: these costs (JSON), not the built-in ones")
     parser.add_argument("--other", default=None,

@@ -21,8 +21,8 @@ is the likely reason, not a measured one).
     scoring one group                       cpu_s on the pool (shared; its G programs use up to
                                             min(G, sandbox.concurrency) cores, the groups scored at
                                             once sandbox.concurrency in all, each times
-                                            sandbox_runnable, the share of the programs runnable at
-                                            a time; lognormal across groups with mean cpu_s, shape
+                                            sandbox_runnable, the share of their threads the programs
+                                            count for; lognormal across groups with mean cpu_s, shape
                                             cpu_sigma) + a wait with no CPU, lognormal through
                                             (wait_p50_s, wait_p99_s)
     training step on T token positions      step_s + token_s * T, T the step's rows (prompt_tokens +
