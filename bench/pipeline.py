@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python bench/pipeline.py [--steps 20] [--rounds 1] [--budgets 0,1,2,4] [--keep runs/bench-pipeline]
     PYTHONPATH=src python bench/pipeline.py --resummarise runs/bench-pipeline   # the figures of kept runs, again
+    PYTHONPATH=src python bench/pipeline.py --resummarise runs/bench-a,runs/bench-b   # medians over both runs' rounds
     PYTHONPATH=src python bench/pipeline.py --budgets 1,1:on,2,2:on --workloads default,heavy_tail   # admission modes
     PYTHONPATH=src python bench/pipeline.py --budgets 1,1:lend-scoring,2,2:lend-scoring,4,4:lend-scoring   # core lending
 
@@ -262,17 +263,19 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep every run directory under this (ignored) folder, e.g. for gapless simulate --calibrate")
-    parser.add_argument("--resummarise", type=Path, default=None,
-                        help="run nothing: read the run directories a --keep run left in this folder and print "
-                             "the figures again (busy cores are not kept)")
+    parser.add_argument("--resummarise", default=None,
+                        help="run nothing: read the run directories --keep runs left in this folder (or these "
+                             "folders, comma-separated: the medians are then over every round of every run) and "
+                             "print the figures again (busy cores are not kept)")
     args = parser.parse_args()
     budgets = args.budgets.split(",")
     workloads = args.workloads.split(",")
     if args.resummarise:
-        runs = [read_run(d, *d.name.rsplit("-", 1)[0].rsplit("-b", 1)) for d in sorted(args.resummarise.iterdir())
-                if (d / "summary.json").exists()]
+        folders = [Path(f) for f in args.resummarise.split(",")]
+        runs = [read_run(d, *d.name.rsplit("-", 1)[0].rsplit("-b", 1)) for folder in folders
+                for d in sorted(folder.iterdir()) if (d / "summary.json").exists()]
         runs = [r for r in runs if r["workload"] in workloads and r["budget"] in budgets]
-        print(json.dumps({"steps": None, "rounds": None, "resummarised_from": str(args.resummarise),
+        print(json.dumps({"steps": None, "rounds": None, "resummarised_from": args.resummarise,
                           **summarise(runs, workloads, budgets)}))
         return
     runs = []
