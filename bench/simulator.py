@@ -64,6 +64,7 @@ from gapless.config import load_config  # noqa: E402
 from gapless.simulate import resolve_costs  # noqa: E402
 from gapless.simulate.calibrate import lent_while_scoring  # noqa: E402
 from gapless.simulate.costs import Costs, EnvCost, GenerationCost, LengthModel, RelayCost, TrainerCost  # noqa: E402
+from gapless.simulate.minimize import nelder_mead  # noqa: E402
 from gapless.simulate.rounds import simulate_rounds  # noqa: E402
 from gapless.simulate.run import Simulation  # noqa: E402
 
@@ -221,34 +222,6 @@ def point_of(costs: Costs, runnable: bool = False) -> list[float]:
     return [math.log(costs.generation.row_s), math.log(costs.trainer.token_s), math.log(costs.env.cpu_s),
             costs.parallel_efficiency, math.log(costs.env.wait_p50_s), costs.barrier_efficiency,
             costs.contention_efficiency] + ([costs.sandbox_runnable] if runnable else [])
-
-
-def nelder_mead(f, x0: list[float], step: list[float], iterations: int) -> list[float]:
-    simplex = [x0] + [[v + (step[i] if i == j else 0.0) for i, v in enumerate(x0)] for j in range(len(x0))]
-    values = [f(x) for x in simplex]
-    for _ in range(iterations):
-        order = sorted(range(len(simplex)), key=lambda i: values[i])
-        simplex, values = [simplex[i] for i in order], [values[i] for i in order]
-        centroid = [sum(p[i] for p in simplex[:-1]) / (len(simplex) - 1) for i in range(len(x0))]
-        worst = simplex[-1]
-        reflected = [c + (c - w) for c, w in zip(centroid, worst)]
-        fr = f(reflected)
-        if fr < values[0]:
-            expanded = [c + 2 * (c - w) for c, w in zip(centroid, worst)]
-            fe = f(expanded)
-            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
-        elif fr < values[-2]:
-            simplex[-1], values[-1] = reflected, fr
-        else:
-            contracted = [c + 0.5 * (w - c) for c, w in zip(centroid, worst)]
-            fc = f(contracted)
-            if fc < values[-1]:
-                simplex[-1], values[-1] = contracted, fc
-            else:
-                best = simplex[0]
-                simplex = [best] + [[b + 0.5 * (p - b) for b, p in zip(best, pt)] for pt in simplex[1:]]
-                values = [values[0]] + [f(p) for p in simplex[1:]]
-    return simplex[min(range(len(simplex)), key=lambda i: values[i])]
 
 
 def part_error(measured: dict, lengths: LengthModel, prompt_tokens: int, iterations: int, barrier_teams: bool = True,

@@ -626,6 +626,14 @@ class SimulateConfig(_Section):
     costs_path: str | None = None
     """JSON cost model (`gapless simulate --calibrate RUN_DIR` writes one); None = this machine's
     built-in calibration for 'shared', the roofline below for 'split'."""
+    calibrate_iterations: int = Field(0, ge=0, le=100000)
+    """`--calibrate`: after the fit that scales each cost by measured / simulated seconds, this many
+    Nelder-Mead iterations of a joint fit of all eight parameters, the two losses of a crowded
+    pool and the sandbox's share included, from each decode rule's best scaling fit
+    (simulate/calibrate.py). 0 = the scaling fit alone. On this project's 2-core machine, 150
+    on the 20 run directories of one bench/pipeline.py round took 7 minutes and predicted the
+    next run at 20 of 20 cells and 38 of 40 idle figures; the scaling fit alone, 18 and 35
+    (docs/simulator.md)."""
     device_flops: float = Field(989e12, gt=0)
     """Roofline: dense peak FLOP/s of one device at the training precision (H100 SXM bf16: 989e12)."""
     device_memory_bw: float = Field(3.35e12, gt=0)

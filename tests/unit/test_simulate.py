@@ -14,7 +14,7 @@ from gapless.orchestrate.buffer import StalenessBuffer
 from gapless.orchestrate.dispatch import Dispatcher
 from gapless.orchestrate.ledger import GroupLedger, check_ledger, read_events
 from gapless.simulate import simulate
-from gapless.simulate.calibrate import calibrate
+from gapless.simulate.calibrate import calibrate, compare, joint_error, read_run, refine
 from gapless.simulate.costs import Costs, EnvCost, GenerationCost, LengthModel, RelayCost, TrainerCost
 from gapless.simulate.record import write_run
 from gapless.simulate.run import Simulation
@@ -380,8 +380,6 @@ def test_a_runs_generator_idle_counts_the_time_it_was_blocked(tmp_path):
     # a real pipeline reports the generator's time stopped on its full queue to the environment
     # apart from its idle time; the simulator's generator idle is all time not decoding, so a run
     # read for calibration adds the two (as the fit's error does)
-    from gapless.simulate.calibrate import read_run
-
     run_dir = simulated_runs(tmp_path, heavy_costs(), (1,))[0]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     before = read_run(run_dir, 2).generator_idle_frac
@@ -396,14 +394,48 @@ def test_a_runs_generator_idle_counts_the_time_it_was_blocked(tmp_path):
 def test_a_run_from_before_the_scoring_rule_is_calibrated_under_the_rule_it_ran(tmp_path):
     # the trainer borrowed the generator's threads through the scoring until 2026-12-06: a run
     # whose config.json has no pipeline.lend_while_scoring is simulated that way, not by the default
-    from gapless.simulate.calibrate import read_run
-
     run_dir = simulated_runs(tmp_path, heavy_costs(), (1,))[0]
     config = json.loads((run_dir / "config.json").read_text())
     assert read_run(run_dir, 2).cfg.pipeline.lend_while_scoring is False  # written by today's code: the default
     del config["pipeline"]["lend_while_scoring"]
     (run_dir / "config.json").write_text(json.dumps(config))
     assert read_run(run_dir, 2).cfg.pipeline.lend_while_scoring is True
+
+
+def test_the_joint_fit_lowers_the_error_the_scaling_fit_leaves(tmp_path):
+    # runs of a crowded pool (barrier and contention losses, a sandbox counting for half its
+    # threads): the scaling fit leaves those at 1.0; the joint fit of all eight parameters,
+    # started from it, must predict the runs better by its own objective, and still every run
+    truth = Costs(GenerationCost(1.2e-3, 1e-4), LengthModel(15, 0.5, 0.0), TrainerCost(1.5e-4),
+                  EnvCost(cpu_s=0.04), RelayCost(latency_s=2e-4), prompt_tokens=64, parallel_efficiency=0.8,
+                  barrier_teams=True, barrier_efficiency=0.6, contention_efficiency=0.85, sandbox_runnable=0.5)
+    run_dirs = simulated_runs(tmp_path, truth, (0, 1, 2))
+    runs = [read_run(run_dir, 2) for run_dir in run_dirs]
+    scaled, _ = calibrate(run_dirs, cores=2)
+    assert (scaled.barrier_efficiency, scaled.contention_efficiency, scaled.sandbox_runnable) == (1.0, 1.0, 1.0)
+    joint, after, before = refine(runs, scaled, iterations=30)
+    assert before == pytest.approx(joint_error(runs, scaled))
+    assert after == pytest.approx(joint_error(runs, joint))
+    assert after < 0.8 * before
+    assert joint_error(runs, truth) < after  # the truth is in the model: the fit approaches it, not past it
+    for run in runs:
+        predicted = compare(run, joint)
+        assert abs(predicted["error"]) < 0.05
+        assert predicted["predicted_trainer_idle"] == pytest.approx(run.trainer_idle_frac, abs=0.05)
+
+
+def test_the_joint_fit_never_returns_worse_than_where_it_started(tmp_path):
+    # no iteration: the simplex's first points are all it tries, and a worse one is never returned;
+    # `gapless simulate --calibrate` with iterations keeps the better of the two decode rules' fits
+    run_dirs = simulated_runs(tmp_path, heavy_costs(), (1,))
+    runs = [read_run(run_dir, 2) for run_dir in run_dirs]
+    scaled, _ = calibrate(run_dirs, cores=2)
+    joint, after, before = refine(runs, scaled, iterations=0)
+    assert after <= before == pytest.approx(joint_error(runs, scaled))
+    assert joint_error(runs, joint) == pytest.approx(after)
+    both, _ = calibrate(run_dirs, cores=2, iterations=3)
+    assert "joint fit, 3 iterations from each decode rule" in both.source
+    assert joint_error(runs, both) <= joint_error(runs, scaled)
 
 
 @pytest.mark.parametrize("decode_first", [True, False])

@@ -16,6 +16,7 @@ and ends with one JSON object (the summary, the sweep and the recommendation).
 | engine.py | one generator replica: continuous batching on the simulated clock |
 | run.py | the pipeline: real admission, buffer, partial rollouts, curriculum, driven by events |
 | calibrate.py | fitting the costs to real runs |
+| minimize.py | Nelder-Mead's simplex, for the joint fit |
 | sweep.py | the sweep over replicas, trainer ranks, budget, oversampling; the recommendation |
 | rounds.py | a configuration simulated over rounds of jittered costs: medians and ranges |
 | record.py | the simulated run directory |
@@ -163,7 +164,7 @@ def calibrate_command(run_dirs: list[str], cfg: Config, log=print) -> dict:
     """Fit the costs to `run_dirs` and write them to simulate.costs_path (default: FIRST_RUN_DIR/costs.json)."""
     from gapless.simulate.calibrate import calibrate
 
-    costs, rows = calibrate(run_dirs, cfg.simulate.cores)
+    costs, rows = calibrate(run_dirs, cfg.simulate.cores, cfg.simulate.calibrate_iterations)
     out = Path(cfg.simulate.costs_path or Path(run_dirs[0]) / "costs.json")
     out.write_text(costs.to_json())
     for row in rows:
@@ -171,7 +172,7 @@ def calibrate_command(run_dirs: list[str], cfg: Config, log=print) -> dict:
             f"{row['predicted_ms_per_sample']:.2f} ({row['error']:+.1%}); trainer idle {row['measured_trainer_idle']:.2f} / "
             f"{row['predicted_trainer_idle']:.2f}, generator idle {row['measured_generator_idle']:.2f} / "
             f"{row['predicted_generator_idle']:.2f}")
-    log(f"costs written to {out}; use them with --simulate.costs_path {out}")
+    log(f"{costs.source}; costs written to {out}; use them with --simulate.costs_path {out}")
     return {"costs_path": str(out), "runs": rows}
 
 

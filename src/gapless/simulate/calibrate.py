@@ -28,9 +28,20 @@ and fits a `Costs` (costs.py) for the shared placement on `simulate.cores` cores
                      predicted / measured ms per trained sample)^2 + (trainer idle error)^2 +
                      (error in the share of time the generator is not decoding)^2
     losses           what oversubscribed cores lose (pool.py's barrier and contention
-                     efficiencies) stay 1.0: this fit scales each cost by measured / simulated
-                     seconds, which absorbs them (on runs simulated with losses 0.5 and 0.8 it
-                     predicts as well without them); bench/simulator.py's joint fit does fit them
+                     efficiencies) and the sandbox's share of its threads (costs.py
+                     sandbox_runnable) stay 1.0 in this fit: it scales each cost by measured /
+                     simulated seconds, which absorbs much of them (on runs simulated with
+                     losses 0.5 and 0.8 it predicts as well without them)
+    joint fit        with `simulate.calibrate_iterations` N > 0, then N Nelder-Mead iterations
+                     (minimize.py) over all eight together, from the fit above: decode, training
+                     and scoring CPU seconds, the scoring wait without CPU, the parallel
+                     efficiency, the two losses and the sandbox's share, minimising the error
+                     below plus (log of predicted / measured seconds a group holds its scoring
+                     worker)^2 per pipeline run. The fit behind docs/simulator.md's accuracy
+                     figures (bench/simulator.py --part error --fit-sandbox-runnable) is this
+                     objective on bench/pipeline.py's cells. It starts from each decode rule's
+                     best scaling fit (the simplex is local); the result with the lower error
+                     is kept, and a start is kept where the simplex found nothing better
     prompt length    the runs' rollout/prompt_len_mean (runs that predate it: simulate.prompt_tokens);
                      a training step costs token_s per padded token position, cut as the trainer
                      cuts it (trainer/micro_batches.py)
@@ -54,12 +65,17 @@ from pathlib import Path
 
 from gapless.config import Config, ConfigError
 from gapless.simulate.costs import Costs, EnvCost, GenerationCost, LengthModel, RelayCost, TrainerCost
+from gapless.simulate.minimize import nelder_mead
 from gapless.simulate.pool import SharedPool
 from gapless.simulate.run import Simulation, resolved_threads
 from gapless.timeline import read_records
 
 STEP_ROWS = 12.0  # fixed part of a decode step, in rows (docs/engine.md)
 EFFICIENCIES = (0.4, 0.6, 0.8, 1.0)  # then +-0.1 around the best
+# the joint fit's coordinates: log row_s, log token_s, log cpu_s, parallel efficiency, log scoring
+# wait, barrier efficiency, contention efficiency, sandbox share; the first simplex's moves
+JOINT_STEP = (0.3, 0.3, 0.6, 0.15, 1.0, 0.3, 0.1, 0.3)
+UNITS = (3, 5, 6, 7)  # coordinates that are shares in (0, 1]: clamped to 0.2..1
 
 
 @dataclass
@@ -201,8 +217,51 @@ def fit(runs: list[Measured], cores: int, efficiency: float, decode_first: bool 
     return costs.check()
 
 
-def calibrate(run_dirs: list[str | Path], cores: int = 0) -> tuple[Costs, list[dict]]:
-    """Fit costs to `run_dirs`; returns them and, per run, measured against predicted."""
+def point_of(costs: Costs) -> list[float]:
+    """The joint fit's coordinates of `costs` (a zero scoring wait starts at 1 ms: its log is a coordinate)."""
+    return [math.log(costs.generation.row_s), math.log(costs.trainer.token_s), math.log(costs.env.cpu_s),
+            costs.parallel_efficiency, math.log(max(costs.env.wait_p50_s, 1e-3)), costs.barrier_efficiency,
+            costs.contention_efficiency, costs.sandbox_runnable]
+
+
+def with_point(costs: Costs, x: list[float]) -> Costs:
+    """`costs` moved to the coordinates `x` (point_of's inverse, up to the clamped shares)."""
+    x = [min(max(v, 0.2), 1.0) if i in UNITS else v for i, v in enumerate(x)]
+    g, scale = costs.generation, math.exp(x[0]) / costs.generation.row_s
+    wait = math.exp(x[4])
+    return replace(costs, generation=GenerationCost(g.step_s * scale, g.row_s * scale, g.prefill_token_s * scale),
+                   trainer=TrainerCost(math.exp(x[1]), costs.trainer.step_s),
+                   env=replace(costs.env, cpu_s=math.exp(x[2]), wait_p50_s=wait, wait_p99_s=wait),
+                   parallel_efficiency=x[3], barrier_efficiency=x[5], contention_efficiency=x[6],
+                   sandbox_runnable=x[7]).check()
+
+
+def joint_error(runs: list[Measured], costs: Costs) -> float:
+    """The joint fit's objective: run_error summed over the runs, plus the squared log error of
+    how long a group holds its scoring worker in each pipeline run."""
+    total = 0.0
+    for run in runs:
+        predicted = simulate_run(run, costs, lengths_of(run))
+        total += _error(run, predicted)
+        if not run.cfg.simulate.reference_loop and run.score_s > 0 and predicted["score_s"] > 0:
+            total += math.log(predicted["score_s"] / run.score_s) ** 2
+    return total
+
+
+def refine(runs: list[Measured], costs: Costs, iterations: int) -> tuple[Costs, float, float]:
+    """The joint fit from `costs`: (the better of the two, its error, the error of `costs`)."""
+    x0 = point_of(costs)
+    # a share already at 1 moves down at first: above 1 the clamp is flat and the simplex would stall there
+    step = [-s if i in UNITS and x0[i] + s > 1.0 else s for i, s in enumerate(JOINT_STEP)]
+    x = nelder_mead(lambda v: joint_error(runs, with_point(costs, v)), x0, step, iterations)
+    before, fitted = joint_error(runs, costs), with_point(costs, x)
+    after = joint_error(runs, fitted)
+    return (fitted, after, before) if after < before else (costs, before, before)
+
+
+def calibrate(run_dirs: list[str | Path], cores: int = 0, iterations: int = 0) -> tuple[Costs, list[dict]]:
+    """Fit costs to `run_dirs`; returns them and, per run, measured against predicted.
+    `iterations` > 0: the joint fit of all eight parameters follows (refine)."""
     cores = cores or os.cpu_count() or 2
     runs = [read_run(path, cores) for path in run_dirs]
     threads = {resolved_threads(run.cfg, cores) for run in runs}
@@ -221,8 +280,15 @@ def calibrate(run_dirs: list[str | Path], cores: int = 0) -> tuple[Costs, list[d
             coarse = min((e for e, d in tried if d == decode_first), key=lambda e: tried[(e, decode_first)][0])
             attempt(round(coarse - 0.1, 2), decode_first)
             attempt(round(coarse + 0.1, 2), decode_first)
-    best = min(tried.values(), key=lambda pair: pair[0])
-    costs = replace(best[1], source="calibrated on " + ", ".join(run.name for run in runs))
+    costs = min(tried.values(), key=lambda pair: pair[0])[1]
+    source = "calibrated on " + ", ".join(run.name for run in runs)
+    if iterations > 0:  # from each decode rule's best scaling fit: the simplex is local, and the rules far apart
+        starts = [min((v for k, v in tried.items() if k[1] == rule), key=lambda pair: pair[0])[1] for rule in (True, False)]
+        fits = [refine(runs, start, iterations) for start in starts]
+        costs, after, before = min(fits, key=lambda fit: fit[1])
+        source += (f" (joint fit, {iterations} iterations from each decode rule: error {before:.4f} -> {after:.4f}, "
+                   f"decode first {costs.decode_first})")
+    costs = replace(costs, source=source)
     return costs, [compare(run, costs) for run in runs]
 
 
@@ -230,7 +296,10 @@ def run_error(run: Measured, costs: Costs) -> float:
     """How far the costs predict one run: squared log error of ms per trained sample plus the
     squared errors of the trainer's idle share and of the share of time the generator is not
     decoding (idle or blocked)."""
-    predicted = simulate_run(run, costs, lengths_of(run))
+    return _error(run, simulate_run(run, costs, lengths_of(run)))
+
+
+def _error(run: Measured, predicted: dict[str, float]) -> float:
     return (math.log(predicted["s_per_sample"] / run.s_per_sample) ** 2
             + (predicted["trainer_idle_frac"] - run.trainer_idle_frac) ** 2
             + (predicted["generator_idle_frac"] - run.generator_idle_frac) ** 2)
