@@ -31,3 +31,10 @@ def test_every_relative_link_resolves():
             if not (doc.parent / path).exists():
                 broken.append(f"{doc.relative_to(ROOT)}: {target}")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_every_lab_record_is_in_the_lab_index():
+    lab = ROOT / "docs" / "lab"
+    indexed = set(relative_links((lab / "README.md").read_text()))
+    missing = [p.name for p in sorted(lab.glob("20*.md")) if p.name not in indexed]
+    assert not missing, f"add a line for each to docs/lab/README.md: {missing}"
