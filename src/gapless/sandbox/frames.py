@@ -90,7 +90,7 @@ class ReplyReader:
 
     def _take(self, body: bytes) -> None:
         if self._header is not None:  # the snapshot's archive
-            self.reply = Reply(True, None, body)
+            self.reply = Reply(True, self._header.error, body)
             return
         header = parse_header(body, self.expects_blob, self.blob_cap_bytes)
         if isinstance(header, Violation):
