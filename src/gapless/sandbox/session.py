@@ -10,9 +10,13 @@ running repl.py with cwd /work/session. Calls exchange framed messages with it (
                           deadline: kill the live process, settle the slot, start a new one
                           (files stay: they belong to the server's mount namespace)
 
-Guaranteed: every call ends by its deadline; every isolation property of a job holds (the
-session is just a long job); the session is closed, and its slot emptied, after
-`idle_timeout_s` without a call, on `close`, or when the sandbox closes.
+Guaranteed: every call ends by its deadline and returns a status whatever the live process
+sends (its replies are read by frames.py, each within the cap its call needs: a header's, or a
+snapshot's); every isolation property of a job holds (the session is just a long job); the
+session is closed, and its slot emptied, after `idle_timeout_s` without a call, on `close`, or
+when the sandbox closes. Attribution: INFRA_ERROR only when the host saw the session fail before
+any request reached a started live process; a slot failure after that is `is_lost` (the model's
+code may have caused it), a typed field, never a message to match.
 NOT guaranteed: that the live process survives a call (a timeout, os._exit or a memory kill ends
 it: the next call gets a fresh one with an empty namespace, `restarted` says so, and only the
 files are kept); snapshot contents are made inside the sandbox and are opaque to the host,
