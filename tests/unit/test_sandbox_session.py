@@ -10,8 +10,7 @@ import time
 import pytest
 from sandbox_host import SLOT_UID_BASE, needs_bwrap
 
-from gapless.sandbox import procs
-from gapless.sandbox import BwrapSandbox, SandboxError, SandboxLimits, SnapshotFailed, Status
+from gapless.sandbox import BwrapSandbox, SandboxError, SandboxLimits, SnapshotFailed, Status, procs
 
 pytestmark = needs_bwrap
 LIMITS = SandboxLimits(timeout_s=2.0)

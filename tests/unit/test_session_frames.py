@@ -4,6 +4,7 @@ bounded by the cap of the frame being read; well-formed replies read back exactl
 
 from __future__ import annotations
 
+import itertools
 import json
 
 from hypothesis import given, settings
@@ -24,7 +25,7 @@ def header(**fields) -> bytes:
 
 def chunked(data: bytes, cuts: list[int]) -> list[bytes]:
     points = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
-    return [data[a:b] for a, b in zip(points, points[1:])]
+    return [data[a:b] for a, b in itertools.pairwise(points)]
 
 
 def read(chunks: list[bytes], expects_blob: bool, end: bool = False) -> ReplyReader:

@@ -102,7 +102,7 @@ class EchoJudge(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
         try:
             body.decode("utf-8", "strict")

@@ -117,7 +117,7 @@ def main():
         request = marshal.loads(requests.read(int.from_bytes(header, "little")))
         try:
             answer = _handle(request, namespace)
-        except Exception as error:  # e.g. a snapshot the archive cannot hold, a forged archive
+        except Exception as error:  # noqa: BLE001 -- e.g. a snapshot the archive cannot hold, a forged archive
             answer = {"ok": False, "error": f"{type(error).__name__}: {error}"[:2000]}
         head, blob = answer if isinstance(answer, tuple) else (answer, None)
         if blob is not None:
