@@ -202,10 +202,15 @@ class CodeEnvironment:
         return reward, status, info
 
     def _run_tests(self, problem: SandboxedTask, text: str) -> tuple[float, str, dict]:
+        program = problem.program(text)
+        try:
+            program.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: no file can hold it, no program is it
+            return 0.0, Status.COMPILE_ERROR.value, {"passed": 0, "error": f"not UTF-8 text: {exc.reason}"}
         files = {
             "harness.py": HARNESSES[problem.harness],
             **JUDGE_FILES,
-            "solution.py": problem.program(text),
+            "solution.py": program,
             "judge/tests.json": "[" + ",".join(problem.test_inputs) + "]",
         }
         args = [problem.entry_point]

@@ -169,10 +169,13 @@ def build_trace(task: Any, text: str, finish_reason: str = "stop") -> Any:
 
 
 async def score_trace(task: Any, text: str, finish_reason: str = "stop") -> tuple[float, str, dict]:
-    """(reward, status, info) of `text` under the task's own scoring; never raises for model output."""
-    trace = build_trace(task, text, finish_reason)
+    """(reward, status, info) of `text` under the task's own scoring; never raises for model output.
+    A lone surrogate in `text` is replaced first: verifiers hashes messages as UTF-8, and no
+    client could have sent it one."""
+    text = text.encode("utf-8", "replace").decode("utf-8")
     timeout_s = task.data.timeout.scoring or SCORING_TIMEOUT_S
     try:
+        trace = build_trace(task, text, finish_reason)
         async with asyncio.timeout(timeout_s):
             await task.score(trace)
         reward = float(trace.reward)

@@ -1,0 +1,255 @@
+"""The scorer is total: any text in a completion (lone surrogates, NUL, huge lines, forged tags)
+becomes a Rollout with a status in every environment, never an exception, never infra_error.
+
+Hypothesis drives `score_groups` of the environments that score in-process (math, delayed,
+reasoning-gym, judge against a local HTTP judge, verifiers, tool_use's transcript grading) and,
+with fewer examples, the ones that run a real sandbox per completion (code's `score_groups`,
+tool_use's and repo's `take_turn`). The environment's own text goes through an encoder that
+refuses what a tokenizer could not encode (a lone surrogate), so the replies it appends are
+checked too."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sandbox_host import SLOT_UID_BASE, needs_bwrap
+
+from gapless.envs.delayed import DelayedEnvironment
+from gapless.envs.episode import Episode
+from gapless.envs.math import MathEnvironment
+from gapless.envs.math_problems import generate_math_problems
+from gapless.types import Completion, Rollout
+
+NASTY = ["\ud800", "\udfff", "\x00", "\r\n", "\u2028", "\ufeff", "\U0001f600", "x" * 100_000, "\\boxed{", "}",
+         "<py>", "</py>", "<out>", "</out>", "Answer: ", "<answer>", "</answer>", "<cmd>", "</cmd>", "write a.py\n",
+         "run ", "cat ", "\n---\n", "</response>", "say:", "Score: 10", "import os\nos._exit(0)", "1781", "0"]
+
+
+def texts(max_pieces: int = 8):
+    """Arbitrary text with the pieces a scorer reacts to, lone surrogates and huge lines mixed in."""
+    piece = st.one_of(st.text(max_size=20), st.sampled_from(NASTY),
+                      st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF))
+    return st.lists(piece, max_size=max_pieces).map("".join)
+
+
+def completion(text: str) -> Completion:
+    return Completion([1], [2, 3], [-0.1, -0.2], [0, 0], "stop", text)
+
+
+def strict_encode(text: str) -> list[int]:
+    """A tokenizer's view: only text that is valid Unicode can be encoded."""
+    return list(text.encode("utf-8"))[:64]
+
+
+def check(rollouts, n: int) -> None:
+    assert len(rollouts) == n
+    for rollout in rollouts:
+        assert isinstance(rollout, Rollout) and isinstance(rollout.status, str)
+        assert rollout.status != "infra_error", rollout.info
+        assert 0.0 <= rollout.reward <= 1.0
+
+
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SANDBOXED = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                            HealthCheck.function_scoped_fixture])
+MATH_TASK = generate_math_problems(0, "train", 1, [1])[0]
+
+
+@FAST
+@given(batch=st.lists(texts(), min_size=1, max_size=3))
+def test_math_and_delayed_score_any_text(batch):
+    env = MathEnvironment({"train": [MATH_TASK]}, timeout_s=2)
+    check(env.score_groups([MATH_TASK], [[completion(t) for t in batch]])[0], len(batch))
+    delayed = DelayedEnvironment(env, 0.0, 1)
+    try:
+        check(delayed.score_groups([MATH_TASK], [[completion(t) for t in batch]])[0], len(batch))
+    finally:
+        delayed.close()
+
+
+def test_math_off_the_main_thread_scores_any_text():
+    env = MathEnvironment({"train": [MATH_TASK]}, timeout_s=2)
+    batch = [completion(t) for t in ("\ud800\\boxed{\udfff}", "\x00" * 1000, "\\boxed{" * 5000, "1" * 200_000)]
+    out: list = []
+    worker = threading.Thread(target=lambda: out.append(env.score_groups([MATH_TASK], [batch])[0]))
+    worker.start()
+    worker.join(120)
+    check(out[0], len(batch))
+
+
+@pytest.fixture(scope="module")
+def gym():
+    pytest.importorskip("reasoning_gym")
+    from gapless.envs.reasoning_gym import ReasoningGymEnvironment
+
+    return ReasoningGymEnvironment("basic_arithmetic", seed=0, num_train=2, num_eval=1)
+
+
+@FAST
+@given(text=texts())
+def test_reasoning_gym_scores_any_text(gym, text):
+    task = gym.tasks("train")[0]
+    check(gym.score_groups([task], [[completion(text), completion(f"<answer>{text}</answer>")]])[0], 2)
+
+
+class EchoJudge(BaseHTTPRequestHandler):
+    """Says 'Score: 5' to every prompt it can read; a 400 to a body it cannot."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        try:
+            body.decode("utf-8", "strict")
+            json.loads(body)
+            data, code = json.dumps({"choices": [{"text": "Score: 5"}]}).encode(), 200
+        except ValueError:
+            data, code = b"bad body", 400
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def judge():
+    from gapless.envs.judge import JudgeEnvironment, embedded_judge_tasks
+    from gapless.envs.judge_client import HttpJudgeClient
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), EchoJudge)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    client = HttpJudgeClient(f"http://127.0.0.1:{httpd.server_address[1]}/v1", timeout_s=5.0, max_retries=0)
+    environment = JudgeEnvironment(embedded_judge_tasks(0, 2, 1), client)
+    yield environment
+    environment.close()
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@FAST
+@given(batch=st.lists(texts(), min_size=1, max_size=3))
+def test_judge_scores_any_text(judge, batch):
+    task = judge.tasks("train")[0]
+    rollouts = judge.score_groups([task], [[completion(t) for t in batch]])[0]
+    check(rollouts, len(batch))
+    assert all(r.status == "scored" for r in rollouts)  # every response reached the judge
+
+
+@pytest.fixture(scope="module")
+def verifiers_env():
+    vf = pytest.importorskip("verifiers.v1")
+    from gapless.envs.verifiers_adapter import VerifiersEnvironment
+
+    class Data(vf.TaskData):
+        answer: str
+
+    class Exact(vf.Task[Data]):
+        @vf.reward
+        async def exact(self, task, trace) -> float:
+            return float(trace.last_reply == task.answer)
+
+    return VerifiersEnvironment([Exact(Data(prompt="2+2?", answer="4"))], eval=[])
+
+
+@FAST
+@given(text=texts())
+def test_verifiers_scores_any_text(verifiers_env, text):
+    task = verifiers_env.tasks("train")[0]
+    check(verifiers_env.score_groups([task], [[completion(text)]])[0], 1)
+
+
+@FAST
+@given(batch=st.lists(texts(), min_size=1, max_size=3))
+def test_tool_use_grades_any_transcript(batch):
+    from gapless.envs.tool_task import ToolTask
+    from gapless.envs.tools import ToolUseEnvironment
+
+    task = ToolTask("t0", "Q: 1+1\n", "1+1", "2")
+    env = ToolUseEnvironment(sandbox=None, tasks={"train": [task]}, limits=None)
+    check(env.score_groups([task], [[completion(t) for t in batch]])[0], len(batch))
+    env.pool.shutdown()
+
+
+# -- the environments that run a real sandbox per completion ------------------------------------
+
+@pytest.fixture(scope="module")
+def box():
+    from gapless.sandbox import BwrapSandbox, SandboxLimits
+
+    limits = SandboxLimits(timeout_s=3.0, memory_mb=256, max_processes=16, tmp_size_mb=4)
+    with BwrapSandbox(limits, slot_uid_base=SLOT_UID_BASE, max_concurrency=4) as sandbox:
+        yield sandbox, limits
+        assert sandbox.leftovers() == []
+
+
+@needs_bwrap
+@SANDBOXED
+@given(batch=st.lists(texts(4), min_size=1, max_size=2))
+def test_code_scores_any_text(box, problems, batch):
+    from gapless.envs.code import CodeEnvironment
+
+    sandbox, limits = box
+    env = CodeEnvironment(sandbox, limits, concurrency=2)  # closed with the fixture, not here
+    try:
+        check(env.score_groups([problems[0]], [[completion(t) for t in batch]])[0], len(batch))
+    finally:
+        env.pool.shutdown()
+
+
+@needs_bwrap
+@SANDBOXED
+@given(turns=st.lists(texts(4).map(lambda t: f"<py>{t}</py>") | texts(4), min_size=1, max_size=3))
+def test_tool_use_takes_any_turn(box, turns):
+    from gapless.envs.tool_task import ToolTask
+    from gapless.envs.tools import ToolUseEnvironment
+
+    sandbox, limits = box
+    task = ToolTask("t0", "Q: 1+1\n", "1+1", "2")
+    env = ToolUseEnvironment(sandbox, {"train": [task]}, limits, max_turns=3, sessions=1)
+    episode = env.start_episode(task, [1])
+    try:
+        for turn in turns:
+            if episode.is_done:
+                break
+            env.take_turn(episode, completion(turn), strict_encode)
+        if not episode.is_done:
+            env.suspend(episode)
+            if not episode.is_done:
+                env.take_turn(episode, completion("<py>1</py>"), strict_encode)  # restored in a new session
+        check([env.to_rollout(episode)], 1)
+    finally:
+        env.discard(episode)
+        env.pool.shutdown()
+
+
+@needs_bwrap
+@SANDBOXED
+@given(turns=st.lists(st.tuples(st.sampled_from(["write a.py\n", "run ", "cat ", "patch a.py\n", "ls", ""]), texts(4))
+                      .map(lambda vt: f"<cmd>{vt[0]}{vt[1]}</cmd>") | texts(4), min_size=1, max_size=3))
+def test_repo_takes_any_turn(box, turns):
+    from gapless.envs.repo import RepoEnvironment
+    from gapless.envs.repo_gen import generate_repo_tasks
+
+    sandbox, limits = box
+    task = generate_repo_tasks(0, "train", 1)[0]
+    env = RepoEnvironment(sandbox, {"train": [task]}, limits, max_turns=3, sessions=1)
+    episode = Episode(task, [1])
+    try:
+        for turn in turns:
+            if episode.is_done:
+                break
+            env.take_turn(episode, completion(turn), strict_encode)
+        check([env.to_rollout(episode)], 1)
+    finally:
+        env.discard(episode)
+        env.pool.shutdown()
+
