@@ -12,6 +12,9 @@ compares with sympy (numbers, fractions, LaTeX, sets, intervals ...). Statuses:
     timeout       parsing or comparing took longer than `timeout_s` (default 5 s, math-verify's
                   own; e.g. 10^10^10^10); there is no character cap: a long correct answer is
                   parsed, bounded by time
+    grader_crash  the helper process (below) died grading this answer, and a fresh one did too:
+                  the answer's doing, scored 0 (never infra_error: nothing but the answer's text
+                  reaches the helper, so no outage can be told apart from it but by a retry)
 gapless's additions (`lenient=True`, config `task.math_lenient`, off by default): only when
 math-verify reads no answer at all (no_answer or parse_error), gapless's own extraction is tried --
 the last balanced `\\boxed{...}`, else the text after the last "answer:" in any case and spacing
@@ -142,26 +145,33 @@ def _addition_is_equivalent(gold: list, completion: str, prompt_ends_with_answer
 
 
 def _grade_in_helper(reference: str, completion: str, follows: bool, timeout_s: int, lenient: bool) -> tuple[float, str]:
-    """Off the main thread: the same grading in a helper process, with a hard deadline."""
+    """Off the main thread: the same grading in a helper process, with a hard deadline. A helper
+    that dies on an answer is started afresh and given the same answer once more: a death that
+    recurs is the answer's doing (`grader_crash`, reward 0), never `infra_error`, since only the
+    answer's text can tell a fresh helper apart from the last one."""
     global _helper
+    request = json.dumps([reference, completion, follows, timeout_s, lenient]) + "\n"
     with _helper_lock:  # one answer at a time, as one helper grades them
-        if _helper is None or _helper.poll() is not None:
-            _helper = _start_helper()
-        helper = _helper
-        try:
-            helper.stdin.write(json.dumps([reference, completion, follows, timeout_s, lenient]) + "\n")
-            helper.stdin.flush()
-            ready, _, _ = select.select([helper.stdout], [], [], 6 * timeout_s + 30)  # at most five bounded calls
-            line = helper.stdout.readline() if ready else None
-        except (BrokenPipeError, OSError, ValueError):
-            line = ""
-        if line:
-            reward, status = json.loads(line)
-            return float(reward), str(status)
-        helper.kill()  # overran (math-verify's own alarm did not fire) or died: a new one next time
-        helper.wait()
-        _helper = None
-        return (0.0, "timeout") if line is None else (0.0, "infra_error")  # died: no verdict, no reward signal
+        for _attempt in range(2):
+            if _helper is None or _helper.poll() is not None:
+                _helper = _start_helper()
+            helper = _helper
+            try:
+                helper.stdin.write(request)
+                helper.stdin.flush()
+                ready, _, _ = select.select([helper.stdout], [], [], 6 * timeout_s + 30)  # at most five bounded calls
+                line = helper.stdout.readline() if ready else None
+            except (BrokenPipeError, OSError, ValueError):
+                line = ""
+            if line:
+                reward, status = json.loads(line)
+                return float(reward), str(status)
+            helper.kill()  # overran (math-verify's own alarm did not fire) or died: a new one next time
+            helper.wait()
+            _helper = None
+            if line is None:
+                return 0.0, "timeout"
+        return 0.0, "grader_crash"  # died twice, in two fresh helpers, on this answer
 
 
 def _start_helper() -> subprocess.Popen:
