@@ -114,6 +114,7 @@ def test_only_the_judge_can_say_its_candidate_did_not_start():
     with BwrapSandbox(LIMITS, slot_uid_base=UID_BASE + 5, max_concurrency=1) as box:
         result = box.run_python(files, "harness.py", ["f"], judged=Judged("gapless_candidate.py", "judge"))
     assert (result.status, result.attempts) == (Status.INFRA_ERROR, 2), result
+    assert "start-up" in result.stderr
 
 
 def test_a_repository_whose_code_kills_its_grading_job_is_graded_zero_not_masked():
@@ -149,6 +150,15 @@ def _job_process(uid: int, victim: str) -> int | None:
     return next((pid for depth, inner, pid in found if depth == level and (inner == "1") == is_pid_1), None)
 
 
+def _is_in_a_call(uid: int) -> bool:
+    candidate = _job_process(uid, "candidate")
+    try:
+        with open(f"/proc/{candidate}/comm") as comm:
+            return comm.read().strip() == "in-call"
+    except OSError:
+        return False
+
+
 @pytest.mark.skipif(not IS_ROOT, reason="needs root: slot uids and the cgroup's OOM counter")
 @pytest.mark.parametrize("victim", ["candidate", "judge", "init"])
 @pytest.mark.parametrize("kills", [1, 2])
@@ -164,7 +174,10 @@ def test_a_kill_from_outside_is_retried_and_one_that_recurs_is_the_program_s(vic
         environment.close()
         pytest.skip(f"needs a per-slot cgroup ({box.cgroup_note})")
     outcome: dict = {}
-    slow_but_right = "0\nimport time\ndef f(x):\n    time.sleep(1.5)\n    return x + 1\n"
+    # in a call, so the judge has started (a kill before its start line is the host's infra_error);
+    # the candidate names its process so that the host sees when (PR_SET_NAME)
+    slow_but_right = ("0\nimport ctypes, time\ndef f(x):\n    ctypes.CDLL(None).prctl(15, b'in-call', 0, 0, 0)\n"
+                      "    time.sleep(1.5)\n    return x + 1\n")  # fmt: skip
     worker = threading.Thread(target=lambda: outcome.update(result=environment.score_text(IO_PROBLEM, slow_but_right)))
     try:
         environment.score_text(IO_PROBLEM, IO_PROBLEM.solution)  # slot 0 started and warm
@@ -174,7 +187,7 @@ def test_a_kill_from_outside_is_retried_and_one_that_recurs_is_the_program_s(vic
         while worker.is_alive() and time.monotonic() < deadline and len(killed) < kills:
             time.sleep(0.05)
             for uid in range(uid_base, uid_base + 3):
-                pid = _job_process(uid, victim) if uid not in killed else None
+                pid = _job_process(uid, victim) if uid not in killed and _is_in_a_call(uid) else None
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
                     killed.add(uid)

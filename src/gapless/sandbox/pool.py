@@ -338,11 +338,12 @@ def _to_result(output: RunOutput, path: str) -> SandboxResult:
     status, limit, exit_code, signum = classify(output.seen)
     stderr = output.seen.stderr.decode("utf-8", errors="replace")
     if status is Status.INFRA_ERROR and not stderr.strip():
-        stderr = (
-            "the sandbox did not start the program before the deadline"
-            if output.seen.is_deadline_hit
-            else "the sandbox ended before the program started, without a report"
-        )
+        if output.seen.has_started:  # a judged job's judge: its candidate's start-up failed
+            stderr = "the candidate's process ended in its start-up, before any code of the completion ran"
+        elif output.seen.is_deadline_hit:
+            stderr = "the sandbox did not start the program before the deadline"
+        else:
+            stderr = "the sandbox ended before the program started, without a report"
     return SandboxResult(
         status=status,
         exit_code=exit_code,
