@@ -27,7 +27,8 @@ from gapless.sandbox import BwrapSandbox, Judged, SandboxLimits, Status, procs
 
 pytestmark = needs_bwrap
 UID_BASE = SLOT_UID_BASE + 56  # 56..63: this module's slots
-LIMITS = SandboxLimits(timeout_s=5.0)
+# a wall clock well past the 1 s of CPU a lowered RLIMIT_CPU allows, even on a crowded host
+LIMITS = SandboxLimits(timeout_s=20.0)
 IO_PROBLEM = CodeProblem(uid="io", level=1, prompt="def f(x):\n    return ", solution="x + 1", overfit_solution="abs(x) + 1",
                          entry_point="f", test_inputs=("[1]", "[2]", "[-3]"), test_outputs=("2", "3", "-2"))  # fmt: skip
 HOST_COMPARED = CodeProblem(uid="hc", level=1, prompt="def f(x):\n    return ", solution="x + 1", overfit_solution="",
@@ -122,7 +123,7 @@ def test_a_repository_whose_code_kills_its_grading_job_is_graded_zero_not_masked
     from gapless.envs.repo_gen import generate_repo_tasks
 
     task = generate_repo_tasks(0, "train", 1)[0]
-    limits = SandboxLimits(timeout_s=5.0, memory_mb=256, max_processes=16, tmp_size_mb=4)
+    limits = SandboxLimits(timeout_s=20.0, memory_mb=256, max_processes=16, tmp_size_mb=4)
     environment = RepoEnvironment(BwrapSandbox(limits, slot_uid_base=UID_BASE + 6, max_concurrency=1),
                                   {"train": [task], "eval": []}, limits, max_turns=1, sessions=1)  # fmt: skip
     try:
