@@ -12,6 +12,9 @@ compares with sympy (numbers, fractions, LaTeX, sets, intervals ...). Statuses:
     timeout       parsing or comparing took longer than `timeout_s` (default 5 s, math-verify's
                   own; e.g. 10^10^10^10); there is no character cap: a long correct answer is
                   parsed, bounded by time
+    grader_crash  the helper process (below) died grading this answer, and a fresh one did too:
+                  the answer's doing, scored 0; infra_error only when a fresh helper cannot
+                  grade a trusted probe ("1" against "1") either: the answer never decides it
 gapless's additions (`lenient=True`, config `task.math_lenient`, off by default): only when
 math-verify reads no answer at all (no_answer or parse_error), gapless's own extraction is tried --
 the last balanced `\\boxed{...}`, else the text after the last "answer:" in any case and spacing
@@ -144,7 +147,7 @@ def _addition_is_equivalent(gold: list, completion: str, prompt_ends_with_answer
 def _grade_in_helper(reference: str, completion: str, follows: bool, timeout_s: int, lenient: bool) -> tuple[float, str]:
     """Off the main thread: the same grading in a helper process, with a hard deadline. A helper
     that dies grading an answer, and dies again on it when fresh, was killed by that answer
-    (parse_error, scored) unless a fresh one cannot grade a trusted probe either (infra_error):
+    (`grader_crash`, reward 0) unless a fresh one cannot grade a trusted probe either (infra_error):
     the answer alone never makes a rollout infra_error."""
     request = [reference, completion, follows, timeout_s, lenient]
     with _helper_lock:  # one answer at a time, as one helper grades them
@@ -153,7 +156,7 @@ def _grade_in_helper(reference: str, completion: str, follows: bool, timeout_s: 
             if verdict != "died":
                 return (0.0, "timeout") if verdict == "overran" else verdict
         if _ask_helper(["1", "1", False, timeout_s, False]) == (1.0, "ok"):
-            return 0.0, "parse_error"
+            return 0.0, "grader_crash"
         return 0.0, "infra_error"  # the helper cannot grade at all: no verdict, no reward signal
 
 

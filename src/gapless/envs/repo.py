@@ -25,7 +25,9 @@ reward = fraction of hidden tests passing. Statuses:
                   files are lost with the session, nothing is graded
     infra_error   the host saw the sandbox fail before any of the model's code ran (a session
                   could not start or be seeded, or the host closed it), or the grading job could
-                  not run, after one retry: no reward, excluded from group statistics
+                  not run, after one retry: no reward, excluded from group statistics; never for
+                  anything the repository's code does while graded (sandbox/result.py): a
+                  grading job it killed is `tests_failed` with reward 0 (`grade_status` killed)
 `info["ended_by"]`: done, no_command (a turn without <cmd>), turn_limit. A tool call that hits a
 session limit (timeout, output flood, memory) is shown to the model as an error and the episode
 goes on: the files survive, the next call gets a fresh live process. Model output is untrusted:
@@ -226,10 +228,10 @@ class RepoEnvironment:
                 break
         if result.status is Status.INFRA_ERROR:
             return 0.0, "infra_error", {"error": result.stderr.strip()[:300] + " (run `gapless sandbox check`)"}
-        passed = parse_report(result.report, expected).passed
+        passed = parse_report(result.report, expected).passed if result.status is not Status.KILLED else 0
         info = {"passed": passed, "hidden": len(expected)}
         if result.status not in (Status.OK, Status.NONZERO_EXIT):
-            info["grade_status"] = result.status.value
+            info["grade_status"] = result.status.value  # killed: the repository's code did it, scored 0
         return passed / len(expected), "ok" if passed == len(expected) else "tests_failed", info
 
     # -- the single-turn protocol --------------------------------------------------------------

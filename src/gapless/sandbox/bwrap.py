@@ -2,8 +2,8 @@
 
 `BwrapSandbox.run_python(files, main)` runs `/work/job/<main>` over read-only `files`, with cwd
 /tmp, under `SandboxLimits`, and returns a `SandboxResult`. It is thread-safe, never raises for
-anything the program does, retries an infrastructure failure once on another slot and reports
-`Status.INFRA_ERROR` if that fails too (`check()` raises instead). `arun_python` is the same for
+anything the program does, retries an infrastructure failure (or an unexplained death, KILLED)
+once on another slot and reports that second result: `Status.INFRA_ERROR` if it fails too (`check()` raises instead). `arun_python` is the same for
 coroutines, spawning on the pool's threads. `warm=True` (the default) forks each job from a
 pre-started server in the slot; `warm=False` starts bwrap and a fresh interpreter per job. Both
 run the same code inside the sandbox (boot.py) and give the same guarantees, except as listed.
@@ -49,9 +49,10 @@ sandbox's own processes or fake its results. Each defence, outermost first:
 - Results: fd 3 (report) is a pipe only the host reads. A judged job (`judged=`, envs/code.py)
   runs the candidate in a process of its own (pid, mount namespace and session of its own,
   the private files covered) that talks to the judge in plain values only, so the candidate
-  never holds the tests, the report or the comparison. INFRA_ERROR needs the start line on the
-  status pipe, which the program cannot write, or, for a judged job, a SIGKILL from outside
-  that no limit explains (result.py).
+  never holds the tests, the report or the comparison. INFRA_ERROR needs host-side evidence
+  the program cannot produce (the start line missing from the status pipe, which the program
+  cannot write; a failure of the pool's own); a death no limit explains is the program's
+  KILLED, run once more on a fresh slot (result.py, docs/sandbox.md "Who is blamed").
 
 Warm path vs cold path, precisely. A warm job is forked from a server that imported a fixed list
 of standard modules (worker.PREIMPORT), so: (1) `str` hashes use one seed for all jobs of a

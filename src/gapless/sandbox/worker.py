@@ -15,7 +15,9 @@ Who waits for whom (one job, all in the calling thread):
           job's pid namespace is gone), then check that the slot holds nothing but the server
 
 Guaranteed: every wait is bounded by the job's deadline plus fixed graces; `run` raises only
-`SlotFailure`, and only when the job cannot have started (the caller turns it into infra_error).
+`SlotFailure`, and only when the job cannot have started (the caller turns it into infra_error);
+`observe` reads "not started" only from the status pipe's first line, which the program cannot
+write (result.py has the attribution rule).
 NOT guaranteed: the clean check cannot see a process that escaped both the cgroup and the pid
 namespace; none can without a kernel bug.
 """
@@ -259,9 +261,12 @@ class SlotWorker:
     def observe(self, pipes: JobPipes, sinks: dict[str, CappedSink], *, is_deadline_hit: bool,
                 limits: SandboxLimits, is_judged: bool = False) -> Observation:  # fmt: skip
         lines = _status_lines(bytes(sinks["status"].data))
+        # Only the first line can say "not started": it is written before the program's first
+        # line runs. An "infra" line after it is init failing while the program ran, which the
+        # program may have caused (its limits, its memory): no final line, so `classify` says KILLED.
         start = lines[0] if lines else {}
         final = next((line for line in lines[1:] if "exit" in line), None)
-        infra = next((line["infra"] for line in lines if "infra" in line), None)
+        infra = start.get("infra")
         after = self.cgroup.counters() if self.cgroup is not None else None
         before = pipes.before
         cpu_s = final.get("cpu_s") if final else None
@@ -271,7 +276,7 @@ class SlotWorker:
         if infra is not None or not start:
             stderr = (infra or "").encode() or stderr
         return Observation(
-            has_started=start.get("started") is True and infra is None,
+            has_started=start.get("started") is True,
             returncode=final["exit"] if final else None,
             is_deadline_hit=is_deadline_hit,
             stderr=stderr,
