@@ -244,8 +244,9 @@ class StallWatch:
         if stale:
             why = f"waiting on {' and '.join(stale)}, whose heartbeat stopped"
         else:
-            why = (f"waiting on {' and '.join(self.actors) or 'no actor'}, none of which made progress for "
-                   f"{self.idle_s():.1f} s (pipeline.stall_timeout_s = {self.timeout_s:g} s)")
+            none = "which made no progress" if len(self.actors) == 1 else "none of which made progress"
+            why = (f"waiting on {' and '.join(self.actors) or 'no actor'}, {none} for {self.idle_s():.1f} s "
+                   f"(pipeline.stall_timeout_s = {self.timeout_s:g} s)")
         lines = [f"pipeline stalled: the trainer has waited {waited:.1f} s for {waiting_for} "
                  f"(since {_clock(waited)}); {why}"]
         for actor in self.actors:
