@@ -68,7 +68,7 @@ def test_a_live_generator_without_progress_is_a_stall_named_by_its_last_progress
     assert line, record
     heartbeat_s, state, progress = float(line.group(1)), line.group(2), line.group(3)
     assert heartbeat_s < STALL_S and state != "T", record  # alive and beating: not a silent or stopped process
-    last = re.search(r"progress mark \d+, the last ([\d.]+) s ago \(at \d\d:\d\d:\d\d\): decoded \d+ tokens", progress)
+    last = re.search(r"progress mark \d+, the last ([\d.]+) s ago \(at \d\d:\d\d:\d\d\): a decode step of \d+ tokens", progress)
     assert last, record
     assert float(last.group(1)) >= STALL_S - 0.05, record  # rounded to 0.1 s in the record
     assert re.search(r"  environment: pid \d+, .*set up: environment ready", record), record

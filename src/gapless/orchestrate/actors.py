@@ -168,7 +168,6 @@ class _GeneratorActor:
         self.meta: dict[int, tuple[int, int, int]] = {}  # index -> (task index, birth version, environment slot)
         self.cut: set[int] = set()
         self.partial = PartialRollouts(cfg.pipeline.partial_rollout_tokens, cfg.pipeline.partial_rollout_s)
-        self.decoded = 0  # tokens decoded since this replica started (its progress record)
         self.clock = {"busy_s": 0.0, "idle_s": 0.0, "stall_s": 0.0, "blocked_s": 0.0, "core_wait_s": 0.0, "tokens": 0, "groups": 0, "swaps": 0, "partial_cuts": 0}
         self.last_report = time.perf_counter()
         self.timeline = open_timeline(cfg.run_dir, spec.name, cfg.metrics.timeline)
@@ -285,10 +284,10 @@ class _GeneratorActor:
         self.spec.heartbeats.beat(self.spec.name)
 
     def _progressed(self, decoded: int) -> None:
-        """One decode step's progress mark (a few microseconds against a step's milliseconds)."""
-        self.decoded += decoded
-        self.spec.heartbeats.progress(self.spec.name, f"decoded {decoded} tokens ({self.decoded} since it started; "
-                                      f"{self.engine.num_running} sequences running, {self.engine.num_waiting} waiting)")
+        """One decode step's progress mark (microseconds against a step's milliseconds; the text
+        changes only with the batch, and only a changed text is written)."""
+        self.spec.heartbeats.progress(self.spec.name, f"a decode step of {decoded} tokens ({self.engine.num_running} "
+                                      f"sequences running, {self.engine.num_waiting} waiting)")
 
     def _collect(self, finished: list[Completion]) -> None:
         if self.multi_turn:

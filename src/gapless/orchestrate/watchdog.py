@@ -48,6 +48,7 @@ is in).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import faulthandler
 import os
 import signal
@@ -113,6 +114,14 @@ class Heartbeats:
         self._marks = ctx.Array("q", [0] * n, lock=False)
         self._progress_at = ctx.Array("d", [now] * n, lock=False)
         self._what = ctx.Array("c", WHAT_BYTES * n, lock=False)
+        self._written: dict[int, str] = {}  # the text this process last wrote per slot (unchanged text is not rewritten)
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_written"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._written = {}
 
     def register(self, actor: str) -> None:
         self._pids[self.actors.index(actor)] = os.getpid()
@@ -125,7 +134,10 @@ class Heartbeats:
         """`actor` got work done (`what`, in words: "decoded 8 tokens ..."): per decode step, group
         scored, tool call answered, weights applied; never per token."""
         i = self.actors.index(actor)
-        self._what[i * WHAT_BYTES:(i + 1) * WHAT_BYTES] = what.encode()[:WHAT_BYTES].ljust(WHAT_BYTES, b"\0")
+        if self._written.get(i) != what:  # one memmove (a slice assignment copies byte by byte)
+            ctypes.memmove(ctypes.addressof(self._what) + i * WHAT_BYTES, what.encode()[:WHAT_BYTES].ljust(WHAT_BYTES, b"\0"),
+                           WHAT_BYTES)
+            self._written[i] = what
         self._marks[i] += 1
         self._progress_at[i] = time.monotonic()
 
@@ -155,7 +167,8 @@ class Heartbeats:
         i = self.actors.index(actor)
         for _ in range(3):  # read again if a mark landed meanwhile (its text may be half written)
             marks, at = int(self._marks[i]), self._progress_at[i]
-            what = bytes(self._what[i * WHAT_BYTES:(i + 1) * WHAT_BYTES]).rstrip(b"\0").decode(errors="replace")
+            what = ctypes.string_at(ctypes.addressof(self._what) + i * WHAT_BYTES, WHAT_BYTES)
+            what = what.rstrip(b"\0").decode(errors="replace")
             if int(self._marks[i]) == marks:
                 break
         return Progress(marks, time.monotonic() - at, what)
