@@ -26,8 +26,8 @@ trainer's process, never a silent hang (the trainer also notices an actor that d
 word). Each stamps its heartbeat on every pass of its loop, no wait of theirs blocks longer than a
 poll, each marks its progress (a replica per decode step and weight load, the environment per group
 scored and tool call answered), and each dumps its Python stacks on SIGUSR1 (watchdog.py: a stalled
-actor is diagnosed, not waited for). All die with the trainer, even when it is SIGKILLed (the kernel's parent-death
-signal). No actor holds state worth keeping: the trainer's checkpoint is the run's state.
+actor is diagnosed, not waited for). All die with the trainer, even when it is SIGKILLed (the
+kernel's parent-death signal). No actor holds state worth keeping: the trainer's checkpoint is the run's state.
 """
 
 from __future__ import annotations

@@ -193,8 +193,9 @@ class EpisodeRunner:
                 return
             if kind == "turn":
                 self.turning.discard((index, sample))
-            if kind in ("turn", "scored"):
-                self.progress(f"graded group {index}" if kind == "scored" else f"answered a turn's tool calls (group {index}, sample {sample})")
+                self.progress(f"answered a turn's tool calls (group {index}, sample {sample})")
+            elif kind == "scored":
+                self.progress(f"graded group {index}")
             group = self.groups.get(index)
             if group is None:
                 if kind == "turn" and index in self.cut:  # cut while its tool ran

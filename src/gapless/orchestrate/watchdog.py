@@ -263,9 +263,9 @@ class StallWatch:
         lines = [f"pipeline stalled: the trainer has waited {waited:.1f} s for {waiting_for} "
                  f"(since {_clock(waited)}); {why}"]
         for actor in self.actors:
-            pid = self.heartbeats.pid(actor)
+            pid, progress = self.heartbeats.pid(actor), self.heartbeats.last_progress(actor)
             lines.append(f"  {actor}: pid {pid}, last heartbeat {self.heartbeats.age_s(actor):.1f} s ago, "
-                         f"state {process_state(pid) if pid else 'not started'}; {_progress_line(self.heartbeats.last_progress(actor))}")
+                         f"state {process_state(pid) if pid else 'not started'}; {_progress_line(progress)}")
         lines.append(f"  stacks: {self.run_dir / 'stacks'}. Slow work that progresses is never a stall: raise "
                      f"pipeline.stall_timeout_s ({self.timeout_s:g} s) only if one decode step, tool call or "
                      "group's scoring legitimately takes longer")
