@@ -23,7 +23,7 @@ class EchoSpec:
 
 
 def echo_main(spec: EchoSpec) -> None:
-    """Echo every inbox item to the outbox; load every weight version it can and report
+    """Echo every inbox item to the outbox (a progress mark each); load every weight version it can and report
     ("loaded", version, torn) where torn means the tensors did not all hold the version's value."""
     spec.heartbeats.register(spec.name)
     spec.outbox.put(("pid", os.getpid()))
@@ -45,3 +45,4 @@ def echo_main(spec: EchoSpec) -> None:
         if item == "raise":
             raise RuntimeError("asked to raise")
         spec.outbox.put(("echo", item))
+        spec.heartbeats.progress(spec.name, f"echoed {item}")

@@ -1,7 +1,7 @@
 """Ray placement (orchestrate/ray_placement.py), on a private Ray instance started by the test.
 
 The one Ray test of the fast suite drives RayPlacement's pieces through a real placed actor:
-channels FIFO both ways, heartbeats and the actor's pid seen by the trainer, weight versions
+channels FIFO both ways, heartbeats, progress marks and the actor's pid seen by the trainer, weight versions
 that arrive monotonic and never torn (each version fills every tensor with its number, bf16
 included), a kill -9 reported by `exited`, and a shutdown that leaves no Ray process behind.
 The pipeline over Ray (bitwise equal to local at budget 0 on a multi-node cluster, infeasible
@@ -73,6 +73,11 @@ def test_a_placed_actor_gets_fifo_messages_and_untorn_weights_and_leaves_nothing
         versions = [v for v, _ in loaded]
         assert versions == sorted(set(versions)) and versions[-1] == 10 and not any(torn for _, torn in loaded)
         assert beats.pid("generator") == pid and beats.age_s("generator") < 2.0
+        deadline = time.monotonic() + 10  # its progress marks reach the trainer through the mailbox (push and poll)
+        while beats.last_progress("generator").marks < 50 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        progress = beats.last_progress("generator")
+        assert (progress.marks, progress.what) == (50, "echoed 49") and beats.progress_age_s("generator") >= 0
         assert placement.exited() == []
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()

@@ -234,6 +234,7 @@ class ProcessSource:
 
     def publish(self, state, version: int) -> dict[str, float]:
         pl, wait = self.cfg.pipeline, 0.0
+        self.watch.progressed()  # a new wait: the trainer's step since the last one is no actor's silence
         for replica in [r for r in self.replicas if r.alive]:
             waiting_for = f"{replica.name} to release its weight buffer (publishing version {version})"
             timeout_s = self.cfg.cluster.op_timeout_s if self.evictable else pl.stall_timeout_s
