@@ -58,6 +58,7 @@ from gapless.orchestrate.env_actors import EnvActors
 from gapless.orchestrate.inbox import Inbox
 from gapless.orchestrate.ipc import clean_leftover_ipc, name_ipc_objects
 from gapless.orchestrate.ledger import GroupLedger
+from gapless.orchestrate.masking import MaskingWatch
 from gapless.orchestrate.lending import LendingFlags, TrainerLending
 from gapless.orchestrate.messages import Abort, ActorError, Assign, CancelScoring, GenStats, Loaded, Ready, Scored
 from gapless.orchestrate.placement import Placement, make_placement
@@ -109,18 +110,20 @@ class ProcessSource:
 
     def __init__(self, cfg: Config, train: list[Task], policy, start_step: int, resume: bool, env_name: str,
                  timelines, stop_requested, log=print, placement: Placement | None = None, trained_model=None,
-                 multi_turn: bool = False, max_seq_len: int | None = None):
+                 multi_turn: bool = False, max_seq_len: int | None = None, masking: MaskingWatch | None = None):
         """`policy`: the trainer's Policy (saved for the generators; its model may lend threads);
         `stop_requested()`: the name of a stop signal received, or None (checked in every wait);
         `trained_model`: the module the trainer runs when it is not `policy.model` (a LoRA run's
         peft model), where thread lending hooks its layers. `multi_turn`: the task's episodes run
         turn by turn (episode_runner.py), each replica sampling the turns the environment sends it;
-        `max_seq_len`: the longest context then."""
+        `max_seq_len`: the longest context then. `masking`: the run's masking watch (masking.py):
+        it sees every scored group as it arrives, before the buffer files it."""
         self.multi_turn, self.max_seq_len = multi_turn, max_seq_len
         self.cfg, self.train, self.policy, self.log, self.timelines = cfg, train, policy, log, timelines
         self.env_name, self.stop_requested = env_name, stop_requested
         self.start_step, self.version = start_step, start_step
         self.run_dir = Path(cfg.run_dir)
+        self.masking = masking or MaskingWatch(cfg.pipeline.max_infra_fraction, cfg.pipeline.on_infra_excess)
         if placement is None:
             placement = make_placement(cfg, log)
             if (warning := placement.reserve(actor_threads(cfg))):
@@ -444,6 +447,7 @@ class ProcessSource:
         elif isinstance(message, Scored):
             self.watch.progressed()
             group = message.group
+            group.rollouts = self.masking.observe(self.train[group.task_index].uid, group.rollouts)
             self.dispatcher.scored(group.index)
             self.envs.scored(group.index)
             self.prompts.feedback(self.train[group.task_index].uid,
