@@ -61,7 +61,7 @@ from gapless.orchestrate.ledger import GroupLedger
 from gapless.orchestrate.masking import MaskingWatch
 from gapless.orchestrate.lending import LendingFlags, TrainerLending
 from gapless.orchestrate.messages import Abort, ActorError, Assign, CancelScoring, GenStats, Loaded, Ready, Scored
-from gapless.orchestrate.placement import Placement, make_placement
+from gapless.orchestrate.placement import ActorExit, Placement, make_placement
 from gapless.orchestrate.source import StepRollouts
 from gapless.orchestrate.watchdog import StallWatch
 
@@ -405,7 +405,7 @@ class ProcessSource:
         (where the run has 2 or more of them); the last one of a kind is left to _check_alive."""
         if not (self.evictable or self.envs.evictable):
             return
-        exits = {gone.name: gone.exitcode for gone in self.placement.exited()}
+        exits = {gone.name: gone for gone in self.placement.exited()}
         replicas = [r for r in self.replicas if r.alive] if self.evictable else []
         for replica in replicas:
             if not self._may_evict():
@@ -419,10 +419,10 @@ class ProcessSource:
             if (lost := self._why_lost(spec.name, exits)) is not None:
                 self._evict_env(slot, *lost)
 
-    def _why_lost(self, name: str, exits: dict[str, int | None]) -> tuple[str, float | None] | None:
+    def _why_lost(self, name: str, exits: dict[str, ActorExit]) -> tuple[str, float | None] | None:
         """(why, seconds silent) when the actor `name` exited or went silent past the op timeout."""
         if name in exits:
-            return f"it exited with code {exits[name]}", None
+            return f"it {exits[name].why or f'exited with code {exits[name].exitcode}'}", None
         if name in self.ready_actors and (silent := self.heartbeats.age_s(name)) > self.cfg.cluster.op_timeout_s:
             return f"no heartbeat for {silent:.1f} s (cluster.op_timeout_s)", silent
         return None
@@ -506,14 +506,17 @@ class ProcessSource:
     def _check_alive(self) -> None:
         self._check_evictable()
         for gone in self.placement.exited():
+            if gone.why:
+                raise ActorFailed(f"gapless-{gone.name} {gone.why}; the last checkpoint is intact for --resume")
             raise ActorFailed(f"gapless-{gone.name} exited with code {gone.exitcode} without reporting an error "
                               "(killed by the OOM killer or a signal?); see the system log")
 
 
 def _forward(name: str, source, sink: Inbox) -> None:
     """The actor `name`'s outbox into the trainer's inbox (actors._read_into). A read that fails (a
-    message this process cannot unpickle) arrives as that actor's ActorError: the run fails saying
-    so, instead of waiting for the stall watch."""
-    _read_into(source, sink, lambda exc: ActorError(name, f"the trainer could not read a message from {name}:\n"
-                                                          f"{traceback.format_exc()}"))
+    message this process cannot unpickle, a mailbox that died) arrives as that actor's ActorError: the
+    run fails saying so, instead of waiting for the stall watch."""
+    _read_into(source, sink, lambda exc: ActorError(name, str(exc) if isinstance(exc, InfrastructureError) else
+                                                    f"the trainer could not read a message from {name}:\n"
+                                                    f"{traceback.format_exc()}"))
 
