@@ -30,11 +30,12 @@ back-pressure (`put` raises queue.Full at its timeout); every Ray call is bounde
 `flush_writers` waits until what this process put has reached the mailbox (an actor calls it
 before its main function returns, so its last words arrive); an item the reader cannot unpickle
 (two nodes running different code) makes its `get` raise ChannelError, in order, and the items
-after it still arrive. Heartbeat and progress ages are measured
-on the trainer's clock, from when it saw a beat or a progress mark change, so clocks of other
-machines do not matter; an age is up to ~0.5 s older than on the local placement (push and poll
-periods); time in which the mailbox answered no read (a stalled Ray, a starved trainer) is not
-counted as any actor's silence nor as its lack of progress; `quiesce` (before
+after it still arrive; once the mailbox actor is dead (Ray's memory monitor, a lost node) every
+`get` raises MailboxLost with Ray's reason instead of waiting for items that cannot come.
+Heartbeat and progress ages are measured on the trainer's clock, from when it saw a beat or a
+progress mark change, so clocks of other machines do not matter; an age is up to ~0.5 s older than
+on the local placement (push and poll periods); time in which the mailbox answered no read (a
+stalled Ray, a starved trainer) is not counted as any actor's silence nor as its lack of progress; `quiesce` (before
 ray.shutdown) waits until no call of this process is inside ray.get. Not guaranteed: a pid
 for an actor on another host (`pid` returns 0 there, which the stall watch reads as "starting");
 delivery after the mailbox actor died (the run is then failing anyway).
@@ -56,6 +57,8 @@ from typing import Any
 
 import ray
 
+from gapless.errors import InfrastructureError
+from gapless.orchestrate.ray_deaths import death_reason
 from gapless.orchestrate.watchdog import Progress, beating
 
 CALL_TIMEOUT_S = 30.0  # the longest any one mailbox call may take (each long poll asks for much less)
@@ -213,6 +216,17 @@ class ChannelError(RuntimeError):
     """An item reached this process but cannot be unpickled here (different code on two nodes)."""
 
 
+class MailboxLost(InfrastructureError):
+    """The run's mailbox actor died (its reason from Ray, ray_deaths.py): no channel delivers any more."""
+
+
+class _Lost:
+    """Left in the reader's queue once the mailbox is gone: every later `get` raises MailboxLost."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+
 class _Undeliverable:
     """Stands in the reader's queue for an item that could not be unpickled: `get` raises there."""
 
@@ -303,6 +317,9 @@ class RayChannel:
         item = self._received.get(block, timeout)
         if isinstance(item, _Undeliverable):
             raise ChannelError(item.why)
+        if isinstance(item, _Lost):
+            self._received.put(item)
+            raise MailboxLost(f"channel {self.box[:8]} cannot deliver: the run's mailbox {item.why}")
         return item
 
     def get_nowait(self) -> Any:
@@ -312,6 +329,9 @@ class RayChannel:
         while True:
             try:
                 items = _retried(lambda: self.office.get_many.remote(self.box, self._have, self.maxsize, POLL_S))
+            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as exc:
+                self._received.put(_Lost(death_reason(exc)))  # the reader hears why, instead of queue.Empty forever
+                return
             except BaseException:  # noqa: BLE001 - Ray raises SystemExit in threads after shutdown
                 return
             self._have += len(items)
