@@ -84,9 +84,7 @@ class SlotCgroup:
             _write(self.dirs["pids"] / "pids.max", max_tasks)
             slot_bytes = memory_bytes + SERVER_MEMORY_BYTES
             for memory, limit in ((self.dirs["memory"], slot_bytes), (self.job_memory, memory_bytes)):
-                _write(memory / "memory.limit_in_bytes", limit)
-                if (memory / "memory.memsw.limit_in_bytes").exists():  # swap may not hide a bomb
-                    _write(memory / "memory.memsw.limit_in_bytes", limit)
+                _write_v1_memory_limit(memory, limit)
             if (self.job_memory / "memory.kmem.tcp.limit_in_bytes").exists():
                 _write(self.job_memory / "memory.kmem.tcp.limit_in_bytes", socket_bytes)
         else:
@@ -116,6 +114,17 @@ class SlotCgroup:
             if name == "memory" and self.job_memory is not None:
                 directory = self.job_memory
             _write(directory / "cgroup.procs", pid)
+
+    def drop_page_cache(self) -> None:
+        """Evict the page cache charged to the jobs' memory cgroup (v1): the pages of the shared
+        read-only files that a job was the first to read, so the next job cannot time a read
+        to learn which (a channel between consecutive jobs). Pages still mapped by a process
+        stay; the server's and the host's pages are charged elsewhere and stay warm."""
+        if self.job_memory is not None:
+            try:
+                _write(self.job_memory / "memory.force_empty", 0)
+            except OSError:  # the cgroup was removed meanwhile, or the kernel refused
+                pass
 
     def _all_dirs(self) -> list[Path]:
         """Every directory of the slot, parents before children."""
@@ -249,6 +258,19 @@ class CgroupRoot:
                 parent.rmdir()
             except OSError:
                 pass
+
+
+def _write_v1_memory_limit(memory: Path, limit: int) -> None:
+    """memory.limit_in_bytes and, where swap is accounted, the same memsw limit (swap may not
+    hide a bomb). The kernel keeps memsw >= memory at every write: raise memsw first, lower it
+    last."""
+    names = ["memory.limit_in_bytes"]
+    if (memory / "memory.memsw.limit_in_bytes").exists():
+        names.append("memory.memsw.limit_in_bytes")
+        if limit > int(_read(str(memory / "memory.limit_in_bytes"))):
+            names.reverse()
+    for name in names:
+        _write(memory / name, limit)
 
 
 def _write(path: Path, value: object) -> None:

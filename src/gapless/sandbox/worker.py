@@ -186,6 +186,8 @@ class SlotWorker:
         wall_s = time.monotonic() - start_s
         seen = self.observe(pipes, named, is_deadline_hit=not is_complete, limits=limits,
                             is_judged=job.judged is not None)  # fmt: skip
+        if self.cgroup is not None:  # before the caller sees the result (cgroups.py)
+            self.cgroup.drop_page_cache()
         return RunOutput(seen, bytes(named["stdout"].data), bytes(named["report"].data), wall_s)
 
     def settle(self) -> bool:
@@ -196,6 +198,8 @@ class SlotWorker:
             if self.await_done() is None:
                 return False
             _remove(self._scratch)
+            if self.cgroup is not None:  # what the job's processes still mapped at its end
+                self.cgroup.drop_page_cache()
         return self.is_running and self.is_clean()
 
     def submit(self, job: Job, limits: SandboxLimits, *, with_stdin: bool = False
