@@ -317,7 +317,7 @@ PROBES: tuple[Probe, ...] = (
             text = cgroups.read()
         print("REACHED" if "gapless-sandbox" in text or ".slice" in text else "hidden", text.count("\\n"))
     """, "ok", check=_all_failed),
-    _probe("legacy AIO contexts (fs.aio-max-nr is host-wide)", """
+    _probe("legacy AIO contexts", """  # fs.aio-max-nr is host-wide
         context = ctypes.c_ulong(0)
         result = libc.syscall(nr["io_setup"], 65536, ctypes.byref(context))
         print("io_setup", "REACHED" if result >= 0 else ctypes.get_errno())
@@ -367,7 +367,7 @@ PROBES: tuple[Probe, ...] = (
         print("queued MiB", queued >> 20, "REACHED" if queued > 256 << 20 else "capped")
     """, "ok", "memory_limit", check=lambda stdout: "REACHED" not in stdout,
            limits=SandboxLimits(timeout_s=6.0, memory_mb=128), needs_cgroup=True),
-    _probe("the slot's server under the job's memory pressure", """
+    _probe("slot server under the job's memory pressure", """
         import os, time
         for target in ("/proc/self/oom_score_adj", "/proc/1/oom_score_adj"):
             try:  # lowered, as far as the kernel lets it (to the floor)
