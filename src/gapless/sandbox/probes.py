@@ -317,9 +317,9 @@ PROBES: tuple[Probe, ...] = (
             text = cgroups.read()
         print("REACHED" if "gapless-sandbox" in text or ".slice" in text else "hidden", text.count("\\n"))
     """, "ok", check=_all_failed),
-    _probe("legacy AIO contexts", """  # fs.aio-max-nr is host-wide
+    _probe("legacy AIO contexts", """
         context = ctypes.c_ulong(0)
-        result = libc.syscall(nr["io_setup"], 65536, ctypes.byref(context))
+        result = libc.syscall(nr["io_setup"], 65536, ctypes.byref(context))  # fs.aio-max-nr: host-wide
         print("io_setup", "REACHED" if result >= 0 else ctypes.get_errno())
     """, "ok", check=_all_failed, uses_syscalls=True),
     _probe("pseudo terminals past the slot's cap", """
