@@ -12,8 +12,8 @@ import pytest
 
 from gapless.sandbox import SandboxLimits, boot
 from gapless.sandbox.cgroups import CgroupRoot, SlotCgroup
-from gapless.sandbox.limits import MIB, SERVER_MEMORY_MB
 from gapless.sandbox.job import Job
+from gapless.sandbox.limits import MIB, SERVER_MEMORY_MB
 from gapless.sandbox.slots import SlotAllocator
 
 
