@@ -44,6 +44,12 @@ sandbox's own processes or fake its results. Each defence, outermost first:
   AF_INET6 only (no AF_VSOCK past the network namespace). Each job joins a fresh session
   keyring, and the server makes its cgroup namespace after joining the slot's cgroup, so
   /proc/self/cgroup shows `/`, not the host's path.
+- Kernel-wide resources (seccomp.py's audit; docs/sandbox.md): no legacy AIO, no
+  memfd_secret, no page-cache residency calls; the slot's own devpts with a pty cap; TCP/UDP
+  buffers charged to the run (v1: a socket limit of their own); RLIMIT_MEMLOCK, RTPRIO, NICE
+  0; on v1 the jobs run in a memory cgroup below the server's, so the OOM killer of their
+  limit cannot choose the server, and the page cache they were first to read is evicted after
+  each job (no cache-timing channel between consecutive jobs).
 - Output: stdout and stderr capped at `max_output_bytes`, the report fd at 1 MiB, the rest
   drained. The environment is cleared; stdin is /dev/null.
 - Results: fd 3 (report) is a pipe only the host reads. A judged job (`judged=`, envs/code.py)
@@ -70,7 +76,8 @@ NOT guaranteed:
   and a kernel bug there escapes. Namespaces, no capabilities, NoNewPrivs and the filter are
   the wall.
 - /proc shows host-wide facts (cpuinfo, meminfo, uptime, loadavg), not other processes.
-- Timing side channels and CPU contention between runs; CPU is accounted, not shared fairly.
+- Timing side channels and CPU contention between concurrent runs (the page cache of /usr
+  among them: about 25 kbit/s); CPU is accounted, not shared fairly.
 - Without root: no slot uid and no cgroup, so memory is per process only and leftovers are
   contained by the pid namespace alone (logged at start).
 - Files written but not closed by the program are not flushed at its exit (os._exit), unlike
