@@ -54,12 +54,14 @@ def _io(completion: str) -> str:
 
 
 @pytest.mark.parametrize("task", ["io", "asserts (HumanEval)", "host-compared asserts"])
-def test_a_candidate_that_lowers_its_own_hard_cpu_limit_is_killed_not_masked(env, task):
+def test_a_candidate_that_lowers_its_own_hard_cpu_limit_is_refused_not_masked(env, task):
+    """The syscall filter refuses the new limit (EPERM: sandbox/seccomp.py), so the candidate's own
+    code fails the test; deaths it could still arrange are covered by the kills below."""
     problem = {"io": IO_PROBLEM, "asserts (HumanEval)": humaneval_tasks()["eval"][0], "host-compared asserts": HOST_COMPARED}[task]
     completion = LOWER_OWN_CPU_LIMIT if task == "asserts (HumanEval)" else _io(LOWER_OWN_CPU_LIMIT)
     reward, status, info = env.score_text(problem, completion)
-    assert (reward, status, info["sandbox_status"]) == (0.0, "killed", "killed"), info
-    assert info["attempts"] == 2  # run again on a fresh slot: it recurred, so it is the candidate's
+    assert reward == 0.0 and status != "infra_error" and info["sandbox_status"] != "infra_error", info
+    assert info["attempts"] == 1, info
 
 
 @pytest.mark.parametrize(("name", "body"), [
@@ -94,9 +96,9 @@ def test_plain_programs_that_kill_themselves_get_a_status_of_their_own():
     programs = {
         "SIGKILL to itself": ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", Status.NONZERO_EXIT),
         "its own hard CPU limit": ("import resource\nresource.setrlimit(resource.RLIMIT_CPU, (1, 1))\nwhile True: pass\n",
-                                   Status.NONZERO_EXIT),  # fmt: skip
+                                   Status.NONZERO_EXIT),  # refused (EPERM): an uncaught PermissionError
         "init's limits lowered": ("import resource\nfor r in (resource.RLIMIT_NOFILE, resource.RLIMIT_AS, resource.RLIMIT_CPU):\n"
-                                  "    resource.prlimit(1, r, (1, 1))\n", Status.OK),  # init copes; either way not infra
+                                  "    resource.prlimit(1, r, (1, 1))\n", Status.NONZERO_EXIT),  # refused as well
         "sandbox exit code": ("import os\nos._exit(70)\n", Status.NONZERO_EXIT),
         "forged status lines": ("import sys\nprint('{\"infra\": \"x\"}')\nprint('{\"infra\": \"x\"}', file=sys.stderr)\n",
                                 Status.OK),  # fmt: skip
@@ -127,12 +129,13 @@ def test_a_repository_whose_code_kills_its_grading_job_is_graded_zero_not_masked
     environment = RepoEnvironment(BwrapSandbox(limits, slot_uid_base=UID_BASE + 6, max_concurrency=1),
                                   {"train": [task], "eval": []}, limits, max_turns=1, sessions=1)  # fmt: skip
     try:
-        kill_at_import = "import resource\nresource.setrlimit(resource.RLIMIT_CPU, (1, 1))\nwhile True:\n    pass\n"
+        kill_at_import = "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"
         poisoned = {path: kill_at_import + text if path.endswith(".py") else text for path, text in task.files.items()}
         reward, status, info = environment.grade(task, poisoned)
     finally:
         environment.close()
-    assert (reward, status, info.get("grade_status")) == (0.0, "tests_failed", "killed"), info
+    # the modules that kill their importer fail the tests that import them; the rest are graded
+    assert reward < 1.0 and status == "tests_failed" and info.get("grade_status") != "infra_error", info
 
 
 def _job_process(uid: int, victim: str) -> int | None:
