@@ -4,9 +4,28 @@ becomes a Rollout with a status in every environment, never an exception, never 
 Hypothesis drives `score_groups` of the environments that score in-process (math, delayed,
 reasoning-gym, judge against a local HTTP judge, verifiers, tool_use's transcript grading) and,
 with fewer examples, the ones that run a real sandbox per completion (code's `score_groups`,
-tool_use's and repo's `take_turn`). The environment's own text goes through an encoder that
+tool_use's and repo's `take_turn`), and the agent environment's `take_turn` through a real agent
+process and the gateway. The environment's own text goes through an encoder that
 refuses what a tokenizer could not encode (a lone surrogate), so the replies it appends are
-checked too."""
+checked too.
+
+Attack index (model-controlled bytes against the environments: what was tried, where it is held):
+    lone surrogate, NUL, huge line, forged tags in a completion   every test here (`texts`)
+    ... reaching a tokenizer or a JSON encoder through the agent   test_agent_takes_any_turn,
+        gateway (a 500 or a raise out of take_turn)                test_gateway_answers_a_lone_surrogate_and_a_nan_logprob
+    a call a chat template refuses (roles that do not alternate)  test_agent_takes_any_turn ("run ")
+    a reward that opens a path the completion names (OSError)     test_verifiers_scores_any_text,
+                                                                   test_verifiers_adapter.py (..._path_the_completion_names_...)
+    a completion that makes a judge endpoint fail (5xx)           test_verifiers_adapter.py (..._breaks_the_judge_...),
+                                                                   test_judge_env.py (judge_refused)
+    forged, huge or early reply frames from the model's process   test_session_frames.py, test_sandbox_session.py
+    the model's code kills its own session or slot                test_sandbox_session.py, test_tools_env.py
+    self-inflicted kills, limits, borrowed exit codes             test_sandbox_attribution.py
+    candidate exceptions through map/zip/filter/sorted/generators test_judge_control_flow.py
+    values the candidate returns (huge ints, deep nesting)        test_code_values.py
+Bounded, not closed: a completion that takes a judge server down until the probe is also refused
+is infra_error (the step raises if every rollout is); an agent that executes the model's text
+outside a sandbox can end other episodes' agents before their first call (envs/agent.py)."""
 
 from __future__ import annotations
 
