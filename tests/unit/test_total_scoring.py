@@ -4,13 +4,33 @@ becomes a Rollout with a status in every environment, never an exception, never 
 Hypothesis drives `score_groups` of the environments that score in-process (math, delayed,
 reasoning-gym, judge against a local HTTP judge, verifiers, tool_use's transcript grading) and,
 with fewer examples, the ones that run a real sandbox per completion (code's `score_groups`,
-tool_use's and repo's `take_turn`). The environment's own text goes through an encoder that
+tool_use's and repo's `take_turn`), and the agent environment's `take_turn` through a real agent
+process and the gateway. The environment's own text goes through an encoder that
 refuses what a tokenizer could not encode (a lone surrogate), so the replies it appends are
-checked too."""
+checked too.
+
+Attack index (model-controlled bytes against the environments: what was tried, where it is held):
+    lone surrogate, NUL, huge line, forged tags in a completion   every test here (`texts`)
+    ... reaching a tokenizer or a JSON encoder through the agent   test_agent_takes_any_turn,
+        gateway (a 500 or a raise out of take_turn)                test_gateway_answers_a_lone_surrogate_and_a_nan_logprob
+    a call a chat template refuses (roles that do not alternate)  test_agent_takes_any_turn ("run ")
+    a reward that opens a path the completion names (OSError)     test_verifiers_scores_any_text,
+                                                                   test_verifiers_adapter.py (..._path_the_completion_names_...)
+    a completion that makes a judge endpoint fail (5xx)           test_verifiers_adapter.py (..._breaks_the_judge_...),
+                                                                   test_judge_env.py (judge_refused)
+    forged, huge or early reply frames from the model's process   test_session_frames.py, test_sandbox_session.py
+    the model's code kills its own session or slot                test_sandbox_session.py, test_tools_env.py
+    self-inflicted kills, limits, borrowed exit codes             test_sandbox_attribution.py
+    candidate exceptions through map/zip/filter/sorted/generators test_judge_control_flow.py
+    values the candidate returns (huge ints, deep nesting)        test_code_values.py
+Bounded, not closed: a completion that takes a judge server down until the probe is also refused
+is infra_error (the step raises if every rollout is); an agent that executes the model's text
+outside a sandbox can end other episodes' agents before their first call (envs/agent.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -157,6 +177,10 @@ def verifiers_env():
         async def exact(self, task, trace) -> float:
             return float(trace.last_reply == task.answer)
 
+        @vf.reward(weight=0.0)
+        async def names_a_file(self, task, trace) -> float:  # the completion names the path: an OSError is its own
+            return float(os.path.isfile(os.stat(trace.last_reply).st_size and trace.last_reply))
+
     return VerifiersEnvironment([Exact(Data(prompt="2+2?", answer="4"))], eval=[])
 
 
@@ -253,3 +277,116 @@ def test_repo_takes_any_turn(box, turns):
         env.discard(episode)
         env.pool.shutdown()
 
+
+
+# -- the agent environment: a real agent process, the real gateway ------------------------------
+ECHO_AGENT = r'''
+import json, os, sys, urllib.error, urllib.request
+
+def post(messages):
+    body = json.dumps({"model": "m", "messages": [{"role": r, "content": c} for r, c in messages]})  # ASCII: escapes pass
+    request = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", body.encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.loads(response.read())["choices"][0]["message"]["content"]
+    except urllib.error.HTTPError as exc:
+        if exc.code >= 500:
+            sys.exit(3)  # the gateway failed: agent_error, which the test refuses
+        return None  # refused (400): the episode's answer is what came before
+
+messages, answer = [("user", os.environ["GAPLESS_PROMPT"])], ""
+while True:
+    reply = post(messages)
+    if reply is None:
+        break
+    answer = reply
+    # a tool whose output is the reply's bytes, read back as a careless tool would: every byte
+    # past ASCII becomes a lone surrogate (surrogateescape), so the model's text controls them
+    tool = bytes(ord(c) & 0xFF for c in reply).decode("utf-8", "surrogateescape")
+    messages += [("assistant", reply), ("user", "tool: " + tool)]
+    if "run " in reply:  # a second tool message in a row: a template that wants turns to alternate refuses it
+        messages.append(("user", "tool again"))
+print(answer.splitlines()[-1] if answer.strip() else "")
+'''
+
+ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+               "<|s|>{{ m['role'] }}\n{{ m['content'] }}<|e|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|s|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def agents(tmp_path_factory):
+    """An agent environment per prompt format, on a real byte-level tokenizer."""
+    import sys
+
+    from gapless.envs.agent import AgentEnvironment
+    from gapless.envs.math import ProceduralMathEnvironment
+    from gapless.models import train_tokenizer
+    from gapless.prompts import PromptEncoder
+
+    script = tmp_path_factory.mktemp("agent") / "echo_agent.py"
+    script.write_text(ECHO_AGENT)
+    tokenizer = train_tokenizer([MATH_TASK.prompt, "tool: run 123 <|s|> <|e|>"], 300)
+    chat = train_tokenizer([MATH_TASK.prompt, "tool: run 123"], 300)
+    chat.add_special_tokens({"additional_special_tokens": ["<|s|>", "<|e|>"]})
+    chat.chat_template = ALTERNATING
+    encoders = {"raw": PromptEncoder(tokenizer, "raw"), "chat": PromptEncoder(chat, "chat")}
+    math = ProceduralMathEnvironment({"train": [MATH_TASK], "eval": [MATH_TASK]}, teacher_error_frac=0.0)
+    env = AgentEnvironment(math, [sys.executable, str(script)], timeout_s=60.0, max_calls=4,
+                           max_context_tokens=4096, max_new_tokens=8, sessions=1)
+    yield env, encoders
+    env.close()
+    assert env.live_agents == 0
+
+
+@FAST
+@given(turns=st.lists(texts(6), min_size=1, max_size=4), prompt_format=st.sampled_from(["raw", "chat"]))
+def test_agent_takes_any_turn(agents, turns, prompt_format):
+    """Whatever the model's text (lone surrogates, NUL, huge lines) and whatever the agent makes of
+    it (lone surrogates in its next message, calls a template refuses): the episode ends with a
+    scored status; the gateway never answers 500 (the agent would exit 3: agent_error)."""
+    env, encoders = agents
+    encoder = encoders[prompt_format]
+    episode = env.start_episode(MATH_TASK, encoder(MATH_TASK.prompt))
+    try:
+        env.open_episode(episode, encoder)
+        for turn in turns:
+            if episode.is_done:
+                break
+            env.take_turn(episode, completion(turn), encoder)
+        rollout = env.to_rollout(episode)
+    finally:
+        env.discard(episode)
+    check([rollout], 1)
+    assert rollout.status != "agent_error", rollout.info
+
+
+def test_gateway_answers_a_lone_surrogate_and_a_nan_logprob():
+    """The reply to an agent carries the model's text; no byte of it makes the call a 500."""
+    import urllib.request
+
+    from gapless.serve.gateway import Gateway
+
+    gateway = Gateway()
+    try:
+        channel, base_url = gateway.open()
+        out: dict = {}
+
+        def call():
+            body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "q\ud800"}]}).encode()
+            request = urllib.request.Request(base_url + "/chat/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=30) as response:
+                out["reply"] = json.loads(response.read())
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        waiting = channel.next(30)
+        assert waiting.messages == [("user", "q?")]  # the agent's lone surrogate: replaced before any tokenizer
+        channel.answer(waiting, "a\udfffb", [1, 2], [-0.5, float("nan")], [0, 0], "stop", 1)
+        caller.join(30)
+        assert out["reply"]["choices"][0]["message"]["content"] == "a?b"
+        assert out["reply"]["gapless"]["logprobs"] == [-0.5, None]
+    finally:
+        gateway.close()
