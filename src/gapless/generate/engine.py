@@ -28,6 +28,8 @@ trainer's `token_logprobs` at the same weights and temperature; every token reco
 version of the weights whose forward pass produced its logits. A sequence's random numbers come
 from its own stream (request seed, sample index), so a rerun with the same requests in the same
 order gives identical tokens; a different batch composition changes only float rounding.
+A sequence resumed with a `TokenConstraint` (generate/constraint.py) samples only the tokens its
+grammar allows: its row's other logits are set to -inf before sampling, other rows untouched.
 After a swap with the KV kept, the next tokens attend to keys/values computed by the old weights
 (as PipelineRL does); with `recompute_kv` the whole context is re-prefilled by the new weights.
 """
