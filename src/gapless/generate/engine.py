@@ -28,6 +28,8 @@ trainer's `token_logprobs` at the same weights and temperature; every token reco
 version of the weights whose forward pass produced its logits. A sequence's random numbers come
 from its own stream (request seed, sample index), so a rerun with the same requests in the same
 order gives identical tokens; a different batch composition changes only float rounding.
+A sequence resumed with a `TokenConstraint` (generate/constraint.py) samples only the tokens its
+grammar allows: its row's other logits are set to -inf before sampling, other rows untouched.
 After a swap with the KV kept, the next tokens attend to keys/values computed by the old weights
 (as PipelineRL does); with `recompute_kv` the whole context is re-prefilled by the new weights.
 """
@@ -38,11 +40,12 @@ import itertools
 import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from gapless.generate.adapters import AdapterMerge
+from gapless.generate.constraint import TokenConstraint, bitmask_words, mask_logits
 from gapless.generate.families import engine_path
 from gapless.generate.hf_runner import HFRunner
 from gapless.generate.protocol import RunningSample
@@ -64,6 +67,7 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    constraint: TokenConstraint | None = None  # grammar-constrained decoding (generate/constraint.py)
 
     @property
     def context(self) -> tuple[int, ...]:
@@ -71,6 +75,8 @@ class _Sequence:
 
     def finish_reason(self) -> FinishReason | None:
         if self.tokens and self.tokens[-1] in self.stop_ids:
+            return "stop"
+        if self.constraint is not None and self.constraint.is_terminated:
             return "stop"
         if len(self.tokens) >= self.params.max_new_tokens:
             return "length"
@@ -167,6 +173,7 @@ class TorchEngine:
         self._decode_rows: RowSettings | None = None  # settings of the running batch, rebuilt when it changes
         self._attention_ranges: list[tuple[int, int]] = []  # the runner's attention split, rebuilt with _decode_rows
         self._ids = itertools.count()
+        self._bitmask: torch.Tensor | None = None  # (max_batch, ceil(V / 32)) int32, constrained rows' masks
 
     # ---- requests -------------------------------------------------------------------------
     @property
@@ -192,14 +199,20 @@ class TorchEngine:
             self._enqueue(_Sequence(request_id, j, sample_seed(params.seed, j), list(prompt_ids), params, self._stops(params)))
         return request_id
 
-    def resume(self, partials: Iterable[Completion], params: SamplingParams, request_id: str | None = None) -> str:
+    supports_constraints = True  # `resume(..., constraints=)`: grammar-constrained decoding
+
+    def resume(self, partials: Iterable[Completion], params: SamplingParams, request_id: str | None = None,
+               constraints: Sequence[TokenConstraint | None] | None = None) -> str:
         """Continue aborted completions (possibly under newer weights): each keeps its tokens,
-        log-probs, versions and random stream; `params.max_new_tokens` counts all their tokens."""
+        log-probs, versions and random stream; `params.max_new_tokens` counts all their tokens.
+        `constraints[i]` (optional) constrains partial i's next tokens; it must already have
+        accepted that partial's tokens."""
         partials = list(partials)
+        constraints = list(constraints) if constraints is not None else [None] * len(partials)
         request_id = request_id if request_id is not None else (partials[0].request_id if partials else f"req-{next(self._ids)}")
-        for c in partials:
+        for c, constraint in zip(partials, constraints, strict=True):
             seq = _Sequence(request_id, c.index, c.seed, list(c.prompt_ids), params, self._stops(params),
-                            list(c.token_ids), list(c.logprobs), list(c.versions))
+                            list(c.token_ids), list(c.logprobs), list(c.versions), constraint)
             if (reason := seq.finish_reason()) is not None:
                 raise ValueError(f"completion {c.request_id}/{c.index} is already finished ({reason}); only partial ones resume")
             self._enqueue(seq)
@@ -291,12 +304,28 @@ class TorchEngine:
                 self._attention_ranges = attention_ranges(slots.position[:rows].tolist())
         logits = self.runner.decode(slots.last_token[:rows], slots.position[:rows], self.cache, self._attention_ranges)[:batch]  # (B, V)
         u = slots.uniforms[:batch].gather(1, slots.generated[:batch, None]).squeeze(1)  # (B,)
-        tokens, logprobs = sample_rows(logits, self._decode_rows, u, self.runner.native)
+        native = self.runner.native
+        if constrained := [i for i, seq in enumerate(self.running) if seq.constraint is not None]:
+            logits = self._constrain(logits, constrained)
+            native = None  # the native sampler's fast exp is not defined at -inf
+        tokens, logprobs = sample_rows(logits, self._decode_rows, u, native)
         slots.position[:batch] += 1
         slots.last_token[:batch] = tokens
         slots.generated[:batch] += 1
         self.stats.decode_tokens += batch
         return self._record(tokens.tolist(), logprobs.tolist())
+
+    def _constrain(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Mask the constrained rows' logits to their grammars' allowed tokens (other rows untouched)."""
+        words = bitmask_words(logits.shape[-1])
+        if self._bitmask is None or self._bitmask.shape[1] != words:
+            self._bitmask = torch.zeros(self.max_batch, words, dtype=torch.int32)
+        bitmask = self._bitmask[: len(rows)]
+        for k, i in enumerate(rows):
+            self.running[i].constraint.fill_bitmask(bitmask, k)
+        logits = logits.float().clone()  # the runner may hand out a view of its own buffer
+        mask_logits(logits, rows, bitmask)
+        return logits
 
     def _admit(self) -> None:
         """Move waiting sequences into the free slots: the cache gets the keys/values of all but
@@ -349,6 +378,8 @@ class TorchEngine:
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(self.version)
+            if seq.constraint is not None:
+                seq.constraint.accept(token)
             if (reason := seq.finish_reason()) is not None:
                 done.append(i)
                 reasons.append(reason)

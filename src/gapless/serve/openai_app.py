@@ -18,7 +18,10 @@ Errors are `{"error": {"message", "type", "param", "code"}}` with 400 (bad reque
 the context: code `context_length_exceeded`), 401 (`--api-key` set, wrong or no bearer token),
 404 (unknown model or route), 413 (body over `max_body_bytes`), 429 (scheduler full, with
 Retry-After), 500 (anything else; the server lives on).
-Not guaranteed: tools, images, penalties, `best_of` ranking, top alternatives on streams.
+Structured outputs (response_format, vLLM's structured_outputs / guided_*) and tool_choice
+required / named are served by grammar-constrained decoding (grammar.py, tools/choice.py); with
+tools offered, replies are parsed into `tool_calls` by the server's tool-call format (tools/).
+Not guaranteed: images, penalties, `best_of` ranking, top alternatives on streams.
 """
 
 from __future__ import annotations
@@ -39,11 +42,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gapless.serve.chat import chat_prompt_ids
+from gapless.serve.grammar import Grammars, StructureSpec
 from gapless.serve.openai_params import ChatBody, CompletionBody, parse_body
 from gapless.serve.protocol import (ContextLengthExceeded, InvalidRequest, SampleRequest, SampleResult, ServeError,
                                     merge_deltas)
 from gapless.serve.scheduler import RequestHandle, Scheduler
 from gapless.serve.scoring import Scorer
+from gapless.serve.tools.choice import forced_calls
+from gapless.serve.tools.parsers import tool_call_format
+from gapless.serve.tools.reply import ToolStream, tool_message
 
 log = logging.getLogger("gapless.serve")
 
@@ -66,8 +73,11 @@ class ClientGone(Exception):
 
 class OpenAIApp:
     def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, *, scorer: Scorer | None = None,
-                 api_key: str | None = None, max_body_bytes: int = 16 << 20, default_max_tokens: int = 1024):
+                 api_key: str | None = None, max_body_bytes: int = 16 << 20, default_max_tokens: int = 1024,
+                 tool_call_parser: str = "hermes"):
         self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
+        self.tool_format = tool_call_format(tool_call_parser)
+        self._grammars: Grammars | None = None  # built on the first constrained request
         self.scorer, self.api_key = scorer, api_key
         self.max_body_bytes, self.default_max_tokens = max_body_bytes, default_max_tokens
         self.vocab_size = len(tokenizer)
@@ -119,7 +129,9 @@ class OpenAIApp:
                                                     f"(got {len(p)})", "prompt")
                 results = [[SampleResult(j, p, finish_reason="length") for j in range(body.n)] for p in prompts]
             else:
-                results = await self._run(request, body, [tuple(p) for p in prompts], body.max_tokens or 16, chat=False)
+                constraint = await self._constraint(body.structure_spec())
+                results = await self._run(request, body, [tuple(p) for p in prompts], body.max_tokens or 16, chat=False,
+                                          constraint=constraint)
                 if isinstance(results, Response):
                     return results
             choices = [await self._completion_choice(i * body.n + r.index, r, body) for i, rs in enumerate(results) for r in rs]
@@ -134,10 +146,15 @@ class OpenAIApp:
             body = parse_body(ChatBody, await self._json(request))
             self._check_model(body.model)
             self._check_length(sum(len(m.text) for m in body.messages), body.max_new_tokens or 1)
-            render = lambda: chat_prompt_ids(self.tokenizer, body.messages)  # noqa: E731
+            tools = body.tool_dicts
+            render = lambda: chat_prompt_ids(self.tokenizer, body.messages, tools, self.tool_format)  # noqa: E731
             prompt = await asyncio.to_thread(render) if sum(len(m.text) for m in body.messages) > 4096 else render()
             max_new = body.max_new_tokens or min(self.default_max_tokens, max(1, self.scheduler.max_seq_len - len(prompt)))
-            results = await self._run(request, body, [tuple(prompt)], max_new, chat=True)
+            forced = body.forced_tools
+            spec = body.structure_spec() if forced is None else forced_calls(
+                forced, self.tool_format, parallel=body.parallel_tool_calls is not False and body.tool_choice == "required")
+            results = await self._run(request, body, [tuple(prompt)], max_new, chat=True,
+                                      constraint=await self._constraint(spec))
             if isinstance(results, Response):
                 return results
             choices = [await self._chat_choice(r, body) for r in results[0]]
@@ -189,12 +206,25 @@ class OpenAIApp:
                 raise InvalidRequest(f"prompt: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
         return [list(row) for row in ids]
 
-    async def _run(self, request: Request, body, prompts: list[tuple[int, ...]], max_new: int, chat: bool):
+    async def _constraint(self, spec: StructureSpec | None):
+        """The per-sample grammar factory of `spec` (compiled off the event loop, cached), or None."""
+        if spec is None:
+            return None
+        if self._grammars is None:
+            engine = self.scheduler.engine
+            vocab = getattr(getattr(engine, "runner", None), "vocab_size", self.vocab_size)
+            stops = {self.eos_id, *getattr(engine, "stop_ids", ())}
+            self._grammars = await asyncio.to_thread(Grammars, self.tokenizer, vocab, stops)
+        return (await asyncio.to_thread(self._grammars.compile, spec)).constraint
+
+    async def _run(self, request: Request, body, prompts: list[tuple[int, ...]], max_new: int, chat: bool,
+                   constraint=None):
         params = body.sampling(max_new)
         handles: list[RequestHandle] = []
         try:
             for prompt in prompts:
-                handles.append(self.scheduler.submit(SampleRequest(prompt, params, body.n, tuple(body.stop or ()), "http", body.stream)))
+                handles.append(self.scheduler.submit(SampleRequest(prompt, params, body.n, tuple(body.stop or ()), "http",
+                                                                   body.stream, constraint)))
         except ServeError:
             for handle in handles:
                 handle.abort()
@@ -246,6 +276,8 @@ class OpenAIApp:
     async def _chat_choice(self, r: SampleResult, body: ChatBody) -> dict:
         choice = {"index": r.index, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
                   "finish_reason": r.finish_reason}
+        if body.tool_dicts:
+            choice["message"], choice["finish_reason"] = tool_message(r.text, r.finish_reason, self.tool_format)
         if body.logprobs:
             own = self._text_tokens(r)
             tops = [[] for _ in own]
@@ -276,6 +308,7 @@ class OpenAIApp:
         if body.include_usage:
             head["usage"] = None
         offsets: dict[int, int] = {}
+        tool_streams = {} if chat and body.tool_dicts else None  # choice index -> its ToolStream
         try:
             if chat:
                 yield "".join(_event({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
@@ -291,6 +324,9 @@ class OpenAIApp:
                         choice = {"index": index, "logprobs": self._stream_logprobs(own, d.logprobs, body, chat, offsets, index),
                                   "finish_reason": d.finish_reason}
                         choice.update({"delta": {"content": text}} if chat else {"text": text})
+                        if tool_streams is not None:
+                            stream = tool_streams.setdefault(index, ToolStream(self.tool_format))
+                            choice["delta"], choice["finish_reason"] = stream.delta(text, d.finish_reason)
                         if body.return_token_ids:
                             choice.update({"token_ids": d.token_ids, "sampling_logprobs": d.logprobs, "policy_versions": d.versions})
                             if first:

@@ -5,7 +5,8 @@ an unknown or unsupported field is a 400 naming it (`extra="forbid"`), and a sup
 a value gapless cannot honour (a non-zero penalty, `best_of` above `n`, tools, non-text content
 parts) is a 400 naming the field and what it accepts. Types are strict (`"5"` is not an integer).
 Extensions beyond OpenAI, compatible with vLLM's names: `return_token_ids` (token-in-token-out,
-off by default), `ignore_eos`, `top_k`.
+off by default), `ignore_eos`, `top_k`, and the structured-output fields (structured.py).
+Tool calling (tools, tool_choice, tool messages) is in tools/params.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gapless.serve.protocol import InvalidRequest
+from gapless.serve.structured import StructuredFields
+from gapless.serve.tools.params import ToolCallParam, ToolFields
 from gapless.types import SamplingParams
 
 
@@ -33,16 +36,39 @@ class TextPart(_Strict):
 
 
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant only
+    tool_call_id: str | None = None  # tool only
+
+    @model_validator(mode="after")
+    def _check_roles(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only on an assistant message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
+    def as_dict(self) -> dict:
+        """The message as an OpenAI-shaped dict with text content (tool rendering, tools/render.py)."""
+        out = {"role": self.role, "content": self.text}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
-class _Sampling(_Strict):
+
+class _Sampling(StructuredFields):
     """Fields both endpoints share."""
 
     model: str | None = None
@@ -126,18 +152,17 @@ class CompletionBody(_Sampling):
         return self
 
 
-class ChatBody(_Sampling):
+class ChatBody(_Sampling, ToolFields):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict | None = None
 
     @model_validator(mode="after")
     def _check(self):
-        if self.response_format not in (None, {"type": "text"}):
-            raise ValueError("only response_format {'type': 'text'} is supported")
+        if self.forced_tools is not None and self.structure_spec() is not None:
+            raise ValueError("tool_choice required or named already constrains the reply; drop the structured-output field")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         if self.stream and self.top_logprobs:
