@@ -16,13 +16,14 @@ from gapless.serve.openai_params import Message
 from gapless.serve.protocol import InvalidRequest
 
 
-def chat_prompt_ids(tokenizer, messages: Sequence[Message]) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
     plain = [{"role": m.role, "content": m.text} for m in messages]
     if getattr(tokenizer, "chat_template", None):
         try:
-            ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, return_dict=False)
+            ids = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                                return_dict=False)
         except Exception as exc:  # noqa: BLE001 -- a template's own complaint (e.g. roles must alternate) is the user's to fix
             raise InvalidRequest(f"the model's chat template refused these messages: {exc}", "messages") from None
         return list(ids)
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in plain) + ("assistant:" if add_generation_prompt else "")
     return tokenizer.encode(text, add_special_tokens=False)
