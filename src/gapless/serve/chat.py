@@ -3,7 +3,7 @@
 With a chat template (`tokenizer.chat_template`), the messages are rendered and tokenized by
 `apply_chat_template(..., add_generation_prompt=True, tokenize=True)`, straight to ids: no text
 round trip and no special tokens added on top of the template's own (so no doubled BOS).
-Without one (the tiny test tokenizers), each message becomes a "role: content" line and the
+Without one (a checkpoint that ships none), each message becomes a "role: content" line and the
 prompt ends with "assistant:". Content given as a list of text parts is joined with newlines.
 Not supported: tools, images and audio parts (refused by the request model, openai_params.py).
 """
