@@ -133,7 +133,7 @@ def test_responses_api(server, client):
     with pytest.raises(openai.APIStatusError, match="/v1/chat/completions") as refused:
         client.responses.create(input="x", tools=[{"type": "function", "name": "f", "parameters": {}}], model="tiny")
     assert refused.value.status_code == 501
-    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+    with pytest.raises(openai.BadRequestError, match="not stored"):
         client.responses.create(input="x", previous_response_id="resp_1", model="tiny")
 
 
