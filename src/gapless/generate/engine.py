@@ -50,6 +50,7 @@ from gapless.generate.families import engine_path
 from gapless.generate.hf_runner import HFRunner
 from gapless.generate.protocol import RunningSample
 from gapless.generate.runner import DecoderRunner, attention_ranges
+from gapless.generate.logit_adjust import apply_adjustments
 from gapless.generate.sampling import RowSettings, sample_rows, sample_seed, uniform_stream
 from gapless.types import Completion, FinishReason, SamplingParams
 
@@ -171,6 +172,7 @@ class TorchEngine:
         self._prefixes: dict[tuple[int, ...], object] = {}  # prefix -> its stashed prefill (the runner's stash_row)
         self._waiting_prefixes: Counter[tuple[int, ...]] = Counter()
         self._decode_rows: RowSettings | None = None  # settings of the running batch, rebuilt when it changes
+        self._adjusted: list[int] = []  # running rows with a logit adjustment, rebuilt with _decode_rows
         self._attention_ranges: list[tuple[int, int]] = []  # the runner's attention split, rebuilt with _decode_rows
         self._ids = itertools.count()
         self._bitmask: torch.Tensor | None = None  # (max_batch, ceil(V / 32)) int32, constrained rows' masks
@@ -300,9 +302,12 @@ class TorchEngine:
         rows = decode_rows(batch, self.max_batch) if self.runner.pads_rows else batch
         if self._decode_rows is None:  # the batch changed
             self._decode_rows = slots.settings(self.running)
+            self._adjusted = [i for i, s in enumerate(self.running) if s.params.adjust and not s.params.adjust.is_identity]
             if self.runner.native is None:  # the native kernels read each slot's own length
                 self._attention_ranges = attention_ranges(slots.position[:rows].tolist())
         logits = self.runner.decode(slots.last_token[:rows], slots.position[:rows], self.cache, self._attention_ranges)[:batch]  # (B, V)
+        if self._adjusted:  # per-request bias and penalties (served requests), row by row
+            logits = apply_adjustments(logits, [(i, (q := self.running[i]).params.adjust, q.prompt, q.tokens) for i in self._adjusted])
         u = slots.uniforms[:batch].gather(1, slots.generated[:batch, None]).squeeze(1)  # (B,)
         native = self.runner.native
         if constrained := [i for i, seq in enumerate(self.running) if seq.constraint is not None]:

@@ -3,7 +3,7 @@
 With a chat template (`tokenizer.chat_template`), the messages are rendered and tokenized by
 `apply_chat_template(..., add_generation_prompt=True, tokenize=True)`, straight to ids: no text
 round trip and no special tokens added on top of the template's own (so no doubled BOS).
-Without one (the tiny test tokenizers), each message becomes a "role: content" line and the
+Without one (a checkpoint that ships none), each message becomes a "role: content" line and the
 prompt ends with "assistant:". Content given as a list of text parts is joined with newlines.
 Tools and tool-calling history (assistant `tool_calls`, `tool` messages) go through the template's
 own tool support when it has some, else they are rewritten into plain messages in the server's
@@ -23,7 +23,7 @@ from gapless.serve.tools.render import plain_messages, template_takes_tools
 
 
 def chat_prompt_ids(tokenizer, messages: Sequence[Message], tools: Sequence[dict] = (),
-                    fmt: ToolCallFormat = HERMES) -> list[int]:
+                    fmt: ToolCallFormat = HERMES, add_generation_prompt: bool = True) -> list[int]:
     plain = [{"role": m.role, "content": m.text} for m in messages]
     tools_kw = {}
     if tools or any(m.role == "tool" or m.tool_calls for m in messages):
@@ -33,12 +33,12 @@ def chat_prompt_ids(tokenizer, messages: Sequence[Message], tools: Sequence[dict
             plain = [{"role": r, "content": c} for r, c in plain_messages([m.as_dict() for m in messages], tools, fmt)]
     if getattr(tokenizer, "chat_template", None):
         try:
-            ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, return_dict=False,
-                                                **tools_kw)
+            ids = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                                return_dict=False, **tools_kw)
         except Exception as exc:  # noqa: BLE001 -- a template's own complaint (e.g. roles must alternate) is the user's to fix
             raise InvalidRequest(f"the model's chat template refused these messages: {exc}", "messages") from None
         return list(ids)
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in plain) + ("assistant:" if add_generation_prompt else "")
     return tokenizer.encode(text, add_special_tokens=False)
 
 
