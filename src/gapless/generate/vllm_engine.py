@@ -125,6 +125,7 @@ class VLLMEngine:
         from gapless.generate.vllm_weights import VLLMWeights, is_adapter_push
 
         self._vllm = vllm
+        self.vllm_version = getattr(vllm, "__version__", "?")
         set_threads = torch.set_num_threads  # the CPU worker replaces it with a no-op; put it back after
         if lora_rank:
             engine_kwargs.update(enable_lora=True, max_loras=2, max_lora_rank=_lora_slot(lora_rank))
