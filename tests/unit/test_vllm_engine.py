@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from gapless.generate.vllm_engine import VLLMEngine, VLLMUnavailable, check_model
+from gapless.generate.vllm_engine import VLLMEngine
 from gapless.lora import LoraSpec, adapter_state, attach_lora
 from gapless.trainer.batch import build_batch, token_logprobs
 from gapless.types import SamplingParams
@@ -144,12 +144,3 @@ def test_lora_adapter_swap_goes_to_vllm_as_a_lora_request(engine, vllm_policy, p
 def test_one_engine_per_process(engine, vllm_policy, tmp_path):
     with pytest.raises(RuntimeError, match="one engine per process"):
         VLLMEngine(str(tmp_path), vllm_policy.eos_id)
-
-
-def test_a_head_dim_the_cpu_attention_refuses_is_one_line_naming_the_torch_engine():
-    if torch.cuda.is_available():
-        pytest.skip("the head-dim limit is the CPU attention's")
-    with pytest.raises(VLLMUnavailable) as exc:
-        check_model(8)
-    assert "generator.engine = 'torch'" in str(exc.value) and "8" in str(exc.value) and "\n" not in str(exc.value)
-    check_model(32)
