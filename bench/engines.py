@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from real_shapes import SHAPES  # noqa: E402  (bench/real_shapes.py)
+from real_shapes import SHAPES
 
 SHAPES = dict(SHAPES)
 SHAPES["default"] = dict(model_type="qwen2", vocab_size=384, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
@@ -39,7 +39,6 @@ PHASES = ("torch", "vllm", "hf")
 
 def child(args) -> dict:
     import torch
-
     from real_shapes import build_model
 
     torch.set_num_threads(args.threads)

@@ -5,9 +5,8 @@ torch engine (lean and generic paths), the reference sampler (`Generator` only) 
 session's shared engine, weights pushed by vLLM's in-place reload)."""
 
 import pytest
-import torch
 
-from gapless.generate.protocol import Generator, StreamingGenerator, SteppedGenerator
+from gapless.generate.protocol import Generator, SteppedGenerator, StreamingGenerator
 from gapless.types import SamplingParams
 
 STEPPED = ["torch", "torch-generic", pytest.param("vllm", marks=pytest.mark.vllm)]

@@ -36,9 +36,9 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import torch
 

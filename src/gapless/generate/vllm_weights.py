@@ -40,7 +40,7 @@ class WeightPush(Protocol):
 
 
 def is_adapter_push(state: dict[str, torch.Tensor]) -> bool:
-    from gapless.generate.adapters import A, PREFIX
+    from gapless.generate.adapters import PREFIX, A
 
     return bool(state) and all(k.startswith(PREFIX) and ".lora_" in k for k in state) and any(k.endswith(A) for k in state)
 
@@ -126,7 +126,9 @@ class TransferEngineIPC:
         if not torch.cuda.is_available():
             raise RuntimeError("vLLM's IPC weight transfer needs CUDA; use transport 'reload' on CPU")
         from vllm.distributed.weight_transfer import base
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.factory import (
+            WeightTransferTrainerFactory,
+        )
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
         source = _StateSource()
@@ -159,7 +161,7 @@ class LoraAdapters:
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
-        from gapless.generate.adapters import A, PREFIX
+        from gapless.generate.adapters import PREFIX, A
 
         names = sorted(k[len(PREFIX):-len(A)] for k in state if k.endswith(A))
         if not names or len(state) != 2 * len(names):
