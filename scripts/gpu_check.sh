@@ -47,9 +47,9 @@ fi
 PY="$VENV/bin/python"
 export PYTHONPATH=src
 
-timeout "$(( $(left) / 3 ))" "$PY" -m pytest -q -m gpu tests/unit/test_generator_contract.py >"$LOG/contract.txt" 2>&1
+timeout "$(( $(left) / 3 ))" "$PY" -m pytest -q -m vllm tests/unit/test_generator_contract.py >"$LOG/contract.txt" 2>&1
 CONTRACT_RC=$?
-timeout "$(( $(left) / 2 ))" "$PY" -m pytest -q -m gpu tests/unit/test_vllm_engine.py >"$LOG/vllm_tests.txt" 2>&1
+timeout "$(( $(left) / 2 ))" "$PY" -m pytest -q -m vllm tests/unit/test_vllm_engine.py >"$LOG/vllm_tests.txt" 2>&1
 VLLM_RC=$?
 timeout "$(left)" "$PY" bench/real_shapes.py --device cuda --shapes qwen2.5-0.5b >"$LOG/bench.txt" 2>&1
 BENCH_RC=$?

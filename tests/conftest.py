@@ -7,6 +7,8 @@ by a test (RunLoop, the actors) still sets the threads its config asks for; this
 test process back to one thread before the next test.
 """
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -40,3 +42,36 @@ def one_torch_thread():
     yield
     torch.set_num_threads(1)
 
+
+
+def pytest_collection_modifyitems(config, items):
+    """`-m vllm` tests run where vLLM is installed (its own venv: `bash scripts/setup.sh --vllm`)."""
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    skip = pytest.mark.skip(reason="vLLM is not installed here: bash scripts/setup.sh --vllm, then "
+                                   ".venv-vllm/bin/python -m pytest -m vllm")
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def vllm_policy(problems):
+    """The tiny fixture at head dim 32, which vLLM's CPU attention runs (it refuses 8 and 16)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, vocab_size=300)
+    return build_tiny(cfg, [p.prompt + p.solution for p in problems], seed=0)
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(vllm_policy, tmp_path_factory):
+    """One vLLM engine for the whole session (start-up takes tens of seconds; one per process), in
+    fp32 with the prefix cache on and LoRA enabled (rank up to 8). A test that pushes other weights
+    pushes `vllm_policy`'s back before it ends."""
+    from gapless.generate.vllm_engine import VLLMEngine
+
+    path = tmp_path_factory.mktemp("vllm") / "policy"
+    vllm_policy.save(path)
+    return VLLMEngine(str(path), vllm_policy.eos_id, vllm_policy.decode, max_batch=4, max_seq_len=128, dtype="float32",
+                      prefix_caching=True, enforce_eager=True, lora_rank=8, lora_alpha=16.0,
+                      max_num_batched_tokens=128)  # the least vLLM takes: prefills of 4 long prompts cannot share a step

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from gapless.config import ConfigError, load_config
 from gapless.errors import InfrastructureError, RunStopped
@@ -111,8 +112,27 @@ def _load(argv: list[str]):
     return load_config(config_path, overrides)
 
 
+def _vllm_preflight(cfg) -> None:
+    """generator.engine = 'vllm' where vLLM is absent, or on a model its CPU attention cannot run:
+    one line at start (exit 2), before any model is built."""
+    if cfg.generator.engine != "vllm":
+        return
+    from gapless.generate.vllm_engine import VLLMUnavailable, check_model
+
+    if cfg.model.path is None:
+        head_dim = cfg.model.hidden_size // cfg.model.num_heads
+    else:
+        hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    try:
+        check_model(int(head_dim))
+    except VLLMUnavailable as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _cmd_train(argv: list[str]) -> int:
     cfg = _load(argv)
+    _vllm_preflight(cfg)
     from gapless.orchestrate.loop import train  # heavy imports only once the config is valid
 
     summary = train(cfg, resume="--resume" in argv)
@@ -130,6 +150,7 @@ def _cmd_eval(argv: list[str]) -> int:
     if "--resume" in argv:
         raise _Usage("--resume is for gapless train")
     cfg = _load(argv)
+    _vllm_preflight(cfg)
     from gapless.orchestrate.eval_run import run_eval
 
     result = run_eval(cfg, log=lambda line: print(line, file=sys.stderr))

@@ -146,8 +146,9 @@ class GeneratorConfig(_Section):
     engine: Literal["torch", "reference", "vllm"] = "torch"
     """Which generator samples rollouts: 'torch' (the project's engine: continuous batching, exact
     log-probs, in-flight weight swaps; Llama/Qwen2 models), 'reference' (the simple sampler over the
-    HF model's forward that the engine is tested against; any HF causal LM), 'vllm' (GPU, needs
-    vLLM installed)."""
+    HF model's forward that the engine is tested against; any HF causal LM), 'vllm' (vLLM's engine,
+    on a GPU or through its CPU build: install it with `bash scripts/setup.sh --vllm` and run
+    .venv-vllm/bin/gapless; docs/engine.md)."""
     max_batch: int = Field(128, ge=1, le=65536)
     """Sequences decoded together (KV-cache slots). Larger batches raise throughput until the
     matmuls are compute-bound. The torch engine's KV cache grows with the largest batch decoded so
@@ -439,7 +440,7 @@ class PipelineConfig(_Section):
     partial_rollout_tokens: int = Field(0, ge=0)
     """Cut a sequence every this many generated tokens while other sequences wait for a slot and
     resume it at the back of the queue, under the weights current then (KV recomputed). 0 = off.
-    Torch engine only."""
+    Stepped engines only ('torch', 'vllm')."""
     partial_rollout_s: float = Field(0.0, ge=0)
     """Time deadline for the same cut: a group running this many seconds since it last got a slot
     is cut while others wait, and resumed at the back of the queue. 0 = off. Torch engine only;
@@ -864,9 +865,9 @@ def _check_cross_field(cfg: Config) -> None:
     if cfg.generator.kernels != "auto" and cfg.generator.engine != "torch":
         raise ConfigError(f"generator.kernels = {cfg.generator.kernels!r} applies to generator.engine = 'torch' only "
                           f"(not {cfg.generator.engine!r}); leave it at 'auto'")
-    if (pl.partial_rollout_tokens or pl.partial_rollout_s) and cfg.generator.engine != "torch":
+    if (pl.partial_rollout_tokens or pl.partial_rollout_s) and cfg.generator.engine not in ("torch", "vllm"):
         field = "partial_rollout_tokens" if pl.partial_rollout_tokens else "partial_rollout_s"
-        raise ConfigError(f"pipeline.{field} cuts running sequences, which only generator.engine = 'torch' exposes "
+        raise ConfigError(f"pipeline.{field} cuts running sequences, which only the stepped engines ('torch', 'vllm') expose "
                           f"(not {cfg.generator.engine!r}); set it to 0 or use the torch engine")
     if pl.suspend_between_turns and cfg.task.name != "tool_use":
         raise ConfigError(f"pipeline.suspend_between_turns snapshots tool sessions, which only task.name = 'tool_use' "
@@ -928,9 +929,6 @@ def _check_lora(cfg: Config) -> None:
     if cfg.cluster.trainer_world_size > 1:
         raise ConfigError(f"lora.rank = {lora.rank} trains in one process; set cluster.trainer_world_size = 1 "
                           "(data-parallel LoRA is not built) or lora.rank = 0")
-    if cfg.generator.engine == "vllm":
-        raise ConfigError(f"lora.rank = {lora.rank}: the vllm engine does not take adapter pushes yet; use "
-                          "generator.engine = 'torch' or lora.rank = 0")
 
 
 def _check_cluster(cfg: Config) -> None:

@@ -32,7 +32,7 @@ def test_precedence_defaults_file_cli(tmp_path):
         ({"trainer.overlong": "penalty", "trainer.overlong_buffer": "30"},
          "trainer.overlong_buffer (30) must not exceed generator.max_new_tokens (24)"),
         ({"trainer.tis_cap": "0.5"}, "trainer.tis_cap"),
-        ({"pipeline.partial_rollout_s": "2", "generator.engine": "vllm"}, "pipeline.partial_rollout_s cuts running sequences"),
+        ({"pipeline.partial_rollout_s": "2", "generator.engine": "reference"}, "pipeline.partial_rollout_s cuts running sequences"),
         ({"generator.kernels": "native", "generator.engine": "reference"}, "generator.kernels = 'native' applies to generator.engine = 'torch' only"),
         ({"generator.kernels": "cuda"}, "generator.kernels: Input should be 'auto', 'native' or 'torch'"),
     ],

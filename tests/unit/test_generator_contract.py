@@ -1,15 +1,15 @@
 """One contract over every generator: what the loop, the pipeline (actors.py, partial.py) and
 the serving scheduler touch is declared in `generate/protocol.py` and behaves the same on the
 torch engine (lean and generic paths), the reference sampler (`Generator` only) and vLLM (under
-`-m gpu`, where CUDA and vLLM exist)."""
+`-m vllm`, where vLLM is installed: its CPU build here, `bash scripts/setup.sh --vllm`; the
+session's shared engine, weights pushed by vLLM's in-place reload)."""
 
 import pytest
-import torch
 
-from gapless.generate.protocol import Generator, StreamingGenerator, SteppedGenerator
+from gapless.generate.protocol import Generator, SteppedGenerator, StreamingGenerator
 from gapless.types import SamplingParams
 
-STEPPED = ["torch", "torch-generic", pytest.param("vllm", marks=pytest.mark.gpu)]
+STEPPED = ["torch", "torch-generic", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
 def _build(kind, policy, tmp_path):
@@ -25,14 +25,7 @@ def _build(kind, policy, tmp_path):
         from gapless.generate.sampler import TorchSampler
 
         return TorchSampler(policy.model, policy.eos_id, policy.pad_id, policy.decode)
-    if not torch.cuda.is_available():
-        pytest.skip("the vLLM engine needs CUDA")
-    pytest.importorskip("vllm")
-    from gapless.generate.vllm_engine import VLLMEngine
-
-    policy.save(tmp_path / "policy")
-    return VLLMEngine(str(tmp_path / "policy"), policy.eos_id, policy.decode, max_batch=4, max_seq_len=128, dtype="float32",
-                      gpu_memory_utilization=0.2, prefix_caching=True, enforce_eager=True)
+    raise ValueError(kind)
 
 
 _ENGINES: dict = {}
@@ -40,9 +33,12 @@ _ENGINES: dict = {}
 
 @pytest.fixture(params=STEPPED)
 def stepped(request, tiny_policy, tmp_path_factory):
-    if request.param not in _ENGINES:  # one per kind: vLLM allows one engine per process
-        _ENGINES[request.param] = _build(request.param, tiny_policy, tmp_path_factory.mktemp("engine"))
-    engine = _ENGINES[request.param]
+    if request.param == "vllm":  # the session's one engine (vLLM allows one per process), head dim 32
+        engine = request.getfixturevalue("vllm_engine")
+    else:
+        if request.param not in _ENGINES:
+            _ENGINES[request.param] = _build(request.param, tiny_policy, tmp_path_factory.mktemp("engine"))
+        engine = _ENGINES[request.param]
     yield engine
     engine.abort({s.request_id for s in engine.running})
     assert not engine.has_work
@@ -59,8 +55,15 @@ def test_every_generator_generates_in_order_with_versions(kind, tiny_policy, pro
     assert all(c.versions == [5] * len(c.token_ids) for c in out) and gen.version == 5
 
 
-def test_stepped_surface(stepped, tiny_policy, problems):
+@pytest.fixture
+def stepped_policy(request, tiny_policy):
+    """The policy whose weights the `stepped` engine holds."""
+    return request.getfixturevalue("vllm_policy") if request.node.callspec.params["stepped"] == "vllm" else tiny_policy
+
+
+def test_stepped_surface(stepped, stepped_policy, problems):
     """Declared and live: counts, the running view, steps, abort/resume, an in-flight swap."""
+    tiny_policy = stepped_policy
     assert isinstance(stepped, SteppedGenerator) and isinstance(stepped, StreamingGenerator)
     assert stepped.max_seq_len >= 64
     params = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=2)

