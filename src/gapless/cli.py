@@ -162,7 +162,7 @@ def _cmd_serve_training(argv: list[str]) -> int:
         sock = bind(flags["--host"], int(flags["--port"]))
     except (PortInUse, ValueError) as exc:
         raise _Usage(str(exc)) from None
-    from gapless.serve.tinker_server import serve
+    from gapless.service.server import serve
 
     serve(cfg, sock, key, int(flags["--threads"]) if flags["--threads"] else None)
     print("gapless: service stopped", file=sys.stderr)

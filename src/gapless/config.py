@@ -423,7 +423,7 @@ class JudgeConfig(_Section):
     are unparsable."""
     rubric: str | None = None
     """Rubric template with {prompt}, {reference}, {response} and {max_score}; None uses the
-    built-in one (envs/judge.py), which ends with 'Score:'."""
+    built-in one (envs/judge/environment.py), which ends with 'Score:'."""
     tasks_path: str | None = None
     """JSONL file of tasks ({"prompt", "reference"?, "uid"?, "split"?}); None uses a small
     embedded task set."""

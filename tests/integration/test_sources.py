@@ -22,7 +22,7 @@ import pytest
 
 from gapless.config import load_config
 from gapless.orchestrate.loop import RunLoop
-from gapless.orchestrate.placement import LocalPlacement, Placement
+from gapless.cluster.placement import LocalPlacement, Placement
 from gapless.orchestrate.source import RolloutSource
 from gapless.trainer.targets import step_batch
 
@@ -166,7 +166,7 @@ def test_the_ray_placement_keeps_the_contract_and_agrees_with_inline_at_budget_z
 
 def test_every_placement_implements_the_protocol():
     assert isinstance(LocalPlacement(), Placement)
-    ray_placement = pytest.importorskip("gapless.orchestrate.ray_placement")
+    ray_placement = pytest.importorskip("gapless.cluster.ray.placement")
     members = [m for m in vars(Placement) if not m.startswith("_")]
     assert all(hasattr(ray_placement.RayPlacement, m) for m in members if m != "ctx"), members
 

@@ -15,8 +15,8 @@ import pytest
 from sandbox_host import SLOT_UID_BASE, needs_bwrap
 
 from gapless.config import ModelConfig
-from gapless.envs.tool_task import ToolTask
-from gapless.envs.tools import ToolUseEnvironment
+from gapless.envs.tools.tasks import ToolTask
+from gapless.envs.tools.environment import ToolUseEnvironment
 from gapless.envs.turns import TurnRequest
 from gapless.models import build_tiny
 from gapless.orchestrate.episode_runner import EpisodeRunner

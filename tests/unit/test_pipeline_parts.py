@@ -17,8 +17,8 @@ from gapless.orchestrate.admission import Admission, PromptSource, sample_step_t
 from gapless.orchestrate.buffer import ScoredGroup, StalenessBuffer
 from gapless.orchestrate.curriculum import PassRateCurriculum
 from gapless.orchestrate.ledger import GroupLedger
-from gapless.orchestrate.watchdog import ACTORS, Heartbeats, PipelineStalled, StallWatch, process_state
-from gapless.orchestrate.weights import SharedWeights
+from gapless.cluster.watchdog import ACTORS, Heartbeats, PipelineStalled, StallWatch, process_state
+from gapless.cluster.weights import SharedWeights
 from gapless.types import Completion, Rollout
 
 
@@ -260,7 +260,7 @@ def test_the_group_that_empties_a_replica_carries_its_report(tmp_path, tiny_poli
     from gapless.config import load_config
     from gapless.orchestrate import actors
     from gapless.orchestrate.messages import Assign, GenStats, ToScore
-    from gapless.orchestrate.watchdog import StopFlag
+    from gapless.cluster.watchdog import StopFlag
 
     monkeypatch.setattr(actors, "STATS_EVERY_S", 1e9)  # no periodic report during the test
     ctx = mp.get_context("spawn")

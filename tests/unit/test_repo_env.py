@@ -14,9 +14,9 @@ from sandbox_host import SLOT_UID_BASE, needs_bwrap
 
 from gapless.config import ModelConfig
 from gapless.envs.base import MultiTurnEnvironment, Teacher
-from gapless.envs.repo import RepoEnvironment
-from gapless.envs.repo_gen import generate_repo_tasks
-from gapless.envs.repo_tools import ideal_transcript
+from gapless.envs.repo.environment import RepoEnvironment
+from gapless.envs.repo.tasks import generate_repo_tasks
+from gapless.envs.repo.tools import ideal_transcript
 from gapless.models import build_tiny
 from gapless.sandbox import BwrapSandbox, SandboxLimits
 from gapless.types import Completion, SamplingParams

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gapless.config import ModelConfig
-from gapless.envs.repo_gen import generate_repo_tasks
-from gapless.envs.repo_tools import PLAIN, chat_format, parse_command, shown
+from gapless.envs.repo.tasks import generate_repo_tasks
+from gapless.envs.repo.tools import PLAIN, chat_format, parse_command, shown
 from gapless.models import build_tiny
 
 CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}\n{% endfor %}"

@@ -24,7 +24,7 @@ Messages are the typed records of messages.py; every queue has one writer. Both 
 send `ActorError` to the trainer and exit if anything raises, so a crash is an error in the
 trainer's process, never a silent hang (the trainer also notices an actor that died without a
 word). Each stamps its heartbeat on every pass of its loop, no wait of theirs blocks longer than a
-poll, and each dumps its Python stacks on SIGUSR1 (watchdog.py: a stalled actor is diagnosed, not
+poll, and each dumps its Python stacks on SIGUSR1 (cluster/watchdog.py: a stalled actor is diagnosed, not
 waited for). All die with the trainer, even when it is SIGKILLed (the kernel's parent-death
 signal). No actor holds state worth keeping: the trainer's checkpoint is the run's state.
 """
@@ -55,8 +55,8 @@ from gapless.envs.turns import queue_turn
 from gapless.orchestrate.messages import (Abort, ActorError, Assign, GenStats, Loaded, Ready, Scored,
                                             NextTurns, StartEpisodes, ToScore, TurnDone)
 from gapless.orchestrate.partial import PartialRollouts
-from gapless.orchestrate.watchdog import Heartbeats, StopFlag, install_stack_dump
-from gapless.orchestrate.weights import SharedWeights
+from gapless.cluster.watchdog import Heartbeats, StopFlag, install_stack_dump
+from gapless.cluster.weights import SharedWeights
 from gapless.timeline import MergedSpans, open_timeline
 from gapless.types import Completion
 
@@ -107,7 +107,7 @@ def _die_with_trainer(spec: ActorSpec) -> None:
     """A killed trainer must not leave actors behind (they are not its threads): ask the kernel
     to SIGKILL this process when its parent dies, and exit if that already happened."""
     if spec.trainer_pid == 0:
-        return  # a Ray actor: Ray ties its life to the trainer (ray_placement.py)
+        return  # a Ray actor: Ray ties its life to the trainer (cluster/ray/placement.py)
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != spec.trainer_pid:

@@ -29,7 +29,7 @@ the sandbox state) and `resumed_by_version` (this turn's), and, past `max_state_
 restarts the episode from its prompt or ends it as `env_state_stale` (its group is then dropped
 with that reason by the trainer's buffer), before any tool call of the stale turn runs.
 
-An environment with `open_episode` (an agent program, envs/agent.py) opens each episode on a
+An environment with `open_episode` (an agent program, envs/agent/environment.py) opens each episode on a
 tool thread first (its first context is the agent's first call); the episode's first turn goes out
 when that returns, like a turn after a tool call.
 

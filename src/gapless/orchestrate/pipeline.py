@@ -17,7 +17,7 @@ works on the next batch while the trainer trains. `publish`: one memory
 copy into `SharedWeights`; the generator swaps them in between two decode steps without dropping
 sequences in flight. In a LoRA run the state is the adapter tensors alone: the generators load
 the frozen base from `generator_policy/` once and merge each version's adapters into it. The
-actors are started and watched through a Placement (placement.py). Multi-turn tasks
+actors are started and watched through a Placement (cluster/placement.py). Multi-turn tasks
 (`multi_turn`): the environment process runs the episodes and sends each replica the turns to
 sample on a queue of its own (episode_runner.py); groups are admitted, budgeted and filed
 exactly as single-turn ones.
@@ -27,7 +27,7 @@ token's version; every admitted group is trained or dropped with a reason exactl
 segment (`groups.jsonl`, ledger.py), across crashes and resumes too; with max_staleness = 0 and
 no oversampling, the batches, and so the weights, equal the reference synchronous loop's for the
 same seed and thread counts. Every wait of the trainer is bounded: an actor that dies is an
-`ActorFailed`, one that stops making progress a `PipelineStalled` with a diagnosis (watchdog.py).
+`ActorFailed`, one that stops making progress a `PipelineStalled` with a diagnosis (cluster/watchdog.py).
 Not guaranteed: bitwise reproducibility when max_staleness > 0 (which groups are ready at a step
 depends on timing); a resumed run starts its pipeline afresh from the checkpoint's version (what
 was in flight is `run_lost`, what was trained after the checkpoint `rolled_back`).
@@ -56,13 +56,13 @@ from gapless.orchestrate.buffer import StalenessBuffer
 from gapless.orchestrate.dispatch import Dispatcher
 from gapless.orchestrate.env_actors import EnvActors
 from gapless.orchestrate.inbox import Inbox
-from gapless.orchestrate.ipc import clean_leftover_ipc, name_ipc_objects
+from gapless.cluster.ipc import clean_leftover_ipc, name_ipc_objects
 from gapless.orchestrate.ledger import GroupLedger
 from gapless.orchestrate.lending import LendingFlags, TrainerLending
 from gapless.orchestrate.messages import Abort, ActorError, Assign, CancelScoring, GenStats, Loaded, Ready, Scored
-from gapless.orchestrate.placement import Placement, make_placement
+from gapless.cluster.placement import Placement, make_placement
 from gapless.orchestrate.source import StepRollouts
-from gapless.orchestrate.watchdog import StallWatch
+from gapless.cluster.watchdog import StallWatch
 
 SHUTDOWN_S = 10.0
 FAILED_SHUTDOWN_S = 1.0  # after a failure or stall the actors' work is lost anyway: stop the run promptly

@@ -6,7 +6,7 @@
 Two sources implement it:
     InlineSource   (inline.py)    the reference loop: generate, then score, in this process, in turn
     ProcessSource  (pipeline.py)  the pipeline: generator and environment actors, placed by a
-                                  Placement (placement.py), bounded by the staleness budget
+                                  Placement (cluster/placement.py), bounded by the staleness budget
 
 What every source guarantees to the loop (tests/integration/test_sources.py runs one contract over
 each): `take(t)` returns exactly `loop.prompts_per_step` groups of `generator.group_size` scored

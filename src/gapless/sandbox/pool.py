@@ -9,7 +9,7 @@ running server (worker.py). Slots are prepared on first use and kept until `clos
       --> lowest free slot not excluded --> settle: is its previous run gone? (else restart its
           server, or quarantine a slot that cannot be emptied and take the next)
       --> worker.run --> release --> infra_error? once more on another slot, then report it
-          (never scored: envs/code.py)
+          (never scored: envs/code/environment.py)
 
 Guaranteed: at most `max_concurrency` runs at once; a job starts in a slot only after the check
 that nothing of the slot's previous run is left (a warm slot's server is restarted otherwise,

@@ -5,7 +5,7 @@ table (tests/unit/test_sandbox_hostile.py), so what the command reports is what 
 
 A probe is one hostile behaviour: its program, the statuses it may end with, a check of its
 output, and its limits. Harness probes are completions of a tiny code problem, scored through
-the code environment (envs/code.py), for attacks on the test harness itself. `HostBait` sets the
+the code environment (envs/code/environment.py), for attacks on the test harness itself. `HostBait` sets the
 host-side traps (TCP, UDP, unix path and abstract sockets on 127.0.0.1 / this host, a secret file
 in the host home, a directory outside the sandbox) and says afterwards whether anything reached
 them. The host is clean after a probe when nothing reached a trap, the sandbox reports no
@@ -389,8 +389,8 @@ def run_probe(sandbox: BwrapSandbox, probe: Probe) -> ProbeOutcome:
 
 
 def _run_harness_probe(sandbox: BwrapSandbox, probe: Probe) -> tuple[str, str]:
-    from gapless.envs.code import CodeEnvironment
-    from gapless.envs.problems import CodeProblem
+    from gapless.envs.code.environment import CodeEnvironment
+    from gapless.envs.code.problems import CodeProblem
 
     problem = CodeProblem(uid="probe", level=1, prompt="def f(x):\n    return ", solution="x + 1", overfit_solution="abs(x) + 1",
                           entry_point="f", test_inputs=("[1]", "[2]"), test_outputs=("2", "3"))  # fmt: skip

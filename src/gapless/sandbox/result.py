@@ -4,7 +4,7 @@
 limit that was hit. Its main invariant: `INFRA_ERROR` is returned only when the program provably
 never started (its start-up line on the status pipe is missing, or init reported a start-up
 failure), or when the run's init vanished without a report and no limit explains it. For a judged
-job (envs/code.py), also when its judge or its candidate's process died of a SIGKILL that no
+job (envs/code/environment.py), also when its judge or its candidate's process died of a SIGKILL that no
 limit explains: neither can send one to itself or to the other (`_is_killed_from_outside`). The
 status pipe is written only by code that runs before the program's first line (boot.py), so a
 program cannot make its own failure look like an infrastructure fault, nor its crash look like
@@ -21,7 +21,7 @@ NOT guaranteed, and why (documented heuristics, each in favour of blaming the pr
 - A SIGKILL with the run's CPU time at RLIMIT_CPU reads as the CPU limit (its hard stop).
 - The stderr heuristics read the last line (e.g. `BlockingIOError: [Errno 11] ...` from a
   refused fork); a program that prints such a line itself gets that status.
-- HARNESS_INCOMPLETE is the caller's verdict (e.g. envs/code.py): the sandbox cannot know how
+- HARNESS_INCOMPLETE is the caller's verdict (e.g. envs/code/environment.py): the sandbox cannot know how
   many results a harness owes.
 """
 
@@ -35,7 +35,7 @@ from enum import Enum
 from gapless.errors import InfrastructureError
 
 
-EXIT_CANDIDATE_GONE = 75  # a judge's exit when its candidate's process is gone (boot.py, code_judge.py)
+EXIT_CANDIDATE_GONE = 75  # a judge's exit when its candidate's process is gone (boot.py, envs/code/sandbox_scripts/judge.py)
 
 
 class Status(str, Enum):
