@@ -286,7 +286,7 @@ def make_trainer(cfg: TrainerConfig, model: torch.nn.Module, cluster: ClusterCon
                  hosts: RankHosts | None = None) -> Trainer:
     """GRPOTrainer at cluster.trainer_world_size 1 (the code path of every single-process run),
     the data-parallel trainer above it, its ranks on `hosts` (None: processes on this machine).
-    `lora`: train that adapter (world size 1 only; config.py checks)."""
+    `lora`: train that adapter (world size 1 only; config/checks.py)."""
     if cluster.trainer_world_size == 1:
         return GRPOTrainer(model, cfg, temperature, max_new_tokens, lora=lora)
     if lora is not None:

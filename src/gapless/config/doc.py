@@ -1,6 +1,6 @@
 """Render the config reference (docs/configuration.md) from the field docstrings.
 
-`python -m gapless.config_doc > docs/configuration.md`; a test keeps the file in sync.
+`python -m gapless.config.doc > docs/configuration.md`; a test keeps the file in sync.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ def render() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `src/gapless/config.py` by `python -m gapless.config_doc`; do not edit by hand.",
+        "Generated from `src/gapless/config/sections.py` by `python -m gapless.config.doc`; do not edit by hand.",
         "Set a field in a TOML run file (`[section]` then `key = value`) or on the command line",
         "(`--section.key value`). Precedence: defaults < file < command line.",
         "",
