@@ -107,7 +107,7 @@ def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
 def relay_and_failures(sizes_mb: list[int], held_out_mb: int, reps: int,
                        transports: tuple[str, ...] = ("object_store", "broadcast")) -> dict:
     from gapless.config import load_config
-    from gapless.cluster.placement import make_placement
+    from gapless.cluster import make_placement
     from gapless.cluster.ray.broadcast import BroadcastSender, BroadcastWeights
     from gapless.cluster.ray.weights import ObjectStoreSender, ObjectStoreWeights, WeightBoard
 

@@ -117,7 +117,8 @@ def test_ray_placement_on_a_multi_node_cluster_reproduces_local_bitwise(tmp_path
 RESERVE = """
 import json, sys, time
 from gapless.config import load_config
-from gapless.cluster.placement import PlacementError, make_placement
+from gapless.cluster import make_placement
+from gapless.cluster.placement import PlacementError
 cfg = load_config(sys.argv[1], json.loads(sys.argv[2]))
 start = time.monotonic()
 try:

@@ -22,7 +22,8 @@ import torch
 pytest.importorskip("ray")
 
 from gapless.config import load_config  # noqa: E402
-from gapless.cluster.placement import Placement, make_placement  # noqa: E402
+from gapless.cluster import make_placement
+from gapless.cluster.placement import Placement  # noqa: E402
 
 from ray_echo import EchoSpec, echo_main  # noqa: E402
 

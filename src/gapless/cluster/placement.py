@@ -9,7 +9,7 @@ come from the placement's factories (`channel`, `stop_flag`, `heartbeats`, `weig
                      for the weights, heartbeats and the stop flag (`ctx`); never imports Ray.
     RayPlacement     Ray actors in a placement group on a Ray cluster's nodes, with batched
                      channels and an object-store weight relay (cluster/ray/placement.py; imported only
-                     by `make_placement` when cluster.placement = 'ray').
+                     by `gapless.cluster.make_placement` when cluster.placement = 'ray').
 
 Each placement also says where the trainer's data-parallel ranks 1..W-1 run (`trainer_ranks`):
 local processes, or Ray actors on bundles of the same placement group.
@@ -148,12 +148,3 @@ class LocalPlacement:
         from gapless.cluster.ranks import LocalRanks
 
         return LocalRanks()
-
-
-def make_placement(cfg, log=print) -> Placement:
-    """The placement `cfg.cluster.placement` names; Ray is imported only for 'ray'."""
-    if cfg.cluster.placement == "ray":
-        from gapless.cluster.ray.placement import RayPlacement
-
-        return RayPlacement(cfg, log)
-    return LocalPlacement()

@@ -9,7 +9,7 @@ from pathlib import Path
 from gapless.config import GeneratorConfig
 from gapless.generate.adapters import AdapterMerge
 from gapless.generate.engine import TorchEngine
-from gapless.generate.families import engine_path
+from gapless.generate.families import engine_path, require_engine
 from gapless.generate.protocol import Generator, SteppedGenerator
 from gapless.generate.sampler import TorchSampler
 from gapless.lora import LoraSpec
@@ -24,6 +24,7 @@ def make_generator(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_
     The torch engine's path (lean runner or generic) is logged in one line and recorded in
     `work_dir/generator.json`. `lora`: weight pushes are that adapter's tensors, merged into
     `policy.model`'s weights, which must stay the unchanged base (generate/adapters.py)."""
+    require_engine(policy.model)
     generator = _make(cfg, policy, max_seq_len, work_dir, log)
     if lora is not None:
         generator.adapters = AdapterMerge(policy.model, lora)

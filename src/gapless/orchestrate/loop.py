@@ -135,7 +135,7 @@ class RunLoop:
     @staticmethod
     def _placement(cfg: Config, log):
         from gapless.orchestrate.pipeline import actor_threads
-        from gapless.cluster.placement import make_placement
+        from gapless.cluster import make_placement
 
         placement = make_placement(cfg, log)
         if (warning := placement.reserve(actor_threads(cfg))):

@@ -60,7 +60,9 @@ from gapless.cluster.ipc import clean_leftover_ipc, name_ipc_objects
 from gapless.orchestrate.ledger import GroupLedger
 from gapless.orchestrate.lending import LendingFlags, TrainerLending
 from gapless.orchestrate.messages import Abort, ActorError, Assign, CancelScoring, GenStats, Loaded, Ready, Scored
-from gapless.cluster.placement import Placement, make_placement
+from gapless.cluster import make_placement
+from gapless.cluster.names import replica_name
+from gapless.cluster.placement import Placement
 from gapless.orchestrate.source import StepRollouts
 from gapless.cluster.watchdog import StallWatch
 
@@ -85,11 +87,6 @@ def actor_threads(cfg: Config) -> dict[str, int]:
     if cfg.pipeline.max_staleness == 0:
         return generators if cfg.cluster.replicas > 1 else {}
     return {**generators, "trainer": cfg.pipeline.trainer_threads_resolved}
-
-
-def replica_name(slot: int, replicas: int) -> str:
-    """'generator' when the run has one replica (and no restarts can happen), else 'generator-<slot>'."""
-    return "generator" if replicas == 1 else f"generator-{slot}"
 
 
 class _Evicted(Exception):

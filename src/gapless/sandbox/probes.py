@@ -4,8 +4,9 @@
 table (tests/unit/test_sandbox_hostile.py), so what the command reports is what CI asserts.
 
 A probe is one hostile behaviour: its program, the statuses it may end with, a check of its
-output, and its limits. Harness probes are completions of a tiny code problem, scored through
-the code environment (envs/code/environment.py), for attacks on the test harness itself. `HostBait` sets the
+output, and its limits. Harness probes (envs/code/probes.py) are completions of a tiny code
+problem, scored by the code environment through the probe's `runner`, for attacks on the test
+harness itself; this module runs them with the same traps. `HostBait` sets the
 host-side traps (TCP, UDP, unix path and abstract sockets on 127.0.0.1 / this host, a secret file
 in the host home, a directory outside the sandbox) and says afterwards whether anything reached
 them. The host is clean after a probe when nothing reached a trap, the sandbox reports no
@@ -46,8 +47,13 @@ class Probe:
     expect: frozenset[str]  # statuses it may end with (sandbox statuses, or the env's)
     limits: SandboxLimits = QUICK
     check: Callable[[str], bool] = field(default=lambda stdout: True)  # on its stdout
-    is_harness: bool = False
     needs_cgroup: bool = False  # only a run-wide limit (the slot's cgroup) can stop it
+    # a harness probe: scored by a caller above the sandbox (envs/code/probes.py), (status, stdout)
+    runner: Callable[[BwrapSandbox, Probe], tuple[str, str]] | None = None
+
+    @property
+    def is_harness(self) -> bool:
+        return self.runner is not None
 
 
 def _probe(name: str, code: str, *expect: str, limits: SandboxLimits = QUICK,
@@ -57,11 +63,7 @@ def _probe(name: str, code: str, *expect: str, limits: SandboxLimits = QUICK,
     return Probe(name, code, frozenset(expect), limits, check, needs_cgroup=needs_cgroup)
 
 
-def _harness(name: str, completion: str, *expect: str, check=lambda stdout: True) -> Probe:
-    return Probe(name, completion, frozenset(expect), QUICK, check, is_harness=True)
-
-
-def _all_failed(stdout: str) -> bool:
+def all_failed(stdout: str) -> bool:
     """Each line of the probe's output is `<target>: <outcome>`; none may say `REACHED`."""
     return bool(stdout.strip()) and "REACHED" not in stdout
 
@@ -120,7 +122,7 @@ PROBES: tuple[Probe, ...] = (
                 print(host, "REACHED")
             except OSError as error:
                 print(host, type(error).__name__)
-    """, "ok", check=_all_failed, uses_bait=True),
+    """, "ok", check=all_failed, uses_bait=True),
     _probe("UDP to the host", """
         import socket
         udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -138,7 +140,7 @@ PROBES: tuple[Probe, ...] = (
                 print(repr(address), "REACHED")
             except OSError as error:
                 print(repr(address), type(error).__name__)
-    """, "ok", check=_all_failed, uses_bait=True),
+    """, "ok", check=all_failed, uses_bait=True),
     _probe("read /etc/shadow and the host home", """
         import os
         for path in ("/etc/shadow", "/etc/passwd", bait["secret_path"], "/root", "/home"):
@@ -149,7 +151,7 @@ PROBES: tuple[Probe, ...] = (
                     print(path, "REACHED", open(path).read(20))
             except OSError as error:
                 print(path, type(error).__name__)
-    """, "ok", check=_all_failed, uses_bait=True),
+    """, "ok", check=all_failed, uses_bait=True),
     _probe("write outside the work dir", """
         import os
         for path in ("/usr/x", "/work/job/x", "/work/job/main.py", "/x", "/dev/x", "/etc/x",
@@ -160,7 +162,7 @@ PROBES: tuple[Probe, ...] = (
                 print(path, "REACHED")
             except OSError as error:
                 print(path, type(error).__name__)
-    """, "ok", check=_all_failed, uses_bait=True),
+    """, "ok", check=all_failed, uses_bait=True),
     _probe("remount and mount", """
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
@@ -169,7 +171,7 @@ PROBES: tuple[Probe, ...] = (
                                       (b"/tmp", b"tmpfs", 0), (b"/usr", None, MS_REMOUNT)):
             result = libc.mount(b"none", target, fstype, flags, None)
             print(target.decode(), "REACHED" if result == 0 else ctypes.get_errno())
-    """, "ok", check=_all_failed),
+    """, "ok", check=all_failed),
     _probe("daemon that outlives the program", """
         import os, time
         if os.fork() == 0:
@@ -188,7 +190,7 @@ PROBES: tuple[Probe, ...] = (
               else ctypes.get_errno())
         done = subprocess.run(["unshare", "-U", "true"], capture_output=True)
         print("unshare -U:", "REACHED" if done.returncode == 0 else done.returncode)
-    """, "ok", check=_all_failed),
+    """, "ok", check=all_failed),
     _probe("signal and trace the sandbox's own processes", """
         import ctypes, os, signal
         for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
@@ -202,7 +204,7 @@ PROBES: tuple[Probe, ...] = (
             except OSError as error:
                 print(path, type(error).__name__)
         print("alive")
-    """, "ok", check=lambda stdout: _all_failed(stdout) and stdout.endswith("alive\n")),
+    """, "ok", check=lambda stdout: all_failed(stdout) and stdout.endswith("alive\n")),
     _probe("keyrings of the host and of earlier jobs", """
         session = libc.syscall(nr["keyctl"], 0, -3, 0)  # KEYCTL_GET_KEYRING_ID, session keyring
         user = libc.syscall(nr["keyctl"], 0, -4, 0)  # ... the uid's user keyring
@@ -213,7 +215,7 @@ PROBES: tuple[Probe, ...] = (
         with open("/proc/keys") as keys:
             text = keys.read()
         print("/proc/keys", "REACHED" if bait["key_name"] in text or "gapless-probe" in text else "no bait")
-    """, "ok", check=_all_failed, uses_bait=True, uses_syscalls=True),
+    """, "ok", check=all_failed, uses_bait=True, uses_syscalls=True),
     _probe("socket families past the network namespace", """
         import socket
         for family in (40, 16, 17, 38, 15, 31):  # VSOCK, NETLINK, PACKET, ALG, KEY, BLUETOOTH
@@ -225,7 +227,7 @@ PROBES: tuple[Probe, ...] = (
         for family in (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6):
             socket.socket(family, socket.SOCK_STREAM).close()  # the three allowed ones work
         print("allowed families open")
-    """, "ok", check=lambda stdout: _all_failed(stdout) and "allowed families open" in stdout),
+    """, "ok", check=lambda stdout: all_failed(stdout) and "allowed families open" in stdout),
     _probe("io_uring, inotify, fanotify and dnotify", """
         import fcntl, os
         params = ctypes.create_string_buffer(120)
@@ -239,7 +241,7 @@ PROBES: tuple[Probe, ...] = (
             print("dnotify REACHED")
         except OSError as error:
             print("dnotify", error.errno)
-    """, "ok", check=_all_failed, uses_syscalls=True),
+    """, "ok", check=all_failed, uses_syscalls=True),
     _probe("file locks on files every job shares", """
         import fcntl, os
         for path, mode in (("/usr/bin/python3", os.O_RDONLY), ("/dev/null", os.O_WRONLY)):
@@ -252,7 +254,7 @@ PROBES: tuple[Probe, ...] = (
                     print(path, name, "REACHED")
                 except OSError as error:
                     print(path, name, error.errno)
-    """, "ok", check=_all_failed),
+    """, "ok", check=all_failed),
     _probe("ptrace/bpf/perf/uffd/mount/module/kexec", """
         calls = {"ptrace": (16, 1, 0, 0), "bpf": (0, None, 0), "perf_event_open": (None, 0, -1, -1, 0),
                  "userfaultfd": (0,), "mount": (b"none", b"/tmp", b"tmpfs", 0, None),
@@ -264,27 +266,13 @@ PROBES: tuple[Probe, ...] = (
         for name, args in calls.items():
             result = libc.syscall(nr[name], *args)
             print(name, "REACHED" if result >= 0 else ctypes.get_errno())
-    """, "ok", check=lambda stdout: _all_failed(stdout) and all(
+    """, "ok", check=lambda stdout: all_failed(stdout) and all(
         line.split()[-1] == "1" for line in stdout.splitlines()), uses_syscalls=True),  # EPERM: the filter's
     _probe("the host's cgroup path", """
         with open("/proc/self/cgroup") as cgroups:
             text = cgroups.read()
         print("REACHED" if "gapless-sandbox" in text or ".slice" in text else "hidden", text.count("\\n"))
-    """, "ok", check=_all_failed),
-    _harness("exit(0) before the tests run", "0\nimport sys\nsys.exit(0)", "harness_incomplete"),
-    _harness("os._exit(0) before the tests run", "0\nimport os\nos._exit(0)", "harness_incomplete"),
-    _harness("edit the test file", """0
-for path in ("/work/job/judge/tests.json", "/work/job/tests.json", "/work/job/harness.py"):
-    try:
-        open(path, "w").write("[]")
-        print(path, "REACHED")
-    except OSError as error:
-        print(path, type(error).__name__)""", "wrong_answer", check=_all_failed),
-    _harness("fake results on the report fd", """0
-import os
-for i in range(2):
-    os.write(3, ('{"i": %d, "out": 999}\\n' % i).encode())
-os._exit(0)""", "harness_incomplete", "wrong_answer"),
+    """, "ok", check=all_failed),
 )
 
 
@@ -374,7 +362,7 @@ def run_probe(sandbox: BwrapSandbox, probe: Probe) -> ProbeOutcome:
         if probe.is_harness and sandbox.mode == "reduced":  # code tasks refuse to start there
             return ProbeOutcome(probe.name, sandbox.path, REFUSED, True, True, "", 0.0)
         if probe.is_harness:
-            status, stdout = _run_harness_probe(sandbox, probe)
+            status, stdout = probe.runner(sandbox, probe)
         else:
             files = {"main.py": probe.code, "bait.json": json.dumps(bait.params())}
             result = sandbox.run_python(files, "main.py", limits=probe.limits)
@@ -386,20 +374,6 @@ def run_probe(sandbox: BwrapSandbox, probe: Probe) -> ProbeOutcome:
     if dirty:
         detail = "; ".join(filter(None, [detail, *dirty]))
     return ProbeOutcome(probe.name, sandbox.path, status, is_expected, not dirty, detail, wall_s)
-
-
-def _run_harness_probe(sandbox: BwrapSandbox, probe: Probe) -> tuple[str, str]:
-    from gapless.envs.code.environment import CodeEnvironment
-    from gapless.envs.code.problems import CodeProblem
-
-    problem = CodeProblem(uid="probe", level=1, prompt="def f(x):\n    return ", solution="x + 1", overfit_solution="abs(x) + 1",
-                          entry_point="f", test_inputs=("[1]", "[2]"), test_outputs=("2", "3"))  # fmt: skip
-    env = CodeEnvironment(sandbox, probe.limits, concurrency=1)
-    try:
-        _, status, info = env.score_text(problem, probe.code)
-    finally:
-        env.pool.shutdown(wait=True)  # not env.close(): the sandbox is the caller's
-    return status, str(info.get("stdout_tail", ""))
 
 
 KEYCTL_REVOKE, KEYCTL_READ, KEY_SPEC_SESSION_KEYRING = 3, 11, -3

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gapless.generate.families import require_engine
 from gapless.lora import (LoraSpec, activate, adapter_parameters, adapter_state, add_lora, attach_lora,
                           load_adapter_state, merged_state, remove_lora)
 from gapless.models import Policy, load_local
@@ -79,6 +80,7 @@ class BaseModels:
             return self._loaded[name]
         if name in self._directories:
             policy = load_local(self._directories[name])
+            require_engine(policy.model)
         elif name == "gapless-tiny" and self._default is not None and not self._directories:
             policy = self._default()
         else:

@@ -47,6 +47,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from gapless.config import Config, usable_cores
+from gapless.cluster.names import env_name, rank_name, replica_name
 from gapless.cluster.placement import ActorExit, PlacementError
 from gapless.cluster.ray.mail import (PostOffice, RayChannel, RayHeartbeats, RayStopFlag, flush_writers, no_auto_init,
                                          quiesce, reopen)
@@ -104,6 +105,11 @@ class RayPlacement:
         pl, c = self.cfg.pipeline, self.cluster
         ranks = [{"CPU": float(self.cfg.trainer.threads or pl.trainer_threads_resolved)}] * (c.trainer_world_size - 1)
         return [{"CPU": float(pl.generator_threads_resolved)}] * c.replicas + [{"CPU": 1.0}] * c.env_actors + ranks
+
+    @property
+    def closed(self) -> bool:
+        """Torn down: no actor or rank can be placed any more."""
+        return self._closed
 
     def rank_bundle(self, rank: int) -> int:
         """The bundle trainer rank `rank` (1..W-1) holds."""
@@ -177,13 +183,9 @@ class RayPlacement:
 
     def _record_nodes(self) -> None:
         """placement.json in the run directory: which node holds each bundle (the actor on it)."""
-        from gapless.orchestrate.env_actors import env_name
-        from gapless.orchestrate.pipeline import replica_name
-        from gapless.cluster.ray.ranks import RayRanks
-
         R, E, W = self.cluster.replicas, self.cluster.env_actors, self.cluster.trainer_world_size
         names = ([replica_name(r, R) for r in range(R)] + [env_name(e, E) for e in range(E)]
-                 + [RayRanks.name(rank) for rank in range(1, W)])
+                 + [rank_name(rank) for rank in range(1, W)])
         try:
             to_node = ray.util.placement_group_table(self.pg).get("bundles_to_node_id", {})
             ips = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}

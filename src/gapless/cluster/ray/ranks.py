@@ -23,23 +23,39 @@ from __future__ import annotations
 import queue
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import ray
 
+from gapless.cluster.names import rank_name
 from gapless.cluster.ranks import Rendezvous, stopped_or_gone
-
-if TYPE_CHECKING:
-    from gapless.cluster.ray.placement import RayPlacement
+from gapless.config import ClusterConfig
 
 RAISED_GRACE_S = 1.0  # how long a rank whose run raised may take to deliver its traceback
 STOP_GRACE_S = 5.0  # how long a rank may take to leave the group after Stop
 
 
+class RankHome(Protocol):
+    """What the ranks need of the placement that hosts them (RayPlacement): its bundles and channels."""
+
+    private: bool  # a Ray instance of this run alone, on this machine
+    cluster: ClusterConfig
+    rank_hosts: dict[str, Any]  # actor name -> its _ActorHost, killed at teardown
+
+    @property
+    def closed(self) -> bool: ...
+
+    def channel(self, maxsize: int = 0) -> Any: ...
+
+    def rank_bundle(self, rank: int) -> int: ...
+
+    def place(self, bundle: int, main: Callable[[Any], None], spec: Any) -> tuple[Any, Any]: ...
+
+
 class RayRanks:
     kind = "ray"
 
-    def __init__(self, placement: "RayPlacement"):
+    def __init__(self, placement: RankHome):
         self.placement = placement
         host = "127.0.0.1" if placement.private else ray.util.get_node_ip_address()
         self.rendezvous, self._master = Rendezvous.serve(host, placement.cluster.rendezvous_timeout_s)
@@ -47,10 +63,6 @@ class RayRanks:
         self.runs: dict[int, Any] = {}  # rank -> ObjectRef of its run()
         self._located: dict[int, tuple[str, int]] = {}  # rank -> (host name, pid), from its Ready record
         self._raised_at: dict[int, float] = {}
-
-    @staticmethod
-    def name(rank: int) -> str:
-        return f"trainer-rank{rank}"
 
     def store(self, world_size: int, timeout_s: float):
         return self._master
@@ -64,7 +76,7 @@ class RayRanks:
 
     def start(self, rank: int, main: Callable[[Any], None], spec: Any) -> None:
         host, self.runs[rank] = self.placement.place(self.placement.rank_bundle(rank), main, spec)
-        self.placement.rank_hosts[self.name(rank)] = host
+        self.placement.rank_hosts[rank_name(rank)] = host
 
     def receive(self, wait_s: float) -> list:
         deadline = time.monotonic() + wait_s
@@ -110,12 +122,12 @@ class RayRanks:
         return {rank: self._located.get(rank, ("", 0))[1] for rank in self.runs}
 
     def close(self, kill: bool) -> None:
-        if self.placement._closed or not ray.is_initialized():
+        if self.placement.closed or not ray.is_initialized():
             return  # the placement's teardown killed the rank actors
         if not kill and self.runs:
             ray.wait(list(self.runs.values()), num_returns=len(self.runs), timeout=STOP_GRACE_S)
         for rank in list(self.runs):
-            host = self.placement.rank_hosts.pop(self.name(rank), None)
+            host = self.placement.rank_hosts.pop(rank_name(rank), None)
             if host is not None:
                 try:
                     ray.kill(host, no_restart=True)

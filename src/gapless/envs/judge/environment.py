@@ -149,12 +149,14 @@ def _in_process_judge(j, seed: int) -> SchedulerJudgeClient:
     """The checkpoint at `judge.model_path` on its own serving scheduler (gapless.serve), the same
     request path `gapless serve` would give it, without HTTP."""
     from gapless.generate.engine import TorchEngine
+    from gapless.generate.families import require_engine
     from gapless.models import load_local
     from gapless.serve.chat import chat_prompt_ids
     from gapless.serve.openai_params import Message
     from gapless.serve.scheduler import Scheduler
 
     judge = load_local(j.model_path, "raw")  # the chat api applies the template itself (serve.chat)
+    require_engine(judge.model)
     scheduler = Scheduler(TorchEngine(judge.model, judge.eos_id, judge.decode), judge.decode)
     if j.api == "chat":
         encode = lambda text: chat_prompt_ids(judge.tokenizer, [Message(role="user", content=text)])  # noqa: E731

@@ -46,7 +46,7 @@ from gapless.envs.episode import Episode
 from gapless.envs.turns import ToolLatency, run_waves
 from gapless.envs.repo.tasks import RepoTask, generate_repo_tasks
 from gapless.envs.repo.tools import (PLAIN, Command, TurnFormat, chat_format, demonstration, observe, parse_command,
-                                     path_problem, request_of, session_code)
+                                     path_problem, request_of, session_code, solution_text)
 from gapless.sandbox import SandboxError, SandboxLimits, Status, open_sandbox
 from gapless.sandbox.worker import SlotFailure
 from gapless.types import Completion, Rollout, SamplingParams
@@ -89,7 +89,7 @@ class RepoEnvironment:
     # -- the teacher (warm start) ----------------------------------------------------------------
 
     def reference(self, task: RepoTask) -> str:
-        return task.solution
+        return solution_text(task)
 
     def demonstration_turns(self, task: RepoTask, rng: random.Random) -> list[tuple[str, bool]]:
         return demonstration(task, rng, self.skip_frac, self.typo_frac, self.max_output_bytes, self.turn_format)

@@ -78,13 +78,6 @@ class RepoTask:
         """The repository after the reference fix."""
         return {**self.files, self.path: self.files[self.path].replace(self.broken_line, self.fixed_line, 1)}
 
-    @property
-    def solution(self) -> str:
-        """The ideal transcript as one text (for training a fresh tokenizer; envs/repo/tools.py)."""
-        from gapless.envs.repo.tools import ideal_transcript
-
-        return "".join(text for text, _ in ideal_transcript(self))
-
 
 def module_source(functions: list[Function], broken: Function | None = None, broken_line: str = "") -> str:
     blocks = []

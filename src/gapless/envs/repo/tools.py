@@ -294,6 +294,11 @@ def observe(observation: str, max_output_bytes: int, turn_format: TurnFormat = P
     return turn_format.reply(shown(observation, max_output_bytes))
 
 
+def solution_text(task: RepoTask) -> str:
+    """The ideal transcript as one text (the reference solution; trains a fresh tokenizer)."""
+    return "".join(text for text, _ in ideal_transcript(task))
+
+
 def ideal_transcript(task: RepoTask, max_output_bytes: int = 1 << 16, turn_format: TurnFormat = PLAIN) -> list[Segment]:
     """Read the module, patch the broken line, run the check, done."""
     fixed = task.fixed_files
