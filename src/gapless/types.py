@@ -68,12 +68,3 @@ class Rollout:
     @property
     def is_infra_failure(self) -> bool:
         return self.status == "infra_error"
-
-
-@dataclass
-class Group:
-    """The N rollouts of one prompt: the unit of advantage computation."""
-
-    prompt_uid: str
-    rollouts: list[Rollout]
-    advantages: list[float] = field(default_factory=list)

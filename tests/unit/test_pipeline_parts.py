@@ -271,7 +271,8 @@ def test_the_group_that_empties_a_replica_carries_its_report(tmp_path, tiny_poli
     to_env, inbox, outbox = queue.Queue(), queue.Queue(), queue.Queue()
     spec = actors.ActorSpec(cfg, "generator", [(p.uid, p.prompt) for p in problems[:3]], tmp_path / "policy", 0,
                             Heartbeats(ctx, ("generator",)), StopFlag(ctx), inbox, outbox,
-                            weights=SharedWeights(state, 0, ctx), to_env=(to_env,))
+                            weights=SharedWeights(state, 0, ctx), to_env=(to_env,),
+                            max_seq_len=max(len(tiny_policy.encode(p.prompt)) for p in problems[:3]) + 4)
     actor = actors._GeneratorActor(spec)
     inbox.put(Assign(((0, 0, 0), (1, 1, 0), (2, 2, 0))))
     runner = threading.Thread(target=actor.run)

@@ -741,6 +741,5 @@ class Config(_Section):
     repo: RepoConfig = RepoConfig()
     agent: AgentConfig = AgentConfig()
     judge: JudgeConfig = JudgeConfig()
-    cluster: ClusterConfig = ClusterConfig()
     service: ServiceConfig = ServiceConfig()
     simulate: SimulateConfig = SimulateConfig()

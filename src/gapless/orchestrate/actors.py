@@ -86,7 +86,7 @@ class ActorSpec:
     lending: LendingFlags | None = None  # the trainer borrows the generator's threads while it idles and nothing is scored
     from_env: Any = None  # a replica's queue of NextTurns from the environment (multi-turn tasks only)
     to_generators: tuple = ()  # the environment's: every replica slot's NextTurns queue (multi-turn tasks)
-    max_seq_len: int | None = None  # longest context to hold (an episode's); None: longest prompt + max_new_tokens
+    max_seq_len: int = 0  # a replica's longest context to hold (the longest prompt's, or an episode's, + max_new_tokens)
 
 
 def _put(q, item, stop, beat=None) -> float:
@@ -155,11 +155,10 @@ class _GeneratorActor:
         torch.set_num_threads(cfg.pipeline.generator_threads_resolved)
         self.policy = load_local(spec.policy_dir)
         self.prompts = [self.policy.encode(prompt) for _, prompt in spec.prompts]
-        max_seq_len = spec.max_seq_len or max(map(len, self.prompts)) + cfg.generator.max_new_tokens
         self.multi_turn = spec.from_env is not None  # sample turns the environment asks for (episode_runner.py)
         self.cut_groups: set[int] = set()  # multi-turn groups aborted: their late turns are ignored
         self.deferred: list[Assign] = []  # groups born at a version not loaded here yet, in arrival order
-        self.engine = make_generator(cfg.generator, self.policy, max_seq_len, Path(cfg.run_dir),
+        self.engine = make_generator(cfg.generator, self.policy, spec.max_seq_len, Path(cfg.run_dir),
                                      lora=run_spec(cfg.lora, cfg.seed))  # LoRA: self.policy.model is the merge's base
         spec.weights.fetch_into(self.engine.update_weights, -1)
         self.groups: dict[int, list[Completion]] = {}

@@ -60,7 +60,6 @@ from gapless.cluster.ipc import clean_leftover_ipc, name_ipc_objects
 from gapless.orchestrate.ledger import GroupLedger
 from gapless.orchestrate.lending import LendingFlags, TrainerLending
 from gapless.orchestrate.messages import Abort, ActorError, Assign, CancelScoring, GenStats, Loaded, Ready, Scored
-from gapless.cluster import make_placement
 from gapless.cluster.names import replica_name
 from gapless.cluster.placement import Placement
 from gapless.orchestrate.source import StepRollouts
@@ -105,23 +104,20 @@ class ProcessSource:
     eval_actor = "trainer"
 
     def __init__(self, cfg: Config, train: list[Task], policy, start_step: int, resume: bool, env_name: str,
-                 timelines, stop_requested, log=print, placement: Placement | None = None, trained_model=None,
-                 multi_turn: bool = False, max_seq_len: int | None = None):
+                 timelines, stop_requested, log=print, *, placement: Placement, trained_model=None,
+                 multi_turn: bool = False, max_seq_len: int):
         """`policy`: the trainer's Policy (saved for the generators; its model may lend threads);
         `stop_requested()`: the name of a stop signal received, or None (checked in every wait);
         `trained_model`: the module the trainer runs when it is not `policy.model` (a LoRA run's
         peft model), where thread lending hooks its layers. `multi_turn`: the task's episodes run
         turn by turn (episode_runner.py), each replica sampling the turns the environment sends it;
-        `max_seq_len`: the longest context then."""
+        `max_seq_len`: the longest context a replica holds (an episode's, for multi-turn tasks);
+        `placement`: where the actors run, already reserved (gapless.cluster.make_placement)."""
         self.multi_turn, self.max_seq_len = multi_turn, max_seq_len
         self.cfg, self.train, self.policy, self.log, self.timelines = cfg, train, policy, log, timelines
         self.env_name, self.stop_requested = env_name, stop_requested
         self.start_step, self.version = start_step, start_step
         self.run_dir = Path(cfg.run_dir)
-        if placement is None:
-            placement = make_placement(cfg, log)
-            if (warning := placement.reserve(actor_threads(cfg))):
-                log(f"warning: {warning}")
         self.placement = placement
         self.ctx = self.placement.ctx
         if (removed := clean_leftover_ipc(self.run_dir)):
