@@ -1,5 +1,5 @@
 """How much the sandbox slows the generator's decode on this machine: the question behind the
-simulator's pool model (docs/simulator.md, "Where the remaining idle misses come from").
+simulator's pool model (docs/lab/2026-12-06-simulator-fits.md, "Where the remaining idle misses come from").
 
 One process decodes with the default job's model shape (random weights, 128 rows, the engine's
 native kernels) on 1 or 2 threads and times every decode step; beside it, another process scores

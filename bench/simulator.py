@@ -7,7 +7,7 @@ speed-ups, and the speed of a 1,000-GPU simulation.
 error      calibrate on some (workload, budget) cells of bench/pipeline.py, predict the others:
            ms per trained sample, trainer and generator idle (a real generator blocked on its
            full queue to the environment counts as idle: it is not decoding). The measured cells are those of
-           docs/performance.md (2026-11-29, a quiet machine, medians of 3 rounds), or the last
+           docs/lab/2026-11-29-pipeline-sync-async.md (a quiet machine, medians of 3 rounds), or the last
            JSON line of a bench/pipeline.py run (--measured FILE), or the mean of several runs
            (--measured A,B: geometric mean ms, mean idle, per cell). The fit: machine costs
            (decode row cost, trainer cost per token, scoring CPU per group and the part of
@@ -75,7 +75,7 @@ WORKLOADS = {  # bench/pipeline.py's workloads
     "latency_200ms": {"task.score_delay_s": "0.2"},
 }
 BUDGETS = ["ref", "0", "1", "2", "4"]
-# docs/performance.md, bench/pipeline.py --steps 12 --rounds 3, 2026-11-29 18:38-19:20 UTC, no other jobs
+# docs/lab/2026-11-29-pipeline-sync-async.md, bench/pipeline.py --steps 12 --rounds 3, 2026-11-29 18:38-19:20 UTC, no other jobs
 DOCS_MEASURED = {
     "default": {"ms": [5.55, 5.99, 6.12, 6.79, 5.71], "trainer_idle": [0.49, 0.51, 0.00, 0.00, 0.00],
                 "generator_idle": [0.91, 0.73, 0.77, 0.78, 0.59]},
@@ -582,7 +582,7 @@ def main() -> None:
         lengths = lengths_of(run) if run else LengthModel(8.3, 0.5, 0.0)
         prompt_tokens = args.prompt_tokens or (run.prompt_tokens if run else 0) or DEFAULT_PROMPT_TOKENS
         measured = mean_of_runs(args.measured.split(",")) if args.measured else DOCS_MEASURED
-        figures["error"] = {"measured_from": args.measured or "docs/performance.md (2026-11-29)",
+        figures["error"] = {"measured_from": args.measured or "docs/lab/2026-11-29-pipeline-sync-async.md",
                             "lengths": lengths.__dict__ | {},
                             "prompt_tokens": prompt_tokens,
                             **part_error(measured, lengths, prompt_tokens, args.iterations, not args.fair_share,

@@ -486,18 +486,18 @@ class PipelineConfig(_Section):
     lend_while_scoring: bool = False
     """With lend_idle_cores: whether the trainer also borrows the generator's threads while an
     environment actor scores a group. Off: it hands them back while any group is being scored,
-    since beside the sandbox's programs a training team of two threads runs slower than one
-    (2.7x on 2 cores; orchestrate/lending.py). On: the rule before 2026-12-06, for environments
-    whose scoring uses no CPU of this machine (a remote judge)."""
+    since a two-thread training team beside the sandbox's programs runs slower than one thread
+    (orchestrate/lending.py). Turn it on for environments whose scoring uses no CPU of this
+    machine (a remote judge)."""
     admit_while_training: Literal["auto", "on", "off"] = "auto"
     """When the trainer admits the groups a replica's newly loaded policy version allows. 'on': the
     moment the replica's Loaded arrives, also while the trainer trains, so the generator works on
     the next batch during the step. 'off': only while the trainer waits in take(); when a batch is
     ready at a step's end the new version's groups wait for the next wait, and the generator and
     the trainer take turns. 'auto': 'off' while the trainer borrows the generator's cores
-    (lend_idle_cores, one local replica, a budget), else 'on'. On 2 cores 'on' beside lending
-    doubled the trainer's step, whose two-thread team then shares the cores with the decode and
-    the sandbox (docs/pipeline.md)."""
+    (lend_idle_cores, one local replica, a budget), else 'on': beside lending, 'on' makes the
+    trainer's borrowed two-thread team share the cores with the new decode and the sandbox,
+    which slows its step (docs/pipeline.md)."""
 
     def admit_while_training_resolved(self, lending: bool) -> bool:
         """`admit_while_training` for a trainer that does (`lending`) or does not borrow the
@@ -618,9 +618,8 @@ class SimulateConfig(_Section):
     """`--calibrate`: after the fit that scales each cost by measured / simulated seconds, this many
     Nelder-Mead iterations of a joint fit of all eight parameters, the two losses of a crowded
     pool and the sandbox's share included, from each decode rule's best scaling fit
-    (simulate/calibrate.py). 0 = the scaling fit alone. On this project's 2-core machine, 150
-    on the 20 run directories of one bench/pipeline.py round took 7 minutes and predicted the
-    next run at 20 of 20 cells and 38 of 40 idle figures; the scaling fit alone, 18 and 35
+    (simulate/calibrate.py). 0 = the scaling fit alone. Each iteration simulates every run
+    directory once; about 150 is enough to settle a fit of bench/pipeline.py's 20 cells
     (docs/simulator.md)."""
     device_flops: float = Field(989e12, gt=0)
     """Roofline: dense peak FLOP/s of one device at the training precision (H100 SXM bf16: 989e12)."""
@@ -669,10 +668,9 @@ class SimulateConfig(_Section):
     whose idle figures move by more than 0.10 within the jitter is flagged. 1 = one simulation."""
     cost_jitter: float = Field(0.0, ge=0, le=2)
     """Rounds: lognormal shape of each cost component's factor in each round (decode, training,
-    scoring CPU, scoring wait, weight relay; median 1). On this project's 2-core machine a
-    benchmark cell's decode and training seconds varied by about 0.05 (log standard deviation)
-    between the rounds of one run, and by 0.2-0.6 between runs on different days
-    (docs/simulator.md)."""
+    scoring CPU, scoring wait, weight relay; median 1). About 0.05 covers the noise between
+    rounds of one benchmark run; 0.2-0.6 how far costs fitted on another day or machine can be
+    off (docs/simulator.md, "Rounds")."""
 
 
 class MetricsConfig(_Section):

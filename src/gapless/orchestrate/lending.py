@@ -21,13 +21,10 @@ work-conserving without oversubscribing the cores:
   nobody needs them and gives them back when somebody does; leaving the step gives them back.
 
 Why the environment counts: torch's threads meet at a barrier after every parallel region, and
-one preempted thread holds the rest. Measured on the 2-core AMD EPYC of docs/simulator.md
-(`bench/contention.py --part train-threads`, medians of 3 interleaved rounds), a training step
-of the default model took 106 ms on 2 threads and 187 ms on 1 alone, but 1,417 and 516 ms beside
-the sandbox's scoring: there the borrowed thread made the step 2.7x slower. In the pipeline
-(bench/pipeline.py's side-by-side `B:lend-scoring` cells, docs/performance.md) the rule was
-faster in 9 of 12 (workload, budget) cells, by up to 11% (under 2% in two), level in one, and
-slower with the heavy tail at budgets 2 and 4 (3% and 9%).
+one preempted thread holds the rest: beside the sandbox's scoring a two-thread training step is
+slower than a one-thread one, so a borrowed thread costs more than it gives
+(`bench/contention.py --part train-threads`; the pipeline figures: bench/pipeline.py's
+`B:lend-scoring` cells, recorded in docs/lab/).
 
 Guaranteed: outside a training step the trainer runs on its own threads; the generator never
 waits longer than `max_wait_s` for its threads (after that it decodes anyway, and the two

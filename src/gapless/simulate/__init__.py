@@ -31,13 +31,11 @@ from pathlib import Path
 from gapless.config import Config, ConfigError
 from gapless.simulate.costs import Costs, DeviceSpec, EnvCost, GenerationCost, LengthModel, RelayCost, TrainerCost, roofline_costs
 
-# This machine (2 cores): bench/simulator.py's fit (`--part error`, its five calibration cells) to
-# bench/pipeline.py's measured cells of 2026-12-05 16:56 UTC (docs/simulator.md, "Measured error":
-# OpenMP teams, a one-thread decode served first, the first run, idle as shares of time); the
-# default cost model of the shared placement. Fitted when a step was priced by its tokens; since
-# it is priced by its padded positions (costs.py) token_s is 0.921 x the fitted 60.2e-6: the
-# default task's step (prompts priced at 64 tokens, as in the fit) costs what it did, the heavy
-# tail's 14% more.
+# The default cost model of the shared placement: bench/simulator.py's fit (`--part error`, its
+# five calibration cells) to one bench/pipeline.py run on the project's 2-core machine (OpenMP
+# teams, a one-thread decode served first; the fit and its run are in docs/lab/). token_s is
+# 0.921 x the fitted 60.2e-6 because a step is priced by its padded positions (costs.py), not its
+# tokens as in the fit: the default task's step (prompts priced at 64 tokens) keeps its cost.
 MACHINE_COSTS = Costs(GenerationCost(1.022e-3, 85.2e-6), LengthModel(8.2, 0.5, 0.0), TrainerCost(55.4e-6),
                       EnvCost(cpu_s=0.0449, wait_p50_s=0.0073, wait_p99_s=0.0073), RelayCost(latency_s=2e-4),
                       prompt_tokens=64, parallel_efficiency=0.89,

@@ -11,8 +11,8 @@ are oversubscribed (keeping `barrier_efficiency` of that share), every job keeps
 one-thread decode runs at its speed alone while the others share the rest (pool.py). On a shared
 pool the sandbox's programs count for `sandbox_runnable` x their number (1.0: each a thread that
 is always runnable; fitted below 1 where the scheduler gives them less than that, as it does on
-this project's 2-core machine: docs/simulator.md; that they block on process start-up and pipes
-is the likely reason, not a measured one).
+some machines: docs/simulator.md; that they block on process start-up and pipes is the likely
+reason, not an established one).
 
     decode step with b running sequences   step_s + row_s * b                (continuous batching)
     prefill of n tokens                     prefill_token_s * n

@@ -15,8 +15,8 @@ at the decode step when enough of the running sequences have ended for all of it
 per waiting group, at the step computed from the running sequences' lengths). The real engine
 starts each waiting sequence as soon as one slot frees, so it starts a group's sequences a few
 steps earlier than this. Either way a short group admitted later often ends before an earlier
-group's longest sequence (measured: at budget 1 a step's last group is scored after most of the
-next step's, docs/simulator.md).
+group's longest sequence (so at budget 1 a step's last group can be scored after most of the
+next step's).
 Approximation (stated in docs/simulator.md): for the decode step's cost a group counts as
 `sum(remaining) / max(remaining)` rows over its whole life (its mean occupancy). Throughput with
 a cost linear in rows is exact; the tail of a heavy-tailed group is spread over its life. A

@@ -12,32 +12,24 @@ of more than one thread gains nothing from its threads while the pool is oversub
 at one thread's share, `speed = units / sum of caps` (< 1), while it still takes its cap from the
 others. Its threads meet at a barrier after every parallel region, a thread preempted by another
 job's makes the rest spin there, and the team goes no faster than its slowest thread
-(docs/performance.md, "Two decode threads beside the environment"; measured in docs/simulator.md).
+(the measurements: docs/lab/).
 
 Two losses of an oversubscribed pool (1.0 = none, as in the built-in costs and in what `gapless
 simulate --calibrate` fits; bench/simulator.py's joint fit fits them): a team held at one
 thread's share keeps only `barrier_efficiency` of it (its spinning threads burn the time they wait),
 and every job keeps `contention_efficiency` of its speed while the busy jobs' threads outnumber the
-units (context switches, caches). On the Intel Xeon of docs/simulator.md, a 2-core machine runs
-15% more CPU-seconds per step in the heavy-tail workload at budget 4 than at budget 1 for the
-same work, with the cores busy in both (bench/pipeline.py's busy cores).
+units (context switches, caches): an oversubscribed machine spends more CPU-seconds on the same
+work.
 
 With `decode_first`, a generator replica's decode on one thread or less (`first`) is served before
 everything else: it runs at its cap's speed, and the other jobs share what is left by the rules
 above, as long as the decodes served first leave at least one whole unit (else nobody is served
-first). Measured on this project's 2-core machine: the pipeline's one-thread decode at budgets 1
-and 2 runs at about its speed alone (simulated so, its seconds per step come within 0.65-1.68x of
-the measured ones in every workload of three runs, against 1.5-2.2x too slow when shared by thread
-count; `bench/simulator.py --part phases`), beside four sandbox programs and the trainer that by
-thread count would leave it a third of a core. bench/contention.py's decode thread beside the
-sandbox alone is bimodal from run to run: it keeps 0.76-0.88 of a core in most rounds, and
-0.38-0.54 in others. Why the scheduler favours it is not established. Beside the sandbox and a
-training thread at once the decode keeps only 0.23 of its speed where this rule gives it 1.00
-(`bench/contention.py --part matrix`); that case is the heavy tail at budget 4, where the
-simulated decode takes 0.56-1.00x the measured time. A rule that follows the matrix fits the
-pipeline's cells worse (docs/simulator.md). On another machine (an Intel Xeon) the decode shares
-the cores by threads instead, at budget 4 in every workload: the rule is the machine's, and
-calibration (calibrate.py) keeps it or not by fit.
+first). On some machines the OS scheduler serves a one-thread decode at about its speed alone
+beside the sandbox's programs and the trainer, where sharing by thread count would leave it a
+third of a core; on others it shares by threads. The rule is the machine's: calibration
+(calibrate.py) keeps it or not by fit (`bench/simulator.py --part phases` and
+`bench/contention.py` measure it; the figures are in docs/lab/). Not modelled: beside the sandbox
+and a training thread at once the real decode can be slower than this rule says.
 
 A job is told its speed through its `on_speed(speed)` callback whenever the set of busy jobs (or
 a cap) changes, and must reschedule its own completion then. With `placement = "split"` there is
