@@ -20,7 +20,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from gapless.orchestrate import ray_mail  # noqa: E402
+from gapless.cluster.ray import mail as ray_mail  # noqa: E402
 
 
 @pytest.fixture
