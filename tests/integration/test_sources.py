@@ -54,12 +54,12 @@ def _drive(loop: RunLoop, budget: int) -> list[list[list[int]]]:
         for step in range(STEPS):
             taken = source.take(step)
             assert len(taken.groups) == cfg.loop.prompts_per_step
-            assert all(len(group) == cfg.generator.group_size for group in taken.groups)
+            assert all(len(group.rollouts) == cfg.generator.group_size for group in taken.groups)
             versions = [v for r in taken.rollouts for v in r.completion.versions]
             assert versions and all(step - budget <= v <= step for v in versions), (step, sorted(set(versions)))
             if budget == 0:  # synchronous: the weights published after step t - 1 sampled all of step t
                 assert set(versions) == {step}
-            batch, _ = step_batch(taken.rollouts, cfg.generator.group_size, cfg.trainer, cfg.generator.max_new_tokens,
+            batch, _ = step_batch(taken.groups, cfg.trainer, cfg.generator.max_new_tokens,
                                   loop.policy.pad_id, loop.trainer.reference_kl)
             with source.training():
                 loop.trainer.step(batch)

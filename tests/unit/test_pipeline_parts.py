@@ -14,18 +14,18 @@ import pytest
 import torch
 
 from gapless.orchestrate.admission import Admission, PromptSource, sample_step_tasks
-from gapless.orchestrate.buffer import ScoredGroup, StalenessBuffer
+from gapless.orchestrate.buffer import StalenessBuffer
 from gapless.orchestrate.curriculum import PassRateCurriculum
 from gapless.orchestrate.ledger import GroupLedger
 from gapless.cluster.watchdog import ACTORS, Heartbeats, PipelineStalled, StallWatch, process_state
 from gapless.cluster.weights import SharedWeights
-from gapless.types import Completion, Rollout
+from gapless.types import Completion, Group, Rollout
 
 
-def _group(index: int, born: int, rewards: list[float], versions: list[int] | None = None) -> ScoredGroup:
+def _group(index: int, born: int, rewards: list[float], versions: list[int] | None = None) -> Group:
     rollouts = [Rollout("t", Completion([1], [2, 3], [-0.1, -0.2], versions or [born, born], "stop", ""), r, "ok" if r == 1 else "wrong_answer")
                 for r in rewards]
-    return ScoredGroup(index, 0, born, rollouts)
+    return Group(index=index, task_index=0, born=born, rollouts=tuple(rollouts))
 
 
 def _ledger_events(path) -> list[dict]:

@@ -48,7 +48,6 @@ import torch
 
 from gapless.config import Config
 from gapless.orchestrate.admission import sampling_params
-from gapless.orchestrate.buffer import ScoredGroup
 from gapless.faults import fault_point, name_process
 from gapless.orchestrate.lending import LendingFlags
 from gapless.envs.turns import queue_turn
@@ -58,7 +57,7 @@ from gapless.orchestrate.partial import PartialRollouts
 from gapless.cluster.watchdog import Heartbeats, StopFlag, install_stack_dump
 from gapless.cluster.weights import SharedWeights
 from gapless.timeline import MergedSpans, open_timeline
-from gapless.types import Completion
+from gapless.types import Completion, Group
 
 POLL_S = 0.002
 STATS_EVERY_S = 0.05
@@ -410,7 +409,8 @@ def _environment_loop(spec: ActorSpec) -> None:
             if item.index in cancelled:
                 _pass_on(item.gen_stats, spec.outbox, spec.stop, beat)
                 return
-            _put(spec.outbox, Scored(ScoredGroup(item.index, item.task_index, item.born, rollouts), item.gen_stats),
+            _put(spec.outbox, Scored(Group(index=item.index, task_index=item.task_index, born=item.born,
+                                              rollouts=tuple(rollouts)), item.gen_stats),
                  spec.stop, beat)
         except BaseException:
             failures.append(traceback.format_exc())

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gapless.orchestrate.buffer import ScoredGroup
 from gapless.envs.turns import TurnRequest
-from gapless.types import Completion
+from gapless.types import Completion, Group
 
 
 # ---- to the trainer ----------------------------------------------------------------------
@@ -30,7 +29,7 @@ class Loaded:
 
 @dataclass(frozen=True)
 class Scored:
-    group: ScoredGroup
+    group: Group
     gen_stats: GenStats | None = None  # the replica's report that travelled with the group (ToScore.gen_stats)
 
 

@@ -213,7 +213,7 @@ class ProcessSource:
         self._assign()
         self.staleness_counts.update(step - r.completion.oldest_version for g in groups for r in g.rollouts)
         self._step_started = t0
-        return StepRollouts([list(g.rollouts) for g in groups], t0, waited)
+        return StepRollouts(groups, t0, waited)
 
     @contextlib.contextmanager
     def training(self) -> Iterator[None]:

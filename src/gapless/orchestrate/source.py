@@ -25,23 +25,23 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from gapless.types import Rollout
+from gapless.types import Group, Rollout
 
 
 @dataclass
 class StepRollouts:
-    """One step's input: `groups` in batch order (each a prompt's group of rollouts), `started`
+    """One step's input: `groups` in batch order (admission order), `started`
     (perf_counter when the step began, for perf/step_s) and `waited_s` (how long the trainer
     waited for them: its idle time in this step)."""
 
-    groups: list[list[Rollout]]
+    groups: list[Group]
     started: float
     waited_s: float
     metrics: dict[str, float] = field(default_factory=dict)  # the source's own, for this step
 
     @property
     def rollouts(self) -> list[Rollout]:
-        return [rollout for group in self.groups for rollout in group]
+        return [rollout for group in self.groups for rollout in group.rollouts]
 
 
 @runtime_checkable

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from gapless.config import Config
 from gapless.orchestrate.admission import Admission, PromptSource, sampling_params
-from gapless.orchestrate.buffer import ScoredGroup, StalenessBuffer
+from gapless.orchestrate.buffer import StalenessBuffer
 from gapless.orchestrate.dispatch import Dispatcher
 from gapless.orchestrate.partial import PartialRollouts
 from gapless.simulate.clock import EventLoop
@@ -51,17 +51,17 @@ from gapless.simulate.costs import Costs
 from gapless.simulate.engine import PartialView, Replica, SimGroup
 from gapless.simulate.pool import DedicatedPool, SharedPool, Work
 from gapless.trainer.micro_batches import padded_tokens
-from gapless.types import Completion, Rollout
+from gapless.types import Completion, Group, Rollout
 
 
-class SimScoredGroup(ScoredGroup):
+class SimScoredGroup(Group):
     """The real buffer's record, with what a simulated group knows when it is built: the oldest
     token version (its G rollouts share one completion record) and that no rollout failed in the
     infrastructure, so the buffer's per-step checks need not scan the rollouts again."""
 
     def __init__(self, index: int, task_index: int, born: int, rollouts: list, oldest: int):
-        super().__init__(index, task_index, born, rollouts)
-        self._oldest = oldest
+        super().__init__(index=index, task_index=task_index, born=born, rollouts=tuple(rollouts))
+        object.__setattr__(self, "_oldest", oldest)  # the record is frozen
 
     @property
     def oldest_version(self) -> int:
