@@ -40,7 +40,7 @@ def test_admission_bound(staleness, oversample):
         while adm.may_admit(version):
             adm.admit()
         assert adm.admitted == (version + staleness + 1) * P + adm.extra
-    adm.dropped += 3  # each drop frees one place for a backfill
+    adm.freed(3)  # each drop frees one place for a backfill
     assert adm.may_admit(4) and adm.limit(4) - adm.admitted == 3
 
 

@@ -128,8 +128,8 @@ class ProcessSource:
         self.buffer = StalenessBuffer(P, pl.max_staleness, pl.oversample > 0, self.ledger, pl.dynamic_sampling,
                                       [t.uid for t in train])
         self.prompts = PromptSource(cfg.seed, [t.uid for t in train], P, pl.curriculum)
-        self.dispatcher = Dispatcher(Admission(P, pl.max_staleness, pl.oversample, start_step), self.prompts,
-                                     pl.max_staleness, start_step - pl.max_staleness)
+        self.admission = Admission(P, pl.max_staleness, pl.oversample, start_step)
+        self.dispatcher = Dispatcher(self.admission, self.prompts)
         self.evictable = R > 1  # one replica stays today's pipeline: its death or stall ends the run
         self.slots = R + (cfg.cluster.replica_restarts if self.evictable else 0)
         self.names = [replica_name(slot, R) for slot in range(self.slots)]
@@ -185,7 +185,7 @@ class ProcessSource:
     def take(self, step: int) -> StepRollouts:
         t0 = self._last_step_end or time.perf_counter()
         self.assembling, self.step_resamples = step, 0
-        self.dispatcher.assembling(step)
+        self.admission.assembling(step)
         self.watch.progressed()  # the trainer's own work since the last wait (train, eval, checkpoint) is no stall
         # the first step waits for every actor to start; a replica restarted after an eviction
         # starts while the others go on (the stall watch bounds its start-up by itself)
@@ -208,8 +208,8 @@ class ProcessSource:
             self._abort(cut)
             for env in self.envs.live.values():
                 env.inbox.put(CancelScoring(tuple(cut)))
-        self.dispatcher.freed(self.buffer.num_dropped - drops_before)  # stragglers and surplus free places to backfill,
-        self.dispatcher.assembling(step + 1)  # each born no earlier than the next step's weights allow
+        self.admission.freed(self.buffer.num_dropped - drops_before)  # stragglers and surplus free places to backfill,
+        self.admission.assembling(step + 1)  # each born no earlier than the next step's weights allow
         self._assign()
         self.staleness_counts.update(step - r.completion.oldest_version for g in groups for r in g.rollouts)
         self._step_started = t0
@@ -359,7 +359,7 @@ class ProcessSource:
         lost = [i for i in self.dispatcher.lost(replica.slot) if i not in self.buffer.closed]
         for index in lost:
             self.buffer.drop(index, "replica_lost", self.assembling)
-        self.dispatcher.freed(len(lost))
+        self.admission.freed(len(lost))
         restart = len(self.replicas) < self.slots
         self.log(f"warning: evicted {replica.name}: {why}; {len(lost)} groups end as replica_lost"
                  + (f"; starting {self.names[len(self.replicas)]}" if restart else ""))
@@ -382,7 +382,7 @@ class ProcessSource:
         self._abort(lost)
         for index in lost:
             self.buffer.drop(index, "env_lost", self.assembling)
-        self.dispatcher.freed(len(lost))
+        self.admission.freed(len(lost))
         restart = self.envs.has_spare()
         self.log(f"warning: evicted {name}: {why}; {len(lost)} groups end as env_lost"
                  + (f"; starting {self.envs.names[self.envs.started]}" if restart else ""))
@@ -466,7 +466,7 @@ class ProcessSource:
         if reason is None:
             return
         # a backfill born now is due at step born + budget: the dispatcher's guard keeps it from being due too early
-        self.dispatcher.freed(1)
+        self.admission.freed(1)
         self._assign()
         if reason == "infra_error":
             now = time.monotonic()
