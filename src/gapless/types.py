@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -69,6 +69,14 @@ class Rollout:
     @property
     def is_infra_failure(self) -> bool:
         return self.status == "infra_error"
+
+
+class Admitted(NamedTuple):
+    """A group as admission hands it out (Assign): what a Group carries before its rollouts exist."""
+
+    index: int  # admission order: the group's number in groups.jsonl
+    task_index: int  # its task's position in the train split
+    born: int  # the policy version when it was admitted
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

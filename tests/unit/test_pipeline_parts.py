@@ -19,7 +19,7 @@ from gapless.orchestrate.curriculum import PassRateCurriculum
 from gapless.orchestrate.ledger import GroupLedger
 from gapless.cluster.watchdog import ACTORS, Heartbeats, PipelineStalled, StallWatch, process_state
 from gapless.cluster.weights import SharedWeights
-from gapless.types import Completion, Group, Rollout
+from gapless.types import Admitted, Completion, Group, Rollout
 
 
 def _group(index: int, born: int, rewards: list[float], versions: list[int] | None = None) -> Group:
@@ -274,7 +274,7 @@ def test_the_group_that_empties_a_replica_carries_its_report(tmp_path, tiny_poli
                             weights=SharedWeights(state, 0, ctx), to_env=(to_env,),
                             max_seq_len=max(len(tiny_policy.encode(p.prompt)) for p in problems[:3]) + 4)
     actor = actors._GeneratorActor(spec)
-    inbox.put(Assign(((0, 0, 0), (1, 1, 0), (2, 2, 0))))
+    inbox.put(Assign((Admitted(0, 0, 0), Admitted(1, 1, 0), Admitted(2, 2, 0))))
     runner = threading.Thread(target=actor.run)
     runner.start()
     try:

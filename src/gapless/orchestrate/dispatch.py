@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from gapless.orchestrate.admission import Admission, PromptSource
+from gapless.types import Admitted
 
 
 class Dispatcher:
@@ -41,9 +42,9 @@ class Dispatcher:
     def loaded(self, replica: int, version: int) -> None:
         self.versions[replica] = max(version, self.versions.get(replica, version))
 
-    def assign(self) -> dict[int, list[tuple[int, int, int]]]:
+    def assign(self) -> dict[int, list[Admitted]]:
         """Hand out every group admission allows now: replica -> [(index, task index, born)]."""
-        out: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+        out: dict[int, list[Admitted]] = defaultdict(list)
         if not self.versions:
             return {}
         born = max(self.versions.values())  # the newest version any replica holds (it is published)
@@ -56,7 +57,7 @@ class Dispatcher:
             index = self.admission.admit()
             self.holder[index] = replica
             self.held[replica].add(index)
-            out[replica].append((index, self.prompts.task_for(index), born))
+            out[replica].append(Admitted(index, self.prompts.task_for(index), born))
         return dict(out)
 
     def scored(self, index: int) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gapless.envs.turns import TurnRequest
-from gapless.types import Completion, Group
+from gapless.types import Admitted, Completion, Group
 
 
 # ---- to the trainer ----------------------------------------------------------------------
@@ -52,7 +52,7 @@ class ActorError:
 # ---- to a generator replica ----------------------------------------------------------------
 @dataclass(frozen=True)
 class Assign:
-    groups: tuple[tuple[int, int, int], ...]  # (index, task index, birth version) of each group to start
+    groups: tuple[Admitted, ...]  # each group to start
     scorers: tuple[int, ...] = ()  # the environment slot that scores each group (empty: slot 0)
 
 

@@ -63,6 +63,7 @@ from gapless.orchestrate.messages import Abort, ActorError, Assign, CancelScorin
 from gapless.cluster.names import replica_name
 from gapless.cluster.placement import Placement
 from gapless.orchestrate.source import StepRollouts
+from gapless.types import DropReason
 from gapless.cluster.watchdog import StallWatch
 
 SHUTDOWN_S = 10.0
@@ -358,7 +359,7 @@ class ProcessSource:
         self.actors.discard(replica.name)
         lost = [i for i in self.dispatcher.lost(replica.slot) if i not in self.buffer.closed]
         for index in lost:
-            self.buffer.drop(index, "replica_lost", self.assembling)
+            self.buffer.drop(index, DropReason.REPLICA_LOST, self.assembling)
         self.admission.freed(len(lost))
         restart = len(self.replicas) < self.slots
         self.log(f"warning: evicted {replica.name}: {why}; {len(lost)} groups end as replica_lost"
@@ -381,7 +382,7 @@ class ProcessSource:
         lost = [i for i in self.envs.lost(slot) if i not in self.buffer.closed]
         self._abort(lost)
         for index in lost:
-            self.buffer.drop(index, "env_lost", self.assembling)
+            self.buffer.drop(index, DropReason.ENV_LOST, self.assembling)
         self.admission.freed(len(lost))
         restart = self.envs.has_spare()
         self.log(f"warning: evicted {name}: {why}; {len(lost)} groups end as env_lost"
