@@ -1,9 +1,11 @@
 """Fault points: named places where the crash tests kill or stop a pipeline process on purpose.
 
 `GAPLESS_FAULT="ACTOR:POINT:N[:ACTION]"` makes process ACTOR (trainer | generator | environment,
-or one generator replica by its process name, `generator-1`) deliver ACTION (kill = SIGKILL, the
-default; stop = SIGSTOP) to itself the N-th time it passes POINT, after printing a "gapless
-fault:" line to its stderr and, if `GAPLESS_FAULT_LOG` names a file, appending it there. The points:
+or one generator replica by its process name, `generator-1`) deliver ACTION to itself the N-th
+time it passes POINT, after printing a "gapless fault:" line to its stderr and, if
+`GAPLESS_FAULT_LOG` names a file, appending it there. Actions: kill = SIGKILL (the default);
+stop = SIGSTOP; hang = stay there for good, alive, calling the point's `alive` (its heartbeat)
+every 0.05 s: a live process that makes no progress (a livelock). The points:
 
     trainer      step        start of a training step, rollouts taken
                  publish     inside a weight publish: the new weights half copied, not yet flipped
@@ -22,27 +24,28 @@ import os
 import signal
 import sys
 import time
+from typing import Callable
 
 POINTS = {
     "trainer": ("step", "publish", "checkpoint"),
     "generator": ("decode", "fetch"),
     "environment": ("score",),
 }
-_ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+_ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "hang": None}
 
 
-def _parse(spec: str | None) -> tuple[str, str, int, int] | None:
+def _parse(spec: str | None) -> tuple[str, str, int, str] | None:
     if not spec:
         return None
     parts = spec.split(":")
     actor, point, count = parts[0], parts[1], int(parts[2])
     action = parts[3] if len(parts) > 3 else "kill"
     if point not in POINTS.get(actor.split("-")[0], ()) or action not in _ACTIONS or count < 1:
-        raise ValueError(f"GAPLESS_FAULT={spec!r}: want ACTOR:POINT:N[:kill|stop] with points {POINTS}")
-    return actor, point, count, _ACTIONS[action]
+        raise ValueError(f"GAPLESS_FAULT={spec!r}: want ACTOR:POINT:N[:kill|stop|hang] with points {POINTS}")
+    return actor, point, count, action
 
 
-_FAULT = _parse(os.environ.get("GAPLESS_FAULT"))
+_FAULT: tuple[str, str, int, str] | None = _parse(os.environ.get("GAPLESS_FAULT"))
 _hits = 0
 _process_name: str | None = None  # an actor process's own name ('generator-1'), set at its start
 
@@ -52,18 +55,25 @@ def name_process(name: str) -> None:
     _process_name = name
 
 
-def fault_point(actor: str, point: str) -> None:
+def fault_point(actor: str, point: str, alive: Callable[[], None] | None = None) -> None:
     """Deliver the configured fault if this is its actor (by role or by process name), point and
-    N-th pass."""
+    N-th pass. `alive`: what keeps the process's heartbeat while it hangs (action 'hang')."""
     global _hits
     if _FAULT is None or _FAULT[1] != point or _FAULT[0] not in (actor, _process_name):
         return
     _hits += 1
     if _hits == _FAULT[2]:
         # the crash tests time the run's reaction from this line (CLOCK_MONOTONIC is machine-wide)
-        line = f"gapless fault: {_FAULT[3].name} {actor} at {point} #{_hits} t={time.monotonic():.3f}"
+        signum = _ACTIONS[_FAULT[3]]
+        line = f"gapless fault: {signum.name if signum else 'hang'} {actor} at {point} #{_hits} t={time.monotonic():.3f}"
         print(line, file=sys.stderr, flush=True)
         if log := os.environ.get("GAPLESS_FAULT_LOG"):  # a Ray actor's stderr reaches the driver late, if at all
             with open(log, "a") as f:
                 f.write(line + "\n")
-        os.kill(os.getpid(), _FAULT[3])
+        if signum is not None:
+            os.kill(os.getpid(), signum)
+            return  # a stopped process goes on once continued
+        while True:  # hang: beat, never return
+            if alive is not None:
+                alive()
+            time.sleep(0.05)

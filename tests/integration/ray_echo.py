@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import queue
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ class EchoSpec:
 
 
 def echo_main(spec: EchoSpec) -> None:
-    """Echo every inbox item to the outbox; load every weight version it can and report
+    """Echo every inbox item to the outbox (a progress mark each); load every weight version it can and report
     ("loaded", version, torn) where torn means the tensors did not all hold the version's value."""
     spec.heartbeats.register(spec.name)
     spec.outbox.put(("pid", os.getpid()))
@@ -44,4 +45,15 @@ def echo_main(spec: EchoSpec) -> None:
             continue
         if item == "raise":
             raise RuntimeError("asked to raise")
+        if isinstance(item, tuple) and item[0] == "hold_mb":  # grow until Ray's memory monitor kills this actor
+            held = []
+            for _ in range(item[1] // 100):
+                chunk = bytearray(100 << 20)
+                chunk[::4096] = b"\1" * len(chunk[::4096])  # touch every page: resident, not just reserved
+                held.append(chunk)
+                spec.heartbeats.beat(spec.name)
+                time.sleep(0.05)
+            spec.outbox.put(("held", len(held) * 100))
+            continue
         spec.outbox.put(("echo", item))
+        spec.heartbeats.progress(spec.name, f"echoed {item}")

@@ -3,7 +3,8 @@
 returns them: each group is scored once, in sample order, with the rollouts the reference wave
 loop (envs/turns.py run_waves) gives for the same turns; 'waves' sends each wave's turn as one
 batch of at most `sessions` episodes, in order; 'turns' sends an episode's next turn as soon as
-its own tool returned; a cut group gets no further turn and its sessions are closed."""
+its own tool returned; a cut group gets no further turn and its sessions are closed; the runner
+marks the environment's progress per turn answered and per group graded."""
 
 from __future__ import annotations
 
@@ -104,8 +105,12 @@ def _rows(rollouts):
 @pytest.mark.parametrize("schedule", ["turns", "waves"])
 def test_runner_scores_every_group_once_as_the_reference_loop(env, policy, schedule):
     reference = env.rollout_groups(Scripted(policy), TASKS, N, SamplingParams(), policy.encode)
-    scored, runner, sent = _run(env, policy, schedule)
+    marks: list[str] = []
+    scored, runner, sent = _run(env, policy, schedule, progress=marks.append)
     assert sorted(g.index for g in scored) == [0, 1, 2]  # each group once
+    # the environment's progress marks (watchdog.py): one per turn whose tool calls were answered, one per group graded
+    assert sum(m.startswith("answered a turn's tool calls") for m in marks) == N * sum(map(len, SCRIPTS.values()))
+    assert sorted(m for m in marks if m.startswith("graded")) == ["graded group 0", "graded group 1", "graded group 2"]
     for group in scored:
         assert _rows(group.rollouts) == _rows(reference[group.index])
     assert [r.reward for g in sorted(scored, key=lambda g: g.index) for r in g.rollouts] == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]

@@ -203,3 +203,54 @@ def test_grading_off_the_main_thread_of_a_daemonic_process():
         assert out.get(timeout=120) == [(1.0, "ok")]
     finally:
         process.join(timeout=30)
+
+
+STAND_IN_HELPER = """
+import json, os, signal, sys
+marker = sys.argv[1]
+for line in sys.stdin:
+    completion = json.loads(line)[1]
+    if "CRASH" in completion or ("ONCE" in completion and not os.path.exists(marker)):
+        if "ONCE" in completion:
+            open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)  # as a segfault deep in a parser would end it
+    print(json.dumps([1.0, "ok"]), flush=True)
+"""
+
+
+def test_a_helper_that_dies_on_an_answer_is_retried_once_and_then_blames_the_answer(monkeypatch, tmp_path):
+    """Only the answer's text reaches the helper: a death that recurs in a fresh helper is the
+    answer's (`grader_crash`, reward 0, never infra_error); one that does not is an outage, and
+    the fresh helper's verdict stands. A real process stands in for math-verify, which has no
+    answer known to crash it."""
+    import subprocess
+    import sys
+
+    from gapless.envs import math_answer
+
+    started = []
+
+    def start_stand_in():
+        started.append(subprocess.Popen([sys.executable, "-c", STAND_IN_HELPER, str(tmp_path / "died")],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))  # fmt: skip
+        return started[-1]
+
+    monkeypatch.setattr(math_answer, "_start_helper", start_stand_in)
+    monkeypatch.setattr(math_answer, "_helper", None)
+    results = {}
+
+    def worker():
+        results["crash"] = grade("1", "CRASH")
+        results["once"] = grade("1", "ONCE")
+        results["fine"] = grade("1", "1")
+
+    try:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join(timeout=60)
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()
+    assert results == {"crash": (0.0, "grader_crash"), "once": (1.0, "ok"), "fine": (1.0, "ok")}
+    assert len(started) == 4  # crash: two helpers died; once: one died, the next answered, and "fine"

@@ -5,6 +5,9 @@ the Ray calls are replaced at `ray.get` / `ray.is_initialized`, the logic under 
   ray.get crashed the run's process at exit); reopen lets a new connection call again;
 - a stall of the mailbox (no read answered for seconds) is not counted as the actors' silence,
   while an actor whose beats stop while the mailbox answers still ages;
+- progress is seen by its marks, not by beats: an actor that beats on without marking ages in
+  progress; a stalled mailbox is no lack of progress either; an actor's pusher sends its marks
+  and what the last was about, also when only they changed;
 - a timed-out read does not end the trainer's poller;
 - a channel whose mailbox calls time out after the mailbox acted (the answer lost on the way)
   still delivers every item once, in order, and such a timeout does not stop an actor (the real
@@ -12,6 +15,7 @@ the Ray calls are replaced at `ray.get` / `ray.is_initialized`, the logic under 
 """
 
 import asyncio
+import os
 import queue
 import threading
 import time
@@ -101,6 +105,63 @@ def test_a_mailbox_stall_is_not_the_actors_silence(fake_ray):
     time.sleep(0.3)  # the mailbox answers again and generator-1 still does not beat: it ages
     beats._read()
     assert beats._seen["generator-1"][1] == credited and beats.age_s("generator-1") > 1.6
+
+
+def test_progress_is_seen_by_its_marks_not_by_beats(fake_ray):
+    office = _Office()
+    beats = ray_mail.RayHeartbeats(office, ("generator",))
+    office.beats = {"generator": (1, "h", 10, 1, "decoded 4 tokens")}
+    beats._read()
+    marked = beats._progress_seen["generator"]
+    assert marked[:2] == (1, "decoded 4 tokens")
+    time.sleep(0.3)
+    office.beats = {"generator": (2, "h", 10, 1, "decoded 4 tokens")}  # beats on, marks nothing: a livelock
+    beats._read()
+    assert beats._seen["generator"][0][0] == 2 and beats._progress_seen["generator"] == marked
+    # its last mark was 6 s ago, and for the last 5 s no read was answered (a stalled mailbox)
+    now = time.monotonic()
+    beats._progress_seen["generator"] = (1, "decoded 4 tokens", now - 6.0)
+    beats._read_at = now - 5.0
+    beats._read()
+    assert beats._progress_seen["generator"][2] == pytest.approx(now - 6.0 + 5.0 - 2 * ray_mail.PUSH_S, abs=0.1)
+    office.beats = {"generator": (3, "h", 10, 2, "applied weights version 1")}
+    beats._read()
+    progress = beats.last_progress("generator")
+    assert (progress.marks, progress.what) == (2, "applied weights version 1") and progress.age_s < 1.0
+    assert beats.progress_age_s("generator") < 1.0 and beats.pid("generator") == 0  # pid 0: host 'h' is not this one
+
+
+class _BeatSink:
+    """An office whose `beat` calls are recorded."""
+
+    def __init__(self):
+        self.sent: list[dict] = []
+        self.beat = self
+
+    def remote(self, records):
+        self.sent.append(dict(records))
+
+
+def test_an_actor_pushes_its_marks_with_its_beats(fake_ray, monkeypatch):
+    monkeypatch.setattr(ray_mail, "PUSH_S", 0.02)
+    office = _BeatSink()
+    beats = ray_mail.RayHeartbeats(office, ("generator",))
+
+    def pushed(marks: int) -> tuple:
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            records = [r["generator"] for r in office.sent if "generator" in r and r["generator"][3] == marks]
+            if records:
+                return records[-1]
+            time.sleep(0.02)
+        raise AssertionError(f"no record with {marks} marks pushed: {office.sent[-3:]}")
+
+    beats.register("generator")
+    beats.progress("generator", "decoded 8 tokens")
+    assert pushed(1)[1:] == (ray_mail.HOST, os.getpid(), 1, "decoded 8 tokens")
+    beats.progress("generator", "decoded 2 tokens")  # no beat between: the mark alone is news
+    assert pushed(2)[3:] == (2, "decoded 2 tokens")
+    ray_mail.quiesce(timeout_s=1.0)  # ends the pusher at its next call
 
 
 def test_a_timed_out_read_does_not_end_the_poller(fake_ray, monkeypatch):

@@ -34,6 +34,16 @@ def _write_run(path: Path, stale: bool) -> None:
         with trainer.span("wait_rollouts" if stale else "train"):
             time.sleep(0.002)
     trainer.instant("checkpoint")
+    if stale:  # a pipelined run with a masking watch that flagged one prompt
+        from gapless.orchestrate.masking import MaskingWatch
+        from gapless.types import Completion, Rollout
+
+        watch = MaskingWatch(0.1, "fail")
+        done = Completion([1], [2], [-0.1], [0], "stop", "x")
+        for uid in ("a", "b", "c", "d"):
+            watch.observe(uid, [Rollout(uid, done, 1.0, "ok") for _ in range(4)])
+        watch.observe("prompt-7", [Rollout("prompt-7", done, 0.0, "infra_error") for _ in range(4)])
+        watch.write(path / "masking.json")
 
 
 def test_report_renders_sync_async_and_empty_runs(tmp_path):
@@ -47,6 +57,8 @@ def test_report_renders_sync_async_and_empty_runs(tmp_path):
     assert {p.name for p in (tmp_path / "out").glob("*.png")} == {f"{c.slug}.png" for c in CHARTS}
     assert (tmp_path / "sync" / "trace.json").is_file() and not (tmp_path / "empty" / "trace.json").exists()
     assert "0.70" in text and "0.10" in text  # mean trainer idle of each run in the summary table
+    assert "prompt prompt-7</td><td>4 / 4" in text and "4 scored as failures" in text  # the async run's flag
+    assert "sync: no masking.json" in text and "0.200" in text  # masked share: 4 of 20
 
 
 def test_staleness_histogram_counts_rollouts(tmp_path):

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from gapless.sandbox.result import Observation, Status, classify
+from gapless.sandbox.result import EXIT_CANDIDATE_GONE, EXIT_CANDIDATE_NOT_STARTED, Observation, Status, classify
 from gapless.sandbox.streams import CappedSink
 
 
@@ -67,7 +67,40 @@ def test_only_a_missing_start_line_is_an_infra_error() -> None:
     not_started = observe(1, "bwrap: execvp /x: No such file", has_started=False)
     assert classify(not_started)[0] is Status.INFRA_ERROR
     assert classify(observe(None, has_started=False, is_deadline_hit=True))[0] is Status.INFRA_ERROR
-    assert classify(observe(None))[0] is Status.INFRA_ERROR  # init vanished, no limit explains it
+    # init vanished after the program started: the program shares its limits and memory
+    assert classify(observe(None))[0] is Status.KILLED
+    assert classify(observe(None, oom_kills=None))[0] is Status.KILLED
+
+
+def judged(returncode: int | None, candidate: int | None = None, **overrides: object) -> Observation:
+    fields: dict[str, object] = {"candidate_cpu_s": None if candidate is None else 0.1, **overrides}
+    return observe(returncode, is_judged=True, candidate_returncode=candidate, **fields)
+
+
+@pytest.mark.parametrize(
+    ("seen", "expected"),
+    [
+        # nothing the candidate can produce is infra: its own SIGKILL (a lowered hard CPU limit),
+        # its exits, even the judge's own codes when the candidate's process sends them
+        (judged(EXIT_CANDIDATE_GONE, KILLED), Status.KILLED),
+        (judged(KILLED), Status.KILLED),  # the judge killed: by what? the pool's retry decides
+        (judged(EXIT_CANDIDATE_GONE, EXIT_CANDIDATE_NOT_STARTED), Status.NONZERO_EXIT),
+        (judged(EXIT_CANDIDATE_GONE, 70), Status.NONZERO_EXIT),
+        (judged(EXIT_CANDIDATE_GONE, 0), Status.OK),  # os._exit(0) mid-run: the harness says incomplete
+        (judged(EXIT_CANDIDATE_GONE, -signal.SIGSEGV), Status.NONZERO_EXIT),
+        (judged(0, KILLED), Status.OK),  # killed after every answer was in: the judge's verdict stands
+        (judged(None), Status.KILLED),
+        # limits explain a SIGKILL: the candidate's own CPU time, the cgroup's OOM counter
+        (judged(EXIT_CANDIDATE_GONE, KILLED, candidate_cpu_s=6.0), Status.TIMEOUT),
+        (judged(EXIT_CANDIDATE_GONE, KILLED, oom_kills=1), Status.MEMORY_LIMIT),
+        (judged(KILLED, oom_kills=None), Status.MEMORY_LIMIT),
+        # only the judge's word on its candidate's trusted start-up, and a missing start line
+        (judged(EXIT_CANDIDATE_NOT_STARTED), Status.INFRA_ERROR),
+        (judged(1, has_started=False), Status.INFRA_ERROR),
+    ],
+)
+def test_who_is_blamed_in_a_judged_job(seen: Observation, expected: Status) -> None:
+    assert classify(seen)[0] is expected
 
 
 def test_memory_error_earlier_in_stderr_does_not_decide() -> None:

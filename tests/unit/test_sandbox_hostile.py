@@ -50,3 +50,22 @@ def test_signal_to_init_at_first_instruction_is_ignored(sandbox):
     code = "import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n"  # as in a plain `python`
     result = sandbox.run_python({"main.py": code}, "main.py")
     assert result.status.value == "nonzero_exit" and "KeyboardInterrupt" in result.stderr
+
+
+def test_memory_pressure_kills_the_job_not_the_slot_server():
+    """A job that lowers its processes' oom_score_adj and fills its memory cgroup with small
+    processes and tmpfs pages ends as memory_limit; the slot's server (not in the jobs' memory
+    cgroup) serves the next job itself, with no restart."""
+    with BwrapSandbox(slot_uid_base=SLOT_UID_BASE, warm=True, max_concurrency=1) as box:
+        if not box.has_cgroups:
+            pytest.skip(f"needs a per-slot cgroup ({box.cgroup_note})")
+        assert box.run_python({"main.py": "print(1)\n"}, "main.py").stdout == "1\n"
+        worker = next(iter(box._pool._slots.values())).worker
+        server_pids = set(worker._infra)
+        probe = next(p for p in PROBES if p.keeps_server)
+        result = box.run_python({"main.py": probe.code}, "main.py", limits=probe.limits)
+        assert result.status.value == "memory_limit"
+        after = box.run_python({"main.py": "print(2)\n"}, "main.py")
+        assert after.status.value == "ok" and after.stdout == "2\n"
+        assert set(worker._infra) == server_pids  # the very same server, forker and waiter
+        assert box.metrics()["sandbox/slot_restarts_total"] == 0

@@ -11,18 +11,13 @@ host cannot parse (huge integers, deep nesting). The full HumanEval set is in te
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
-
 import pytest
-from sandbox_host import IS_ROOT, SLOT_UID_BASE, needs_bwrap
+from sandbox_host import SLOT_UID_BASE, needs_bwrap
 
 from gapless.envs.code.environment import CodeEnvironment
 from gapless.envs.code.dataset import humaneval_tasks
 from gapless.envs.code.problems import CodeProblem
-from gapless.sandbox import BwrapSandbox, SandboxLimits, procs
+from gapless.sandbox import BwrapSandbox, SandboxLimits
 
 pytestmark = needs_bwrap
 LIMITS = SandboxLimits(timeout_s=5.0)
@@ -147,57 +142,6 @@ def test_forgery_scores_zero_on_an_io_task(env, name):
 def test_the_real_solutions_still_pass(env, humaneval_0):
     assert env.score_text(humaneval_0, humaneval_0.solution)[:2] == (1.0, "ok")
     assert env.score_text(IO_PROBLEM, IO_PROBLEM.solution)[:2] == (1.0, "ok")
-
-
-def _job_process(uid: int, deepest: bool) -> int | None:
-    """The candidate's process (deepest pid namespace) or the judge (init's child) of a slot."""
-    found = []
-    for pid in procs.live_processes_of_uid(uid):
-        try:
-            with open(f"/proc/{pid}/status") as status:
-                nspid = next(line.split()[1:] for line in status if line.startswith("NSpid:"))
-        except (OSError, StopIteration):
-            continue
-        found.append((len(nspid), nspid[-1], pid))
-    # waiter, server, init, candidate: the candidate is the only pid 1 five namespaces deep, the
-    # judge the only process four deep that is not pid 1 (init forks it after the candidate)
-    if deepest:
-        return next((pid for level, inner, pid in found if level == 5 and inner == "1"), None)
-    return next((pid for level, inner, pid in found if level == 4 and inner != "1"), None)
-
-
-@pytest.mark.skipif(not IS_ROOT, reason="needs root: slot uids and the cgroup's OOM counter")
-@pytest.mark.parametrize("victim", ["candidate", "judge"])
-def test_a_kill_from_outside_is_infra_error_not_a_reward(victim):
-    """issue 21: a SIGKILL that no limit explains, from outside the job, is never scored."""
-    uid_base = SLOT_UID_BASE + 32
-    box = BwrapSandbox(SandboxLimits(timeout_s=20.0), slot_uid_base=uid_base, max_concurrency=1)
-    environment = CodeEnvironment(box, SandboxLimits(timeout_s=20.0), concurrency=1, retries=0)
-    if not box.has_cgroups:
-        environment.close()
-        pytest.skip(f"needs a per-slot cgroup ({box.cgroup_note})")
-    outcome = {}
-    sleeper = "0\nimport time\ndef f(x):\n    time.sleep(60)\n"
-    worker = threading.Thread(target=lambda: outcome.update(result=environment.score_text(IO_PROBLEM, sleeper)))
-    try:
-        environment.score_text(IO_PROBLEM, IO_PROBLEM.solution)  # slot 0 started and warm
-        worker.start()
-        killed = 0  # the pool retries an infra_error once on another slot: kill there too
-        deadline = time.monotonic() + 15
-        while worker.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-            for uid in range(uid_base, uid_base + 4):
-                pid = _job_process(uid, deepest=victim == "candidate")
-                if pid is not None:
-                    os.kill(pid, signal.SIGKILL)
-                    killed += 1
-        worker.join(30)
-        assert killed >= 2, "the job's process never appeared"
-        reward, status, info = outcome["result"]
-        assert status == "infra_error" and info["attempts"] == 2, info
-        assert box.leftovers() == []
-    finally:
-        environment.close()
 
 
 WATCHER = """

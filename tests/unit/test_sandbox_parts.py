@@ -13,6 +13,7 @@ import pytest
 from gapless.sandbox import SandboxLimits, boot
 from gapless.sandbox.cgroups import CgroupRoot, SlotCgroup
 from gapless.sandbox.job import Job
+from gapless.sandbox.limits import MIB, SERVER_MEMORY_MB
 from gapless.sandbox.slots import SlotAllocator
 
 
@@ -82,7 +83,8 @@ def test_cgroup_v1_layout_and_counters(tmp_path):
     assert root.parents["memory"] == tmp_path / "memory/job/a/gapless-sandbox"  # under our own
     slot = SlotCgroup({n: p / "uid-7" for n, p in root.parents.items()}, 1)
     slot.ensure()
-    slot.dirs["memory"].joinpath("memory.oom_control").write_text("oom_kill_disable 0\noom_kill 3\n")
+    slot.dirs["memory"].joinpath("memory.oom_control").write_text("oom_kill_disable 0\noom_kill 9\n")
+    slot.job_memory.joinpath("memory.oom_control").write_text("oom_kill_disable 0\noom_kill 3\n")
     slot.dirs["pids"].joinpath("pids.events").write_text("max 2\n")
     slot.dirs["pids"].joinpath("cgroup.procs").write_text("11\n12\n")
     slot.dirs["cpuacct"].joinpath("cpuacct.usage").write_text("1500\n")
@@ -91,7 +93,13 @@ def test_cgroup_v1_layout_and_counters(tmp_path):
     assert slot.pids() == {11, 12}
     slot.set_limits(70, 1 << 30)
     assert slot.dirs["pids"].joinpath("pids.max").read_text() == "70"
-    assert slot.dirs["memory"].joinpath("memory.limit_in_bytes").read_text() == str(1 << 30)
+    # the jobs' child holds the run's limit; the slot's adds the server's own allowance
+    assert slot.job_memory.joinpath("memory.limit_in_bytes").read_text() == str(1 << 30)
+    slot_limit = int(slot.dirs["memory"].joinpath("memory.limit_in_bytes").read_text())
+    assert slot_limit == (1 << 30) + SERVER_MEMORY_MB * MIB
+    slot.attach_forker(42)  # the forker's memory cgroup is the jobs' child, its pids the slot's
+    assert slot.job_memory.joinpath("cgroup.procs").read_text() == "42"
+    assert slot.dirs["pids"].joinpath("cgroup.procs").read_text() == "42"
     assert root.stale_uids() == {7}
 
 

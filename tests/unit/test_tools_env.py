@@ -5,13 +5,16 @@ turn 1 and resumed in a new session under a newer policy."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 from sandbox_host import SLOT_UID_BASE, needs_bwrap
 
 from gapless.envs.base import MultiTurnEnvironment
 from gapless.envs.tools.tasks import ToolTask, generate_tool_tasks
 from gapless.envs.tools.environment import ToolUseEnvironment
-from gapless.sandbox import BwrapSandbox, SandboxLimits
+from gapless.sandbox import BwrapSandbox, SandboxLimits, procs
 from gapless.types import Completion, SamplingParams
 
 pytestmark = needs_bwrap
@@ -180,3 +183,22 @@ def test_after_a_crash_the_model_is_told_exactly_what_survived(env, tiny_policy)
         env.max_turns = 3
     text = env.to_rollout(episode).completion.text
     assert "variables are lost, its files are kept" in text and "<out>(False, 'kept')</out>" in text
+
+
+def test_a_session_whose_server_dies_after_the_models_code_is_its_tool_error(env, tiny_policy):
+    """The host cannot tell a server the model's code got killed from one that died on its own:
+    once the model's code has run, the loss is the episode's (scored), never infra_error."""
+    turns = ["<py>x = 1</py>", "<py>x</py>", "Answer: 1781"]
+    episode = env.start(TASK, tiny_policy.encode)
+    env.advance(ScriptedGenerator(tiny_policy, {TASK.prompt: turns}), [episode], SamplingParams(),
+                tiny_policy.encode, turns=1)
+    worker = episode.session._slot.worker
+    episode.session.run("import os\nos._exit(0)")  # the next call starts a live process: it needs the server
+    for waiter in procs.child_pids(worker._process.pid):
+        for server in procs.child_pids(waiter):
+            os.kill(server, signal.SIGKILL)
+    worker._process.wait()
+    env.advance(ScriptedGenerator(tiny_policy, {TASK.prompt: turns}), [episode], SamplingParams(), tiny_policy.encode)
+    rollout = env.to_rollout(episode)
+    assert (rollout.status, rollout.reward, rollout.info["tool_status"]) == ("tool_error", 0.0, "crashed")
+    assert not rollout.is_infra_failure and episode.session is None

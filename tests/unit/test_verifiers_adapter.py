@@ -276,3 +276,67 @@ def test_agreement_with_verifiers_own_scoring():
         env.close()
     assert cases >= 320
     assert agree / cases >= 0.99
+
+
+class NamesAFile(vf.Task[Data]):
+    @vf.reward
+    async def reads_the_named_file(self, task, trace) -> float:
+        with open(trace.last_reply) as handle:  # noqa: ASYNC230 -- the completion names the path
+            return float(handle.read(len(task.answer)) == task.answer)
+
+
+def test_a_reward_that_fails_on_a_path_the_completion_names_is_scored_0():
+    """An OSError (no such file, name too long, a directory) comes from what the model wrote: it is
+    the completion's score_error, never infra_error."""
+    env = VerifiersEnvironment([NamesAFile(Data(prompt="Name a file", answer="x"))], eval=[])
+    try:
+        task = env.tasks("train")[0]
+        for text in ["/no/such/file", "/", "x" * 5000]:
+            reward, status, info = env.score(task, text)
+            assert (reward, status) == (0.0, "score_error"), info
+    finally:
+        env.close()
+
+
+class BreaksOnLongText(BaseHTTPRequestHandler):
+    """A judge whose server fails (500) on a response longer than its context, and judges others."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if len(body["messages"][-1]["content"]) > 2000:
+            self.send_response(500)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self._answer(body)
+
+    def _answer(self, body):
+        data = json.dumps({"id": "j", "object": "chat.completion", "created": 0, "model": body["model"],
+                           "choices": [{"index": 0, "message": {"role": "assistant", "content": "no"}, "finish_reason": "stop"}],
+                           "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_completion_that_breaks_the_judge_is_scored_0_while_a_probe_is_judged(monkeypatch):
+    """A 5xx from the judge looks like an outage; a plain reply (the probe) is judged, so the failure is the
+    completion's (score_error, reward 0), and a policy cannot buy a masked rollout with a long text."""
+    monkeypatch.setenv("GAPLESS_TEST_JUDGE_KEY", "unused")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BreaksOnLongText)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = _judged_env(f"http://127.0.0.1:{server.server_port}/v1")
+    try:
+        task = env.tasks("train")[0]
+        (group,) = env.score_groups([task], [[Completion([], [], [], [], "stop", t) for t in ["Lyon", "Paris " * 1000]]])
+        assert [(r.reward, r.status) for r in group] == [(0.0, "wrong_answer"), (0.0, "score_error")], group[1].info
+        assert "a plain reply was scored" in group[1].info["error"]
+    finally:
+        env.close()
+        server.shutdown()
+        server.server_close()

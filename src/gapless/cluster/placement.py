@@ -39,6 +39,7 @@ class PlacementError(ConfigError):
 class ActorExit:
     name: str
     exitcode: int | None  # None: it is gone but its code is unknown
+    why: str = ""  # what the placement knows of the death, completing "gapless-NAME ..." (Ray: cluster/ray/deaths.py)
 
 
 @runtime_checkable

@@ -1,30 +1,60 @@
-"""Bounded waits: heartbeats of the pipeline's processes and the diagnosis of a stall.
+"""Bounded waits: heartbeats and progress marks of the pipeline's processes, and the diagnosis of a stall.
 
-Each actor's main loop stamps its heartbeat (a shared array of CLOCK_MONOTONIC times, which every
+A heartbeat says an actor's process is alive; a progress mark says it got work done. Each
+actor's main loop stamps its heartbeat (a shared array of CLOCK_MONOTONIC times, which every
 process on the machine reads alike) on every pass; its loops never block longer than a poll.
 During set-up (model load, kernel build, sandbox start) a thread beats instead (`beating`).
-The trainer checks the heartbeats, and how long it has waited for progress, whenever it waits:
+Beside the heartbeat each actor publishes a progress counter, when it last moved and what moved
+it (`Heartbeats.progress`): the generator per decode step (tokens decoded) and per weight load,
+the environment per group scored and per tool call answered. A mark costs a counter bump and a
+short text write in shared memory: no lock, no system call.
 
-    trainer waits for rollouts ──> generator beat older than stall_timeout_s?  ─┐
-                               ──> environment beat older than stall_timeout_s? ├─> PipelineStalled
-                               ──> no group arrived for stall_timeout_s?        ─┘
+Who waits for whom while the trainer waits for step t's groups:
 
+    trainer ──Assign (admission: the budget)──> generator ──groups / turns──> environment
+       ^   (waits for step t's groups)         decode steps,                 groups scored,
+       │                                       weights applied               tool calls answered
+       └────────────────────────────── Scored <────────────────────────────────────┘
+    generator ──(budget spent: nothing admitted)──> waits for the trainer's next step
+
+The work the trainer waits for moves down that chain: while the generator decodes a long
+rollout the environment has nothing to score; while the environment scores the last groups the
+generator may have nothing to do, held by the budget until the trainer's next step. An actor
+with nothing to do is waiting on another, not stalled. So the trainer's wait stalls when
+
+    - an actor's heartbeat is older than stall_timeout_s, or its process is stopped (a dead,
+      stopped or hung process: found without waiting for the others), or
+    - no actor it waits on made progress for stall_timeout_s, counted from the start of the
+      wait or the last group that arrived, whichever is later (the trainer's own work between
+      two waits is not the actors' silence): a live pipeline that gets nothing done (an actor
+      looping without progress, a lost message, two actors waiting on each other).
+
+A wait for a group that is still being generated is never a stall, however long the group.
 On a stall the trainer writes `RUN_DIR/stall.txt` (who waited for whom, since when, each
-process's state from /proc) and every process's Python stack to `RUN_DIR/stacks/` (actors dump
-theirs on SIGUSR1 through faulthandler; a stopped process is continued so that it can), then
-raises. Guaranteed: a stalled actor ends the run within stall_timeout_s plus the poll and the
-dump (a few seconds). Not guaranteed: a stack from a process stuck inside C code that never
-returns to the interpreter (faulthandler still prints the frame it is in).
+process's state from /proc, its heartbeat's age and what it last progressed on, when) and every
+process's Python stack to `RUN_DIR/stacks/` (actors dump theirs on SIGUSR1 through faulthandler; a
+stopped process is continued so that it can), then raises.
+
+Guaranteed: a stopped, killed or silent actor ends the run within stall_timeout_s plus the poll
+and the dump (a few seconds); a pipeline in which no actor progresses ends it within
+stall_timeout_s of its last progress (or of the start of the wait) plus the same. Not
+guaranteed: that an actor which hangs while others still progress is found before the others
+run out of work (the wait stalls once none progresses); that the text of a mark read while it is
+being written is whole (a best-effort retry; it is a diagnosis, not data); a stack from a process
+stuck inside C code that never returns to the interpreter (faulthandler still prints the frame it
+is in).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import faulthandler
 import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from gapless.errors import InfrastructureError
@@ -32,6 +62,7 @@ from gapless.errors import InfrastructureError
 ACTORS = ("trainer", "generator", "environment")
 DUMP_WAIT_S = 3.0
 STARTUP_S = 120.0  # spawn and imports of an actor, before it can beat (torch alone takes seconds)
+WHAT_BYTES = 160  # room for what an actor last progressed on (longer texts are cut)
 
 
 class PipelineStalled(InfrastructureError):
@@ -58,15 +89,39 @@ class StopFlag:
         return self.is_set()
 
 
+@dataclass(frozen=True)
+class Progress:
+    """An actor's progress as the trainer sees it: marks so far, seconds since the last (or since
+    the actor was started, before its first), and what that mark was about."""
+
+    marks: int
+    age_s: float
+    what: str
+
+
 class Heartbeats:
-    """One monotonic timestamp and pid per actor, in shared memory; picklable to spawned actors.
-    `actors`: every name that may beat during the run (restarted replicas included), lock-free."""
+    """Per actor, in shared memory and picklable to spawned actors: a monotonic heartbeat time and
+    pid, and its progress (a mark count, when it last moved, what moved it). `actors`: every name
+    that may beat during the run (restarted replicas included). Writers take no lock: each actor's
+    slots have one writing process (the environment's scoring threads may race on a mark, which
+    loses at most a count)."""
 
     def __init__(self, ctx, actors: tuple[str, ...] = ACTORS):
-        now = time.monotonic()
+        now, n = time.monotonic(), len(actors)
         self.actors = tuple(actors)
-        self._beats = ctx.Array("d", [now] * len(self.actors), lock=False)
-        self._pids = ctx.Array("q", [0] * len(self.actors), lock=False)
+        self._beats = ctx.Array("d", [now] * n, lock=False)
+        self._pids = ctx.Array("q", [0] * n, lock=False)
+        self._marks = ctx.Array("q", [0] * n, lock=False)
+        self._progress_at = ctx.Array("d", [now] * n, lock=False)
+        self._what = ctx.Array("c", WHAT_BYTES * n, lock=False)
+        self._written: dict[int, str] = {}  # the text this process last wrote per slot (unchanged text is not rewritten)
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_written"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._written = {}
 
     def register(self, actor: str) -> None:
         self._pids[self.actors.index(actor)] = os.getpid()
@@ -75,9 +130,23 @@ class Heartbeats:
     def beat(self, actor: str) -> None:
         self._beats[self.actors.index(actor)] = time.monotonic()
 
+    def progress(self, actor: str, what: str) -> None:
+        """`actor` got work done (`what`, in words: "decoded 8 tokens ..."): per decode step, group
+        scored, tool call answered, weights applied; never per token."""
+        i = self.actors.index(actor)
+        if self._written.get(i) != what:  # one memmove (a slice assignment copies byte by byte)
+            ctypes.memmove(ctypes.addressof(self._what) + i * WHAT_BYTES, what.encode()[:WHAT_BYTES].ljust(WHAT_BYTES, b"\0"),
+                           WHAT_BYTES)
+            self._written[i] = what
+        self._marks[i] += 1
+        self._progress_at[i] = time.monotonic()
+
     def starting(self, actor: str) -> None:
-        """`actor` is being spawned now (a replacement replica): its start-up allowance starts now."""
-        self._pids[self.actors.index(actor)] = 0
+        """`actor` is being spawned now (a replacement replica): its start-up allowance starts now,
+        and so does the time since its last progress."""
+        i = self.actors.index(actor)
+        self._pids[i] = 0
+        self._progress_at[i] = time.monotonic()
         self.beat(actor)
 
     def beating(self, actor: str, every_s: float = 0.2):
@@ -90,6 +159,19 @@ class Heartbeats:
 
     def pid(self, actor: str) -> int:
         return int(self._pids[self.actors.index(actor)])
+
+    def progress_age_s(self, actor: str) -> float:
+        return time.monotonic() - self._progress_at[self.actors.index(actor)]
+
+    def last_progress(self, actor: str) -> Progress:
+        i = self.actors.index(actor)
+        for _ in range(3):  # read again if a mark landed meanwhile (its text may be half written)
+            marks, at = int(self._marks[i]), self._progress_at[i]
+            what = ctypes.string_at(ctypes.addressof(self._what) + i * WHAT_BYTES, WHAT_BYTES)
+            what = what.rstrip(b"\0").decode(errors="replace")
+            if int(self._marks[i]) == marks:
+                break
+        return Progress(marks, time.monotonic() - at, what)
 
 
 @contextlib.contextmanager
@@ -133,7 +215,8 @@ def process_state(pid: int) -> str:
 
 
 class StallWatch:
-    """The trainer's side: `check` raises PipelineStalled with the diagnosis when a wait is stuck."""
+    """The trainer's side: `check` raises PipelineStalled with the diagnosis when a wait is stuck
+    (the rule is the module's docstring)."""
 
     def __init__(self, heartbeats: Heartbeats, timeout_s: float, run_dir: Path, actors: tuple[str, ...]):
         self.heartbeats, self.timeout_s, self.run_dir, self.actors = heartbeats, timeout_s, Path(run_dir), list(actors)
@@ -144,6 +227,11 @@ class StallWatch:
         """Something arrived, or the trainer starts a new wait (its own work is not a stall)."""
         self.progress_at = time.monotonic()
 
+    def idle_s(self) -> float:
+        """Seconds in which neither a waited-on actor progressed nor anything arrived, in this wait."""
+        quiet = [self.heartbeats.progress_age_s(actor) for actor in self.actors]
+        return min([time.monotonic() - self.progress_at, *quiet])
+
     def check(self, waiting_for: str, starting: bool = False) -> None:
         """`waiting_for`: what the trainer is waiting for, in words ("step 4's rollouts"). While
         `starting` (the actors' set-up: spawn, imports, engine, sandbox) every actor gets the
@@ -152,9 +240,8 @@ class StallWatch:
         host: its state is read from /proc)."""
         limit = self.startup_s if starting else self.timeout_s
         stale = [a for a in self.actors if self._silent(a, limit)]
-        waited = time.monotonic() - self.progress_at
-        if stale or waited > limit:
-            self.stall(waiting_for, waited, stale)
+        if stale or self.idle_s() > limit:
+            self.stall(waiting_for, time.monotonic() - self.progress_at, stale)
 
     def _silent(self, actor: str, limit: float) -> bool:
         """Silent past `limit` (the start-up allowance before it has a pid); a process that is
@@ -165,16 +252,23 @@ class StallWatch:
         return age > limit or (age > self.timeout_s and process_state(pid).startswith(("T", "t")))
 
     def stall(self, waiting_for: str, waited: float, stale: list[str]) -> None:
-        """Write the diagnosis and the stacks, then raise PipelineStalled."""
-        who = " and ".join(stale) if stale else "the generator and the environment"
+        """Write the diagnosis and the stacks, then raise PipelineStalled. `stale`: the actors
+        whose heartbeat stopped; none: no actor progressed."""
+        if stale:
+            why = f"waiting on {' and '.join(stale)}, whose heartbeat stopped"
+        else:
+            none = "which made no progress" if len(self.actors) == 1 else "none of which made progress"
+            why = (f"waiting on {' and '.join(self.actors) or 'no actor'}, {none} for {self.idle_s():.1f} s "
+                   f"(pipeline.stall_timeout_s = {self.timeout_s:g} s)")
         lines = [f"pipeline stalled: the trainer has waited {waited:.1f} s for {waiting_for} "
-                 f"(since {time.strftime('%H:%M:%S', time.localtime(time.time() - waited))}); waiting on {who}"]
+                 f"(since {_clock(waited)}); {why}"]
         for actor in self.actors:
-            pid = self.heartbeats.pid(actor)
+            pid, progress = self.heartbeats.pid(actor), self.heartbeats.last_progress(actor)
             lines.append(f"  {actor}: pid {pid}, last heartbeat {self.heartbeats.age_s(actor):.1f} s ago, "
-                         f"state {process_state(pid) if pid else 'not started'}")
-        lines.append(f"  stacks: {self.run_dir / 'stacks'}; raise pipeline.stall_timeout_s "
-                     f"({self.timeout_s:g} s) if this work is legitimately slow")
+                         f"state {process_state(pid) if pid else 'not started'}; {_progress_line(progress)}")
+        lines.append(f"  stacks: {self.run_dir / 'stacks'}. Slow work that progresses is never a stall: raise "
+                     f"pipeline.stall_timeout_s ({self.timeout_s:g} s) only if one decode step, tool call or "
+                     "group's scoring legitimately takes longer")
         diagnosis = "\n".join(lines)
         self._dump_stacks()
         (self.run_dir / "stall.txt").write_text(diagnosis + "\n")
@@ -201,3 +295,15 @@ class StallWatch:
         deadline = time.monotonic() + DUMP_WAIT_S
         while time.monotonic() < deadline and not all(p.is_file() and p.stat().st_size for p in files):
             time.sleep(0.05)
+
+
+def _clock(ago_s: float) -> str:
+    """The wall-clock time `ago_s` seconds ago, HH:MM:SS."""
+    return time.strftime("%H:%M:%S", time.localtime(time.time() - ago_s))
+
+
+def _progress_line(progress: Progress) -> str:
+    if not progress.marks:
+        return f"no progress since it started {progress.age_s:.1f} s ago"
+    return (f"progress mark {progress.marks}, the last {progress.age_s:.1f} s ago (at {_clock(progress.age_s)}): "
+            f"{progress.what}")

@@ -444,10 +444,26 @@ class PipelineConfig(_Section):
     outage_s: float = Field(60.0, gt=0, le=86400)
     """The run stops (exit code 3, with the last error and what to check) only when groups keep
     failing in the infrastructure, after their retries, for this long with no group scored between."""
+    max_infra_fraction: float = Field(0.1, gt=0, le=1)
+    """Share (0-1) of one prompt's, or one policy version's, rollouts that may come back masked as
+    'infra_error' (no reward, out of the group's statistics). A prompt or version past it whose
+    masked share is also far above the rest of the run's (a binomial tail test, with at least 4
+    masked rollouts; orchestrate/masking.py) is flagged and handled as `on_infra_excess` says.
+    1 turns flagging off."""
+    on_infra_excess: Literal["fail", "stop"] = "fail"
+    """What a flagged prompt's or version's masked rollouts become: 'fail' scores each one from the
+    flag on as a failure (reward 0, status 'infra_excess', counted in rollout/infra_scored), so that
+    masking never pays a policy more than failing; 'stop' ends the run (exit code 3) naming the
+    flagged prompts and versions."""
     stall_timeout_s: float = Field(120.0, gt=0, le=86400)
-    """Longest the trainer waits for an actor that shows no progress (a stale heartbeat, or no group
-    arriving) before it stops the run with a diagnosis in RUN_DIR/stall.txt and every process's
-    stack in RUN_DIR/stacks/. Raise it for very long generations or sandbox runs."""
+    """Seconds without progress after which the run stops as stalled (exit code 3, a diagnosis in
+    RUN_DIR/stall.txt naming what each actor last progressed on and when, every process's stack in
+    RUN_DIR/stacks/). Progress is work done: a generator's decode step or weight load, an
+    environment's scored group or answered tool call. The trainer's wait stalls when none of the
+    actors it waits on progressed for this long, or sooner when one's heartbeat is this old or its
+    process is stopped; a long rollout that keeps decoding never stalls, however long it takes.
+    Raise it only when one step of that work (one decode step, one tool call, one group's
+    scoring) can legitimately take longer."""
     curriculum: Literal["uniform", "pass_rate"] = "uniform"
     """Prompt choice: 'uniform' (the synchronous loop's order) or 'pass_rate' (prefer prompts whose
     running pass rate is neither 0 nor 1; see orchestrate/curriculum.py)."""

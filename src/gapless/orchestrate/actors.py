@@ -24,9 +24,10 @@ Messages are the typed records of messages.py; every queue has one writer. Both 
 send `ActorError` to the trainer and exit if anything raises, so a crash is an error in the
 trainer's process, never a silent hang (the trainer also notices an actor that died without a
 word). Each stamps its heartbeat on every pass of its loop, no wait of theirs blocks longer than a
-poll, and each dumps its Python stacks on SIGUSR1 (cluster/watchdog.py: a stalled actor is diagnosed, not
-waited for). All die with the trainer, even when it is SIGKILLed (the kernel's parent-death
-signal). No actor holds state worth keeping: the trainer's checkpoint is the run's state.
+poll, each marks its progress (a replica per decode step and weight load, the environment per group
+scored and tool call answered), and each dumps its Python stacks on SIGUSR1 (cluster/watchdog.py: a
+stalled actor is diagnosed, not waited for). All die with the trainer, even when it is SIGKILLed (the
+kernel's parent-death signal). No actor holds state worth keeping: the trainer's checkpoint is the run's state.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ def generator_main(spec: ActorSpec) -> None:
     try:
         with spec.heartbeats.beating(spec.name):
             actor = _GeneratorActor(spec)
+        spec.heartbeats.progress(spec.name, "set up: engine ready")
         spec.outbox.put(Ready(spec.name))
         spec.outbox.put(Loaded(spec.replica, actor.engine.version))
         actor.run()
@@ -184,6 +186,7 @@ class _GeneratorActor:
             if spec.weights.fetch_into(self.engine.update_weights, self.engine.version) is not None:
                 self.clock["stall_s"] += time.perf_counter() - start
                 self.clock["swaps"] += 1
+                spec.heartbeats.progress(spec.name, f"applied weights version {self.engine.version}")
                 self.spans.mark("weight_load")
                 self.timeline.instant("weights", version=self.engine.version)
                 _put(spec.outbox, Loaded(spec.replica, self.engine.version), spec.stop, self._beat)
@@ -195,9 +198,12 @@ class _GeneratorActor:
                 self.spans.mark("generate")
                 start = time.perf_counter()
                 finished = self.engine.step()
-                fault_point("generator", "decode")
+                fault_point("generator", "decode", self._beat)
                 self.clock["busy_s"] += time.perf_counter() - start
-                self.clock["tokens"] += self.engine.num_running + len(finished)
+                decoded = self.engine.num_running + len(finished)
+                self.clock["tokens"] += decoded
+                if decoded:
+                    self._progressed(decoded)
                 self._collect(finished)
                 self._cut_partial()
             else:
@@ -274,6 +280,12 @@ class _GeneratorActor:
 
     def _beat(self) -> None:
         self.spec.heartbeats.beat(self.spec.name)
+
+    def _progressed(self, decoded: int) -> None:
+        """One decode step's progress mark (microseconds against a step's milliseconds; the text
+        changes only with the batch, and only a changed text is written)."""
+        self.spec.heartbeats.progress(self.spec.name, f"a decode step of {decoded} tokens ({self.engine.num_running} "
+                                      f"sequences running, {self.engine.num_waiting} waiting)")
 
     def _collect(self, finished: list[Completion]) -> None:
         if self.multi_turn:
@@ -385,6 +397,7 @@ def _environment_loop(spec: ActorSpec) -> None:
     if spec.to_generators:
         return _episode_loop(spec, env, tasks)
     timeline = open_timeline(cfg.run_dir, spec.name.replace("environment", "env"), cfg.metrics.timeline)
+    spec.heartbeats.progress(spec.name, "set up: environment ready")
     spec.outbox.put(Ready(spec.name))
     groups: queue.Queue = queue.Queue(maxsize=max(1, cfg.pipeline.env_workers))
     for i, source in enumerate(spec.from_generators):
@@ -394,17 +407,20 @@ def _environment_loop(spec: ActorSpec) -> None:
     failures: list[str] = []
     cancelled: set[int] = set()  # groups the trainer cut: not scored if queued, not sent if scoring
     beat = lambda: spec.heartbeats.beat(spec.name)  # noqa: E731
+    progress = lambda what: spec.heartbeats.progress(spec.name, what)  # noqa: E731
     busy = spec.lending.scoring if spec.lending is not None else contextlib.nullcontext  # no borrowing while it scores
 
     def score(item: ToScore) -> None:
         try:
             with busy(), timeline.span("score", group=item.index):
                 rollouts = env.score_groups([tasks[item.task_index]], [item.completions])[0]
+                progress(f"scored group {item.index}")
                 for attempt in range(cfg.pipeline.infra_retries):  # an outage is retried, never trained on
                     if not all(r.is_infra_failure for r in rollouts) or item.index in cancelled or spec.stop.is_set():
                         break
                     spec.stop.wait(min(2.0 ** attempt, INFRA_BACKOFF_MAX_S))
                     rollouts = env.score_groups([tasks[item.task_index]], [item.completions])[0]
+                    progress(f"scored group {item.index} again after an infrastructure failure (retry {attempt + 1})")
             fault_point("environment", "score")
             if item.index in cancelled:
                 _pass_on(item.gen_stats, spec.outbox, spec.stop, beat)
@@ -461,10 +477,12 @@ def _episode_loop(spec: ActorSpec, env, tasks) -> None:
         send_turns=lambda replica, turns: _put(spec.to_generators[replica], NextTurns(turns), spec.stop, beat),
         send_scored=lambda group: _put(spec.outbox, Scored(group), spec.stop, beat),
         suspend=cfg.pipeline.suspend_between_turns, max_state_staleness=cfg.pipeline.max_env_state_staleness,
-        on_stale=cfg.pipeline.env_state_stale, resume_after_s=cfg.pipeline.resume_after_s)
+        on_stale=cfg.pipeline.env_state_stale, resume_after_s=cfg.pipeline.resume_after_s,
+        progress=lambda what: spec.heartbeats.progress(spec.name, what))
     messages: queue.Queue = queue.Queue()
     for i, source in enumerate(spec.from_generators):
         threading.Thread(target=_read_into, args=(source, messages), name=f"read-replica-{i}", daemon=True).start()
+    spec.heartbeats.progress(spec.name, "set up: environment ready")
     spec.outbox.put(Ready(spec.name))
     try:
         while not spec.stop.is_set() and not runner.failures:

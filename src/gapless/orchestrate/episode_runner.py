@@ -68,16 +68,19 @@ class EpisodeRunner:
     def __init__(self, env: EpisodeSteps, tasks: Sequence, encode: Callable[[str], list[int]], group_size: int,
                  schedule: str, send_turns: Callable[[int, tuple[TurnRequest, ...]], None],
                  send_scored: Callable[[Group], None], suspend: bool = False, max_state_staleness: int = -1,
-                 on_stale: str = "restart", resume_after_s: float = 0.0):
+                 on_stale: str = "restart", resume_after_s: float = 0.0,
+                 progress: Callable[[str], None] = lambda what: None):
         """`send_turns(replica, turns)` and `send_scored(group)` are called from this runner's
         owner thread only (inside `handle` and `poll`). `suspend`: snapshot and close each
         episode's session after its turn (env.suspend); `max_state_staleness` (-1: off) and
-        `on_stale` ('restart' | 'drop'): the bound checked when a suspended episode resumes."""
+        `on_stale` ('restart' | 'drop'): the bound checked when a suspended episode resumes.
+        `progress(what)`: the environment's progress mark (watchdog.py), called in `poll` for
+        every tool call answered and group graded."""
         self.suspend, self.max_state_staleness, self.on_stale = suspend, max_state_staleness, on_stale
         self.resume_after_s = resume_after_s  # a suspended episode's next turn waits this long
         self.parked: list[tuple[float, int, int]] = []  # (due, index, sample): suspended, next turn not sent yet
         self.env, self.tasks, self.encode, self.group_size, self.schedule = env, tasks, encode, group_size, schedule
-        self.send_turns, self.send_scored = send_turns, send_scored
+        self.send_turns, self.send_scored, self.progress = send_turns, send_scored, progress
         self.groups: dict[int, _Group] = {}
         self.pool = ThreadPoolExecutor(MAX_TOOL_THREADS, thread_name_prefix="turn")
         self.results: queue.Queue = queue.Queue()  # (kind, index, sample, payload) from the tool threads
@@ -189,6 +192,9 @@ class EpisodeRunner:
                 return
             if kind == "turn":
                 self.turning.discard((index, sample))
+                self.progress(f"answered a turn's tool calls (group {index}, sample {sample})")
+            elif kind == "scored":
+                self.progress(f"graded group {index}")
             group = self.groups.get(index)
             if group is None:
                 if kind == "turn" and index in self.cut:  # cut while its tool ran

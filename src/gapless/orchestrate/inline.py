@@ -22,6 +22,7 @@ from gapless.config import Config
 from gapless.envs.base import Environment, MultiTurnEnvironment, Task
 from gapless.generate.groups import generate_groups
 from gapless.orchestrate.admission import sample_step_tasks, sampling_params
+from gapless.orchestrate.masking import MaskingWatch
 from gapless.orchestrate.source import StepRollouts
 from gapless.orchestrate.step_metrics import env_metrics
 from gapless.types import Group
@@ -30,8 +31,11 @@ from gapless.types import Group
 class InlineSource:
     eval_actor = "generator"
 
-    def __init__(self, cfg: Config, env: Environment, train: list[Task], sampler, encode, timelines):
+    def __init__(self, cfg: Config, env: Environment, train: list[Task], sampler, encode, timelines,
+                 masking: MaskingWatch | None = None):
+        """`masking`: the run's masking watch (masking.py); it sees every scored group."""
         self.cfg, self.env, self.train = cfg, env, train
+        self.masking = masking or MaskingWatch(cfg.pipeline.max_infra_fraction, cfg.pipeline.on_infra_excess)
         self.sampler, self.encode, self.timelines = sampler, encode, timelines
         self._started = 0.0
 
@@ -55,6 +59,7 @@ class InlineSource:
             with self.timelines["env"].span("score", step=step):
                 groups = self.env.score_groups(problems, sampled)
         t2 = time.perf_counter()
+        groups = [self.masking.observe(task.uid, list(group)) for task, group in zip(problems, groups)]
         rollouts = [r for group in groups for r in group]
         staleness = max(step - r.completion.oldest_version for r in rollouts)
         assert staleness == 0, f"the inline source sampled stale rollouts (staleness {staleness})"

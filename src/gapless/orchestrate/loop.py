@@ -16,7 +16,9 @@ loop, inline.py); `process` runs the generator and environment as actors with a 
 
 Observability: each step logs `perf/step_s`, `perf/train_s`, `perf/weight_push_s`, `perf/weight_push_mb`,
 `perf/trainer_idle_frac` (the share of the step spent waiting for rollouts), `staleness/*`,
-`rollout/*`, `train/*`, and the source's own metrics (generator idle, drops, sandbox latency);
+`rollout/*` (with the masking watch's `rollout/infra_*`: what `infra_error` takes out of training,
+per step, prompt and policy version, and what it does past `pipeline.max_infra_fraction`;
+masking.py, RUN_DIR/masking.json), `train/*`, and the source's own metrics (generator idle, drops, sandbox latency);
 the actors write spans to the run's timeline (timeline.py), whose gaps are the waits.
 
 The first SIGTERM or SIGINT lets the running step finish, checkpoints, ends what is in flight as
@@ -46,6 +48,7 @@ from gapless.metrics import open_sinks
 from gapless.models import load_local
 from gapless.orchestrate.evaluate import EvalScore, greedy_pass_at_1, multi_turn_pass_at_1
 from gapless.orchestrate.inline import InlineSource
+from gapless.orchestrate.masking import MaskingWatch
 from gapless.orchestrate.policy_setup import prepare_policy
 from gapless.orchestrate.source import RolloutSource
 from gapless.orchestrate.step_metrics import rollout_metrics, staleness_metrics, train_metrics
@@ -155,9 +158,11 @@ class RunLoop:
         self.sampler.version = self.trainer.version
         self.stop_requested: str | None = None  # set by a signal handler (train()): the signal's name
         self.timelines = {actor: open_timeline(self.run_dir, actor, cfg.metrics.timeline) for actor in ACTORS}
+        self.masking = MaskingWatch(cfg.pipeline.max_infra_fraction, cfg.pipeline.on_infra_excess)
         self.source: RolloutSource
         if kind == "inline":
-            self.source = InlineSource(cfg, self.env, self.train, self.sampler, self.policy.encode, self.timelines)
+            self.source = InlineSource(cfg, self.env, self.train, self.sampler, self.policy.encode, self.timelines,
+                                       self.masking)
         else:
             if not isinstance(self.sampler, SteppedGenerator):
                 raise ConfigError(f"generator.engine = '{cfg.generator.engine}' cannot run the pipeline: use 'torch' or 'vllm'")
@@ -167,7 +172,7 @@ class RunLoop:
                                         self.timelines, lambda: self.stop_requested, log,
                                         trained_model=self.trainer.model if self.lora is not None else None,
                                         multi_turn=self.is_multi_turn, max_seq_len=self.max_seq_len(),
-                                        placement=placement)
+                                        placement=placement, masking=self.masking)
         self.sinks = open_sinks(cfg, cfg.loop.steps, append=checkpoint is not None)
 
     def max_seq_len(self) -> int:
@@ -199,6 +204,7 @@ class RunLoop:
             raise
         finally:  # also on error or Ctrl-C: the live view restores the terminal, files are flushed
             try:
+                self.masking.write(self.run_dir / "masking.json")
                 if (close := getattr(self.trainer, "close", None)) is not None:
                     close()  # data-parallel ranks leave first: Ray ranks live in the source's placement
                 self.source.close(reason, self.trainer.version)
@@ -234,6 +240,7 @@ class RunLoop:
                 pass_now = metrics["eval/pass@1"] = score.pass_at_1  # infra errors left out, counted beside
                 metrics["eval/infra_errors"] = float(score.infra_errors)
             self.sinks.log(done, metrics)
+            self.masking.write(self.run_dir / "masking.json")
             if done % cfg.loop.checkpoint_every == 0 or done == cfg.loop.steps:
                 self.checkpoint(done, pass_start, trained_samples)
         summary = {
@@ -281,6 +288,7 @@ class RunLoop:
             **push,
             **taken.metrics,
             **self.source.stats(),
+            **self.masking.step_metrics(),
         }
 
     def checkpoint(self, step: int, pass_start: float, trained_samples: int) -> None:

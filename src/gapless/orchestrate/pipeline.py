@@ -58,10 +58,11 @@ from gapless.orchestrate.env_actors import EnvActors
 from gapless.orchestrate.inbox import Inbox
 from gapless.cluster.ipc import clean_leftover_ipc, name_ipc_objects
 from gapless.orchestrate.ledger import GroupLedger
+from gapless.orchestrate.masking import MaskingWatch
 from gapless.orchestrate.lending import LendingFlags, TrainerLending
 from gapless.orchestrate.messages import Abort, ActorError, Assign, CancelScoring, GenStats, Loaded, Ready, Scored
 from gapless.cluster.names import replica_name
-from gapless.cluster.placement import Placement
+from gapless.cluster.placement import ActorExit, Placement
 from gapless.orchestrate.source import StepRollouts
 from gapless.types import DropReason
 from gapless.cluster.watchdog import StallWatch
@@ -106,19 +107,22 @@ class ProcessSource:
 
     def __init__(self, cfg: Config, train: list[Task], policy, start_step: int, resume: bool, env_name: str,
                  timelines, stop_requested, log=print, *, placement: Placement, trained_model=None,
-                 multi_turn: bool = False, max_seq_len: int):
+                 multi_turn: bool = False, max_seq_len: int, masking: MaskingWatch | None = None):
         """`policy`: the trainer's Policy (saved for the generators; its model may lend threads);
         `stop_requested()`: the name of a stop signal received, or None (checked in every wait);
         `trained_model`: the module the trainer runs when it is not `policy.model` (a LoRA run's
         peft model), where thread lending hooks its layers. `multi_turn`: the task's episodes run
         turn by turn (episode_runner.py), each replica sampling the turns the environment sends it;
         `max_seq_len`: the longest context a replica holds (an episode's, for multi-turn tasks);
-        `placement`: where the actors run, already reserved (gapless.cluster.make_placement)."""
+        `placement`: where the actors run, already reserved (gapless.cluster.make_placement).
+        `masking`: the run's masking watch (masking.py): it sees every scored group as it arrives,
+        before the buffer files it."""
         self.multi_turn, self.max_seq_len = multi_turn, max_seq_len
         self.cfg, self.train, self.policy, self.log, self.timelines = cfg, train, policy, log, timelines
         self.env_name, self.stop_requested = env_name, stop_requested
         self.start_step, self.version = start_step, start_step
         self.run_dir = Path(cfg.run_dir)
+        self.masking = masking or MaskingWatch(cfg.pipeline.max_infra_fraction, cfg.pipeline.on_infra_excess)
         self.placement = placement
         self.ctx = self.placement.ctx
         if (removed := clean_leftover_ipc(self.run_dir)):
@@ -228,6 +232,7 @@ class ProcessSource:
 
     def publish(self, state, version: int) -> dict[str, float]:
         pl, wait = self.cfg.pipeline, 0.0
+        self.watch.progressed()  # a new wait: the trainer's step since the last one is no actor's silence
         for replica in [r for r in self.replicas if r.alive]:
             waiting_for = f"{replica.name} to release its weight buffer (publishing version {version})"
             timeout_s = self.cfg.cluster.op_timeout_s if self.evictable else pl.stall_timeout_s
@@ -396,7 +401,7 @@ class ProcessSource:
         (where the run has 2 or more of them); the last one of a kind is left to _check_alive."""
         if not (self.evictable or self.envs.evictable):
             return
-        exits = {gone.name: gone.exitcode for gone in self.placement.exited()}
+        exits = {gone.name: gone for gone in self.placement.exited()}
         replicas = [r for r in self.replicas if r.alive] if self.evictable else []
         for replica in replicas:
             if not self._may_evict():
@@ -410,10 +415,10 @@ class ProcessSource:
             if (lost := self._why_lost(spec.name, exits)) is not None:
                 self._evict_env(slot, *lost)
 
-    def _why_lost(self, name: str, exits: dict[str, int | None]) -> tuple[str, float | None] | None:
+    def _why_lost(self, name: str, exits: dict[str, ActorExit]) -> tuple[str, float | None] | None:
         """(why, seconds silent) when the actor `name` exited or went silent past the op timeout."""
         if name in exits:
-            return f"it exited with code {exits[name]}", None
+            return f"it {exits[name].why or f'exited with code {exits[name].exitcode}'}", None
         if name in self.ready_actors and (silent := self.heartbeats.age_s(name)) > self.cfg.cluster.op_timeout_s:
             return f"no heartbeat for {silent:.1f} s (cluster.op_timeout_s)", silent
         return None
@@ -438,6 +443,7 @@ class ProcessSource:
         elif isinstance(message, Scored):
             self.watch.progressed()
             group = message.group
+            group.rollouts = self.masking.observe(self.train[group.task_index].uid, group.rollouts)
             self.dispatcher.scored(group.index)
             self.envs.scored(group.index)
             self.prompts.feedback(self.train[group.task_index].uid,
@@ -496,14 +502,17 @@ class ProcessSource:
     def _check_alive(self) -> None:
         self._check_evictable()
         for gone in self.placement.exited():
+            if gone.why:
+                raise ActorFailed(f"gapless-{gone.name} {gone.why}; the last checkpoint is intact for --resume")
             raise ActorFailed(f"gapless-{gone.name} exited with code {gone.exitcode} without reporting an error "
                               "(killed by the OOM killer or a signal?); see the system log")
 
 
 def _forward(name: str, source, sink: Inbox) -> None:
     """The actor `name`'s outbox into the trainer's inbox (actors._read_into). A read that fails (a
-    message this process cannot unpickle) arrives as that actor's ActorError: the run fails saying
-    so, instead of waiting for the stall watch."""
-    _read_into(source, sink, lambda exc: ActorError(name, f"the trainer could not read a message from {name}:\n"
-                                                          f"{traceback.format_exc()}"))
+    message this process cannot unpickle, a mailbox that died) arrives as that actor's ActorError: the
+    run fails saying so, instead of waiting for the stall watch."""
+    _read_into(source, sink, lambda exc: ActorError(name, str(exc) if isinstance(exc, InfrastructureError) else
+                                                    f"the trainer could not read a message from {name}:\n"
+                                                    f"{traceback.format_exc()}"))
 

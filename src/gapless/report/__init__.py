@@ -2,7 +2,8 @@
 
 `build_report(run_dirs, out_dir)` writes `out_dir/report.html` and one PNG per chart
 (`charts.CHARTS`), and a Chrome trace `RUN_DIR/trace.json` for each run that has a timeline.
-The page needs no network: every chart is embedded as a base64 PNG, the style sheet is inline,
+A last section lists, per run, the prompts and policy versions flagged for masking far above the
+run's rate (masking.json) and its most masked prompts. The page needs no network: every chart is embedded as a base64 PNG, the style sheet is inline,
 and there is no script. Missing data becomes a "no data" panel; a run directory that does not
 exist raises `RunNotFound` before anything is written.
 """
@@ -41,7 +42,43 @@ SUMMARY_ROWS = [
     ("staleness max", lambda r: max(r.series("staleness/max")[2], default=float("nan")), "{:.0f}"),
     ("generated tokens/s (mean)", lambda r: r.mean("perf/gen_tokens_per_s"), "{:.0f}"),
     ("timeline spans", lambda r: len(r.spans), "{:.0f}"),
+    ("masked share (infra_error)", lambda r: _masked_share(r), "{:.3f}"),
+    ("masking flags (prompts, versions)", lambda r: len(r.masking["flags"]) if "flags" in r.masking else float("nan"),
+     "{:.0f}"),
 ]
+TOP_PROMPTS = 10  # most masked prompts listed per run
+
+
+def _masked_share(run: Run) -> float:
+    if run.masking.get("rollouts"):
+        return run.masking["masked"] / run.masking["rollouts"]
+    return _last(run, "rollout/infra_frac_run")
+
+
+def masking_section(runs: list[Run]) -> str:
+    """Per run: its flags with their evidence and its most masked prompts (masking.json)."""
+    parts = []
+    for run in runs:
+        m = run.masking
+        if not m:
+            parts.append(f"<p>{html.escape(run.name)}: no masking.json.</p>")
+            continue
+        flags = "".join(f"<tr><td>{html.escape(f['kind'])} {html.escape(str(f['key']))}</td><td>{f['masked']} / "
+                        f"{f['rollouts']}</td><td>{f['base_rate']:.3f}</td><td>{f['p_value']:.1e}</td></tr>"
+                        for f in m.get("flags", []))
+        prompts = sorted(m.get("prompts", {}).items(), key=lambda kv: -kv[1]["masked"] / max(kv[1]["rollouts"], 1))
+        top = "".join(f"<tr><td>{html.escape(uid)}</td><td>{c['masked']} / {c['rollouts']}</td>"
+                      f"<td>{'flagged' if c.get('flagged') else ''}</td></tr>" for uid, c in prompts[:TOP_PROMPTS])
+        parts.append(
+            f"<h3>{html.escape(run.name)}</h3><p>{m.get('masked', 0)} of {m.get('rollouts', 0)} rollouts masked; "
+            f"{m.get('scored_as_failures', 0)} scored as failures (pipeline.on_infra_excess = "
+            f"'{html.escape(str(m.get('on_infra_excess')))}', max_infra_fraction {m.get('max_infra_fraction')}).</p>"
+            + (f"<table><tr><th>flagged</th><th>masked / rollouts</th><th>rest of run's rate</th><th>binomial tail</th>"
+               f"</tr>{flags}</table>" if flags else "<p>No prompt or policy version flagged.</p>")
+            + (f"<table><tr><th>most masked prompts</th><th>masked / rollouts</th><th></th></tr>{top}</table>"
+               if top else ""))
+    return '<h2 id="masking_flags">Masking: flagged prompts and versions</h2>' + "".join(parts)
+
 
 
 def _first(run: Run, key: str) -> float:
@@ -98,7 +135,8 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
                   f"<ul>{''.join(traces)}</ul>") if traces else ""
     page = (f"<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>gapless report: {names}</title>"
             f"<style>{STYLE}</style></head><body><h1>gapless report: {names}</h1>"
-            f"<h2>Summary</h2>{_summary_table(runs)}{''.join(sections)}{trace_note}</body></html>")
+            f"<h2>Summary</h2>{_summary_table(runs)}{''.join(sections)}{masking_section(runs)}{trace_note}"
+            "</body></html>")
     path = out / "report.html"
     path.write_text(page)
     return path

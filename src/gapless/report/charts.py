@@ -163,6 +163,11 @@ def status_chart(runs: list[Run]) -> Figure:
     return fig
 
 
+def masking_chart(runs: list[Run]) -> Figure:
+    return _two_panels(runs, (("rollout/infra_frac", "step", "masked share of the step's rollouts"),
+                              ("rollout/infra_frac_run", "step", "masked share of the run so far")))
+
+
 @dataclass(frozen=True)
 class Chart:
     slug: str  # the PNG's file name
@@ -184,4 +189,7 @@ CHARTS = [
     Chart("length", "Response length", "Mean completion length and the fraction cut at max_new_tokens.", length_chart),
     Chart("sandbox_latency", "Sandbox latency", "Sandbox run time and queue wait per step (ms).", sandbox_latency_chart),
     Chart("sandbox_status", "Rollout statuses", "Rollouts by status over the whole run.", status_chart),
+    Chart("masking", "Masked rollouts", "Share of rollouts that came back infra_error (masked from GRPO) per step and "
+          "over the run; the prompts and policy versions flagged as masked far above the run's rate are listed below.",
+          masking_chart),
 ]

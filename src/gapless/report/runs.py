@@ -1,7 +1,8 @@
 """Read a run directory into plain series for the report; every file is optional.
 
 A run directory may hold `metrics.jsonl` (one object per logged step, written by
-`metrics.JsonlSink`), `summary.json`, `config.json` and `timeline/*.jsonl` (`timeline.py`).
+`metrics.JsonlSink`), `summary.json`, `config.json`, `masking.json` (`orchestrate/masking.py`) and
+`timeline/*.jsonl` (`timeline.py`).
 Whatever is missing or empty reads as empty, so a chart can say "no data" instead of failing;
 only a directory that does not exist is an error (`RunNotFound`). Works for any run that writes
 these files, whichever loop (synchronous or pipelined) produced it.
@@ -29,6 +30,7 @@ class Run:
     summary: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     spans: list[dict[str, Any]] = field(default_factory=list)
+    masking: dict[str, Any] = field(default_factory=dict)  # masking.json (orchestrate/masking.py)
 
     def series(self, key: str) -> tuple[list[float], list[float], list[float]]:
         """(steps, wall seconds since the first record, values) of every record that has `key`."""
@@ -76,7 +78,7 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     if not path.is_dir():
         raise RunNotFound(f"run directory {str(path)!r} does not exist")
     return Run(name or path.name, path, _jsonl(path / "metrics.jsonl"), _json(path / "summary.json"),
-               _json(path / "config.json"), read_records(path))
+               _json(path / "config.json"), read_records(path), _json(path / "masking.json"))
 
 
 def load_runs(paths: list[str | Path]) -> list[Run]:

@@ -12,7 +12,7 @@ from gapless.sandbox.job import Judged
 from gapless.sandbox.limits import SandboxLimits
 from gapless.sandbox.reduced import ReducedSandbox, open_sandbox
 from gapless.sandbox.result import SandboxError, SandboxResult, Status
-from gapless.sandbox.session import SandboxSession, SessionResult
+from gapless.sandbox.session import SandboxSession, SessionResult, SnapshotFailed
 
 __all__ = [
     "BwrapSandbox",
@@ -23,6 +23,7 @@ __all__ = [
     "SandboxResult",
     "SandboxSession",
     "SessionResult",
+    "SnapshotFailed",
     "Status",
     "open_sandbox",
 ]

@@ -5,21 +5,23 @@ reduced mode) and talks to it over a unix socket. Process tree of one slot, all 
 
     waiter   bwrap's pid 1; unshares a pid namespace, forks the server into it, waits for it
      `- server   pid 1 of that namespace; keeps CAP_SYS_ADMIN of the slot's innermost user
-         |       namespace (nothing of the host's); never runs job code; serves jobs one at a
-         |       time: unshares a pid namespace, forks init into it, `setns` back to its own
-         `- init  pid 1 of the job's pid namespace; unshares mount and IPC namespaces, mounts
-             |    /proc, a tmpfs with size AND inode caps
-             |    at /tmp (also seen at /dev/shm), a read-only tmpfs at /work/job holding the
-             |    job's files; reaps; when the program exits, reports its status and exits, and
-             |    the kernel kills whatever is left of the job's namespace
-             |- program  closes every other fd, sets rlimits, drops every capability, checks
-             |           that none is left, installs the syscall filter, compiles main, writes
-             |           its start marker, runs main (a judged job: the judge, not dumpable)
-             `- candidate   judged jobs only (envs/code/environment.py): forked before init writes the job's
-                            files, so its memory never held the tests; pid 1 of its own pid
-                            namespace, its own session, its own mount namespace with a fresh
-                            /proc and an empty mount over the private directory; then a program
-                            like the judge, whose fd 3 is the channel to it (fd 5 of the judge)
+         |       namespace (nothing of the host's); never runs job code; mounts the slot's
+         |       devpts (capped), forks the forker, says ready, waits for the forker
+         `- forker   serves jobs one at a time: unshares a pid namespace, forks init into it,
+             |       `setns` back to its own; oom_score_adj 1000, a floor the host sets
+             `- init  pid 1 of the job's pid namespace; unshares mount and IPC namespaces, mounts
+                 |    /proc, a tmpfs with size AND inode caps
+                 |    at /tmp (also seen at /dev/shm), a read-only tmpfs at /work/job holding the
+                 |    job's files; reaps; when the program exits, reports its status and exits, and
+                 |    the kernel kills whatever is left of the job's namespace
+                 |- program  closes every other fd, sets rlimits, drops every capability, checks
+                 |           that none is left, installs the syscall filter, compiles main, writes
+                 |           its start marker, runs main (a judged job: the judge, not dumpable)
+                 `- candidate   judged jobs only (envs/code/environment.py): forked before init writes the job's
+                                files, so its memory never held the tests; pid 1 of its own pid
+                                namespace, its own session, its own mount namespace with a fresh
+                                /proc and an empty mount over the private directory; then a program
+                                like the judge, whose fd 3 is the channel to it (fd 5 of the judge)
 
 Channels, per job (the host makes them; the server only passes them on):
 - a memfd with the job's files, read by init after the fork, so the long-lived server never
@@ -62,6 +64,7 @@ FD_STDIN, FD_STDOUT, FD_STDERR, FD_REPORT, FD_STATUS = 0, 1, 2, 3, 4
 FD_CANDIDATE = 5  # a judged job's judge: its channel to the candidate's process
 EXIT_INFRA = 70  # init or the program's start-up failed before main ran: the sandbox's fault
 CANDIDATE_GRACE_S = 1.0  # for a judged job's candidate to end after its judge (then it is killed)
+MAX_PTYS = 8  # pseudo terminals of a slot at once (its jobs run one at a time)
 EXIT_CANDIDATE_GONE = 75  # the judge's exit when its candidate's channel closed (envs/code/sandbox_scripts/judge.py)
 _libc = ctypes.CDLL(None, use_errno=True)
 _FILTER = None  # the program's syscall filter (bytes), from the server's spec
@@ -113,6 +116,10 @@ def serve(spec):
     if spec["isolate"]:
         _check(_libc.unshare(CLONE_NEWNS), "unshare mount namespace")  # one that we own
         _mount(None, "/", None, MS_REC | MS_PRIVATE)
+        # The slot's own devpts instance (bwrap's /dev/ptmx links into it), capped: the kernel
+        # counts every pty of the host against one kernel.pty.max.
+        _mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+               f"newinstance,ptmxmode=0666,mode=0620,max={MAX_PTYS}")
         if spec.get("session"):
             _mount_tmpfs("/work/session", spec["session"], mode="0700")
         for name in spec.get("preimport", ()):
@@ -122,25 +129,87 @@ def serve(spec):
     else:  # orphans of a job killed at its deadline come to us, not to the host's pid 1
         _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "subreaper")
     gc.freeze()  # jobs forked from here never scan (so never copy) the server's objects
+    note = _JobNote()
+    forker = os.fork()
+    if forker == 0:
+        try:
+            _serve_jobs(spec, control, own_pid_namespace, note)
+        finally:
+            os._exit(0)
     control.send(_line({"ready": os.getpid()}))
+    _, wait_status = os.waitpid(forker, 0)
+    if os.WIFSIGNALED(wait_status):  # the OOM killer chose it (the job's own memory pressure)
+        _finish_for_dead_forker(control, note)
+
+
+class _JobNote:
+    """What the forker is doing, in memory it shares with the server: the sequence number of
+    the job in flight (0: none) and its init's pid (0: not forked yet)."""
+
+    def __init__(self):
+        import mmap
+
+        self._memory = mmap.mmap(-1, 16)  # anonymous and shared: the fork keeps one copy
+
+    def write(self, seq, pid):
+        self._memory[:16] = seq.to_bytes(8, "little") + pid.to_bytes(8, "little")
+
+    def read(self):
+        raw = self._memory[:16]
+        return int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:], "little")
+
+
+def _serve_jobs(spec, control, own_pid_namespace, note):
+    """The forker: answer job requests on the control socket until EOF or max_jobs. It is the
+    parent of every job's init; the host sets its oom_score_adj to 1000, which also becomes
+    the floor of every process it forks (an unprivileged process may lower its own only down
+    to that floor), so inside the slot's memory cgroup a job's process is always the OOM
+    killer's choice before the server. The forker itself may be chosen: the server then
+    finishes the job in flight and exits (`_finish_for_dead_forker`)."""
+    if not spec["isolate"]:
+        _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "subreaper")
     for job_index in range(spec["max_jobs"]):
         request, fds = _receive(control)
         if request is None:
             break
+        note.write(request["seq"], 0)
         if job_index == 0 and spec["isolate"]:  # the host has moved us into the slot's cgroup by
             _check(_libc.unshare(CLONE_NEWCGROUP), "unshare the cgroup namespace")  # now: its root
         try:
             pid = _fork_job(request, fds, spec, control, own_pid_namespace)
         except OSError as error:
             control.send(_line({"done": request["seq"], "error": str(error)}))
+            note.write(0, 0)
             continue
         finally:
             for fd in fds:
                 os.close(fd)
+        note.write(request["seq"], pid)
         _, wait_status = os.waitpid(pid, 0)
         if not spec["isolate"]:
             _reap_orphans()
         control.send(_line({"done": request["seq"], "wait_status": wait_status}))
+        note.write(0, 0)
+
+
+def _finish_for_dead_forker(control, note):
+    """The forker was killed: its job's init is now our child. Wait for the job to end (its
+    deadline bounds that), answer for it, and ask the host for a fresh server: a forker we
+    made now would have no oom_score_adj floor."""
+    seq, pid = note.read()
+    wait_status = None
+    while True:
+        try:
+            ended, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        if ended == pid:
+            wait_status = status
+    if seq:
+        fields = {"done": seq, "wait_status": wait_status, "restart": True}
+        if wait_status is None:
+            fields["error"] = "the slot's forker was killed before its job started"
+        control.send(_line(fields))
 
 
 def _reap_orphans(timeout_s=2.0):
@@ -229,7 +298,7 @@ def _run_init(request, fds, spec):
             _mount("/tmp", "/dev/shm", None, MS_BIND)
             _mount_tmpfs("/work/job", request["job"], mode="0755")
         with open("/proc/self/oom_score_adj", "w") as adj:
-            adj.write("1000")  # under memory pressure the kernel kills the job, not the server
+            adj.write("1000")  # as the forker's (the floor needs the host: root only)
         if request.get("candidate"):  # forked before the files exist: its memory never saw them
             candidate = _start_candidate(request, fds, spec)
         _write_files(files, request["job_dir"])
@@ -446,7 +515,11 @@ def _become_program(request, path):
     os.chdir(request["cwd"])
     _signal.signal(_signal.SIGINT, _signal.default_int_handler)  # as in a plain `python`
     for name, (soft, hard) in request["rlimits"].items():
-        resource.setrlimit(getattr(resource, name), (soft, hard))
+        kind = getattr(resource, name)
+        ceiling = resource.getrlimit(kind)[1]  # never raise: that needs a capability
+        if ceiling != resource.RLIM_INFINITY:
+            soft, hard = min(soft, ceiling), min(hard, ceiling)
+        resource.setrlimit(kind, (soft, hard))
     _drop_capabilities()  # (`random` reseeds itself from os.urandom after every fork)
     _install_filter()
     with open(path, "rb") as source_file:

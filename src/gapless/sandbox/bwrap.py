@@ -2,8 +2,8 @@
 
 `BwrapSandbox.run_python(files, main)` runs `/work/job/<main>` over read-only `files`, with cwd
 /tmp, under `SandboxLimits`, and returns a `SandboxResult`. It is thread-safe, never raises for
-anything the program does, retries an infrastructure failure once on another slot and reports
-`Status.INFRA_ERROR` if that fails too (`check()` raises instead). `arun_python` is the same for
+anything the program does, retries an infrastructure failure (or an unexplained death, KILLED)
+once on another slot and reports that second result: `Status.INFRA_ERROR` if it fails too (`check()` raises instead). `arun_python` is the same for
 coroutines, spawning on the pool's threads. `warm=True` (the default) forks each job from a
 pre-started server in the slot; `warm=False` starts bwrap and a fresh interpreter per job. Both
 run the same code inside the sandbox (boot.py) and give the same guarantees, except as listed.
@@ -44,14 +44,21 @@ sandbox's own processes or fake its results. Each defence, outermost first:
   AF_INET6 only (no AF_VSOCK past the network namespace). Each job joins a fresh session
   keyring, and the server makes its cgroup namespace after joining the slot's cgroup, so
   /proc/self/cgroup shows `/`, not the host's path.
+- Kernel-wide resources (seccomp.py's audit; docs/sandbox.md): no legacy AIO, no
+  memfd_secret, no page-cache residency calls; the slot's own devpts with a pty cap; TCP/UDP
+  buffers charged to the run (v1: a socket limit of their own); RLIMIT_MEMLOCK, RTPRIO, NICE
+  0; on v1 the jobs run in a memory cgroup below the server's, so the OOM killer of their
+  limit cannot choose the server, and the page cache they were first to read is evicted after
+  each job (no cache-timing channel between consecutive jobs).
 - Output: stdout and stderr capped at `max_output_bytes`, the report fd at 1 MiB, the rest
   drained. The environment is cleared; stdin is /dev/null.
 - Results: fd 3 (report) is a pipe only the host reads. A judged job (`judged=`, envs/code/environment.py)
   runs the candidate in a process of its own (pid, mount namespace and session of its own,
   the private files covered) that talks to the judge in plain values only, so the candidate
-  never holds the tests, the report or the comparison. INFRA_ERROR needs the start line on the
-  status pipe, which the program cannot write, or, for a judged job, a SIGKILL from outside
-  that no limit explains (result.py).
+  never holds the tests, the report or the comparison. INFRA_ERROR needs host-side evidence
+  the program cannot produce (the start line missing from the status pipe, which the program
+  cannot write; a failure of the pool's own); a death no limit explains is the program's
+  KILLED, run once more on a fresh slot (result.py, docs/sandbox.md "Who is blamed").
 
 Warm path vs cold path, precisely. A warm job is forked from a server that imported a fixed list
 of standard modules (worker.PREIMPORT), so: (1) `str` hashes use one seed for all jobs of a
@@ -69,7 +76,8 @@ NOT guaranteed:
   and a kernel bug there escapes. Namespaces, no capabilities, NoNewPrivs and the filter are
   the wall.
 - /proc shows host-wide facts (cpuinfo, meminfo, uptime, loadavg), not other processes.
-- Timing side channels and CPU contention between runs; CPU is accounted, not shared fairly.
+- Timing side channels and CPU contention between concurrent runs (the page cache of /usr
+  among them: about 25 kbit/s); CPU is accounted, not shared fairly.
 - Without root: no slot uid and no cgroup, so memory is per process only and leftovers are
   contained by the pid namespace alone (logged at start).
 - Files written but not closed by the program are not flushed at its exit (os._exit), unlike

@@ -11,6 +11,14 @@ remove the directory of any uid whose flock it can take: its owner has died.
 Only root may create these; elsewhere `CgroupRoot.detect` returns None and a note that says why,
 and limits fall back to per-process rlimits.
 
+The server is out of the OOM killer's reach of its jobs (v1): the slot's memory cgroup holds
+the server and one child, `jobs`, with the run's memory limit, holding the server's forker and
+so every job (boot.py); the slot's own limit is the jobs' plus `SERVER_MEMORY_MB`. A job's
+memory pressure hits the child's limit first, where the OOM killer chooses among the forker
+and the job's processes only; the counters read the child's OOM kills. v2 keeps one directory
+per slot (its "no processes in inner nodes" rule would need a child for the server too): there
+the server is protected by oom_score_adj alone (worker.py, launch.set_oom_floor).
+
 Why no freezer: every process the kill targets lives in a pid namespace whose init is among the
 targets (a job's init, or the slot's server), and the kernel kills a namespace as a whole when
 its init dies, so a fork racing the scan cannot survive. Moving a task between v1 cgroups costs
@@ -29,10 +37,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gapless.sandbox.limits import MIB, SERVER_MEMORY_MB, SOCKET_MEMORY_MB
+
 PARENT_NAME = "gapless-sandbox"
 WAIT_S = 2.0
 POLL_S = 0.002
 V1_REQUIRED, V1_OPTIONAL = ("pids", "memory"), ("cpuacct",)
+SOCKET_BYTES = SOCKET_MEMORY_MB * MIB
+SERVER_MEMORY_BYTES = SERVER_MEMORY_MB * MIB  # v1: the slot's limit over its jobs' limit
+JOB_MEMORY_NAME = "jobs"
 
 
 @dataclass(frozen=True)
@@ -50,23 +63,30 @@ class SlotCgroup:
     def __init__(self, dirs: dict[str, Path], version: int) -> None:
         self.dirs = dirs  # controller -> directory; v2: every controller -> the same one
         self.version = version
+        # v1: the jobs' memory cgroup, a child of the slot's, holding the forker and every job
+        # (boot.py): the OOM killer of its limit can only choose among them, never the server.
+        self.job_memory = dirs["memory"] / JOB_MEMORY_NAME if version == 1 else None
         self._procs_file = str(dirs["pids"] / "cgroup.procs")
         self._pids_events_file = str(dirs["pids"] / "pids.events")
-        if version == 1:
-            self._oom_file = str(dirs["memory"] / "memory.oom_control")
+        if self.job_memory is not None:
+            self._oom_file = str(self.job_memory / "memory.oom_control")
             cpuacct = dirs.get("cpuacct")
             self._cpu_file = str(cpuacct / "cpuacct.usage") if cpuacct else None
         else:
             self._oom_file = str(dirs["memory"] / "memory.events")
             self._cpu_file = str(dirs["memory"] / "cpu.stat")
 
-    def set_limits(self, max_tasks: int, memory_bytes: int) -> None:
-        if self.version == 1:
+    def set_limits(self, max_tasks: int, memory_bytes: int, socket_bytes: int = SOCKET_BYTES) -> None:
+        """`socket_bytes`: TCP/UDP buffers, which v1 charges only under a limit of their own
+        (without one they take the host-wide net.ipv4.tcp_mem/udp_mem); v2 charges them to
+        memory.max with the rest."""
+        if self.version == 1 and self.job_memory is not None:
             _write(self.dirs["pids"] / "pids.max", max_tasks)
-            memory = self.dirs["memory"]
-            _write(memory / "memory.limit_in_bytes", memory_bytes)
-            if (memory / "memory.memsw.limit_in_bytes").exists():  # swap may not hide a bomb
-                _write(memory / "memory.memsw.limit_in_bytes", memory_bytes)
+            slot_bytes = memory_bytes + SERVER_MEMORY_BYTES
+            for memory, limit in ((self.dirs["memory"], slot_bytes), (self.job_memory, memory_bytes)):
+                _write_v1_memory_limit(memory, limit)
+            if (self.job_memory / "memory.kmem.tcp.limit_in_bytes").exists():
+                _write(self.job_memory / "memory.kmem.tcp.limit_in_bytes", socket_bytes)
         else:
             _write(self.dirs["pids"] / "pids.max", max_tasks)
             _write(self.dirs["memory"] / "memory.max", memory_bytes)
@@ -76,7 +96,7 @@ class SlotCgroup:
     def ensure(self) -> bool:
         """Make the directories if they are missing; True if any was."""
         made = False
-        for directory in set(self.dirs.values()):
+        for directory in self._all_dirs():
             if not directory.is_dir():
                 directory.mkdir(parents=True, exist_ok=True)
                 made = True
@@ -86,6 +106,30 @@ class SlotCgroup:
         """Move `pid` into every controller of the slot (its later children follow it)."""
         for directory in set(self.dirs.values()):
             _write(directory / "cgroup.procs", pid)
+
+    def attach_forker(self, pid: int) -> None:
+        """Move the slot's forker (boot.py) in: as `attach`, but into the jobs' memory cgroup
+        (v1), so that every job it forks is there too. Once per server start: a move costs."""
+        for name, directory in self.dirs.items():
+            if name == "memory" and self.job_memory is not None:
+                directory = self.job_memory
+            _write(directory / "cgroup.procs", pid)
+
+    def drop_page_cache(self) -> None:
+        """Evict the page cache charged to the jobs' memory cgroup (v1): the pages of the shared
+        read-only files that a job was the first to read, so the next job cannot time a read
+        to learn which (a channel between consecutive jobs). Pages still mapped by a process
+        stay; the server's and the host's pages are charged elsewhere and stay warm."""
+        if self.job_memory is not None:
+            try:
+                _write(self.job_memory / "memory.force_empty", 0)
+            except OSError:  # the cgroup was removed meanwhile, or the kernel refused
+                pass
+
+    def _all_dirs(self) -> list[Path]:
+        """Every directory of the slot, parents before children."""
+        dirs = sorted(set(self.dirs.values()))
+        return dirs + ([self.job_memory] if self.job_memory is not None else [])
 
     def pids(self) -> set[int]:
         """Processes of the slot (the pids hierarchy's view: every process is attached to all
@@ -132,7 +176,7 @@ class SlotCgroup:
         """Kill what is left and remove the directories; False if one could not be removed."""
         self.kill_all()
         removed = True
-        for directory in set(self.dirs.values()):
+        for directory in reversed(self._all_dirs()):
             try:
                 directory.rmdir()
             except FileNotFoundError:
@@ -193,9 +237,8 @@ class CgroupRoot:
     def slot(self, uid: int) -> SlotCgroup:
         """Create (or reuse, emptied) the cgroup of slot `uid`."""
         dirs = {name: parent / f"uid-{uid}" for name, parent in self.parents.items()}
-        for directory in set(dirs.values()):
-            directory.mkdir(exist_ok=True)
         cgroup = SlotCgroup(dirs, self.version)
+        cgroup.ensure()
         cgroup.kill_all()
         return cgroup
 
@@ -215,6 +258,19 @@ class CgroupRoot:
                 parent.rmdir()
             except OSError:
                 pass
+
+
+def _write_v1_memory_limit(memory: Path, limit: int) -> None:
+    """memory.limit_in_bytes and, where swap is accounted, the same memsw limit (swap may not
+    hide a bomb). The kernel keeps memsw >= memory at every write: raise memsw first, lower it
+    last."""
+    names = ["memory.limit_in_bytes"]
+    if (memory / "memory.memsw.limit_in_bytes").exists():
+        names.append("memory.memsw.limit_in_bytes")
+        if limit > int(_read(str(memory / "memory.limit_in_bytes"))):
+            names.reverse()
+    for name in names:
+        _write(memory / name, limit)
 
 
 def _write(path: Path, value: object) -> None:

@@ -27,6 +27,7 @@ BOOT_SOURCE = Path(__file__).with_name("boot.py").read_text(encoding="utf-8")
 SETPRIV = shutil.which("setpriv")
 JOB_DIR_INSIDE = "/work/job"
 SESSION_DIR_INSIDE = "/work/session"
+OOM_SCORE_ADJ_MAX = 1000
 
 
 def _root_link_args() -> list[str]:
@@ -97,6 +98,14 @@ def spawn_server(
         errors.close()
         raise
     return process, errors
+
+
+def set_oom_floor(pid: int) -> None:
+    """oom_score_adj 1000 for `pid` (the slot's forker, boot.py), written by the host: a write
+    by a process with CAP_SYS_RESOURCE also sets the floor below which the process and every
+    process it forks later may not lower their own. Needs root."""
+    with open(f"/proc/{pid}/oom_score_adj", "w") as adj:
+        adj.write(str(OOM_SCORE_ADJ_MAX))
 
 
 def read_tail(errors: object, limit: int = 2000) -> str:

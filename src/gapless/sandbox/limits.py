@@ -8,6 +8,10 @@ limits of the slot's cgroup (cgroups.py), which bind the run as a whole.
 Guaranteed: every limit is validated on construction (a bad value raises `ValueError` naming
 the field), and soft == hard for every rlimit except CPU, so the program cannot raise them.
 
+Also set, with no field (the kernel-wide resources of seccomp.py's audit): RLIMIT_MEMLOCK 0,
+RLIMIT_RTPRIO 0, RLIMIT_NICE 0, RLIMIT_MSGQUEUE `MSGQUEUE_BYTES`; and on a cgroup v1 host the
+run's TCP/UDP buffers are capped at `SOCKET_MEMORY_MB` (v2 counts them in the memory limit).
+
 NOT guaranteed: without a cgroup (not root, or no pids/memory hierarchy) `memory_mb` binds each
 process alone, so a run may hold up to `max_processes * memory_mb`; with one, the run as a whole
 is held to `cgroup_memory_bytes`, which also counts its tmpfs pages.
@@ -20,6 +24,8 @@ from dataclasses import dataclass
 
 MIB = 1 << 20
 SERVER_MEMORY_MB = 64  # the slot's own processes (server, init) and page cache, per run
+SOCKET_MEMORY_MB = 64  # TCP/UDP buffers of a run (cgroup v1 counts them apart from memory)
+MSGQUEUE_BYTES = 819200  # POSIX message queues of the slot uid: the kernel's own default
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,13 @@ class SandboxLimits:
         (SIGKILL by the kernel, status memory_limit)."""
         return (self.memory_mb + self.tmp_size_mb + SERVER_MEMORY_MB) * MIB
 
+    @property
+    def cgroup_socket_bytes(self) -> int:
+        """TCP/UDP buffer memory of the run as a whole, where the cgroup counts it apart from
+        `cgroup_memory_bytes` (v1); past it the run's sockets are under memory pressure (sends
+        wait), instead of taking the host's net.ipv4.tcp_mem."""
+        return SOCKET_MEMORY_MB * MIB
+
     def cgroup_tasks(self, slot_tasks: int) -> int:
         """pids.max of the slot: the program's tasks plus the slot's own `slot_tasks`."""
         return self.max_processes + slot_tasks
@@ -115,4 +128,9 @@ class SandboxLimits:
             "RLIMIT_NOFILE": (self.max_open_files, self.max_open_files),
             "RLIMIT_NPROC": (nproc, nproc),
             "RLIMIT_CORE": (0, 0),
+            # Set here, never inherited from the host (seccomp.py's audit says why each):
+            "RLIMIT_MEMLOCK": (0, 0),
+            "RLIMIT_MSGQUEUE": (MSGQUEUE_BYTES, MSGQUEUE_BYTES),
+            "RLIMIT_RTPRIO": (0, 0),
+            "RLIMIT_NICE": (0, 0),
         }

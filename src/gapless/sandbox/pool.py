@@ -8,8 +8,14 @@ running server (worker.py). Slots are prepared on first use and kept until `clos
       --admission (max_concurrency: a burst queues here instead of inflating every run's latency)
       --> lowest free slot not excluded --> settle: is its previous run gone? (else restart its
           server, or quarantine a slot that cannot be emptied and take the next)
-      --> worker.run --> release --> infra_error? once more on another slot, then report it
-          (never scored: envs/code/environment.py)
+      --> worker.run --> release --> infra_error or killed? once more on another slot, and
+          that result stands (infra_error is never scored: envs/code/environment.py)
+
+Attribution (result.py, docs/sandbox.md): the pool's own infra_error verdicts are failures it
+observed before the job was sent (no slot, no cgroup, no server, bwrap missing, a send that
+failed); a run that started is classified by `classify` alone. A `killed` run (a death no limit
+and no act of the host explains) is run again on a fresh slot, since a host-wide kill and the
+program's own look alike: one that does not recur was the host's, one that does is the program's.
 
 Guaranteed: at most `max_concurrency` runs at once; a job starts in a slot only after the check
 that nothing of the slot's previous run is left (a warm slot's server is restarted otherwise,
@@ -44,6 +50,7 @@ LAUNCHER_THREADS = 2
 SETTLE_TRIES = 3
 UID_SWEEP_SPAN = 4096  # slot uids checked for leftovers of a crashed service at start
 WINDOW = 8192  # recent runs kept for latency percentiles
+_RETRIED = (Status.INFRA_ERROR, Status.KILLED)  # once more on another slot: is it the slot or the job?
 
 
 @dataclass
@@ -75,7 +82,7 @@ class SlotPool:
         # --die-with-parent is a parent-death signal, which the kernel sends when the *thread*
         # that forked it exits (measured: a caller's short-lived pool killed every warm server).
         self._launcher = ThreadPoolExecutor(LAUNCHER_THREADS, thread_name_prefix="sandbox-launch")
-        self._counts = {"runs": 0, "infra_errors": 0, "infra_retries": 0, "slot_restarts": 0}
+        self._counts = {"runs": 0, "infra_errors": 0, "infra_retries": 0, "killed_retries": 0, "slot_restarts": 0}
         self._queue_s: deque[float] = deque(maxlen=WINDOW)
         self._run_s: deque[float] = deque(maxlen=WINDOW)
         self._closed = False
@@ -98,8 +105,8 @@ class SlotPool:
                 raise RuntimeError("the sandbox pool is closed")
             queue_s = time.monotonic() - submitted_s
             result = self._attempt(job, limits, exclude=frozenset())
-            if result.status is Status.INFRA_ERROR:
-                self._count("infra_retries")
+            if result.status in _RETRIED:  # the second result stands, whatever it is (result.py)
+                self._count("infra_retries" if result.status is Status.INFRA_ERROR else "killed_retries")
                 failed = frozenset({result.slot}) if result.slot is not None else frozenset()
                 result = self._attempt(job, limits, exclude=failed)
                 result.attempts = 2
@@ -331,11 +338,12 @@ def _to_result(output: RunOutput, path: str) -> SandboxResult:
     status, limit, exit_code, signum = classify(output.seen)
     stderr = output.seen.stderr.decode("utf-8", errors="replace")
     if status is Status.INFRA_ERROR and not stderr.strip():
-        stderr = (
-            "the sandbox did not start the program before the deadline"
-            if output.seen.is_deadline_hit
-            else "the run's init ended without a report and no limit explains it"
-        )
+        if output.seen.has_started:  # a judged job's judge: its candidate's start-up failed
+            stderr = "the candidate's process ended in its start-up, before any code of the completion ran"
+        elif output.seen.is_deadline_hit:
+            stderr = "the sandbox did not start the program before the deadline"
+        else:
+            stderr = "the sandbox ended before the program started, without a report"
     return SandboxResult(
         status=status,
         exit_code=exit_code,

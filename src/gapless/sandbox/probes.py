@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import tempfile
@@ -48,6 +49,9 @@ class Probe:
     limits: SandboxLimits = QUICK
     check: Callable[[str], bool] = field(default=lambda stdout: True)  # on its stdout
     needs_cgroup: bool = False  # only a run-wide limit (the slot's cgroup) can stop it
+    then: str = ""  # a second program, run right after: `check` reads its output instead
+    setup: Callable[[], None] | None = None  # on the host, before the program
+    keeps_server: bool = False  # warm path: the slot's server must serve the next job itself
     # a harness probe: scored by a caller above the sandbox (envs/code/probes.py), (status, stdout)
     runner: Callable[[BwrapSandbox, Probe], tuple[str, str]] | None = None
 
@@ -58,14 +62,56 @@ class Probe:
 
 def _probe(name: str, code: str, *expect: str, limits: SandboxLimits = QUICK,
            check: Callable[[str], bool] = lambda stdout: True, uses_bait: bool = False,
-           uses_syscalls: bool = False, needs_cgroup: bool = False) -> Probe:  # fmt: skip
+           uses_syscalls: bool = False, needs_cgroup: bool = False, then: str = "",
+           setup: Callable[[], None] | None = None, keeps_server: bool = False) -> Probe:  # fmt: skip
     code = (BAIT if uses_bait else "") + (SYSCALLS if uses_syscalls else "") + textwrap.dedent(code)
-    return Probe(name, code, frozenset(expect), limits, check, needs_cgroup=needs_cgroup)
+    return Probe(name, code, frozenset(expect), limits, check, needs_cgroup=needs_cgroup,
+                 then=textwrap.dedent(then), setup=setup, keeps_server=keeps_server)  # fmt: skip
 
 
 def all_failed(stdout: str) -> bool:
     """Each line of the probe's output is `<target>: <outcome>`; none may say `REACHED`."""
     return bool(stdout.strip()) and "REACHED" not in stdout
+
+
+CACHE_LIST = """
+import os, random
+FILES = []
+for directory, _, names in os.walk("/usr/share"):
+    for name in names:
+        path = os.path.join(directory, name)
+        if not os.path.islink(path) and os.path.isfile(path) and os.path.getsize(path) >= 8192:
+            FILES.append(path)
+FILES.sort()
+FILES = random.Random(51).sample(FILES, min(256, len(FILES)))
+"""  # the page-cache probe's files of the shared /usr: the same list on the host and inside
+CACHE_BITS = random.Random(52).choices((0, 1), k=256)  # what the first job sends
+
+
+def _evict_cache_files() -> None:
+    """Make the probe's files cold (the host may: it is root or owns the page cache it read)."""
+    namespace: dict[str, list[str]] = {}
+    exec(CACHE_LIST, namespace)
+    for path in namespace["FILES"]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _cache_channel_closed(stdout: str) -> bool:
+    """The second job's read times, one per file: the best threshold between fast (warm) and
+    slow (cold) must not decode the first job's bits much better than a coin (256 bits)."""
+    try:
+        times = [float(value) for value in stdout.split()]
+    except ValueError:
+        return False
+    bits = CACHE_BITS[: len(times)]
+    if len(times) < 64:
+        return False
+    best = max(sum((t <= cut) == bool(bit) for t, bit in zip(times, bits)) for cut in times)
+    return best / len(times) < 0.7
 
 
 SYSCALLS = ("import ctypes; libc = ctypes.CDLL(None, use_errno=True)\n"
@@ -273,6 +319,140 @@ PROBES: tuple[Probe, ...] = (
             text = cgroups.read()
         print("REACHED" if "gapless-sandbox" in text or ".slice" in text else "hidden", text.count("\\n"))
     """, "ok", check=all_failed),
+    _probe("legacy AIO contexts", """
+        context = ctypes.c_ulong(0)
+        result = libc.syscall(nr["io_setup"], 65536, ctypes.byref(context))  # fs.aio-max-nr: host-wide
+        print("io_setup", "REACHED" if result >= 0 else ctypes.get_errno())
+    """, "ok", check=all_failed, uses_syscalls=True),
+    _probe("pseudo terminals past the slot's cap", """
+        import pty
+        terminals = []
+        try:
+            for _ in range(200):
+                terminals.append(pty.openpty())
+        except OSError as error:
+            print("stopped", error.errno)
+        print("ptys", len(terminals), "REACHED" if len(terminals) > 8 else "capped")
+    """, "ok", check=lambda stdout: all_failed(stdout) and "stopped" in stdout),
+    _probe("TCP buffers past the memory limit", """
+        import socket, time
+        queued, sockets, deadline = 0, [], time.monotonic() + 3
+        while time.monotonic() < deadline and len(sockets) < 150:
+            listener = socket.create_server(("127.0.0.1", 0))
+            sender = socket.create_connection(listener.getsockname())
+            receiver = listener.accept()[0]
+            sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 26)
+            receiver.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 26)
+            sender.setblocking(False)
+            while time.monotonic() < deadline:
+                try:
+                    queued += sender.send(b"x" * 65536)
+                except BlockingIOError:
+                    break
+            sockets += [listener, sender, receiver]
+        # the run's memory cgroup is 256 MiB; its sockets may hold at most 64 MiB of it again
+        print("queued MiB", queued >> 20, "REACHED" if queued > 128 << 20 else "capped")
+    """, "ok", check=all_failed, limits=SandboxLimits(timeout_s=6.0, memory_mb=128), needs_cgroup=True),
+    _probe("unix socket queues past the memory limit", """
+        import socket
+        queued, pairs = 0, []
+        for _ in range(100):
+            sender, receiver = socket.socketpair()
+            sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 26)
+            sender.setblocking(False)
+            while True:
+                try:
+                    queued += sender.send(b"x" * 65536)
+                except BlockingIOError:
+                    break
+            pairs.append((sender, receiver))
+        print("queued MiB", queued >> 20, "REACHED" if queued > 256 << 20 else "capped")
+    """, "ok", "memory_limit", check=lambda stdout: "REACHED" not in stdout,
+           limits=SandboxLimits(timeout_s=6.0, memory_mb=128), needs_cgroup=True),
+    _probe("slot server under the job's memory pressure", """
+        import os, time
+        for target in ("/proc/self/oom_score_adj", "/proc/1/oom_score_adj"):
+            try:  # lowered, as far as the kernel lets it (to the floor)
+                open(target, "w").write("0")
+            except OSError:
+                pass
+        for i in range(4):  # the tmpfs's pages count in the memory cgroup, and in nobody's RSS
+            open(f"fill{i}", "wb").write(b"x" * (15 << 20))
+        children = []
+        for _ in range(40):
+            pid = os.fork()
+            if pid == 0:
+                block = bytearray(16 << 20)
+                time.sleep(2)
+                os._exit(0)
+            children.append(pid)
+        for pid in children:
+            os.waitpid(pid, 0)
+        print("the whole bomb fitted: REACHED")
+    """, "memory_limit", limits=SandboxLimits(timeout_s=4.0, memory_mb=256, max_processes=64),
+           needs_cgroup=True, keeps_server=True),
+    _probe("page-cache residency calls", """
+        import mmap, os
+        fd = os.open("/usr/bin/python3", os.O_RDONLY)
+        view = mmap.mmap(fd, 4096, flags=mmap.MAP_PRIVATE)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        buffer = ctypes.create_string_buffer(4096)
+        vector = (ctypes.c_void_p * 2)(ctypes.addressof(buffer), 4096)
+        for name, args in (("mincore", (ctypes.c_void_p(address), 4096, buffer)),
+                           ("cachestat", (fd, buffer, buffer, 0)),
+                           ("preadv2", (fd, vector, 1, 0, 0, 8))):  # RWF_NOWAIT
+            result = libc.syscall(nr[name], *args)
+            print(name, "REACHED" if result >= 0 else ctypes.get_errno())
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # answered 0, and ignored
+        view.madvise(21)  # MADV_PAGEOUT
+        print("advice accepted")
+    """, "ok", check=lambda stdout: all_failed(stdout) and "advice accepted" in stdout,
+           uses_syscalls=True),
+    _probe("page cache between consecutive jobs", CACHE_LIST + f"BITS = {CACHE_BITS!r}\n" + textwrap.dedent("""
+        for path, bit in zip(FILES, BITS):  # a cold file read is a 1, left cold a 0
+            if bit:
+                with open(path, "rb") as handle:
+                    handle.read(4096)
+        print("sent", len(FILES))
+    """), "ok", then=CACHE_LIST + textwrap.dedent("""
+        import time
+        times = []
+        for path in FILES:
+            with open(path, "rb") as handle:
+                start = time.perf_counter()
+                handle.read(4096)
+                times.append(time.perf_counter() - start)
+        print(*times)
+    """), check=_cache_channel_closed, setup=_evict_cache_files, needs_cgroup=True),
+    _probe("lower the program's own limits", """
+        import resource
+        for name in ("RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_NOFILE"):
+            kind = getattr(resource, name)
+            soft, hard = resource.getrlimit(kind)  # reading them stays allowed
+            try:
+                resource.setrlimit(kind, (min(soft, 1), min(hard, 1)) if name != "RLIMIT_NOFILE" else (16, 16))
+                print(name, "REACHED")
+            except (OSError, ValueError) as error:
+                print(name, type(error).__name__)
+    """, "ok", check=all_failed),
+    _probe("mlock, memfd_secret, real-time priority", """
+        import os
+        buffer = ctypes.create_string_buffer(4096)
+        print("mlock", "REACHED" if libc.mlock(buffer, 4096) == 0 else ctypes.get_errno())
+        print("memfd_secret", "REACHED" if libc.syscall(nr["memfd_secret"], 0) >= 0 else ctypes.get_errno())
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+            print("SCHED_FIFO REACHED")
+        except OSError as error:
+            print("SCHED_FIFO", error.errno)
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, -5)
+            print("nice -5 REACHED")
+        except OSError as error:
+            print("nice -5", error.errno)
+        os.sync()  # answered at once, flushing nothing
+        print("sync returned")
+    """, "ok", check=lambda stdout: all_failed(stdout) and "sync returned" in stdout, uses_syscalls=True),
 )
 
 
@@ -361,6 +541,9 @@ def run_probe(sandbox: BwrapSandbox, probe: Probe) -> ProbeOutcome:
         start_s = time.monotonic()
         if probe.is_harness and sandbox.mode == "reduced":  # code tasks refuse to start there
             return ProbeOutcome(probe.name, sandbox.path, REFUSED, True, True, "", 0.0)
+        restarts = sandbox.metrics()["sandbox/slot_restarts_total"]
+        if probe.setup is not None:
+            probe.setup()
         if probe.is_harness:
             status, stdout = probe.runner(sandbox, probe)
         else:
@@ -368,12 +551,26 @@ def run_probe(sandbox: BwrapSandbox, probe: Probe) -> ProbeOutcome:
             result = sandbox.run_python(files, "main.py", limits=probe.limits)
             status, stdout = result.status.value, result.stdout
         wall_s = time.monotonic() - start_s
+        if probe.then:
+            stdout = sandbox.run_python({"main.py": probe.then}, "main.py", limits=probe.limits).stdout
         dirty = bait.reached() + sandbox.leftovers()
+        if probe.keeps_server:
+            dirty += _server_lost(sandbox, restarts)
     is_expected = status in probe.expect and probe.check(stdout)
     detail = "" if is_expected else f"got {status}, output {stdout[-300:]!r}"
     if dirty:
         detail = "; ".join(filter(None, [detail, *dirty]))
     return ProbeOutcome(probe.name, sandbox.path, status, is_expected, not dirty, detail, wall_s)
+
+
+def _server_lost(sandbox: BwrapSandbox, restarts_before: float) -> list[str]:
+    """After a probe that must not reach the slot's server: the next job runs, and on the warm
+    path on the same server (no slot restart since the probe began)."""
+    after = sandbox.run_python({"main.py": "print('next')\n"}, "main.py", limits=QUICK)
+    lost = [] if after.stdout == "next\n" else [f"the next job ended {after.status.value}"]
+    if sandbox.path == "warm" and sandbox.metrics()["sandbox/slot_restarts_total"] != restarts_before:
+        lost.append("the slot's server was restarted")
+    return lost
 
 
 KEYCTL_REVOKE, KEYCTL_READ, KEY_SPEC_SESSION_KEYRING = 3, 11, -3

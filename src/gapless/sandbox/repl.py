@@ -3,21 +3,23 @@
 It is shipped into the sandbox as a job file and runs as the (unprivileged) program, in the
 session's cwd /work/session, which keeps its files for the session's lifetime. Requests come on
 stdin: an 8-byte little-endian length, then a marshal dict from the host (trusted). Replies go to
-fd 3, framed the same way, as JSON: the host treats them as untrusted data. The model's code runs
-in this very process (that is the point of a session), so it can break the protocol; it can
-only ever spoil its own session's answers.
+fd 3, framed the same way: a JSON header `{"ok", "error"}`, and for a snapshot
+`"snapshot_bytes": N` then a raw frame of the N archive bytes (frames.py has the grammar; the
+host treats every byte as untrusted). The model's code runs in this very process (that is the
+point of a session), so it can break the protocol; it can only ever spoil its own session's
+answers.
 
 Operations: run (exec code in the namespace), snapshot (a tar.gz of /work/session under
 `files/` plus the pickle of what pickles of the namespace as the member `namespace.pickle`, made
-in memory, base64), restore (replace /work/session with a snapshot's files, then load its
-namespace). The namespace's pickle never touches the session's file system: the model cannot
+in memory), restore (replace /work/session with a snapshot's files, then load its
+namespace). A request whose handling raises (a snapshot the archive cannot hold, a forged
+archive) is answered with an error; the process goes on. The namespace's pickle never touches the session's file system: the model cannot
 read or rewrite it between calls, and a new live process (after a crash) starts with an empty
 namespace, so "the variables are lost" is exactly true. A namespace that pickled but does not
 unpickle (a value whose `__reduce__` fails on load) fails the restore with an error after the
 files are back; the namespace is then empty. Importing this module does nothing.
 """
 
-import base64
 import io
 import json
 import marshal
@@ -36,6 +38,7 @@ EXTRACT_AS_IS = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_f
 
 
 def _handle(request, namespace):
+    """The JSON header of the reply, or (header, archive) for a snapshot."""
     op = request["op"]
     if op == "run":
         try:
@@ -47,7 +50,7 @@ def _handle(request, namespace):
             return {"ok": False, "error": f"{type(error).__name__}: {error}"[:2000]}
         return {"ok": True}
     if op == "snapshot":
-        return {"ok": True, "snapshot": base64.b64encode(_snapshot(namespace)).decode()}
+        return {"ok": True}, _snapshot(namespace)
     if op == "restore":
         return _restore(request["snapshot"], namespace)
     return {"ok": False, "error": f"unknown op {op!r}"}
@@ -112,10 +115,19 @@ def main():
         if len(header) < 8:
             return
         request = marshal.loads(requests.read(int.from_bytes(header, "little")))
-        reply = json.dumps(_handle(request, namespace)).encode()
+        try:
+            answer = _handle(request, namespace)
+        except Exception as error:  # noqa: BLE001 -- e.g. a snapshot the archive cannot hold, a forged archive
+            answer = {"ok": False, "error": f"{type(error).__name__}: {error}"[:2000]}
+        head, blob = answer if isinstance(answer, tuple) else (answer, None)
+        if blob is not None:
+            head["snapshot_bytes"] = len(blob)
         sys.stdout.flush()
         sys.stderr.flush()
-        replies.write(len(reply).to_bytes(8, "little") + reply)
+        for frame in (json.dumps(head).encode(), blob):
+            if frame is not None:  # length and body apart: the archive is never copied
+                replies.write(len(frame).to_bytes(8, "little"))
+                replies.write(frame)
         replies.flush()
 
 

@@ -1,14 +1,24 @@
 """Outcome of one sandboxed run: the status set, the result record and how it is classified.
 
 `classify` is a pure function from what the host observed (`Observation`) to a `Status` and the
-limit that was hit. Its main invariant: `INFRA_ERROR` is returned only when the program provably
-never started (its start-up line on the status pipe is missing, or init reported a start-up
-failure), or when the run's init vanished without a report and no limit explains it. For a judged
-job (envs/code/environment.py), also when its judge or its candidate's process died of a SIGKILL that no
-limit explains: neither can send one to itself or to the other (`_is_killed_from_outside`). The
-status pipe is written only by code that runs before the program's first line (boot.py), so a
-program cannot make its own failure look like an infrastructure fault, nor its crash look like
-success.
+limit that was hit. Its main invariant, the attribution rule (docs/sandbox.md has the table):
+`INFRA_ERROR` rests only on evidence the program cannot produce. Here that is: the program's
+start-up line is missing from the status pipe (written by trusted start-up code before the
+program's first line, boot.py; a judged job's candidate runs none of its own code before the
+judge's start-up line is written, envs/code/sandbox_scripts/candidate.py), or init reported a start-up failure
+before that line, or a judged job's judge (trusted code) says its candidate's process died in
+its trusted start-up (`EXIT_CANDIDATE_NOT_STARTED`, envs/code/sandbox_scripts/judge.py). The pool adds the
+failures it observes itself: no slot, no server, a job it could not send (pool.py). Nothing the
+program can produce after its first line (its exit status, its signals, its own or init's
+limits, its output, init dying of what it did) yields `INFRA_ERROR`.
+
+A death that neither a limit nor the host explains is `KILLED`, a status of the program's own:
+init vanishing without its final report after the program started (the program can lower init's
+limits, or starve it of memory), or a judged job's judge or candidate dying of a SIGKILL that no
+limit explains (the candidate can lower its own hard RLIMIT_CPU and be killed by the kernel). A
+host-wide cause (the kernel's global OOM killer, an operator) looks the same from here, so the
+pool runs a `KILLED` job once more on a fresh slot and keeps that second result: an outage that
+does not recur is scored by the run that was not hit, one that recurs is the program's doing.
 
 Evidence, strongest first: the wall deadline (host clock), unless the run had already hit a
 limit the clock only followed (an OOM kill, its output cap, its process limit: a busy machine
@@ -19,6 +29,8 @@ init; the slot cgroup's counters (an OOM kill, a refused fork); which tmpfs reso
 NOT guaranteed, and why (documented heuristics, each in favour of blaming the program):
 - Without a cgroup there is no OOM counter, so a SIGKILL we did not send reads as MEMORY_LIMIT.
 - A SIGKILL with the run's CPU time at RLIMIT_CPU reads as the CPU limit (its hard stop).
+- A plain (not judged) program's unexplained SIGKILL is NONZERO_EXIT: it can signal itself.
+- An outage that hits the same job on two slots in a row is scored as the program's `KILLED`.
 - The stderr heuristics read the last line (e.g. `BlockingIOError: [Errno 11] ...` from a
   refused fork); a program that prints such a line itself gets that status.
 - HARNESS_INCOMPLETE is the caller's verdict (e.g. envs/code/environment.py): the sandbox cannot know how
@@ -36,6 +48,7 @@ from gapless.errors import InfrastructureError
 
 
 EXIT_CANDIDATE_GONE = 75  # a judge's exit when its candidate's process is gone (boot.py, envs/code/sandbox_scripts/judge.py)
+EXIT_CANDIDATE_NOT_STARTED = 76  # a judge's exit when its candidate died in trusted start-up (envs/code/sandbox_scripts/judge.py)
 
 
 class Status(str, Enum):
@@ -51,6 +64,7 @@ class Status(str, Enum):
     INODE_LIMIT = "inode_limit"  # tmpfs out of inodes (too many files)
     OUTPUT_LIMIT = "output_limit"  # stdout, stderr or the report exceeded its cap (truncated)
     HARNESS_INCOMPLETE = "harness_incomplete"  # the program exited before reporting every test
+    KILLED = "killed"  # died in a way no limit and no act of the host explains, on a fresh slot too
     INFRA_ERROR = "infra_error"  # the sandbox failed; retried once on another slot, never scored
 
 
@@ -116,7 +130,7 @@ def classify(seen: Observation) -> Verdict:
     """(status, limit, exit_code, signal) for one run; precedence follows the code below."""
     if seen.compile_error is not None:
         return Status.COMPILE_ERROR, None, 1, None
-    if not seen.has_started:
+    if not seen.has_started:  # no untrusted code has run: the sandbox's own failure
         return Status.INFRA_ERROR, None, None, None
     if seen.oom_kills:  # the kernel killed for memory: the cause, even if the clock ran out
         return Status.MEMORY_LIMIT, "memory", None, int(signal.SIGKILL)
@@ -126,12 +140,15 @@ def classify(seen: Observation) -> Verdict:
         if seen.pids_max_hits or _PROCESS_LINE.search(seen.stderr.decode("utf-8", errors="replace")):
             return Status.PROCESS_LIMIT, "processes", None, int(signal.SIGKILL)  # a fork bomb still forking
         return Status.TIMEOUT, "wall", None, int(signal.SIGKILL)
-    if seen.returncode is None:  # init died without reporting: only the kernel could do that
-        return Status.INFRA_ERROR, None, None, None
-    if seen.is_judged and _is_killed_from_outside(seen):
-        return Status.INFRA_ERROR, None, None, int(signal.SIGKILL)
-    if seen.is_judged and seen.returncode == EXIT_CANDIDATE_GONE and seen.candidate_returncode is not None:
-        seen = replace(seen, returncode=seen.candidate_returncode)  # its end explains the run's
+    if seen.returncode is None:  # init died after the program started: it shares init's limits and memory
+        return Status.KILLED, None, None, None
+    if seen.is_judged:
+        if seen.returncode == EXIT_CANDIDATE_NOT_STARTED:  # the judge's word: trusted start-up failed
+            return Status.INFRA_ERROR, None, None, None
+        if seen.returncode == EXIT_CANDIDATE_GONE and seen.candidate_returncode is not None:
+            seen = replace(seen, returncode=seen.candidate_returncode, cpu_s=seen.candidate_cpu_s)  # its end is the run's
+        if _is_unexplained_kill(seen):
+            return Status.KILLED, None, None, int(signal.SIGKILL)
     exit_code, signum = (None, -seen.returncode) if seen.returncode < 0 else (seen.returncode, None)
     if signum is not None:
         status, limit = _status_from_signal(signum, seen)
@@ -144,19 +161,15 @@ def classify(seen: Observation) -> Verdict:
     return status, limit, exit_code, None
 
 
-def _is_killed_from_outside(seen: Observation) -> bool:
-    """A judged job's judge or candidate died of a SIGKILL that no limit explains. Neither can
-    have sent it: the candidate is pid 1 of its own pid namespace and session (its own
-    processes cannot kill it, and it cannot see the judge) and the judge runs trusted code; the
-    host sends one only at the deadline. Needs the slot's cgroup: without its OOM counter, a
-    SIGKILL reads as the memory limit (module docstring)."""
-    if seen.oom_kills != 0:  # None (no cgroup) or a kill for memory
+def _is_unexplained_kill(seen: Observation) -> bool:
+    """A judged job ended by a SIGKILL (of the judge, or of the candidate whose end ended the
+    judge) that neither the memory cgroup nor the CPU limit explains. The candidate can bring
+    one on itself (a lowered hard RLIMIT_CPU), so this is `KILLED`, never INFRA_ERROR; the
+    pool's second run on a fresh slot tells a host-wide kill from the candidate's own. Needs
+    the slot's cgroup: without its OOM counter, a SIGKILL reads as the memory limit."""
+    if seen.oom_kills != 0 or seen.returncode != -signal.SIGKILL:  # None: no cgroup
         return False
-    for code, cpu_s in ((seen.returncode, seen.cpu_s), (seen.candidate_returncode, seen.candidate_cpu_s)):
-        is_cpu_limit = cpu_s is not None and seen.cpu_limit_s and cpu_s >= seen.cpu_limit_s
-        if code == -signal.SIGKILL and not is_cpu_limit:
-            return True
-    return False
+    return not (seen.cpu_s is not None and seen.cpu_limit_s and seen.cpu_s >= seen.cpu_limit_s)
 
 
 def _status_from_signal(signum: int, seen: Observation) -> tuple[Status, str | None]:

@@ -15,7 +15,9 @@ Who waits for whom (one job, all in the calling thread):
           job's pid namespace is gone), then check that the slot holds nothing but the server
 
 Guaranteed: every wait is bounded by the job's deadline plus fixed graces; `run` raises only
-`SlotFailure`, and only when the job cannot have started (the caller turns it into infra_error).
+`SlotFailure`, and only when the job cannot have started (the caller turns it into infra_error);
+`observe` reads "not started" only from the status pipe's first line, which the program cannot
+write (result.py has the attribution rule).
 NOT guaranteed: the clean check cannot see a process that escaped both the cgroup and the pid
 namespace; none can without a kernel bug.
 """
@@ -46,8 +48,8 @@ PREIMPORT = (
     "json", "re", "math", "collections", "itertools", "functools", "heapq", "bisect", "string",
     "random", "typing", "dataclasses", "copy", "operator", "fractions", "decimal", "statistics",
 )  # fmt: skip
-CGROUP_SLOT_TASKS = 2  # tasks in the slot cgroup besides the program's: the server, init
-NPROC_SLOT_TASKS = 3  # tasks of the slot uid in its user namespace: also bwrap's pid 1
+CGROUP_SLOT_TASKS = 3  # tasks in the slot cgroup besides the program's: server, forker, init
+NPROC_SLOT_TASKS = 4  # tasks of the slot uid in its user namespace: also bwrap's pid 1
 SYSCALL_FILTER = filter_program()  # seccomp.py: the same bytes for every server of this host
 MAX_JOBS_PER_SERVER = 1000  # then a fresh server: fresh hash seed, no slow memory creep
 REPORT_CAP_BYTES = 1 << 20
@@ -145,16 +147,22 @@ class SlotWorker:
             servers = [pid for waiter in waiters for pid in procs.child_pids(waiter)]
         else:
             waiters, servers = [], [self._process.pid]
-        self._infra = frozenset({self._process.pid, *waiters, *servers})
-        if self.cgroup is not None:
-            try:
+        forkers = [pid for server in servers for pid in procs.child_pids(server)]  # boot.py
+        self._infra = frozenset({self._process.pid, *waiters, *servers, *forkers})
+        try:
+            if self.cgroup is not None:
                 if self.cgroup.ensure():
                     self._cgroup_limits = None  # made afresh: its limits are the defaults
                 for pid in servers:  # nothing forks before the first job: no race
                     self.cgroup.attach(pid)
-            except OSError as error:
-                self.stop()
-                raise SlotFailure(f"could not move the sandbox into its cgroup: {error}")
+                for pid in forkers:  # the jobs' memory cgroup, out of the server's
+                    self.cgroup.attach_forker(pid)
+            if self.uid is not None and (self.cgroup is None or self.cgroup.job_memory is None):
+                for pid in forkers:  # no jobs' memory cgroup to keep the server out of reach
+                    launch.set_oom_floor(pid)
+        except OSError as error:
+            self.stop()
+            raise SlotFailure(f"could not confine the sandbox (cgroup, OOM floor): {error}")
 
     def run(self, job: Job, limits: SandboxLimits, start_s: float) -> RunOutput:
         """Run `job` to its end or to `start_s + limits.timeout_s`, whichever comes first.
@@ -180,6 +188,8 @@ class SlotWorker:
         wall_s = time.monotonic() - start_s
         seen = self.observe(pipes, named, is_deadline_hit=not is_complete, limits=limits,
                             is_judged=job.judged is not None)  # fmt: skip
+        if self.cgroup is not None:  # before the caller sees the result (cgroups.py)
+            self.cgroup.drop_page_cache()
         return RunOutput(seen, bytes(named["stdout"].data), bytes(named["report"].data), wall_s)
 
     def settle(self) -> bool:
@@ -190,6 +200,8 @@ class SlotWorker:
             if self.await_done() is None:
                 return False
             _remove(self._scratch)
+            if self.cgroup is not None:  # what the job's processes still mapped at its end
+                self.cgroup.drop_page_cache()
         return self.is_running and self.is_clean()
 
     def submit(self, job: Job, limits: SandboxLimits, *, with_stdin: bool = False
@@ -248,6 +260,8 @@ class SlotWorker:
         if message is None or message.get("done") != self._seq or "error" in message:
             self.stop()
             return None
+        if message.get("restart"):  # its forker was killed (boot.py): answered, then gone
+            self.stop()
         return message.get("wait_status")
 
     def is_clean(self) -> bool:
@@ -259,9 +273,12 @@ class SlotWorker:
     def observe(self, pipes: JobPipes, sinks: dict[str, CappedSink], *, is_deadline_hit: bool,
                 limits: SandboxLimits, is_judged: bool = False) -> Observation:  # fmt: skip
         lines = _status_lines(bytes(sinks["status"].data))
+        # Only the first line can say "not started": it is written before the program's first
+        # line runs. An "infra" line after it is init failing while the program ran, which the
+        # program may have caused (its limits, its memory): no final line, so `classify` says KILLED.
         start = lines[0] if lines else {}
         final = next((line for line in lines[1:] if "exit" in line), None)
-        infra = next((line["infra"] for line in lines if "infra" in line), None)
+        infra = start.get("infra")
         after = self.cgroup.counters() if self.cgroup is not None else None
         before = pipes.before
         cpu_s = final.get("cpu_s") if final else None
@@ -271,7 +288,7 @@ class SlotWorker:
         if infra is not None or not start:
             stderr = (infra or "").encode() or stderr
         return Observation(
-            has_started=start.get("started") is True and infra is None,
+            has_started=start.get("started") is True,
             returncode=final["exit"] if final else None,
             is_deadline_hit=is_deadline_hit,
             stderr=stderr,

@@ -15,7 +15,11 @@ max_tokens, seed, ...) are accepted and ignored, so the trained tokens follow th
 `n` must be 1 and `stream` false (a 400 otherwise).
 
 Guaranteed: one call per channel is open at a time (a second, concurrent call is a 409); a closed
-channel answers 410 and fails the call it holds; `close()` stops the server. Not guaranteed:
+channel answers 410 and fails the call it holds; `close()` stops the server. Every text crosses
+as valid Unicode (`unicode_text`): a lone surrogate in a sampled reply or in an agent's message
+(JSON may escape one) is replaced by '?', so neither the reply's encoding (a 500) nor the
+tokenizer (which refuses one) can fail on the model's bytes; a non-finite log-prob crosses as
+null (JSON has no NaN). Not guaranteed:
 transport security (it listens on 127.0.0.1 only; the key is a capability, not encryption).
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import queue
 import secrets
 import threading
@@ -75,9 +80,10 @@ class Channel:
 
     def answer(self, call: Call, text: str, token_ids: list[int], logprobs: list[float], versions: list[int],
                finish_reason: str, prompt_tokens: int) -> None:
+        logprobs = [x if math.isfinite(x) else None for x in logprobs]
         body = {"id": f"chatcmpl-{self.key[:12]}-{call.number}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": unicode_text(text)},
                              "finish_reason": "length" if finish_reason == "length" else "stop", "logprobs": None}],
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids),
                           "total_tokens": prompt_tokens + len(token_ids)},
@@ -160,15 +166,21 @@ class Gateway:
             return JSONResponse(_error_body("no such episode", "episode_unknown"), status_code=404)
         try:
             body = parse_body(ChatBody, json.loads(await request.body() or b"null"))
-        except json.JSONDecodeError as exc:
-            return JSONResponse(_error_body(f"the body is not JSON: {exc}", "invalid_json"), status_code=400)
+        except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested past the parser's depth
+            return JSONResponse(_error_body(f"the body is not JSON: {type(exc).__name__}: {str(exc)[:200]}", "invalid_json"),
+                                status_code=400)
         except ServeError as exc:
             return JSONResponse(_error_body(str(exc), exc.code or "invalid_request", exc.param), status_code=exc.status)
         if body.n != 1 or body.stream:
             return JSONResponse(_error_body("the training gateway answers one sample per call, without streaming "
                                             "(n = 1, stream = false)", "unsupported"), status_code=400)
-        status, payload = await channel.call([(m.role, m.text) for m in body.messages])
+        status, payload = await channel.call([(m.role, unicode_text(m.text)) for m in body.messages])
         return JSONResponse(payload, status_code=status)
+
+
+def unicode_text(text: str) -> str:
+    """`text` with each lone surrogate replaced by '?': what any UTF-8 client could have sent or received."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def _error_body(message: str, code: str, param: str | None = None) -> dict:

@@ -13,7 +13,11 @@ the tokenizer makes of its text). So the context of call k is built from call k-
 returned (whitespace at its ends aside) and then new messages; "what the template adds" is the
 rendering of call k less the rendering up to that reply's content, less the stop token the model
 already sampled (prompts.py's end-of-turn rule). A call that rewrites earlier messages is a
-`NotAnExtension` (the gateway answers 400): one episode trains one token sequence.
+`NotAnExtension` (the gateway answers 400): one episode trains one token sequence. A call the
+chat template or the tokenizer refuses (a template's own `raise_exception`, text a tokenizer
+cannot encode) is an `Unrenderable` (a 400 too), and leaves the transcript as it was: the
+messages carry the model's text, so their rendering must fail as a refusal, never as an
+exception out of the episode.
 
 Rendering follows the run's prompt format (prompts.py `PromptEncoder`): `chat` renders the
 tokenizer's chat template (no system prompt is added: the agent sends its own); `raw` concatenates
@@ -37,12 +41,27 @@ class NotAnExtension(ValueError):
     """A call's messages do not continue the episode's previous call and its reply."""
 
 
+class Unrenderable(NotAnExtension):
+    """The chat template or the tokenizer refused a call's messages."""
+
+
 def render(encoder: PromptEncoder, messages: Sequence[tuple[str, str]], generation_prompt: bool) -> str:
     """The text of `messages` ((role, content) pairs) in the run's prompt format."""
     if encoder.format == "raw":
         return "".join(content for _, content in messages)
     plain = [{"role": role, "content": content} for role, content in messages]
-    return encoder.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=generation_prompt)
+    try:
+        return encoder.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as exc:  # noqa: BLE001 -- a template may raise anything on content it did not expect
+        raise Unrenderable(f"the chat template refused these messages: {type(exc).__name__}: {str(exc)[:200]}") from None
+
+
+def encode(encoder: PromptEncoder, text: str) -> list[int]:
+    """`encoder.text(text)`; a text the tokenizer refuses is `Unrenderable`."""
+    try:
+        return encoder.text(text)
+    except Exception as exc:  # noqa: BLE001 -- tokenizers raise TypeError, ValueError or their own errors
+        raise Unrenderable(f"the tokenizer refused this text: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
 @dataclass
@@ -56,8 +75,9 @@ class Transcript:
 
     def first(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         """The context of the first call."""
+        ids = encode(self.encoder, render(self.encoder, messages, generation_prompt=True))
         self.messages = list(messages)
-        return self.encoder.text(render(self.encoder, self.messages, generation_prompt=True))
+        return ids
 
     def answered(self, text: str, ids: Sequence[int]) -> None:
         self.reply, self.reply_ids = text, list(ids)
@@ -86,5 +106,6 @@ class Transcript:
             stop_text = self.encoder.tokenizer.decode([self.reply_ids[-1]])
             if tail.startswith(stop_text):
                 tail = tail[len(stop_text):]  # sampled already: the model's own stop token
+        ids = encode(self.encoder, tail)
         self.messages, self.reply, self.reply_ids = messages, None, []
-        return tail, self.encoder.text(tail)
+        return tail, ids

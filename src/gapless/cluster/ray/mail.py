@@ -3,7 +3,8 @@ and heartbeats, all carried by one mailbox actor on the trainer's node.
 
     writer process                      PostOffice (async actor, trainer's node)        reader process
     put(item) ─> local list ─flusher─> put_many(box, [items]) ─> box ─> get_many(box) ─prefetch─> local queue ─> get()
-    beat(name) ─> counter ─pusher (0.2 s)─> beats{name: (count, host, pid)} <─poller (0.2 s)─ trainer: age_s(name)
+    beat(name) ─> counter ─pusher (0.2 s)─> beats{name: (count, host, pid, marks, what)} <─poller (0.2 s)─ trainer: age_s(name)
+    progress(name, what) ─> marks, what ─┘                                       progress_age_s(name), last_progress(name)
     trainer: stop.set() ─> stop = True ─> long poll ─> every actor: stop.is_set() (a local read)
 
 A multiprocessing queue, lock or shared array cannot be pickled into a Ray actor, and one Ray call
@@ -29,10 +30,12 @@ back-pressure (`put` raises queue.Full at its timeout); every Ray call is bounde
 `flush_writers` waits until what this process put has reached the mailbox (an actor calls it
 before its main function returns, so its last words arrive); an item the reader cannot unpickle
 (two nodes running different code) makes its `get` raise ChannelError, in order, and the items
-after it still arrive. Heartbeat ages are measured on the
-trainer's clock, from when it saw a beat change, so clocks of other machines do not matter; an age
-is up to ~0.5 s older than on the local placement (push and poll periods); time in which the
-mailbox answered no read (a stalled Ray, a starved trainer) is not counted as any actor's silence; `quiesce` (before
+after it still arrive; once the mailbox actor is dead (Ray's memory monitor, a lost node) every
+`get` raises MailboxLost with Ray's reason instead of waiting for items that cannot come.
+Heartbeat and progress ages are measured on the trainer's clock, from when it saw a beat or a
+progress mark change, so clocks of other machines do not matter; an age is up to ~0.5 s older than
+on the local placement (push and poll periods); time in which the mailbox answered no read (a
+stalled Ray, a starved trainer) is not counted as any actor's silence nor as its lack of progress; `quiesce` (before
 ray.shutdown) waits until no call of this process is inside ray.get. Not guaranteed: a pid
 for an actor on another host (`pid` returns 0 there, which the stall watch reads as "starting");
 delivery after the mailbox actor died (the run is then failing anyway).
@@ -54,7 +57,9 @@ from typing import Any
 
 import ray
 
-from gapless.cluster.watchdog import beating
+from gapless.errors import InfrastructureError
+from gapless.cluster.ray.deaths import death_reason
+from gapless.cluster.watchdog import Progress, beating
 
 CALL_TIMEOUT_S = 30.0  # the longest any one mailbox call may take (each long poll asks for much less)
 POLL_S = 0.5  # a long poll's wait for news, in the mailbox
@@ -72,7 +77,7 @@ class PostOffice:
         self.batches: dict[str, int] = {}  # box -> the sequence number of the last batch put
         self.changed: asyncio.Condition | None = None
         self.stop = False
-        self.beats: dict[str, tuple[int, str, int]] = {}
+        self.beats: dict[str, tuple] = {}  # actor -> (beats, host, pid, progress marks, what)
 
     def _cond(self) -> asyncio.Condition:
         if self.changed is None:
@@ -135,10 +140,10 @@ class PostOffice:
                 await asyncio.wait_for(cond.wait_for(lambda: self.stop), wait_s)
             return self.stop
 
-    async def beat(self, beats: dict[str, tuple[int, str, int]]) -> None:
+    async def beat(self, beats: dict[str, tuple]) -> None:
         self.beats.update(beats)
 
-    async def read_beats(self) -> dict[str, tuple[int, str, int]]:
+    async def read_beats(self) -> dict[str, tuple]:
         return dict(self.beats)
 
 
@@ -209,6 +214,17 @@ _writers: list["RayChannel"] = []  # channels this process wrote to (flush_write
 
 class ChannelError(RuntimeError):
     """An item reached this process but cannot be unpickled here (different code on two nodes)."""
+
+
+class MailboxLost(InfrastructureError):
+    """The run's mailbox actor died (its reason from Ray, cluster/ray/deaths.py): no channel delivers any more."""
+
+
+class _Lost:
+    """Left in the reader's queue once the mailbox is gone: every later `get` raises MailboxLost."""
+
+    def __init__(self, why: str):
+        self.why = why
 
 
 class _Undeliverable:
@@ -301,6 +317,9 @@ class RayChannel:
         item = self._received.get(block, timeout)
         if isinstance(item, _Undeliverable):
             raise ChannelError(item.why)
+        if isinstance(item, _Lost):
+            self._received.put(item)
+            raise MailboxLost(f"channel {self.box[:8]} cannot deliver: the run's mailbox {item.why}")
         return item
 
     def get_nowait(self) -> Any:
@@ -310,6 +329,9 @@ class RayChannel:
         while True:
             try:
                 items = _retried(lambda: self.office.get_many.remote(self.box, self._have, self.maxsize, POLL_S))
+            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as exc:
+                self._received.put(_Lost(death_reason(exc)))  # the reader hears why, instead of queue.Empty forever
+                return
             except BaseException:  # noqa: BLE001 - Ray raises SystemExit in threads after shutdown
                 return
             self._have += len(items)
@@ -374,8 +396,9 @@ class RayStopFlag:
 
 # ---- heartbeats -------------------------------------------------------------------------------
 class RayHeartbeats:
-    """watchdog.Heartbeats' interface. An actor's beats bump a local counter that a pusher thread
-    sends every PUSH_S when it changed; the trainer's poller records when it saw each change."""
+    """watchdog.Heartbeats' interface. An actor's beats bump a local counter, its progress marks
+    another (with what the last one was about), which a pusher thread sends every PUSH_S when they
+    changed; the trainer's poller records when it saw each change."""
 
     def __init__(self, office, actors: tuple[str, ...]):
         self.office, self.actors = office, tuple(actors)
@@ -392,13 +415,17 @@ class RayHeartbeats:
         self._lock = threading.Lock()
         self._count: dict[str, int] = {}
         self._own: dict[str, float] = {}  # beats of this process's actors, on its clock
+        self._marks: dict[str, tuple[int, str]] = {}  # progress of this process's actors: (marks, what)
+        self._own_progress: dict[str, float] = {}  # when each last progressed, on this process's clock
         self._seen: dict[str, tuple[tuple, float]] = {}  # actor -> (last record seen, when)
+        self._progress_seen: dict[str, tuple[int, str, float]] = {}  # actor -> (marks, what, when they changed)
         self._pids: dict[str, int] = {}
         self._before_start: dict[str, tuple] = {}
         self._threads: dict[str, threading.Thread] = {}
         now = time.monotonic()
         for actor in self.actors:
             self._seen[actor] = ((), now)
+            self._progress_seen[actor] = (0, "", now)
         self._read_at = now  # when the mailbox last answered a read of the beats
 
     def _thread(self, name: str, target) -> None:
@@ -416,10 +443,19 @@ class RayHeartbeats:
         self._own[actor] = time.monotonic()
         self._thread("beats-push", self._push)
 
+    def progress(self, actor: str, what: str) -> None:
+        """watchdog.Heartbeats.progress: a local record; the pusher sends the newest."""
+        self._marks[actor] = (self._marks.get(actor, (0, ""))[0] + 1, what)
+        self._own_progress[actor] = time.monotonic()
+        if "beats-push" not in self._threads:
+            self._thread("beats-push", self._push)
+
     def _push(self) -> None:
-        sent: dict[str, int] = {}
+        sent: dict[str, tuple] = {}
         while True:
-            changed = {a: (n, HOST, self._pids.get(a, os.getpid())) for a, n in list(self._count.items()) if sent.get(a) != n}
+            records = {a: (n, HOST, self._pids.get(a, os.getpid()), *self._marks.get(a, (0, "")))
+                       for a, n in list(self._count.items())}
+            changed = {a: record for a, record in records.items() if sent.get(a) != record}
             if changed:
                 try:
                     _call(lambda: self.office.beat.remote(changed), 5.0)
@@ -427,7 +463,7 @@ class RayHeartbeats:
                     continue  # the mailbox is slow, not gone: send the newest counts again
                 except BaseException:  # noqa: BLE001 - Ray raises SystemExit in threads after shutdown
                     return
-                sent.update({a: record[0] for a, record in changed.items()})
+                sent.update(changed)
             time.sleep(PUSH_S)
 
     def _read(self) -> None:
@@ -440,6 +476,12 @@ class RayHeartbeats:
                 self._seen[actor] = (beats[actor], now)
             elif blind_s > 0:  # a stall of the mailbox is no silence of the actors: it does not count
                 self._seen[actor] = (record, min(now, seen + blind_s))
+            marks, what, at = self._progress_seen[actor]
+            new_marks, new_what = _marks_of(self._seen[actor][0])
+            if new_marks != marks:
+                self._progress_seen[actor] = (new_marks, new_what, now)
+            elif blind_s > 0:  # nor is it their lack of progress
+                self._progress_seen[actor] = (marks, what, min(now, at + blind_s))
 
     def _poll(self) -> None:
         while True:
@@ -461,9 +503,10 @@ class RayHeartbeats:
     def starting(self, actor: str) -> None:
         """`actor` is being started now: its start-up allowance starts now, and its pid is unknown
         until it beats (the record seen so far belongs to no live process)."""
-        record = self._seen[actor][0]
+        record, now = self._seen[actor][0], time.monotonic()
         self._before_start[actor] = record
-        self._seen[actor] = (record, time.monotonic())
+        self._seen[actor] = (record, now)
+        self._progress_seen[actor] = (*self._progress_seen[actor][:2], now)
 
     def beating(self, actor: str, every_s: float = 0.2):
         return beating(lambda: self.beat(actor), actor, every_s)
@@ -481,5 +524,22 @@ class RayHeartbeats:
         record = self._seen[actor][0]
         if not record or record == self._before_start.get(actor):
             return 0
-        _, host, pid = record
+        host, pid = record[1], record[2]
         return pid if host == HOST else 0
+
+    def progress_age_s(self, actor: str) -> float:
+        self._watch()
+        last = max(self._progress_seen[actor][2], self._own_progress.get(actor, 0.0))
+        return time.monotonic() - last
+
+    def last_progress(self, actor: str) -> Progress:
+        self._watch()
+        marks, what, at = self._progress_seen[actor]
+        if self._own_progress.get(actor, 0.0) > at:  # an actor of this process
+            (marks, what), at = self._marks[actor], self._own_progress[actor]
+        return Progress(marks, time.monotonic() - at, what)
+
+
+def _marks_of(record: tuple) -> tuple[int, str]:
+    """(marks, what) of a heartbeat record (count, host, pid, marks, what); (0, "") before any."""
+    return (record[3], record[4]) if len(record) >= 5 else (0, "")

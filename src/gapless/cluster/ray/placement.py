@@ -21,7 +21,11 @@ the cluster has (a demand the cluster cannot hold at all fails at once); an acto
 way is reported by `exited` within a poll (its `run` call fails), one whose main function returned
 a second later (so that its last message, an ActorError, arrives first); `shutdown` kills every
 actor, removes the placement group and stops a private instance, also when the run fails before
-its actors start (atexit). Restarts are the pipeline's decision (every actor has
+its actors start (atexit). `exited` also reports the run's mailbox or weight board when it dies,
+and each death carries Ray's reason (`ActorExit.why`, cluster/ray/deaths.py): a kill by Ray's memory
+monitor names the node's memory figures and what to do. A private instance starts with Ray's memory
+monitor threshold at 0.98 of the node's memory unless the environment sets it (cluster/ray/deaths.py).
+Restarts are the pipeline's decision (every actor has
 max_restarts = 0): a replacement replica or environment actor takes the bundle its evicted
 predecessor held.
 The trainer's data-parallel ranks 1..W-1 hold bundles of their own after the environment's
@@ -49,14 +53,16 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from gapless.config import Config, usable_cores
 from gapless.cluster.names import env_name, rank_name, replica_name
 from gapless.cluster.placement import ActorExit, PlacementError
+from gapless.cluster.ray.deaths import MONITOR_ENV, death_reason
 from gapless.cluster.ray.mail import (PostOffice, RayChannel, RayHeartbeats, RayStopFlag, flush_writers, no_auto_init,
-                                         quiesce, reopen)
+                                      quiesce, reopen)
 from gapless.cluster.ray.weights import ObjectStoreSender, ObjectStoreWeights, WeightBoard
 
-if TYPE_CHECKING:  # ray_broadcast imports torch.distributed: loaded when a run asks for it
+if TYPE_CHECKING:  # cluster/ray/broadcast.py imports torch.distributed: loaded when a run asks for it
     from gapless.cluster.ray.broadcast import BroadcastSender, BroadcastWeights
 
 RETURNED_GRACE_S = 1.0  # an actor whose main returned is reported this long after (its last words first)
+SERVICE_WAIT_S = 10 * 365 * 86400.0  # the mailbox's and the weight board's watch calls: never answered while they live
 STRATEGY = "SPREAD"
 
 
@@ -98,6 +104,9 @@ class RayPlacement:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.office = PostOffice.options(scheduling_strategy=here).remote()
         self.board = WeightBoard.options(scheduling_strategy=here).remote()
+        # calls that end only when the run stops or their actor dies: `exited` reports the death
+        self.services = {"mailbox": self.office.wait_stop.remote(SERVICE_WAIT_S),
+                         "weight-board": self.board.newest.remote(2**62, SERVICE_WAIT_S)}
 
     # ---- connection ----------------------------------------------------------------------------
     def _demand(self) -> list[dict[str, float]]:
@@ -138,6 +147,9 @@ class RayPlacement:
         # started before it, whose workers inherit their raylet's environment, not the driver's
         if (ours := {k: v for k, v in os.environ.items() if k.startswith("GAPLESS_")}):
             options["runtime_env"] = {"env_vars": ours}
+        # the raylet reads its memory monitor's settings from the environment it starts with
+        monitor = {k: v for k, v in MONITOR_ENV.items() if self.private and not _monitor_set()}
+        os.environ.update(monitor)
         try:
             ray.init(**options)
             reopen()  # a new connection: mailbox calls may start again (after an earlier run's quiesce)
@@ -146,6 +158,9 @@ class RayPlacement:
             where = f"the Ray cluster at {self.cluster.address!r} (cluster.address)" if not self.private else \
                 "a private Ray instance"
             raise PlacementError(f"could not start or join {where}: {exc}") from exc
+        finally:
+            for key in monitor:
+                os.environ.pop(key, None)
 
     # ---- the Placement protocol ----------------------------------------------------------------
     def reserve(self, threads: dict[str, int]) -> str | None:
@@ -259,19 +274,24 @@ class RayPlacement:
         return RayRanks(self)
 
     def exited(self) -> list[ActorExit]:
-        if not self.runs:
+        """Placed actors that are gone, and the run's mailbox or weight board if one died (each
+        with Ray's reason: a kill by Ray's memory monitor names the node's memory figures)."""
+        refs = {**self.runs, **(self.services if not self._closed else {})}
+        if not refs:
             return []
-        done, _ = ray.wait(list(self.runs.values()), num_returns=len(self.runs), timeout=0)
+        done, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=0)
         done = set(done)
         gone, now = [], time.monotonic()
-        for name, ref in self.runs.items():
+        for name, ref in refs.items():
             if ref not in done:
                 continue
             try:
                 ray.get(ref, timeout=1.0)
-            except Exception:
-                gone.append(ActorExit(name, None))  # killed (ActorDiedError) or its node lost
+            except Exception as exc:  # noqa: BLE001 - killed (ActorDiedError, OutOfMemoryError) or its node lost
+                gone.append(ActorExit(name, None, death_reason(exc)))
                 continue
+            if name in self.services:
+                continue  # the stop flag was set: the run is ending
             since = self.returned.setdefault(name, now)
             if now - since >= RETURNED_GRACE_S:
                 gone.append(ActorExit(name, 0))
@@ -321,3 +341,8 @@ class RayPlacement:
         self.hosts, self.runs, self.rank_hosts = {}, {}, {}
         if self.temp_dir is not None:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _monitor_set() -> bool:
+    """The environment already chooses Ray's memory monitor settings (cluster/ray/deaths.py)."""
+    return any(key in os.environ for key in ("RAY_memory_usage_threshold", "RAY_memory_monitor_refresh_ms"))

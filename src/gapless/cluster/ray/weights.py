@@ -164,7 +164,7 @@ class ObjectStoreSender(StagedPublish):
 
 
 class RelayedWeights:
-    """What both Ray relays' replica handles share (ObjectStoreWeights, ray_broadcast.BroadcastWeights):
+    """What both Ray relays' replica handles share (ObjectStoreWeights, broadcast.BroadcastWeights):
     on the trainer, `publish` through the shared sender; pickled into a replica, two halves of
     the flat weights, one being filled by the subclass's `_receive` thread while the other is read
     (`fetch_into`, SharedWeights.fetch_into's contract). Subclasses set `sender`, `layout` and

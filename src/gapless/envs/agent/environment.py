@@ -22,12 +22,20 @@ Statuses (reward 1.0 only for 'ok'):
     call_limit     a call beyond `agent.max_calls`
     context_limit  a call whose context would pass `agent.max_context_tokens`
     infra_error    the agent could not start or exited before its first call: a broken agent
-                   or a missing package, never the policy's doing; a step where every episode
-                   ends so raises (check_infra) instead of training on zeros
-A call that rewrites earlier messages is refused (400, `context_not_extended`); the episode goes
-on if the agent makes a valid call or exits. The agent runs as the run's user, outside the
-sandbox, in its own process group (killed with it at the episode's end): it is the user's code,
-trusted like the config; the model's text reaches it only as data.
+                   or a missing package, never the policy's doing (an agent runs per episode, and
+                   the model's text reaches it only in the answers to its calls, so none has
+                   reached it yet); a step where every episode ends so raises (check_infra)
+                   instead of training on zeros
+A call that rewrites earlier messages is refused (400, `context_not_extended`), one whose
+messages the chat template or the tokenizer refuses likewise (400, `unrenderable`); the episode
+goes on if the agent makes a valid call or exits. The model's text crosses the gateway as valid
+Unicode both ways (serve/gateway.py), so no byte of it makes a call fail with a 500 or the
+episode raise.
+The agent runs as the run's user, outside the sandbox, in its own process group (killed with it
+at the episode's end): it is the user's code, trusted like the config; the model's text reaches
+it only as data. An agent that executes that text outside a sandbox, or shares state between
+episodes, voids the attribution above (the model's code could then end another episode's agent
+before its first call).
 Not guaranteed: that an agent is deterministic (the reference loop and the pipeline give the
 same episodes only if the agent's calls depend on nothing but the replies).
 """
@@ -51,8 +59,8 @@ from gapless.envs.episode import Episode
 from gapless.envs.math.environment import ProceduralMathEnvironment
 from gapless.envs.math.problems import MathTask, generate_math_problems
 from gapless.envs.turns import run_waves
-from gapless.serve.gateway import Call, Channel, Exited, Gateway
-from gapless.serve.transcript import NotAnExtension, Transcript
+from gapless.serve.gateway import Call, Channel, Exited, Gateway, unicode_text
+from gapless.serve.transcript import NotAnExtension, Transcript, Unrenderable
 from gapless.types import Completion, Rollout, SamplingParams
 
 OUTPUT_TAIL = 4096  # characters of an agent's stdout / stderr kept in a rollout's info
@@ -140,9 +148,10 @@ class AgentEnvironment:
         """Answer the agent's waiting call with this turn; wait for its next call or its end."""
         agent: _Agent = episode.session
         episode.add_model_turn(completion)
-        agent.transcript.answered(completion.text, completion.token_ids)
+        text = unicode_text(completion.text)  # what the agent receives, so what its next call must echo
+        agent.transcript.answered(text, completion.token_ids)
         call, agent.pending = agent.pending, None
-        agent.channel.answer(call, completion.text, list(completion.token_ids), list(completion.logprobs),
+        agent.channel.answer(call, text, list(completion.token_ids), list(completion.logprobs),
                              list(completion.versions), completion.finish_reason, len(episode.context) - len(completion.token_ids))
         self._await_call(episode)
 
@@ -156,8 +165,12 @@ class AgentEnvironment:
                 return self._exited(episode, event.returncode)
             messages = event.messages
             if not agent.called:
+                try:
+                    ids = agent.transcript.first(messages)
+                except Unrenderable as exc:  # the agent's own first messages: it may try again or exit
+                    agent.channel.refuse(event, str(exc), "unrenderable")
+                    continue
                 agent.called = True
-                ids = agent.transcript.first(messages)
                 if len(ids) + self.max_new_tokens > self.max_context:
                     agent.channel.refuse(event, f"the first call's {len(ids)} tokens leave no room for a reply within "
                                                 f"agent.max_context_tokens ({self.max_context})", "context_length_exceeded")
@@ -170,6 +183,9 @@ class AgentEnvironment:
                 return self._end(episode, "call_limit")
             try:
                 text, ids = agent.transcript.extend(messages)
+            except Unrenderable as exc:  # the messages may hold the model's text: a refusal, never a raise
+                agent.channel.refuse(event, str(exc), "unrenderable")
+                continue
             except NotAnExtension as exc:
                 agent.channel.refuse(event, f"{exc}: the gateway trains one token sequence per episode",
                                      "context_not_extended")

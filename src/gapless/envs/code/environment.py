@@ -27,14 +27,18 @@ reward = fraction of tests passed (`reward="pass_fraction"`) or 1/0 for all/not 
                         exception at import, exit(0) at import, os._exit(0))
     malformed_report    the report held a line the host could not parse within its bounds
     timeout, memory_limit, process_limit, disk_limit, inode_limit, output_limit: that limit
-    infra_error         the sandbox failed (after its own retry on another slot), or the judge
-                        or the candidate's process was killed from outside (no limit explains it)
+    killed              the judge or the candidate's process died in a way no limit and no act
+                        of the host explains, on two slots in a row (e.g. it lowered its own
+                        hard CPU limit): reward 0, never masked
+    infra_error         the sandbox failed before any code of the completion ran (after its own
+                        retry on another slot); only host-side evidence says so (sandbox/result.py)
 What a completion can do to its reward: only answer the calls. Patching builtins, forging
 `__eq__`, walking frames or gc, writing fd 3 (in its process, the channel to the judge), exiting,
 signalling, reading files or /proc: none reaches the tests, the comparison or the report
 (tests/unit/test_sandbox_integrity.py has each attempt and the status it gets).
 Model output is untrusted: it only ever becomes a reward and a status; `parse_report` never
-raises. `infra_error` rollouts are excluded from group statistics by the advantage function
+raises; nothing the completion does (exit, signals, limits, output) makes a rollout
+`infra_error` (docs/sandbox.md, "Who is blamed"). `infra_error` rollouts are excluded from group statistics by the advantage function
 (never scored 0), and `check_infra` raises `SandboxUnavailable` when a whole step failed that
 way, instead of training on fake zeros. The record (`Rollout.info`) keeps the sandbox status,
 the limit hit, wall and CPU time, the slot, the attempts and the tail of stdout.
@@ -203,10 +207,15 @@ class CodeEnvironment:
         return reward, status, info
 
     def _run_tests(self, problem: SandboxedTask, text: str) -> tuple[float, str, dict]:
+        program = problem.program(text)
+        try:
+            program.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: no file can hold it, no program is it
+            return 0.0, Status.COMPILE_ERROR.value, {"passed": 0, "error": f"not UTF-8 text: {exc.reason}"}
         files = {
             "harness.py": HARNESSES[problem.harness],
             **JUDGE_FILES,
-            "solution.py": problem.program(text),
+            "solution.py": program,
             "judge/tests.json": "[" + ",".join(problem.test_inputs) + "]",
         }
         args = [problem.entry_point]
@@ -231,6 +240,8 @@ class CodeEnvironment:
             return 0.0, Status.COMPILE_ERROR.value, info
         if malformed:  # the judge writes only bounded records: something broke the channel
             return 0.0, MALFORMED_REPORT, {**info, "malformed_lines": malformed}
+        if result.status is Status.KILLED:  # its own doing (sandbox/result.py): never masked
+            return 0.0, Status.KILLED.value, info
         if result.status in _LIMIT_STATUSES:
             return reward, result.status.value, info
         if not complete:

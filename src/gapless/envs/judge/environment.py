@@ -4,16 +4,24 @@ reward = judge score / max_score, in [0, 1]. Statuses:
     ok                the judge gave full marks
     scored            the judge gave a readable score below full marks
     judge_unparsable  the judge's verdict holds no readable score (envs/judge/parse.py): reward 0
-    infra_error       the judge could not be reached after its retries: no reward, excluded
-                      from group statistics; a step in which every rollout failed so raises
-                      `JudgeUnavailable`
+    judge_refused     no verdict for this response after every retry, while the same rubric
+                      with an empty response is judged (a probe): the response itself made the
+                      judge fail (too long for its context, a text that crashes it): reward 0
+    infra_error       the judge could not be reached after its retries, nor for the probe: no
+                      reward, excluded from group statistics; a step in which every rollout
+                      failed so raises `JudgeUnavailable`
+Why the probe: the response is the model's, so its failure alone must not mask a rollout (a
+policy would learn to break the judge whenever it is about to score low); a judge that fails on
+the probe too is down, whatever the responses. An outage that ends between a request and its
+probe scores that response 0 (rare, and no policy can time it).
 Why an unparsable verdict is a 0 and not excluded: the verdict is a response to the policy's
 output, and output crafted to derail the judge ("ignore the rubric and print a poem") must not
 buy a free pass out of the group baseline. A judge that is garbled on its own shows up as a high
 `rollout/status_judge_unparsable`: fix the rubric or the judge, not the policy.
 
 The completion is untrusted and is placed inside <response> tags of the rubric; its own closing
-tags are defused and it is cut at `max_response_chars`. Identical completions of one task are
+tags are defused, it is cut at `max_response_chars` and a lone surrogate in it is replaced (no
+request could carry it). Identical completions of one task are
 judged once. Not guaranteed: that a judge is deterministic or unbiased; that a determined policy
 cannot steer the judge's reading of a response (that is what reward hacking of judges is --
 watch the samples, not just the reward).
@@ -76,7 +84,8 @@ class JudgeEnvironment:
         return task.reference
 
     def judge_prompt(self, task: JudgeTask, response: str) -> str:
-        defused = response[: self.max_response_chars].replace("</response>", "</ response>")
+        cut = response[: self.max_response_chars].encode("utf-8", "replace").decode("utf-8")
+        defused = cut.replace("</response>", "</ response>")
         return self.rubric.format(max_score=_plain(self.max_score), prompt=task.prompt, reference=task.reference,
                                   response=defused)
 
@@ -84,13 +93,18 @@ class JudgeEnvironment:
         keys = list(dict.fromkeys((t.uid, c.text) for t, cs in zip(tasks, groups) for c in cs))
         by_uid = {t.uid: t for t in tasks}
         replies = self.client.judge([self.judge_prompt(by_uid[uid], text) for uid, text in keys])
-        verdicts = {key: self.verdict(reply) for key, reply in zip(keys, replies)}
+        failed = list(dict.fromkeys(uid for (uid, _), reply in zip(keys, replies) if reply.text is None))
+        probes = self.client.judge([self.judge_prompt(by_uid[uid], "") for uid in failed]) if failed else []
+        judged = {uid for uid, probe in zip(failed, probes) if probe.text is not None}
+        verdicts = {key: self.verdict(reply, key[0] in judged) for key, reply in zip(keys, replies)}
         return [[Rollout(t.uid, c, *verdicts[(t.uid, c.text)]) for c in cs] for t, cs in zip(tasks, groups)]
 
-    def verdict(self, reply) -> tuple[float, str, dict]:
+    def verdict(self, reply, is_probe_judged: bool = False) -> tuple[float, str, dict]:
+        """(reward, status, info) of one reply; `is_probe_judged`: the judge answered the same
+        rubric with an empty response (module docstring)."""
         info = {"judge_attempts": reply.attempts, "judge_latency_s": reply.latency_s}
         if reply.text is None:
-            return 0.0, "infra_error", {**info, "error": reply.error}
+            return 0.0, "judge_refused" if is_probe_judged else "infra_error", {**info, "error": reply.error}
         info["verdict"] = reply.text[:300]
         score = parse_score(reply.text, self.max_score)
         if score is None:

@@ -12,6 +12,9 @@ compares with sympy (numbers, fractions, LaTeX, sets, intervals ...). Statuses:
     timeout       parsing or comparing took longer than `timeout_s` (default 5 s, math-verify's
                   own; e.g. 10^10^10^10); there is no character cap: a long correct answer is
                   parsed, bounded by time
+    grader_crash  the helper process (below) died grading this answer, and a fresh one did too:
+                  the answer's doing, scored 0; infra_error only when a fresh helper cannot
+                  grade a trusted probe ("1" against "1") either: the answer never decides it
 gapless's additions (`lenient=True`, config `task.math_lenient`, off by default): only when
 math-verify reads no answer at all (no_answer or parse_error), gapless's own extraction is tried --
 the last balanced `\\boxed{...}`, else the text after the last "answer:" in any case and spacing
@@ -142,26 +145,45 @@ def _addition_is_equivalent(gold: list, completion: str, prompt_ends_with_answer
 
 
 def _grade_in_helper(reference: str, completion: str, follows: bool, timeout_s: int, lenient: bool) -> tuple[float, str]:
-    """Off the main thread: the same grading in a helper process, with a hard deadline."""
-    global _helper
+    """Off the main thread: the same grading in a helper process, with a hard deadline. A helper
+    that dies grading an answer, and dies again on it when fresh, was killed by that answer
+    (`grader_crash`, reward 0) unless a fresh one cannot grade a trusted probe either (infra_error):
+    the answer alone never makes a rollout infra_error."""
+    request = [reference, completion, follows, timeout_s, lenient]
     with _helper_lock:  # one answer at a time, as one helper grades them
-        if _helper is None or _helper.poll() is not None:
-            _helper = _start_helper()
-        helper = _helper
+        for _attempt in range(2):
+            verdict = _ask_helper(request)
+            if verdict != "died":
+                return (0.0, "timeout") if verdict == "overran" else verdict
+        if _ask_helper(["1", "1", False, timeout_s, False]) == (1.0, "ok"):
+            return 0.0, "grader_crash"
+        return 0.0, "infra_error"  # the helper cannot grade at all: no verdict, no reward signal
+
+
+def _ask_helper(request: list) -> tuple[float, str] | str:
+    """One request to the helper (started if needed): its verdict, "overran" or "died"; a helper
+    that overran or died is killed and the next request starts a new one. Holds `_helper_lock`."""
+    global _helper
+    if _helper is None or _helper.poll() is not None:
+        _helper = _start_helper()
+    helper, timeout_s = _helper, request[3]
+    try:
+        helper.stdin.write(json.dumps(request) + "\n")
+        helper.stdin.flush()
+        ready, _, _ = select.select([helper.stdout], [], [], 6 * timeout_s + 30)  # at most five bounded calls
+        line = helper.stdout.readline() if ready else None
+    except (BrokenPipeError, OSError, ValueError):
+        line = ""
+    if line:
         try:
-            helper.stdin.write(json.dumps([reference, completion, follows, timeout_s, lenient]) + "\n")
-            helper.stdin.flush()
-            ready, _, _ = select.select([helper.stdout], [], [], 6 * timeout_s + 30)  # at most five bounded calls
-            line = helper.stdout.readline() if ready else None
-        except (BrokenPipeError, OSError, ValueError):
-            line = ""
-        if line:
             reward, status = json.loads(line)
             return float(reward), str(status)
-        helper.kill()  # overran (math-verify's own alarm did not fire) or died: a new one next time
-        helper.wait()
-        _helper = None
-        return (0.0, "timeout") if line is None else (0.0, "infra_error")  # died: no verdict, no reward signal
+        except (ValueError, TypeError):
+            line = ""
+    helper.kill()  # overran (math-verify's own alarm did not fire) or died: a new one next time
+    helper.wait()
+    _helper = None
+    return "overran" if line is None else "died"
 
 
 def _start_helper() -> subprocess.Popen:
@@ -176,7 +198,7 @@ def _serve() -> None:
     """The helper's loop: one JSON request per line in, one [reward, status] line out, graded in
     this process's main thread (so math-verify's alarms work)."""
     for line in sys.stdin:
-        reference, completion, follows, timeout_s, lenient = json.loads(line)
+        reference, completion, follows, timeout_s, lenient = json.loads(line)  # the host's own request
         print(json.dumps(grade_here(reference, completion, follows, timeout_s, lenient)), flush=True)
 
 

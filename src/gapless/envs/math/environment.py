@@ -4,7 +4,7 @@ reward 1.0 for an equivalent answer, else 0.0: math-verify's own `parse` on the 
 `verify` against the boxed reference, plus, if asked, gapless's additions where math-verify reads
 nothing (`lenient`, config `task.math_lenient`); statuses as in `envs/math/answer.py` (ok,
 wrong_answer, no_answer, parse_error, timeout; infra_error only if the off-main-thread helper
-process dies). Tasks come from the procedural arithmetic generator (`ProceduralMathEnvironment`,
+process cannot grade a trusted probe: a helper that an answer kills is that answer's parse_error). Tasks come from the procedural arithmetic generator (`ProceduralMathEnvironment`,
 which also has a deliberately imperfect teacher for the warm start) or from a data file of
 records {prompt, answer[, uid, split]} (`load_math_dataset`; JSONL or Parquet, a malformed
 record stops loading with file and line). Identical completions of a task are graded once.

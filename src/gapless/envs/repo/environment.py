@@ -20,8 +20,14 @@ reward = fraction of hidden tests passing. Statuses:
     ok            every hidden test passes
     tests_failed  some fail (`info["passed"]` of `info["hidden"]`); the grading job's own limit
                   status, if any, is `info["grade_status"]`
-    infra_error   the sandbox failed (a session could not start or the grading job could not
-                  run, after one retry): no reward, excluded from group statistics
+    tool_error    the session's slot failed after the model's code had run in it (a death
+                  its code could have caused; `info["tool_status"]` crashed): reward 0, the
+                  files are lost with the session, nothing is graded
+    infra_error   the host saw the sandbox fail before any of the model's code ran (a session
+                  could not start or be seeded, or the host closed it), or the grading job could
+                  not run, after one retry: no reward, excluded from group statistics; never for
+                  anything the repository's code does while graded (sandbox/result.py): a
+                  grading job it killed is `tests_failed` with reward 0 (`grade_status` killed)
 `info["ended_by"]`: done, no_command (a turn without <cmd>), turn_limit. A tool call that hits a
 session limit (timeout, output flood, memory) is shown to the model as an error and the episode
 goes on: the files survive, the next call gets a fresh live process. Model output is untrusted:
@@ -48,6 +54,7 @@ from gapless.envs.repo.tasks import RepoTask, generate_repo_tasks
 from gapless.envs.repo.tools import (PLAIN, Command, TurnFormat, chat_format, demonstration, observe, parse_command,
                                      path_problem, request_of, session_code, solution_text)
 from gapless.sandbox import SandboxError, SandboxLimits, Status, open_sandbox
+from gapless.sandbox.frames import clean_text
 from gapless.sandbox.worker import SlotFailure
 from gapless.types import Completion, Rollout, SamplingParams
 
@@ -124,7 +131,7 @@ class RepoEnvironment:
             self._end(episode, "done" if command.kind == "done" else "no_command")
             return
         output = self._tool(episode, command)
-        if episode.is_done:  # the sandbox failed under it
+        if episode.is_done:  # the session failed under it
             return
         if episode.turns >= self.max_turns:
             self._end(episode, "turn_limit")  # nobody would read the output
@@ -132,14 +139,14 @@ class RepoEnvironment:
             episode.add_environment_text(output, encode(output))
 
     def _tool(self, episode: Episode, command: Command) -> str:
-        """Run one command; the text to append (the episode ends as infra_error if the sandbox fails)."""
+        """Run one command; the text to append (the episode ends if its session fails)."""
         if command.kind == "invalid":
             return self._observe(f"error: {command.error}")
         self.latency.wait()  # an added tool latency (benchmarks): a remote tool, no CPU
         episode.info["tool_calls"] = episode.info.get("tool_calls", 0) + 1
         run_timeout_s = max(self.limits.timeout_s - RUN_MARGIN_S, 0.1)
         request = request_of(command, run_timeout_s, self.max_output_bytes, self.max_file_bytes)
-        if command.kind == "write" and len(command.text.encode()) > self.max_file_bytes:
+        if command.kind == "write" and len(command.text.encode("utf-8", "surrogatepass")) > self.max_file_bytes:
             return self._observe(f"refused: the file would be larger than {self.max_file_bytes} bytes")
         result = self._call(episode, request)
         if result is None:
@@ -154,23 +161,27 @@ class RepoEnvironment:
         return observe(text, self.max_output_bytes, self.turn_format)
 
     def _call(self, episode: Episode, request: dict):
-        """One request in the episode's session (opened and seeded on first use); None after an
-        infrastructure failure, which ends the episode."""
+        """One request in the episode's session (opened and seeded on first use); None when the
+        session failed, which ends the episode (infra_error or tool_error, module docstring)."""
         try:
             if episode.session is None:
                 episode.session = self.sandbox.open_session(self.limits, self.idle_timeout_s)
                 seeded = episode.session.run(session_code({"op": "seed", "files": episode.task.files,
                                                            "max_file_bytes": self.max_file_bytes}))
-                if seeded.status is not Status.OK:
-                    raise SandboxError(f"seeding the repository failed: {seeded.status.value} {seeded.stderr[:200]}")
+                if seeded.status is not Status.OK:  # the host's own code, before any of the model's
+                    raise SandboxError(f"seeding the repository failed: {seeded.status.value} {clean_text(seeded.stderr, 200)}")
             result = episode.session.run(session_code(request))
-        except (SandboxError, SlotFailure) as exc:
+        except (SandboxError, SlotFailure) as exc:  # no session, or one the host closed (idle)
             self._close_session(episode)
             episode.finish("infra_error", error=str(exc)[:300])
             return None
-        if result.status is Status.INFRA_ERROR:
+        if result.status is Status.INFRA_ERROR:  # the session never started: nothing of the model ran
             self._close_session(episode)
-            episode.finish("infra_error", error=result.stderr[:300])
+            episode.finish("infra_error", error=clean_text(result.stderr, 300))
+            return None
+        if result.is_lost:  # the slot failed under the model's code: its own outcome, scored
+            self._close_session(episode)
+            episode.finish("tool_error", 0.0, tool_status="crashed")
             return None
         return result
 
@@ -217,10 +228,10 @@ class RepoEnvironment:
                 break
         if result.status is Status.INFRA_ERROR:
             return 0.0, "infra_error", {"error": result.stderr.strip()[:300] + " (run `gapless sandbox check`)"}
-        passed = parse_report(result.report, expected).passed
+        passed = parse_report(result.report, expected).passed if result.status is not Status.KILLED else 0
         info = {"passed": passed, "hidden": len(expected)}
         if result.status not in (Status.OK, Status.NONZERO_EXIT):
-            info["grade_status"] = result.status.value
+            info["grade_status"] = result.status.value  # killed: the repository's code did it, scored 0
         return passed / len(expected), "ok" if passed == len(expected) else "tests_failed", info
 
     # -- the single-turn protocol --------------------------------------------------------------
@@ -246,16 +257,17 @@ class RepoEnvironment:
 
 def _collected(stdout: str, max_file_bytes: int) -> dict[str, str]:
     """The files a `collect` call printed (untrusted: whatever the session printed before is
-    ignored, and a name that is not a plain relative path is dropped)."""
+    ignored, a name that is not a plain relative path is dropped, a lone surrogate in a text is
+    replaced: it could not be written into the grading job)."""
     try:
         value = json.loads(stdout.rsplit("\n", 1)[-1])
     except (ValueError, RecursionError):
         return {}
     if not isinstance(value, dict):
         return {}
-    return {path: text for path, text in list(value.items())[:MAX_FILES]
-            if isinstance(path, str) and isinstance(text, str) and not path_problem(path)
-            and str(PurePosixPath(path)) == path and len(text.encode()) <= max_file_bytes}
+    return {path: clean_text(text, max_file_bytes) for path, text in list(value.items())[:MAX_FILES]
+            if isinstance(path, str) and isinstance(text, str) and not path_problem(path) and clean_text(path) == path
+            and str(PurePosixPath(path)) == path and len(text.encode("utf-8", "surrogatepass")) <= max_file_bytes}
 
 
 def make_repo_environment(cfg: Config) -> RepoEnvironment:

@@ -20,12 +20,18 @@ reward = 1.0 for a correct final answer, else 0.0. Statuses:
                   <py>, plain text, an empty turn); `info["detail"]` says which
     turn_limit    `max_turns` model turns without an answer
     tool_error    a tool call hit a sandbox limit (timeout, output flood; `info["tool_status"]`),
-                  or a resumed episode's variables did not load from its snapshot (`restore_failed`:
-                  the model's own objects, e.g. a `__reduce__` that fails on load): the episode
-                  ends, its session is discarded
-    infra_error   the sandbox failed (session could not start, or restore hit the sandbox): excluded from group
-                  statistics; a step where every rollout failed so raises SandboxUnavailable
-Model output is untrusted: every path above is a status, never an exception.
+                  a resumed episode's variables did not load from its snapshot (`restore_failed`:
+                  the model's own objects, e.g. a `__reduce__` that fails on load), its snapshot
+                  did not come back (`snapshot_failed`), or the session's slot failed after the
+                  model's code had run in it (`crashed`: its code may have caused it): the
+                  episode ends, its session is discarded
+    infra_error   the host saw the sandbox fail before any of the model's code ran in the
+                  session (it could not start), or closed the session itself (idle timeout):
+                  excluded from group statistics; a step where every rollout failed so raises
+                  SandboxUnavailable
+Attribution is typed (`SessionResult.status`, `is_lost`, `SnapshotFailed`), never read from a
+message: the session's texts hold the model's output. Model output is untrusted: every path above
+is a status, never an exception.
 
 Partial rollouts: `start` / `advance(turns=k)` / `suspend` / `advance` again continue an episode
 later, possibly in another session and under a newer policy: `suspend` snapshots the session
@@ -50,7 +56,8 @@ from gapless.envs.code.environment import SandboxUnavailable
 from gapless.envs.episode import Episode
 from gapless.envs.turns import ToolLatency, run_waves
 from gapless.envs.tools.tasks import ToolTask, Turn, demonstration, generate_tool_tasks, parse_turn, tool_output_text
-from gapless.sandbox import SandboxError, SandboxLimits, Status, open_sandbox
+from gapless.sandbox import SandboxError, SandboxLimits, SnapshotFailed, Status, open_sandbox
+from gapless.sandbox.frames import clean_text
 from gapless.sandbox.worker import SlotFailure
 from gapless.types import Completion, Rollout, SamplingParams
 
@@ -182,26 +189,31 @@ class ToolUseEnvironment:
                 episode.session = self.sandbox.open_session(self.limits, self.idle_timeout_s)
                 if episode.snapshot is not None:
                     restored = episode.session.restore(episode.snapshot)
-                    if restored.status is Status.INFRA_ERROR:
-                        episode.finish("infra_error", error=f"restore failed: {restored.stderr[:300]}")
+                    if restored.status is Status.INFRA_ERROR:  # the session never started
+                        episode.finish("infra_error", error=f"restore failed: {clean_text(restored.stderr, 300)}")
+                        self._close_session(episode)
                         return None
                     if restored.status is not Status.OK:  # the model's own values did not load
-                        episode.finish("tool_error", tool_status="restore_failed", error=(restored.error or "")[:300])
+                        tool_status = "crashed" if restored.is_lost else "restore_failed"
+                        episode.finish("tool_error", tool_status=tool_status, error=clean_text(restored.error or "", 300))
                         self._close_session(episode)
                         return None
                     episode.info.update(env_state_version=episode.state_version, resumed_by_version=version)
                     episode.snapshot = None
             result = episode.session.run(CELL.format(source=code))
-        except (SandboxError, SlotFailure) as exc:
+        except (SandboxError, SlotFailure) as exc:  # no session, or one the host closed (idle)
             episode.finish("infra_error", error=str(exc)[:300])
+            self._close_session(episode)
             return None
         episode.info["tool_calls"] = episode.info.get("tool_calls", 0) + 1
-        if result.status is Status.INFRA_ERROR:
-            episode.finish("infra_error", error=result.stderr[:300])
+        if result.status is Status.INFRA_ERROR:  # the session never started: nothing of the model ran
+            episode.finish("infra_error", error=clean_text(result.stderr, 300))
+            self._close_session(episode)
             return None
-        if result.status not in (Status.OK, Status.NONZERO_EXIT):
-            episode.finish("tool_error", tool_status=result.status.value)
-            self._close_session(episode)  # its state is suspect (killed mid-call, flooded)
+        if result.is_lost or result.status not in (Status.OK, Status.NONZERO_EXIT):
+            tool_status = "crashed" if result.is_lost else result.status.value
+            episode.finish("tool_error", tool_status=tool_status, protocol=result.violation)
+            self._close_session(episode)  # its state is suspect (killed mid-call, flooded, lost)
             return None
         episode.state_version = version
         shown = (result.stdout if result.error is None else f"{result.stdout}{result.error}").strip()
@@ -218,13 +230,15 @@ class ToolUseEnvironment:
         if episode.session is not None and not episode.is_done:
             try:
                 episode.snapshot = episode.session.snapshot()
-            except SlotFailure as exc:
-                episode.finish("infra_error", error=f"snapshot failed: {str(exc)[:300]}")
-            except SandboxError as exc:
-                if Status.INFRA_ERROR.value in str(exc):
-                    episode.finish("infra_error", error=str(exc)[:300])
+            except SnapshotFailed as failed:
+                result = failed.result
+                if result.status is Status.INFRA_ERROR:  # the session never started
+                    episode.finish("infra_error", error=f"snapshot failed: {clean_text(result.stderr, 300)}")
                 else:
-                    episode.finish("tool_error", tool_status="snapshot_failed", error=str(exc)[:300])
+                    episode.finish("tool_error", tool_status="snapshot_failed", snapshot_status=result.status.value,
+                                   protocol=result.violation, error=clean_text(result.error or "", 300))
+            except (SandboxError, SlotFailure) as exc:  # the host closed the session (idle timeout)
+                episode.finish("infra_error", error=f"snapshot failed: {str(exc)[:300]}")
         self._close_session(episode)
 
     def discard(self, episode: Episode) -> None:

@@ -21,8 +21,13 @@ own harness and model client), and two tasks with the same key (a uid must name 
 Status: ok (reward >= 1), partial (0 < r < 1), wrong_answer (r <= 0), timeout (the task's own
 `timeout.scoring`, else `SCORING_TIMEOUT_S`, expired: reward 0, as verifiers leaves the rewards
 unscored), score_error (a reward raised: reward 0, counted, not raised), infra_error (the
-endpoint of a plugged LLM judge unreachable or failing, a provider or sandbox error behind a reward:
-no reward, out of the group statistics).
+endpoint of a plugged LLM judge unreachable or failing, a provider, sandbox or connection error
+behind a reward, AND the same failure for a probe: the task scoring `PROBE_REPLY`; no reward, out
+of the group statistics). Why the probe: the completion is the model's, and a reward may hand it
+to a judge (which can fail on a text too long for its context) or open what it names; a failure
+the probe does not share is the completion's doing, `score_error`, reward 0, so no text
+buys a rollout out of its group. A file error (`OSError` other than a connection's) is never
+infrastructure: a reward that reads a path the model named fails so.
 Not guaranteed: stability across verifiers releases (the Trace is built with verifiers' internal
 graph code) or token ids on the trace (the adapter has only text).
 """
@@ -42,6 +47,7 @@ from gapless.envs.base import Split
 from gapless.envs.records import split_by_hash
 from gapless.types import Completion, Rollout
 
+PROBE_REPLY = "I do not know."  # short and plain: reaches a judge (verifiers' judges skip an empty reply)
 SCORING_TIMEOUT_S = 300.0  # when the task sets no timeout.scoring (verifiers: none): a hung reward must not hang the run
 _PASSED_TO_REWARDS = {"task", "trace", "runtime"}
 
@@ -91,7 +97,8 @@ class VerifiersEnvironment:
         return self.splits.get(split, [])
 
     def score(self, task: VerifiersTask, text: str, finish_reason: str = "stop") -> tuple[float, str, dict]:
-        return self._submit(task, text, finish_reason).result()
+        [[rollout]] = self.score_groups([task], [[Completion([], [], [], [], finish_reason, text)]])
+        return rollout.reward, rollout.status, rollout.info
 
     def score_groups(self, tasks: Sequence[VerifiersTask], groups: Sequence[Sequence[Completion]]) -> list[list[Rollout]]:
         futures: dict[tuple[int, str, str], Future] = {}  # keyed on the task object: a uid is a hash of data only
@@ -100,7 +107,16 @@ class VerifiersEnvironment:
                 key = (id(task.task), c.text, c.finish_reason)
                 if key not in futures:
                     futures[key] = self._submit(task, c.text, c.finish_reason)
-        return [[Rollout(t.uid, c, *futures[(id(t.task), c.text, c.finish_reason)].result()) for c in cs]
+        results = {key: future.result() for key, future in futures.items()}
+        task_of = {id(t.task): t for t in tasks}
+        suspects = {key[0] for key, (_, status, _) in results.items() if status == "infra_error"}
+        probes = {key: self._submit(task_of[key], PROBE_REPLY, "stop") for key in suspects}  # module docstring: why
+        is_down = {key: probe.result()[1] == "infra_error" for key, probe in probes.items()}
+        for key, (reward, status, info) in results.items():
+            if status == "infra_error" and not is_down[key[0]]:
+                results[key] = (0.0, "score_error", {**info, "error": f"{info.get('error', '')} (scoring failed for this "
+                                                                       "completion only: a plain reply was scored)"})
+        return [[Rollout(t.uid, c, *results[(id(t.task), c.text, c.finish_reason)]) for c in cs]
                 for t, cs in zip(tasks, groups)]
 
     def _submit(self, task: VerifiersTask, text: str, finish_reason: str) -> Future:
@@ -169,16 +185,22 @@ def build_trace(task: Any, text: str, finish_reason: str = "stop") -> Any:
 
 
 async def score_trace(task: Any, text: str, finish_reason: str = "stop") -> tuple[float, str, dict]:
-    """(reward, status, info) of `text` under the task's own scoring; never raises for model output."""
-    trace = build_trace(task, text, finish_reason)
+    """(reward, status, info) of `text` under the task's own scoring; never raises for model output.
+    A lone surrogate in `text` is replaced first: verifiers hashes messages as UTF-8, and no
+    client could have sent it one."""
+    text = text.encode("utf-8", "replace").decode("utf-8")
     timeout_s = task.data.timeout.scoring or SCORING_TIMEOUT_S
     try:
+        trace = build_trace(task, text, finish_reason)
         async with asyncio.timeout(timeout_s):
             await task.score(trace)
         reward = float(trace.reward)
     except TimeoutError:
         return 0.0, "timeout", {"error": f"scoring took longer than {timeout_s:g} s"}
-    except Exception as exc:  # noqa: BLE001 -- a scorer failing on model output is a status
+    except GeneratorExit:  # the loop is closing this coroutine: let it
+        raise
+    except BaseException as exc:  # noqa: BLE001 -- a scorer failing on model output is a status; on this
+        # thread a SystemExit or a CancelledError from a reward would stop the loop or the future instead
         status = "infra_error" if is_infra_failure(exc) else "score_error"
         return 0.0, status, {"error": f"{type(exc).__name__}: {exc}"[:300]}
     if not math.isfinite(reward):
@@ -190,15 +212,16 @@ async def score_trace(task: Any, text: str, finish_reason: str = "stop") -> tupl
 
 
 def is_infra_failure(exc: BaseException) -> bool:
-    """Whether scoring failed outside the completion: a judge's endpoint unreachable, timing out or
-    failing (HTTP 5xx), a provider, sandbox or interception error, an OS error. verifiers wraps a
-    reward's exception in `TaskError`, so the whole cause chain is read."""
+    """Whether scoring may have failed outside the completion: a judge's endpoint unreachable,
+    timing out or failing (HTTP 5xx), a provider, sandbox or interception error, a connection
+    error. Only a hint: `score_groups` confirms it with a probe. verifiers wraps a reward's
+    exception in `TaskError`, so the whole cause chain is read."""
     from openai import APIConnectionError, APIStatusError
     from verifiers.v1.errors import InterceptionError, ProviderError, SandboxError
 
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, (ProviderError, SandboxError, InterceptionError, APIConnectionError, OSError)):
+        if isinstance(seen, (ProviderError, SandboxError, InterceptionError, APIConnectionError, ConnectionError)):
             return True
         if isinstance(seen, APIStatusError) and seen.status_code >= 500:
             return True

@@ -1,8 +1,9 @@
 """Runs inside the sandbox, in the candidate's process: load the completion, answer the judge's calls.
 
 This process holds no test, no report channel and no comparison (envs/code/sandbox_scripts/judge.py says who does).
-It loads /work/job/solution.py (prompt + completion), says `ready` (or its compile error) on fd 3,
-then answers each call `[number, name, args, kwargs]` with `[number, "r", result]` or
+It says `up` on fd 3 and waits for the judge's `go` (the handshake in envs/code/sandbox_scripts/judge.py: no code of
+the completion runs before the judge has started), then loads /work/job/solution.py (prompt +
+completion), says `ready` (or its compile error), then answers each call `[number, name, args, kwargs]` with `[number, "r", result]` or
 `[number, "e", exception name]`, one line of JSON each (envs/code/values.py). A result with no
 plain-data form is the error `Unrepresentable`.
 Once the completion's code has run, nothing here can be trusted, and nothing needs to be: the
@@ -19,6 +20,9 @@ FD_CHANNEL = 3
 
 def main() -> None:
     channel = values.LineChannel(FD_CHANNEL)
+    channel.send(values.encode(["up"]))
+    if channel.receive() is None:  # the judge is gone
+        return
     with open("/work/job/solution.py", encoding="utf-8") as handle:
         source = handle.read()
     try:

@@ -26,6 +26,7 @@ def main() -> None:
     candidate = judge.connect(report)
     entry = sys.argv[1]
     for index, args in enumerate(inputs):
+        candidate.begin_test()
         try:
             out = candidate.call(entry, tuple(args), {})
             if is_typed:
@@ -34,7 +35,9 @@ def main() -> None:
                 line = json.dumps({"i": index, "out": out}, sort_keys=True)
         except judge.CandidateGone:
             sys.exit(judge.EXIT_CANDIDATE_GONE)
-        except Exception as exc:  # the candidate's failure on one test is that test's result
+        except judge.CandidateFailed:  # the candidate's failure on one test is that test's result
+            line = json.dumps({"i": index, "error": candidate.failure})
+        except Exception as exc:  # a result with no JSON or typed form
             line = json.dumps({"i": index, "error": type(exc).__name__})
         report.write(line + "\n")
 
