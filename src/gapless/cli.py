@@ -186,7 +186,7 @@ def _cmd_sandbox_run(args: argparse.Namespace) -> int:
 
 def _cmd_sandbox_check(args: argparse.Namespace) -> int:
     from gapless.sandbox import SandboxError, open_sandbox
-    from gapless.envs.code.environment import probes as code_probes
+    from gapless.envs.code import probes as code_probes
     from gapless.sandbox import probes
 
     paths = ["warm", "cold"] if args.path == "both" else [args.path]

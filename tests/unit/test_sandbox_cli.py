@@ -9,7 +9,7 @@ from sandbox_host import SLOT_UID_BASE, needs_bwrap
 
 import gapless.sandbox
 from gapless.cli import main
-from gapless.envs.code.environment import probes as code_probes
+from gapless.envs.code import probes as code_probes
 from gapless.sandbox import probes
 
 pytestmark = needs_bwrap
