@@ -226,7 +226,7 @@ def test_a_helper_that_dies_on_an_answer_is_retried_once_and_then_blames_the_ans
     import subprocess
     import sys
 
-    from gapless.envs import math_answer
+    from gapless.envs.math import answer as math_answer
 
     started = []
 
