@@ -25,7 +25,8 @@ import torch
 pytest.importorskip("ray")
 
 from gapless.config import load_config  # noqa: E402
-from gapless.cluster.placement import Placement, make_placement  # noqa: E402
+from gapless.cluster import make_placement  # noqa: E402
+from gapless.cluster.placement import Placement  # noqa: E402
 from gapless.cluster.ray.deaths import MONITOR_ENV  # noqa: E402
 from gapless.cluster.ray.mail import MailboxLost  # noqa: E402
 
