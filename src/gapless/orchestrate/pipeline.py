@@ -36,6 +36,7 @@ was in flight is `run_lost`, what was trained after the checkpoint `rolled_back`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -443,7 +444,8 @@ class ProcessSource:
         elif isinstance(message, Scored):
             self.watch.progressed()
             group = message.group
-            group.rollouts = self.masking.observe(self.train[group.task_index].uid, group.rollouts)
+            observed = self.masking.observe(self.train[group.task_index].uid, list(group.rollouts))
+            group = dataclasses.replace(group, rollouts=tuple(observed))  # a flagged prompt's masked ones scored
             self.dispatcher.scored(group.index)
             self.envs.scored(group.index)
             self.prompts.feedback(self.train[group.task_index].uid,
