@@ -8,6 +8,10 @@ connections) drives it from this process. Workloads, interleaved round by round 
   streams      the 50 concurrent requests again, streamed (SSE, a chunk per engine step)
   raw_streams  the same streams read by plain httpx (lines counted, not parsed into models): how
                much of the streams' cost is the openai client's parsing on these same cores
+  constrained  the 50 concurrent requests again, each constrained by a JSON schema (vLLM's
+               `structured_outputs.json`: an array of at least 200 digits, so every sequence runs to
+               `--tokens` like the unconstrained ones): the grammar masks' cost in the batch,
+               reported as constrained / concurrent tokens/s
 Every sequence is forced to `--tokens` new tokens (ignore_eos), sampled at T = 1. tokens/s is
 completion tokens (from `usage`) over the workload's wall time; the ratio is concurrent over
 one_request, per round, then the median. A connection error is any request that raised
@@ -54,9 +58,13 @@ def start_server(model_dir: Path, threads: int) -> tuple[subprocess.Popen, str]:
     return proc, line.rsplit(" at ", 1)[1].strip()
 
 
-async def concurrent(client: openai.AsyncOpenAI, tokens: int, stream: bool) -> dict:
+LONG_JSON = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 200}
+
+
+async def concurrent(client: openai.AsyncOpenAI, tokens: int, stream: bool, constrained: bool = False) -> dict:
     async def one(i: int) -> int:
-        kw = dict(model="bench", prompt=PROMPTS[i], max_tokens=tokens, seed=i, extra_body={"ignore_eos": True})
+        extra = {"structured_outputs": {"json": LONG_JSON}} if constrained else {"ignore_eos": True}
+        kw = dict(model="bench", prompt=PROMPTS[i], max_tokens=tokens, seed=i, extra_body=extra)
         if not stream:
             return (await client.completions.create(**kw)).usage.completion_tokens
         chunks = await client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
@@ -133,12 +141,13 @@ def main() -> None:
                 await one_request(client(), 4)
 
             asyncio.run(warm())
-            runs = {"concurrent": [], "one_request": [], "streams": [], "raw_streams": []}
+            runs = {"concurrent": [], "one_request": [], "streams": [], "raw_streams": [], "constrained": []}
             for _ in range(args.rounds):
                 runs["concurrent"].append(timed(lambda: concurrent(client(), args.tokens, stream=False)))
                 runs["one_request"].append(timed(lambda: one_request(client(), args.tokens)))
                 runs["streams"].append(timed(lambda: concurrent(client(), args.tokens, stream=True)))
                 runs["raw_streams"].append(timed(lambda: raw_streams(url, args.tokens)))
+                runs["constrained"].append(timed(lambda: concurrent(client(), args.tokens, stream=False, constrained=True)))
             refusal = refusal_s(url)
         finally:
             proc.terminate()
@@ -146,13 +155,15 @@ def main() -> None:
     ratios = [c["tokens_per_s"] / o["tokens_per_s"] for c, o in zip(runs["concurrent"], runs["one_request"])]
     stream_ratios = [s["tokens_per_s"] / o["tokens_per_s"] for s, o in zip(runs["streams"], runs["one_request"])]
     raw_ratios = [s["tokens_per_s"] / o["tokens_per_s"] for s, o in zip(runs["raw_streams"], runs["one_request"])]
+    constrained_ratios = [k["tokens_per_s"] / c["tokens_per_s"] for k, c in zip(runs["constrained"], runs["concurrent"])]
     summary = {name: {"tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rs),
                       "errors": sum(r["errors"] for r in rs), "error_kinds": sorted({k for r in rs for k in r["error_kinds"]}),
                       "outside_cores_max": max(r["outside_cores"] for r in rs)} for name, rs in runs.items()}
     result = {"rounds": args.rounds, "tokens": args.tokens, "threads": args.threads, "sequences": len(PROMPTS),
               "ratio_concurrent_vs_one_request": statistics.median(ratios), "ratios": ratios,
               "ratio_streams_vs_one_request": statistics.median(stream_ratios),
-              "ratio_raw_streams_vs_one_request": statistics.median(raw_ratios), "workloads": summary,
+              "ratio_raw_streams_vs_one_request": statistics.median(raw_ratios),
+              "ratio_constrained_vs_concurrent": statistics.median(constrained_ratios), "workloads": summary,
               "refusal_1mb_prompt": refusal, "runs": runs}
     for name, s in summary.items():
         print(f"{name:<12} {s['tokens_per_s_median']:8.0f} tokens/s   errors {s['errors']}   "
@@ -160,6 +171,8 @@ def main() -> None:
     print(f"concurrent / one_request: {result['ratio_concurrent_vs_one_request']:.2f}x (rounds: "
           + ", ".join(f"{r:.2f}" for r in ratios) + f"); streams / one_request: {result['ratio_streams_vs_one_request']:.2f}x (read raw: "
           f"{result['ratio_raw_streams_vs_one_request']:.2f}x)")
+    print(f"constrained / concurrent (JSON schema, 50 requests): {result['ratio_constrained_vs_concurrent']:.2f}x (rounds: "
+          + ", ".join(f"{r:.2f}" for r in constrained_ratios) + ")")
     print(f"1 MB prompt: {refusal['code']} in {refusal['seconds']:.3f} s")
     print(json.dumps(result))
 

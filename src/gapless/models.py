@@ -1,8 +1,11 @@
 """The policy: a Hugging Face causal LM and its tokenizer, built tiny locally or loaded from disk.
 
 `build_tiny` trains a byte-level BPE tokenizer (digits kept as single tokens, so arithmetic stays
-regular) on the task's own text and creates a randomly initialised model of one of the
-`TINY_ARCHITECTURES` from its transformers config; `load_local` opens any local HF checkpoint directory
+regular; ChatML turn tokens and template) on the task's own text and creates a randomly
+initialised model of one of the `TINY_ARCHITECTURES` from its transformers config. The tokenizer
+normalises and pre-tokenises exactly as transformers' Qwen2 tokenizer does, because plain
+`AutoTokenizer.from_pretrained` rebuilds a qwen2 checkpoint's tokenizer as that class whatever
+its tokenizer.json says: so every checkpoint gapless writes tokenizes the same outside gapless; `load_local` opens any local HF checkpoint directory
 (or a LoRA run's adapter checkpoint, merged into the base beside it). Nothing is ever downloaded: a
 missing directory is a `FileNotFoundError` that says what to give instead, and a checkpoint that
 is not a causal LM (or lacks a tokenizer) a one-line `ConfigError`, before any warm start.
@@ -17,7 +20,7 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
@@ -25,6 +28,15 @@ from gapless.config import ConfigError, ModelConfig
 from gapless.prompts import PromptEncoder
 
 PAD, EOS = "<|pad|>", "<|eos|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # ChatML turn tokens of the embedded tokenizer
+# transformers' Qwen2 pre-tokenizer split (GPT-4 style words, single digits, runs of spaces and newlines)
+PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '" + IM_START + "' + message['role'] + '\\n' + (message['content'] or '') + '" + IM_END + "\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '" + IM_START + "assistant\\n' }}{%- endif %}"
+)
 POLICY_FILE = "gapless_policy.json"  # prompt format and precision, written by Policy.save beside the HF files
 hf_logging.disable_progress_bar()  # checkpoint writes would otherwise draw bars into the live log
 
@@ -55,11 +67,23 @@ class Policy:
     def save(self, path: Path) -> None:
         """The HF checkpoint plus the resolved prompt format and precision, which `load_local` restores."""
         self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        save_tokenizer(self.tokenizer, path)
         record = {"prompt_format": self.encode.format, "system_prompt": self.encode.system_prompt,
                   "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
                   "fp32_lm_head": isinstance(self.model.get_output_embeddings(), FP32Head)}
         (Path(path) / POLICY_FILE).write_text(json.dumps(record) + "\n")
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, path: str | Path) -> None:
+    """`save_pretrained`, plus what a plain `AutoTokenizer.from_pretrained` needs to rebuild the
+    same tokenizer: an explicit `unk_token: null` when there is none (the Qwen2 class would
+    otherwise add its default `<|endoftext|>` as a new token past the model's vocabulary)."""
+    tokenizer.save_pretrained(path)
+    config_file = Path(path) / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    if tokenizer.unk_token is None and config.get("unk_token") is None:
+        config["unk_token"] = None
+        config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 class FP32Head(torch.nn.Linear):
@@ -86,20 +110,25 @@ def apply_precision(model: torch.nn.Module, cfg: ModelConfig | None) -> torch.nn
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Deterministic byte-level BPE; single digits are never merged."""
+    """Deterministic byte-level BPE with Qwen2's normaliser and pre-tokenizer (single digits are
+    never merged), the special tokens PAD, EOS and the ChatML turn tokens (ids 0-3, inside
+    `vocab_size`), and a ChatML chat template."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    )
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[PAD, EOS],
+        special_tokens=[PAD, EOS, IM_START, IM_END],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS,
+                                   additional_special_tokens=[IM_START, IM_END], chat_template=CHATML_TEMPLATE)
 
 
 def build_tiny(cfg: ModelConfig, texts: Iterable[str], seed: int, max_positions: int = 512) -> Policy:
@@ -120,8 +149,9 @@ def build_tiny(cfg: ModelConfig, texts: Iterable[str], seed: int, max_positions:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(cfg.architecture, **common), dtype=torch.float32)
     apply_precision(model, cfg).eval()
-    try:
-        encoder = PromptEncoder(tokenizer, cfg.prompt_format, cfg.system_prompt, source="the embedded tiny model's tokenizer")
+    try:  # 'auto' is 'raw' here: the embedded tasks are written as plain text, the template is there for 'chat'
+        fmt = "raw" if cfg.prompt_format == "auto" else cfg.prompt_format
+        encoder = PromptEncoder(tokenizer, fmt, cfg.system_prompt, source="the embedded tiny model's tokenizer")
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return Policy(model, tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, encoder)

@@ -15,6 +15,27 @@ FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass(frozen=True)
+class LogitAdjustment:
+    """Per-request changes to the next-token logits before sampling (OpenAI's and vLLM's names;
+    applied by generate/logit_adjust.py). The sampling log-probs are those of the adjusted
+    distribution, the one the token was drawn from."""
+
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, value) pairs added to the logits (-100 bans a token, +100 all but forces it)."""
+    presence_penalty: float = 0.0
+    """Subtracted once from every token already generated (not the prompt's)."""
+    frequency_penalty: float = 0.0
+    """Subtracted per occurrence of a token in the generated tokens."""
+    repetition_penalty: float = 1.0
+    """vLLM/CTRL's: logits of tokens in prompt or output divided by it when positive, multiplied when negative."""
+
+    @property
+    def is_identity(self) -> bool:
+        return not self.logit_bias and self.presence_penalty == 0 and self.frequency_penalty == 0 \
+            and self.repetition_penalty == 1
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
     """Softmax temperature; the recorded log-probs are taken at this temperature."""
@@ -32,6 +53,8 @@ class SamplingParams:
     """Tokens that end a completion (finish reason 'stop'), besides EOS."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks that force a length)."""
+    adjust: LogitAdjustment | None = None
+    """Logit bias and repetition penalties (served requests); None: the model's logits as they are."""
 
 
 @dataclass

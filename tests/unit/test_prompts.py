@@ -91,5 +91,6 @@ def test_format_survives_save_and_load_and_chat_needs_a_template(chat_policy, ti
     assert loaded.encode("hi") == chat_policy.encode("hi")
     assert load_local(tmp_path / "chat", "raw").encode.format == "raw"
     tiny_policy.save(tmp_path / "plain")
+    (tmp_path / "plain" / "chat_template.jinja").unlink()  # a checkpoint without a chat template
     with pytest.raises(ConfigError, match=r"model.prompt_format = 'chat' but the tokenizer in .* has no chat template"):
         load_local(tmp_path / "plain", "chat")

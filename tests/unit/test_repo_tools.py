@@ -42,7 +42,8 @@ def test_a_chat_template_frames_turns_token_exactly():
     policy = build_tiny(ModelConfig(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64,
                                     vocab_size=300), [t.prompt + solution_text(t) for t in tasks], seed=0)
     tokenizer = policy.tokenizer
-    assert chat_format(tokenizer) == PLAIN  # the tiny model has no template
+    tokenizer.chat_template = None
+    assert chat_format(tokenizer) == PLAIN  # no template: plain turns
     tokenizer.chat_template = CHATML
     fmt = chat_format(tokenizer)
     eos = tokenizer.eos_token

@@ -27,7 +27,8 @@ class ModelConfig(_Section):
     """How prompts become tokens (docs/engine.md): 'raw' encodes the prompt text as is; 'chat'
     applies the checkpoint's chat template (system prompt, the prompt as the user's message, the
     generation prompt) and stops on the template's end-of-turn token; 'auto' is 'chat' when the
-    tokenizer has a template. The embedded tiny model has none, so 'auto' is 'raw' there."""
+    tokenizer has a template. The embedded tiny model's tokenizer has a ChatML template, but
+    'auto' is 'raw' there (its tasks are plain text); 'chat' uses the template."""
     system_prompt: str | None = None
     """System message put before the prompt when the format is 'chat' (ignored for 'raw')."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"

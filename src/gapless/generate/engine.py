@@ -28,6 +28,8 @@ trainer's `token_logprobs` at the same weights and temperature; every token reco
 version of the weights whose forward pass produced its logits. A sequence's random numbers come
 from its own stream (request seed, sample index), so a rerun with the same requests in the same
 order gives identical tokens; a different batch composition changes only float rounding.
+A sequence resumed with a `TokenConstraint` (generate/constraint.py) samples only the tokens its
+grammar allows: its row's other logits are set to -inf before sampling, other rows untouched.
 After a swap with the KV kept, the next tokens attend to keys/values computed by the old weights
 (as PipelineRL does); with `recompute_kv` the whole context is re-prefilled by the new weights.
 """
@@ -38,15 +40,17 @@ import itertools
 import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from gapless.generate.adapters import AdapterMerge
+from gapless.generate.constraint import TokenConstraint, bitmask_words, mask_logits
 from gapless.generate.families import engine_path
 from gapless.generate.hf_runner import HFRunner
 from gapless.generate.protocol import RunningSample
 from gapless.generate.runner import DecoderRunner, attention_ranges
+from gapless.generate.logit_adjust import apply_adjustments
 from gapless.generate.sampling import RowSettings, sample_rows, sample_seed, uniform_stream
 from gapless.types import Completion, FinishReason, SamplingParams
 
@@ -64,6 +68,7 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    constraint: TokenConstraint | None = None  # grammar-constrained decoding (generate/constraint.py)
 
     @property
     def context(self) -> tuple[int, ...]:
@@ -71,6 +76,8 @@ class _Sequence:
 
     def finish_reason(self) -> FinishReason | None:
         if self.tokens and self.tokens[-1] in self.stop_ids:
+            return "stop"
+        if self.constraint is not None and self.constraint.is_terminated:
             return "stop"
         if len(self.tokens) >= self.params.max_new_tokens:
             return "length"
@@ -165,8 +172,10 @@ class TorchEngine:
         self._prefixes: dict[tuple[int, ...], object] = {}  # prefix -> its stashed prefill (the runner's stash_row)
         self._waiting_prefixes: Counter[tuple[int, ...]] = Counter()
         self._decode_rows: RowSettings | None = None  # settings of the running batch, rebuilt when it changes
+        self._adjusted: list[int] = []  # running rows with a logit adjustment, rebuilt with _decode_rows
         self._attention_ranges: list[tuple[int, int]] = []  # the runner's attention split, rebuilt with _decode_rows
         self._ids = itertools.count()
+        self._bitmask: torch.Tensor | None = None  # (max_batch, ceil(V / 32)) int32, constrained rows' masks
 
     # ---- requests -------------------------------------------------------------------------
     @property
@@ -192,14 +201,20 @@ class TorchEngine:
             self._enqueue(_Sequence(request_id, j, sample_seed(params.seed, j), list(prompt_ids), params, self._stops(params)))
         return request_id
 
-    def resume(self, partials: Iterable[Completion], params: SamplingParams, request_id: str | None = None) -> str:
+    supports_constraints = True  # `resume(..., constraints=)`: grammar-constrained decoding
+
+    def resume(self, partials: Iterable[Completion], params: SamplingParams, request_id: str | None = None,
+               constraints: Sequence[TokenConstraint | None] | None = None) -> str:
         """Continue aborted completions (possibly under newer weights): each keeps its tokens,
-        log-probs, versions and random stream; `params.max_new_tokens` counts all their tokens."""
+        log-probs, versions and random stream; `params.max_new_tokens` counts all their tokens.
+        `constraints[i]` (optional) constrains partial i's next tokens; it must already have
+        accepted that partial's tokens."""
         partials = list(partials)
+        constraints = list(constraints) if constraints is not None else [None] * len(partials)
         request_id = request_id if request_id is not None else (partials[0].request_id if partials else f"req-{next(self._ids)}")
-        for c in partials:
+        for c, constraint in zip(partials, constraints, strict=True):
             seq = _Sequence(request_id, c.index, c.seed, list(c.prompt_ids), params, self._stops(params),
-                            list(c.token_ids), list(c.logprobs), list(c.versions))
+                            list(c.token_ids), list(c.logprobs), list(c.versions), constraint)
             if (reason := seq.finish_reason()) is not None:
                 raise ValueError(f"completion {c.request_id}/{c.index} is already finished ({reason}); only partial ones resume")
             self._enqueue(seq)
@@ -287,16 +302,35 @@ class TorchEngine:
         rows = decode_rows(batch, self.max_batch) if self.runner.pads_rows else batch
         if self._decode_rows is None:  # the batch changed
             self._decode_rows = slots.settings(self.running)
+            self._adjusted = [i for i, s in enumerate(self.running) if s.params.adjust and not s.params.adjust.is_identity]
             if self.runner.native is None:  # the native kernels read each slot's own length
                 self._attention_ranges = attention_ranges(slots.position[:rows].tolist())
         logits = self.runner.decode(slots.last_token[:rows], slots.position[:rows], self.cache, self._attention_ranges)[:batch]  # (B, V)
+        if self._adjusted:  # per-request bias and penalties (served requests), row by row
+            logits = apply_adjustments(logits, [(i, (q := self.running[i]).params.adjust, q.prompt, q.tokens) for i in self._adjusted])
         u = slots.uniforms[:batch].gather(1, slots.generated[:batch, None]).squeeze(1)  # (B,)
-        tokens, logprobs = sample_rows(logits, self._decode_rows, u, self.runner.native)
+        native = self.runner.native
+        if constrained := [i for i, seq in enumerate(self.running) if seq.constraint is not None]:
+            logits = self._constrain(logits, constrained)
+            native = None  # the native sampler's fast exp is not defined at -inf
+        tokens, logprobs = sample_rows(logits, self._decode_rows, u, native)
         slots.position[:batch] += 1
         slots.last_token[:batch] = tokens
         slots.generated[:batch] += 1
         self.stats.decode_tokens += batch
         return self._record(tokens.tolist(), logprobs.tolist())
+
+    def _constrain(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Mask the constrained rows' logits to their grammars' allowed tokens (other rows untouched)."""
+        words = bitmask_words(logits.shape[-1])
+        if self._bitmask is None or self._bitmask.shape[1] != words:
+            self._bitmask = torch.zeros(self.max_batch, words, dtype=torch.int32)
+        bitmask = self._bitmask[: len(rows)]
+        for k, i in enumerate(rows):
+            self.running[i].constraint.fill_bitmask(bitmask, k)
+        logits = logits.float().clone()  # the runner may hand out a view of its own buffer
+        mask_logits(logits, rows, bitmask)
+        return logits
 
     def _admit(self) -> None:
         """Move waiting sequences into the free slots: the cache gets the keys/values of all but
@@ -349,6 +383,8 @@ class TorchEngine:
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(self.version)
+            if seq.constraint is not None:
+                seq.constraint.accept(token)
             if (reason := seq.finish_reason()) is not None:
                 done.append(i)
                 reasons.append(reason)

@@ -134,7 +134,7 @@ class VLLMEngine:
             temperature=0.0 if p.greedy else p.temperature, top_p=1.0 if p.greedy else p.top_p,
             top_k=p.top_k if p.top_k > 0 and not p.greedy else -1,  # -1: off in every vLLM version
             stop_token_ids=sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.stop_ids)), ignore_eos=p.ignore_eos, detokenize=False,
-            output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA,
+            output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA, **_adjust_kwargs(p),
         )
         self.engine.add_request(sample.key, {"prompt_token_ids": sample.prompt + sample.tokens}, vp)
         self._live[sample.key] = sample
@@ -193,3 +193,11 @@ class VLLMEngine:
         text = self._decode_text(text_ids) if self._decode_text else ""
         return Completion(list(s.prompt), list(s.tokens), list(s.logprobs), list(s.versions), reason, text, s.request_id, s.index, s.seed)
 
+
+def _adjust_kwargs(p: SamplingParams) -> dict:
+    """vLLM's own names for a request's logit bias and penalties (types.LogitAdjustment)."""
+    if p.adjust is None or p.adjust.is_identity:
+        return {}
+    a = p.adjust
+    return {"presence_penalty": a.presence_penalty, "frequency_penalty": a.frequency_penalty,
+            "repetition_penalty": a.repetition_penalty, "logit_bias": dict(a.logit_bias) or None}

@@ -14,6 +14,15 @@ ignore unknown fields). Sampling is the run's: the request's sampling fields (te
 max_tokens, seed, ...) are accepted and ignored, so the trained tokens follow the run's sampler;
 `n` must be 1 and `stream` false (a 400 otherwise).
 
+Tool calling: a call's `tools`, assistant `tool_calls` and `tool` messages are rendered as plain
+messages in the Hermes-like tool-call format (serve/tools/render.py), and a reply to a call that
+offered tools is parsed into `tool_calls` (finish reason 'tool_calls'). An assistant message whose
+calls this channel issued is rendered as the exact text that was sampled (not re-serialised from
+its parsed calls), so the next call extends the transcript with the sampled tokens as they are.
+`tool_choice` required / named and structured outputs are refused (400): they need constrained
+decoding, and the run's sampler samples the policy unconstrained -- the tokens trained on are
+what the policy chose.
+
 Guaranteed: one call per channel is open at a time (a second, concurrent call is a 409); a closed
 channel answers 410 and fails the call it holds; `close()` stops the server. Every text crosses
 as valid Unicode (`unicode_text`): a lone surrogate in a sampled reply or in an agent's message
@@ -41,6 +50,9 @@ from starlette.routing import Route
 
 from gapless.serve.openai_params import ChatBody, parse_body
 from gapless.serve.protocol import ServeError
+from gapless.serve.tools.parsers import HERMES
+from gapless.serve.tools.render import plain_messages
+from gapless.serve.tools.reply import tool_message
 
 
 @dataclass
@@ -51,6 +63,7 @@ class Call:
     _loop: asyncio.AbstractEventLoop
     _future: asyncio.Future
     number: int = 0  # calls made on the channel before this one
+    tools: list[dict] = field(default_factory=list)  # the function tools offered (replies are parsed for calls)
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,7 @@ class Channel:
     closed: bool = False
     calls: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    sampled: dict[str, str] = field(default_factory=dict)  # tool call id -> the reply text it was parsed from
 
     # ---- the environment's side ------------------------------------------------------------
     def next(self, timeout: float) -> Call | Exited | None:
@@ -81,10 +95,14 @@ class Channel:
     def answer(self, call: Call, text: str, token_ids: list[int], logprobs: list[float], versions: list[int],
                finish_reason: str, prompt_tokens: int) -> None:
         logprobs = [x if math.isfinite(x) else None for x in logprobs]
+        text = unicode_text(text)
+        message, finish = {"role": "assistant", "content": text}, "length" if finish_reason == "length" else "stop"
+        if call.tools:
+            message, finish = tool_message(text, finish, HERMES)
+            self.sampled.update((c["id"], text) for c in message.get("tool_calls", []))
         body = {"id": f"chatcmpl-{self.key[:12]}-{call.number}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": unicode_text(text)},
-                             "finish_reason": "length" if finish_reason == "length" else "stop", "logprobs": None}],
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids),
                           "total_tokens": prompt_tokens + len(token_ids)},
                 "gapless": {"token_ids": token_ids, "logprobs": logprobs, "versions": versions}}
@@ -110,14 +128,22 @@ class Channel:
         call._loop.call_soon_threadsafe(settle)
 
     # ---- the HTTP side -----------------------------------------------------------------------
-    async def call(self, messages: list[tuple[str, str]]) -> tuple[int, dict]:
+    def plain(self, body: ChatBody) -> list[tuple[str, str]]:
+        """The call's messages as (role, content) pairs; this channel's own tool-calling replies as sampled."""
+        dicts = []
+        for m in body.messages:
+            raw = self.sampled.get(m.tool_calls[0].id) if m.tool_calls else None
+            dicts.append({"role": "assistant", "content": raw} if raw is not None else m.as_dict())
+        return plain_messages(dicts, body.tool_dicts, HERMES)
+
+    async def call(self, messages: list[tuple[str, str]], tools: list[dict] | None = None) -> tuple[int, dict]:
         loop = asyncio.get_running_loop()
         with self.lock:
             if self.closed:
                 return 410, _error_body("the episode is over", "episode_over")
             if self.open_call is not None:
                 return 409, _error_body("another call of this episode is waiting for its answer", "call_in_progress")
-            call = Call(messages, loop, loop.create_future(), self.calls)
+            call = Call(messages, loop, loop.create_future(), self.calls, list(tools or []))
             self.open_call, self.calls = call, self.calls + 1
         self.events.put(call)
         return await call._future
@@ -174,7 +200,12 @@ class Gateway:
         if body.n != 1 or body.stream:
             return JSONResponse(_error_body("the training gateway answers one sample per call, without streaming "
                                             "(n = 1, stream = false)", "unsupported"), status_code=400)
-        status, payload = await channel.call([(m.role, unicode_text(m.text)) for m in body.messages])
+        if body.forced_tools is not None or body.structure_spec() is not None:
+            return JSONResponse(_error_body("tool_choice required / named and structured outputs need constrained decoding; "
+                                            "the training gateway samples the policy unconstrained: use tool_choice auto "
+                                            "and no response_format", "unsupported"), status_code=400)
+        messages = [(role, unicode_text(text)) for role, text in channel.plain(body)]
+        status, payload = await channel.call(messages, body.tool_dicts)
         return JSONResponse(payload, status_code=status)
 
 

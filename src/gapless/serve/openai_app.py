@@ -3,7 +3,9 @@
     GET  /v1/models, /v1/models/{id}    the one served model (another id is a 404)
     POST /v1/completions                 prompt: string, strings, token ids or lists of token ids
     POST /v1/chat/completions            messages rendered by the tokenizer's chat template (chat.py)
-    GET  /health, /metrics               liveness; the scheduler's counters as JSON
+    POST /v1/responses                   the Responses API, text (responses.py)
+    POST /tokenize, /detokenize          vLLM's tokenizer routes (openai_extras.py)
+    GET  /health, /metrics               liveness; the scheduler's counters in Prometheus text
 
 Each route parses the body itself (strict models in openai_params.py, so every failure, malformed
 JSON included, is an OpenAI-shaped 400 naming the field), turns it into `SampleRequest`s and awaits
@@ -18,7 +20,12 @@ Errors are `{"error": {"message", "type", "param", "code"}}` with 400 (bad reque
 the context: code `context_length_exceeded`), 401 (`--api-key` set, wrong or no bearer token),
 404 (unknown model or route), 413 (body over `max_body_bytes`), 429 (scheduler full, with
 Retry-After), 500 (anything else; the server lives on).
-Not guaranteed: tools, images, penalties, `best_of` ranking, top alternatives on streams.
+Structured outputs (response_format, vLLM's structured_outputs / guided_*) and tool_choice
+required / named are served by grammar-constrained decoding (grammar.py, tools/choice.py); with
+tools offered, replies are parsed into `tool_calls` by the server's tool-call format (tools/).
+Log-prob lists hold every sampled token, a final EOS or stop token included (spelled as its
+special-token text, as OpenAI and vLLM list it), though the `text` leaves it out.
+Not guaranteed: images, `best_of` ranking, top alternatives on streams.
 """
 
 from __future__ import annotations
@@ -39,11 +46,17 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gapless.serve.chat import chat_prompt_ids
+from gapless.serve.grammar import Grammars, StructureSpec
+from gapless.serve.openai_extras import DetokenizeBody, PrometheusMetrics, TokenizeBody, detokenize, tokenize
 from gapless.serve.openai_params import ChatBody, CompletionBody, parse_body
 from gapless.serve.protocol import (ContextLengthExceeded, InvalidRequest, SampleRequest, SampleResult, ServeError,
                                     merge_deltas)
 from gapless.serve.scheduler import RequestHandle, Scheduler
+from gapless.serve.responses import ResponsesBody, response_events, response_object
 from gapless.serve.scoring import Scorer
+from gapless.serve.tools.choice import forced_calls
+from gapless.serve.tools.parsers import tool_call_format
+from gapless.serve.tools.reply import ToolStream, tool_message
 
 log = logging.getLogger("gapless.serve")
 
@@ -66,8 +79,11 @@ class ClientGone(Exception):
 
 class OpenAIApp:
     def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, *, scorer: Scorer | None = None,
-                 api_key: str | None = None, max_body_bytes: int = 16 << 20, default_max_tokens: int = 1024):
+                 api_key: str | None = None, max_body_bytes: int = 16 << 20, default_max_tokens: int = 1024,
+                 tool_call_parser: str = "hermes"):
         self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
+        self.tool_format = tool_call_format(tool_call_parser)
+        self._grammars: Grammars | None = None  # built on the first constrained request
         self.scorer, self.api_key = scorer, api_key
         self.max_body_bytes, self.default_max_tokens = max_body_bytes, default_max_tokens
         self.vocab_size = len(tokenizer)
@@ -78,8 +94,12 @@ class OpenAIApp:
                   Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                  Route("/v1/responses", self.responses, methods=["POST"]),
+                  Route("/tokenize", self.tokenize, methods=["POST"]),
+                  Route("/detokenize", self.detokenize, methods=["POST"]),
                   Route("/health", lambda request: JSONResponse({"status": "ok"}), methods=["GET"]),
-                  Route("/metrics", self.metrics, methods=["GET"])]
+                  Route("/metrics", lambda request: self._prometheus.response(), methods=["GET"])]
+        self._prometheus = PrometheusMetrics(scheduler)
         self.app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _internal_error})
 
     async def __call__(self, scope, receive, send) -> None:
@@ -100,12 +120,42 @@ class OpenAIApp:
                                    f"{self.model_name!r}", "model"))
         return JSONResponse(self._model_card())
 
-    async def metrics(self, request: Request) -> Response:
-        s = self.scheduler.stats
-        return JSONResponse({"samples_in_flight": self.scheduler.samples_in_flight, "requests": self.scheduler.num_handles,
-                             "submitted": s.submitted, "rejected": s.rejected, "aborted_samples": s.aborted_samples,
-                             "finished_samples": s.finished_samples, "steps": s.steps, "tokens": s.tokens,
-                             "policy_version": self.scheduler.version})
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            body = parse_body(TokenizeBody, await self._json(request))
+            self._check_model(body.model)
+            return JSONResponse(tokenize(self.tokenizer, body, self.scheduler.max_seq_len))
+        except ServeError as exc:
+            return _error(exc)
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            body = parse_body(DetokenizeBody, await self._json(request))
+            self._check_model(body.model)
+            return JSONResponse(detokenize(self.tokenizer, body, self.vocab_size))
+        except ServeError as exc:
+            return _error(exc)
+
+    async def responses(self, request: Request) -> Response:
+        try:
+            body = parse_body(ResponsesBody, await self._json(request))
+            self._check_model(body.model)
+            messages = body.messages()
+            self._check_length(sum(len(m.text) for m in messages), body.max_output_tokens or 1)
+            prompt = chat_prompt_ids(self.tokenizer, messages)
+            max_new = body.max_output_tokens or min(self.default_max_tokens, max(1, self.scheduler.max_seq_len - len(prompt)))
+            handle = self.scheduler.submit(SampleRequest(tuple(prompt), body.sampling(max_new, self.vocab_size), 1,
+                                                         tuple(body.stop or ()), "http", body.stream))
+            if body.stream:
+                return StreamingResponse(response_events(body, self.model_name, handle), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            [result] = (await _results_unless_gone(request, [handle]))[0]
+            return JSONResponse(response_object(body, self.model_name, f"resp_{uuid.uuid4().hex}", int(time.time()), result,
+                                                len(prompt)))
+        except ServeError as exc:
+            return _error(exc)
+        except ClientGone:
+            return Response(status_code=499)
 
     async def completions(self, request: Request) -> Response:
         try:
@@ -119,7 +169,9 @@ class OpenAIApp:
                                                     f"(got {len(p)})", "prompt")
                 results = [[SampleResult(j, p, finish_reason="length") for j in range(body.n)] for p in prompts]
             else:
-                results = await self._run(request, body, [tuple(p) for p in prompts], body.max_tokens or 16, chat=False)
+                constraint = await self._constraint(body.structure_spec())
+                results = await self._run(request, body, [tuple(p) for p in prompts], body.max_tokens or 16, chat=False,
+                                          constraint=constraint)
                 if isinstance(results, Response):
                     return results
             choices = [await self._completion_choice(i * body.n + r.index, r, body) for i, rs in enumerate(results) for r in rs]
@@ -134,10 +186,15 @@ class OpenAIApp:
             body = parse_body(ChatBody, await self._json(request))
             self._check_model(body.model)
             self._check_length(sum(len(m.text) for m in body.messages), body.max_new_tokens or 1)
-            render = lambda: chat_prompt_ids(self.tokenizer, body.messages)  # noqa: E731
+            tools = body.tool_dicts
+            render = lambda: chat_prompt_ids(self.tokenizer, body.messages, tools, self.tool_format)  # noqa: E731
             prompt = await asyncio.to_thread(render) if sum(len(m.text) for m in body.messages) > 4096 else render()
             max_new = body.max_new_tokens or min(self.default_max_tokens, max(1, self.scheduler.max_seq_len - len(prompt)))
-            results = await self._run(request, body, [tuple(prompt)], max_new, chat=True)
+            forced = body.forced_tools
+            spec = body.structure_spec() if forced is None else forced_calls(
+                forced, self.tool_format, parallel=body.parallel_tool_calls is not False and body.tool_choice == "required")
+            results = await self._run(request, body, [tuple(prompt)], max_new, chat=True,
+                                      constraint=await self._constraint(spec))
             if isinstance(results, Response):
                 return results
             choices = [await self._chat_choice(r, body) for r in results[0]]
@@ -189,12 +246,25 @@ class OpenAIApp:
                 raise InvalidRequest(f"prompt: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
         return [list(row) for row in ids]
 
-    async def _run(self, request: Request, body, prompts: list[tuple[int, ...]], max_new: int, chat: bool):
-        params = body.sampling(max_new)
+    async def _constraint(self, spec: StructureSpec | None):
+        """The per-sample grammar factory of `spec` (compiled off the event loop, cached), or None."""
+        if spec is None:
+            return None
+        if self._grammars is None:
+            engine = self.scheduler.engine
+            vocab = getattr(getattr(engine, "runner", None), "vocab_size", self.vocab_size)
+            stops = {self.eos_id, *getattr(engine, "stop_ids", ())}
+            self._grammars = await asyncio.to_thread(Grammars, self.tokenizer, vocab, stops)
+        return (await asyncio.to_thread(self._grammars.compile, spec)).constraint
+
+    async def _run(self, request: Request, body, prompts: list[tuple[int, ...]], max_new: int, chat: bool,
+                   constraint=None):
+        params = body.sampling(max_new, self.vocab_size)
         handles: list[RequestHandle] = []
         try:
             for prompt in prompts:
-                handles.append(self.scheduler.submit(SampleRequest(prompt, params, body.n, tuple(body.stop or ()), "http", body.stream)))
+                handles.append(self.scheduler.submit(SampleRequest(prompt, params, body.n, tuple(body.stop or ()), "http",
+                                                                   body.stream, constraint)))
         except ServeError:
             for handle in handles:
                 handle.abort()
@@ -215,15 +285,11 @@ class OpenAIApp:
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
 
-    def _text_tokens(self, r: SampleResult) -> list[int]:
-        """The tokens that carry text: a final EOS has none (it stays in token_ids and usage)."""
-        return r.token_ids[:-1] if r.token_ids and r.finish_reason == "stop" and r.token_ids[-1] == self.eos_id else r.token_ids
-
     async def _completion_choice(self, index: int, r: SampleResult, body: CompletionBody) -> dict:
         prompt_text = self.tokenizer.decode(r.prompt_ids) if body.echo else ""
         choice = {"index": index, "text": prompt_text + r.text, "logprobs": None, "finish_reason": r.finish_reason}
         if body.logprobs is not None:
-            own = self._text_tokens(r)
+            own = r.token_ids  # EOS and stop tokens included, spelled as their special-token text (OpenAI, vLLM)
             ids, lps, tops = list(own), list(r.logprobs[: len(own)]), [[] for _ in own]
             if body.logprobs or body.echo:
                 scored, scored_tops = await self._score(r, own, body.logprobs, 1 if body.echo else len(r.prompt_ids),
@@ -246,8 +312,10 @@ class OpenAIApp:
     async def _chat_choice(self, r: SampleResult, body: ChatBody) -> dict:
         choice = {"index": r.index, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
                   "finish_reason": r.finish_reason}
+        if body.tool_dicts:
+            choice["message"], choice["finish_reason"] = tool_message(r.text, r.finish_reason, self.tool_format)
         if body.logprobs:
-            own = self._text_tokens(r)
+            own = r.token_ids
             tops = [[] for _ in own]
             if body.top_logprobs:
                 _, tops = await self._score(r, own, body.top_logprobs, len(r.prompt_ids), body.temperature)
@@ -276,6 +344,7 @@ class OpenAIApp:
         if body.include_usage:
             head["usage"] = None
         offsets: dict[int, int] = {}
+        tool_streams = {} if chat and body.tool_dicts else None  # choice index -> its ToolStream
         try:
             if chat:
                 yield "".join(_event({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
@@ -287,10 +356,12 @@ class OpenAIApp:
                     for d in merge_deltas(batch):  # a loop that fell behind sends fewer, larger chunks
                         index, first = p * body.n + d.index, p * body.n + d.index not in offsets
                         text = (self.tokenizer.decode(handle.request.prompt_ids) if first and not chat and body.echo else "") + d.text
-                        own = d.token_ids[:-1] if d.finish_reason == "stop" and d.token_ids[-1:] == [self.eos_id] else d.token_ids
-                        choice = {"index": index, "logprobs": self._stream_logprobs(own, d.logprobs, body, chat, offsets, index),
+                        choice = {"index": index, "logprobs": self._stream_logprobs(d.token_ids, d.logprobs, body, chat, offsets, index),
                                   "finish_reason": d.finish_reason}
                         choice.update({"delta": {"content": text}} if chat else {"text": text})
+                        if tool_streams is not None:
+                            stream = tool_streams.setdefault(index, ToolStream(self.tool_format))
+                            choice["delta"], choice["finish_reason"] = stream.delta(text, d.finish_reason)
                         if body.return_token_ids:
                             choice.update({"token_ids": d.token_ids, "sampling_logprobs": d.logprobs, "policy_versions": d.versions})
                             if first:

@@ -11,7 +11,9 @@ OpenAI error `type`/`code`/`param` they become; they are raised in the caller's 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
+from gapless.generate.constraint import TokenConstraint
 from gapless.types import FinishReason, SamplingParams
 
 
@@ -26,6 +28,7 @@ class SampleRequest:
     stop: tuple[str, ...] = ()  # strings that end a sample; its text stops before the first one
     source: str = "http"  # which client kind submitted it (metrics, and who shared a batch)
     stream: bool = False  # keep per-step deltas for `deltas()`; off: only the final result
+    constraint: Callable[[], TokenConstraint] | None = None  # a fresh grammar state per sample (serve/grammar.py)
 
 
 @dataclass

@@ -240,6 +240,9 @@ class Scheduler:
             raise InvalidRequest(f"n must be at least 1 (got {request.n})", "n")
         if params.max_new_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1 (got {params.max_new_tokens})", "max_tokens")
+        if request.constraint is not None and not getattr(self.engine, "supports_constraints", False):
+            raise InvalidRequest(f"this server's engine ({type(self.engine).__name__}) does not do constrained decoding: "
+                                 "drop response_format / tool_choice required", "response_format")
         if len(prompt) + params.max_new_tokens > self.max_seq_len:
             raise ContextLengthExceeded(
                 f"this model's context is {self.max_seq_len} tokens; the prompt has {len(prompt)} and max_tokens is "
@@ -312,7 +315,10 @@ class Scheduler:
                 rid = f"{handle.id}/{j}"
                 self._live[rid] = _Live(handle, j, SampleText(self._decode, req.stop) if watch else None)
                 fresh = Completion(list(req.prompt_ids), [], [], [], "abort", "", rid, j, sample_seed(req.params.seed, j))
-                self.engine.resume([fresh], req.params, rid)
+                if req.constraint is None:
+                    self.engine.resume([fresh], req.params, rid)
+                else:
+                    self.engine.resume([fresh], req.params, rid, constraints=[req.constraint()])
         elif isinstance(command, _Abort):
             self._abort(command.handle, wakes)
         elif isinstance(command, _Weights):

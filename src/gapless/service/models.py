@@ -34,7 +34,7 @@ import torch
 from gapless.generate.families import require_engine
 from gapless.lora import (LoraSpec, activate, adapter_parameters, adapter_state, add_lora, attach_lora,
                           load_adapter_state, merged_state, remove_lora)
-from gapless.models import Policy, load_local
+from gapless.models import Policy, load_local, save_tokenizer
 from gapless.service.losses import LossInputError, loss_fn
 from gapless.service.wire import DatumIn
 from gapless.trainer.selected_logprobs import selected_logprobs
@@ -87,7 +87,7 @@ class BaseModels:
             raise UserError(f"unknown base model {name!r}; this service serves {', '.join(self.names) or 'nothing'} "
                             "(name more in the service config: [service] base_models = {NAME = \"DIR\"})")
         tokenizer_dir = (self._tokenizer_root / _SAFE.sub("_", name)).resolve()
-        policy.tokenizer.save_pretrained(tokenizer_dir)
+        save_tokenizer(policy.tokenizer, tokenizer_dir)
         policy.model.requires_grad_(False)
         model = self._loaded[name] = BaseModel(name, policy, str(tokenizer_dir))
         return model

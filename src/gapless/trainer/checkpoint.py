@@ -24,7 +24,7 @@ import torch
 
 from gapless.config import ConfigError
 from gapless.lora import load_adapter_state
-from gapless.models import Policy
+from gapless.models import Policy, save_tokenizer
 from gapless.faults import fault_point
 
 
@@ -50,7 +50,7 @@ def save_checkpoint(run_dir: Path, policy: Policy, optimizer: torch.optim.Optimi
             shutil.rmtree(root / BASE, ignore_errors=True)
             os.replace(base_tmp, root / BASE)
         adapted.save_pretrained(tmp)
-        policy.tokenizer.save_pretrained(tmp)
+        save_tokenizer(policy.tokenizer, tmp)
     fault_point("trainer", "checkpoint")  # model written; optimizer, state and rename still to come
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **extra}))
