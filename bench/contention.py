@@ -184,7 +184,7 @@ def part_train_threads(args) -> dict:
 
 def build_model():
     from gapless.config import load_config
-    from gapless.envs.problems import generate_problems
+    from gapless.envs.code.problems import generate_problems
     from gapless.models import build_tiny
 
     cfg = load_config(None, {})

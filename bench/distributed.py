@@ -107,9 +107,9 @@ def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
 def relay_and_failures(sizes_mb: list[int], held_out_mb: int, reps: int,
                        transports: tuple[str, ...] = ("object_store", "broadcast")) -> dict:
     from gapless.config import load_config
-    from gapless.orchestrate.placement import make_placement
-    from gapless.orchestrate.ray_broadcast import BroadcastSender, BroadcastWeights
-    from gapless.orchestrate.ray_weights import ObjectStoreSender, ObjectStoreWeights, WeightBoard
+    from gapless.cluster import make_placement
+    from gapless.cluster.ray.broadcast import BroadcastSender, BroadcastWeights
+    from gapless.cluster.ray.weights import ObjectStoreSender, ObjectStoreWeights, WeightBoard
 
     os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
     cfg = load_config(ROOT / "configs" / "smoke.toml", {
@@ -219,11 +219,11 @@ def blocking_push(reps: int) -> dict:
     import ray
 
     from gapless.config import ModelConfig
-    from gapless.envs.problems import generate_problems
+    from gapless.envs.code.problems import generate_problems
     from gapless.models import build_tiny
-    from gapless.orchestrate.ray_broadcast import BroadcastSender
-    from gapless.orchestrate.ray_weights import ObjectStoreSender, WeightBoard
-    from gapless.orchestrate.weights import SharedWeights
+    from gapless.cluster.ray.broadcast import BroadcastSender
+    from gapless.cluster.ray.weights import ObjectStoreSender, WeightBoard
+    from gapless.cluster.weights import SharedWeights
 
     problems = generate_problems(0, "train", 64, [1, 2, 3])
     torch.manual_seed(0)

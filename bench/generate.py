@@ -34,7 +34,7 @@ import time
 import torch
 
 from gapless.config import ModelConfig
-from gapless.envs.problems import generate_problems
+from gapless.envs.code.problems import generate_problems
 from gapless.generate.engine import TorchEngine
 from gapless.models import build_tiny
 from gapless.types import SamplingParams

@@ -42,7 +42,7 @@ def push(model, args) -> dict:
     from gapless.generate.adapters import AdapterMerge
     from gapless.generate.engine import TorchEngine
     from gapless.lora import LoraSpec
-    from gapless.orchestrate.weights import SharedWeights
+    from gapless.cluster.weights import SharedWeights
     from gapless.trainer.trainer import GRPOTrainer
 
     full = {k: v.detach() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied: pushed once

@@ -202,7 +202,7 @@ def autogroup() -> bool | None:
 def weight_push_vs_copy(repeats: int = 50) -> dict:
     from gapless.config import ModelConfig
     from gapless.models import build_tiny
-    from gapless.orchestrate.weights import SharedWeights
+    from gapless.cluster.weights import SharedWeights
 
     policy = build_tiny(ModelConfig(), ["def f(x): return x + 1"] * 10, seed=0)
     state = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}

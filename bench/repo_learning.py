@@ -1,6 +1,6 @@
 """Repo task: held-out pass@1 before and after RL on the tiny model, across seeds (the spread).
 
-Per seed: a fresh tiny model, warm-started on the imperfect teacher's transcripts (envs/repo_tools.py),
+Per seed: a fresh tiny model, warm-started on the imperfect teacher's transcripts (envs/repo/tools.py),
 then `--steps` RL steps through the reference loop (real sandbox sessions, real grading), on the
 missing-body variant (`repo.missing_frac = 1`): the teacher skips reading 30% of the time and
 writes a wrong operator 30% of the time, mistakes RL has to unlearn. (With wrong-operator bugs

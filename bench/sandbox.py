@@ -19,7 +19,7 @@ parts (sequential medians): bwrap alone, bwrap + an interpreter, the interpreter
 
 `--baseline REF` (a git commit, e.g. the one before a sandbox change) adds, in the same run and
 the same rotation, the warm path of that commit's code and, for the code environment, one
-judged job of an io task (envs/code.py: judge + candidate processes) against that commit's way
+judged job of an io task (envs/code/environment.py: judge + candidate processes) against that commit's way
 of scoring the same completion; `*_over_baseline` ratios compare them (the commit's
 `src/gapless` is extracted under bench/out/ as the package `gapless_baseline`).
 
@@ -109,8 +109,8 @@ def breakdown(samples: int) -> dict[str, float]:
 
 def baseline_variants(ref: str, concurrency: int, pools: dict[str, object]) -> dict[str, Callable[[], bool]]:
     """warm_baseline, judged and judged_baseline (see the module docstring)."""
-    from gapless.envs.code import CodeEnvironment
-    from gapless.envs.problems import CodeProblem
+    from gapless.envs.code.environment import CodeEnvironment
+    from gapless.envs.code.problems import CodeProblem
     from gapless.sandbox import SandboxLimits
 
     base_sandbox, base_code = load_baseline(ref)

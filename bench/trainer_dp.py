@@ -33,7 +33,7 @@ import time
 import torch
 
 from gapless.config import ClusterConfig, ModelConfig, TrainerConfig
-from gapless.envs.problems import generate_problems
+from gapless.envs.code.problems import generate_problems
 from gapless.models import build_tiny
 from gapless.trainer.batch import Batch, token_logprobs
 from gapless.trainer.distributed import DataParallelTrainer, TrainerRankFailed

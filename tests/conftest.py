@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gapless.config import ModelConfig
-from gapless.envs.problems import generate_problems
+from gapless.envs.code.problems import generate_problems
 from gapless.models import build_tiny
 
 

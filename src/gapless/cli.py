@@ -183,7 +183,7 @@ def _cmd_serve_training(argv: list[str]) -> int:
         sock = bind(flags["--host"], int(flags["--port"]))
     except (PortInUse, ValueError) as exc:
         raise _Usage(str(exc)) from None
-    from gapless.serve.tinker_server import serve
+    from gapless.service.server import serve
 
     serve(cfg, sock, key, int(flags["--threads"]) if flags["--threads"] else None)
     print("gapless: service stopped", file=sys.stderr)
@@ -207,7 +207,8 @@ def _cmd_sandbox_run(args: argparse.Namespace) -> int:
 
 def _cmd_sandbox_check(args: argparse.Namespace) -> int:
     from gapless.sandbox import SandboxError, open_sandbox
-    from gapless.sandbox.probes import PROBES, run_probe
+    from gapless.envs.code import probes as code_probes
+    from gapless.sandbox import probes
 
     paths = ["warm", "cold"] if args.path == "both" else [args.path]
     outcomes = []
@@ -221,8 +222,8 @@ def _cmd_sandbox_check(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"# {sandbox.mode}, {sandbox.path} path; {sandbox.cgroup_note}")
                 print(f"{'probe':<46}{'expected':<32}{'status':<20}{'ok':<5}host clean")
-            for probe in PROBES:
-                outcome = run_probe(sandbox, probe)
+            for probe in (*probes.PROBES, *code_probes.HARNESS_PROBES):  # the sandbox's, then its code harness's
+                outcome = probes.run_probe(sandbox, probe)
                 outcomes.append(outcome)
                 if args.json:
                     print(json.dumps({**vars(outcome), "expected": sorted(probe.expect)}))

@@ -1,6 +1,6 @@
 """The run-level failures the command line maps to exit codes (cli.py).
 
-    exit 2   ConfigError (config.py) and data-file errors: the user's input; one line says the fix
+    exit 2   ConfigError (config/) and data-file errors: the user's input; one line says the fix
     exit 3   InfrastructureError: the host, the sandbox, a judge or an actor process failed; the
              message says what to do, and the last checkpoint is intact for `--resume`
     exit 130 / 143   RunStopped by SIGINT / SIGTERM after checkpointing the steps done

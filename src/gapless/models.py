@@ -230,11 +230,6 @@ def load_local(path: str | Path, prompt_format: str | None = None, system_prompt
         precision = ModelConfig(dtype="bfloat16" if record.get("dtype") == "bfloat16" else "float32",
                                 fp32_lm_head=record.get("fp32_lm_head", False))
     apply_precision(model, precision).eval()
-    from gapless.generate.families import check_generic  # not at module level: gapless.generate imports this module
-
-    if (why := check_generic(model)) is not None:
-        raise ConfigError(f"model.path {path}: the engine cannot run model type {kind!r} ({why}); "
-                          "docs/engine.md lists the families it serves")
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
         raise ValueError(f"tokenizer in {path} has no eos token; set eos_token in its tokenizer_config.json")

@@ -8,7 +8,8 @@ weights that sampled it, and the trainer computes staleness from them instead of
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from enum import StrEnum
+from typing import Any, Literal, NamedTuple
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -93,10 +94,51 @@ class Rollout:
         return self.status == "infra_error"
 
 
-@dataclass
-class Group:
-    """The N rollouts of one prompt: the unit of advantage computation."""
+class Admitted(NamedTuple):
+    """A group as admission hands it out (Assign): what a Group carries before its rollouts exist."""
 
-    prompt_uid: str
-    rollouts: list[Rollout]
-    advantages: list[float] = field(default_factory=list)
+    index: int  # admission order: the group's number in groups.jsonl
+    task_index: int  # its task's position in the train split
+    born: int  # the policy version when it was admitted
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Group:
+    """One prompt's group of rollouts, the unit of admission, advantages and the ledger. Built when
+    its scoring ends (an environment actor, or the inline source), it reaches the buffer and the
+    trainer's step unchanged; the trainer computes advantages within each Group, never by position."""
+
+    index: int  # admission order: the group's number in groups.jsonl
+    task_index: int  # its task's position in the train split
+    born: int  # the policy version when it was admitted
+    rollouts: tuple[Rollout, ...]
+
+    @property
+    def oldest_version(self) -> int:
+        return min(r.completion.oldest_version for r in self.rollouts)
+
+    @property
+    def is_zero_variance(self) -> bool:
+        rewards = {r.reward for r in self.rollouts if not r.is_infra_failure}
+        return len(rewards) <= 1
+
+    @property
+    def is_infra_failure(self) -> bool:
+        return all(r.is_infra_failure for r in self.rollouts)
+
+
+class DropReason(StrEnum):
+    """Why an admitted group was not trained: the `reason` of its `dropped` event in groups.jsonl."""
+
+    INFRA_ERROR = "infra_error"  # every rollout failed in the infrastructure
+    ENV_STATE_STALE = "env_state_stale"  # an episode resumed past pipeline.max_env_state_staleness
+    ZERO_VARIANCE = "zero_variance"  # dynamic sampling: one reward for the whole group, no signal
+    OVER_BUDGET = "over_budget"  # staler than pipeline.max_staleness at consume time (admission prevents it)
+    STRAGGLER = "straggler"  # due at this step and still generating
+    SURPLUS = "surplus"  # due at this step, scored, and not needed
+    REPLICA_LOST = "replica_lost"  # its generator replica died or was evicted
+    ENV_LOST = "env_lost"  # its environment actor died or was evicted
+    RUN_ENDED = "run_ended"  # still admitted when the run ended
+    RUN_STOPPED = "run_stopped"  # ... when a signal stopped it
+    RUN_FAILED = "run_failed"  # ... when it failed
+    RUN_LOST = "run_lost"  # open when the trainer crashed; closed by the next --resume

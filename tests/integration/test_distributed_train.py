@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from gapless.orchestrate.watchdog import process_state
+from gapless.cluster.watchdog import process_state
 from gapless.trainer.checkpoint import latest_checkpoint
 
 ROOT = Path(__file__).parents[2]

@@ -64,9 +64,9 @@ def _drive(loop: RunLoop, steps: int, budget: int, states: dict | None = None) -
         for step in range(steps):
             taken = source.take(step)
             assert len(taken.groups) == cfg.loop.prompts_per_step
-            assert all(len(group) == cfg.generator.group_size for group in taken.groups)
+            assert all(len(group.rollouts) == cfg.generator.group_size for group in taken.groups)
             assert all(step - r.completion.oldest_version <= budget for r in taken.rollouts)
-            batch, _ = step_batch(taken.rollouts, cfg.generator.group_size, cfg.trainer, loop.max_seq_len(),
+            batch, _ = step_batch(taken.groups, cfg.trainer, loop.max_seq_len(),
                                   loop.policy.pad_id, loop.trainer.reference_kl)
             loop.trainer.step(batch)
             source.publish(loop.trainer.state_for_push(), loop.trainer.version)

@@ -7,7 +7,7 @@ import pytest
 
 from gapless.cli import main
 from gapless.config import ModelConfig
-from gapless.envs.code_dataset import humaneval_tasks
+from gapless.envs.code.dataset import humaneval_tasks
 from gapless.models import build_tiny
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")

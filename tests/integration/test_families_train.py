@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gapless.config import ModelConfig
-from gapless.envs.problems import generate_problems
+from gapless.envs.code.problems import generate_problems
 from gapless.models import build_tiny
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")

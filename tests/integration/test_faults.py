@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from gapless.faults import POINTS
-from gapless.orchestrate.ipc import run_key
+from gapless.cluster.ipc import run_key
 from gapless.orchestrate.ledger import check_ledger, read_events
 
 from crash import train

@@ -1,4 +1,4 @@
-"""The broadcast weight relay (orchestrate/ray_broadcast.py) between this process (the trainer,
+"""The broadcast weight relay (cluster/ray/broadcast.py) between this process (the trainer,
 rank 0) and receiver processes spawned here, over gloo on loopback; no Ray (slow: each receiver
 imports torch).
 
@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from gapless.orchestrate.ray_broadcast import BroadcastSender, BroadcastWeights, RelayTimeout
+from gapless.cluster.ray.broadcast import BroadcastSender, BroadcastWeights, RelayTimeout
 
 
 def _state(v: int) -> dict[str, torch.Tensor]:

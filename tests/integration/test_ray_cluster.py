@@ -117,7 +117,8 @@ def test_ray_placement_on_a_multi_node_cluster_reproduces_local_bitwise(tmp_path
 RESERVE = """
 import json, sys, time
 from gapless.config import load_config
-from gapless.orchestrate.placement import PlacementError, make_placement
+from gapless.cluster import make_placement
+from gapless.cluster.placement import PlacementError
 cfg = load_config(sys.argv[1], json.loads(sys.argv[2]))
 start = time.monotonic()
 try:
@@ -216,8 +217,8 @@ def test_gapless_train_with_the_broadcast_weight_transport(tmp_path, warm_cache)
     import torch
 
     from gapless.models import load_local
-    from gapless.orchestrate.ray_broadcast import checksum
-    from gapless.orchestrate.ray_weights import Layout
+    from gapless.cluster.ray.broadcast import checksum
+    from gapless.cluster.ray.weights import Layout
 
     steps, budget = 3, 1
     run = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""Ray placement (orchestrate/ray_placement.py), on a private Ray instance started by the test.
+"""Ray placement (cluster/ray/placement.py), on a private Ray instance started by the test.
 
 The one Ray test of the fast suite drives RayPlacement's pieces through a real placed actor:
 channels FIFO both ways, heartbeats, progress marks and the actor's pid seen by the trainer, weight versions
@@ -25,9 +25,10 @@ import torch
 pytest.importorskip("ray")
 
 from gapless.config import load_config  # noqa: E402
-from gapless.orchestrate.placement import Placement, make_placement  # noqa: E402
-from gapless.orchestrate.ray_deaths import MONITOR_ENV  # noqa: E402
-from gapless.orchestrate.ray_mail import MailboxLost  # noqa: E402
+from gapless.cluster import make_placement  # noqa: E402
+from gapless.cluster.placement import Placement  # noqa: E402
+from gapless.cluster.ray.deaths import MONITOR_ENV  # noqa: E402
+from gapless.cluster.ray.mail import MailboxLost  # noqa: E402
 
 from ray_echo import EchoSpec, echo_main  # noqa: E402
 

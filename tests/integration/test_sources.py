@@ -22,7 +22,7 @@ import pytest
 
 from gapless.config import load_config
 from gapless.orchestrate.loop import RunLoop
-from gapless.orchestrate.placement import LocalPlacement, Placement
+from gapless.cluster.placement import LocalPlacement, Placement
 from gapless.orchestrate.source import RolloutSource
 from gapless.trainer.targets import step_batch
 
@@ -54,12 +54,12 @@ def _drive(loop: RunLoop, budget: int) -> list[list[list[int]]]:
         for step in range(STEPS):
             taken = source.take(step)
             assert len(taken.groups) == cfg.loop.prompts_per_step
-            assert all(len(group) == cfg.generator.group_size for group in taken.groups)
+            assert all(len(group.rollouts) == cfg.generator.group_size for group in taken.groups)
             versions = [v for r in taken.rollouts for v in r.completion.versions]
             assert versions and all(step - budget <= v <= step for v in versions), (step, sorted(set(versions)))
             if budget == 0:  # synchronous: the weights published after step t - 1 sampled all of step t
                 assert set(versions) == {step}
-            batch, _ = step_batch(taken.rollouts, cfg.generator.group_size, cfg.trainer, cfg.generator.max_new_tokens,
+            batch, _ = step_batch(taken.groups, cfg.trainer, cfg.generator.max_new_tokens,
                                   loop.policy.pad_id, loop.trainer.reference_kl)
             with source.training():
                 loop.trainer.step(batch)
@@ -166,7 +166,7 @@ def test_the_ray_placement_keeps_the_contract_and_agrees_with_inline_at_budget_z
 
 def test_every_placement_implements_the_protocol():
     assert isinstance(LocalPlacement(), Placement)
-    ray_placement = pytest.importorskip("gapless.orchestrate.ray_placement")
+    ray_placement = pytest.importorskip("gapless.cluster.ray.placement")
     members = [m for m in vars(Placement) if not m.startswith("_")]
     assert all(hasattr(ray_placement.RayPlacement, m) for m in members if m != "ctx"), members
 

@@ -1,4 +1,4 @@
-"""The stall watch measures progress, not arrivals (orchestrate/watchdog.py), on real runs.
+"""The stall watch measures progress, not arrivals (cluster/watchdog.py), on real runs.
 
 - A run whose one group takes longer to generate than pipeline.stall_timeout_s, decoding all the
   while, completes: the trainer's wait for it (read from its timeline) outlasts the timeout.

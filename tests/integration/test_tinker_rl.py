@@ -28,7 +28,7 @@ from tinker import types
 
 from gapless.config import load_config
 from gapless.envs.registry import make_environment
-from gapless.serve.tinker_server import ServiceThread, build_service
+from gapless.service.server import ServiceThread, build_service
 from gapless.types import Completion
 
 chz = pytest.importorskip("chz", reason="tinker-cookbook's dependencies come with the test extra (scripts/setup.sh)")

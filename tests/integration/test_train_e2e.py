@@ -64,7 +64,7 @@ def test_checkpoint_is_loadable_and_resume_continues(tmp_path, warm_cache):
     assert torch.equal(next(iter(loop.policy.model.state_dict().values())), next(iter(model.state_dict().values())))
     summary = loop.run()
     assert summary["trained_samples"] == 4 * 2 * 4
-    steps = [json.loads(l)["step"] for l in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines() if "train/loss" in l]
+    steps = [json.loads(line)["step"] for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines() if "train/loss" in line]
     assert steps == [1, 2, 3, 4]
 
 

@@ -17,7 +17,7 @@ from gapless.generate.sampler import TorchSampler
 from gapless.trainer.batch import build_batch
 from gapless.trainer.targets import step_targets
 from gapless.trainer.trainer import GRPOTrainer
-from gapless.types import Rollout, SamplingParams
+from gapless.types import Group, Rollout, SamplingParams
 
 STEPS, GROUP, MAX_NEW_TOKENS = 25, 4, 8
 
@@ -53,7 +53,9 @@ def test_variant_raises_a_toy_reward(tiny_policy, problems, variant):
         completions = sampler.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW_TOKENS, seed=step))
         rollouts = [Rollout("toy", c, even_token_reward(c.token_ids), "ok") for c in completions]
         curve.append(sum(r.reward for r in rollouts) / len(rollouts))
-        targets = step_targets(rollouts, GROUP, cfg, MAX_NEW_TOKENS)
+        step_groups = [Group(index=i, task_index=i, born=step, rollouts=tuple(rollouts[i * GROUP : (i + 1) * GROUP]))
+                       for i in range(len(rollouts) // GROUP)]
+        targets = step_targets(step_groups, cfg, MAX_NEW_TOKENS)
         batch = build_batch(completions, targets.advantages, targets.is_trainable, tiny_policy.pad_id, group_ids)
         trainer.step(batch.select(targets.keep))
         sampler.update_weights(trainer.state_for_push(), trainer.version)

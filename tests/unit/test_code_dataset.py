@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gapless.envs.code import CodeEnvironment
-from gapless.envs.code_dataset import CodeTask, load_code_dataset, parse_code_record
+from gapless.envs.code.environment import CodeEnvironment
+from gapless.envs.code.dataset import CodeTask, load_code_dataset, parse_code_record
 from gapless.envs.records import DatasetError
 from gapless.sandbox import BwrapSandbox, SandboxLimits
 

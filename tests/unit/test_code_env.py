@@ -4,8 +4,8 @@ import shutil
 
 import pytest
 
-from gapless.envs.code import CodeEnvironment, SandboxUnavailable, parse_report
-from gapless.envs.problems import generate_problems
+from gapless.envs.code.environment import CodeEnvironment, SandboxUnavailable, parse_report
+from gapless.envs.code.problems import generate_problems
 from gapless.sandbox import BwrapSandbox, SandboxLimits
 from gapless.types import Completion
 
@@ -90,13 +90,13 @@ def test_report_parser_counts_garbage_and_ignores_duplicates():
 
 
 def _assert_task(tests):
-    from gapless.envs.code_dataset import parse_code_record
+    from gapless.envs.code.dataset import parse_code_record
 
     return parse_code_record({"prompt": "def pair(a, b):\n", "entry_point": "pair", "tests": tests})
 
 
 def test_literal_asserts_are_compared_on_the_host_with_the_asserts_meaning(env):
-    from gapless.envs.code_asserts import host_compared
+    from gapless.envs.code.asserts import host_compared
 
     tests = ["assert pair(1, 2) == (1, 2)", "assert (2, 1) == candidate(2, 1)", "assert pair(0, 0.0) == (0, 0)"]
     task = _assert_task(tests)

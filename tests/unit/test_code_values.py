@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gapless.envs.code import parse_report
-from gapless.envs.code_values import MAX_DEPTH, MAX_INT_DIGITS, Malformed, Unrepresentable, decode, encode, loads_bounded
+from gapless.envs.code.environment import parse_report
+from gapless.envs.code.values import MAX_DEPTH, MAX_INT_DIGITS, Malformed, Unrepresentable, decode, encode, loads_bounded
 
 EXPECTED = ("1", "[1, 2]", '{"a": true}')
 ADVERSARIAL = [

@@ -92,10 +92,10 @@ def test_shipped_configs_are_valid():
 def test_configuration_doc_is_in_sync():
     from pathlib import Path
 
-    from gapless.config_doc import render
+    from gapless.config.doc import render
 
     doc = Path(__file__).parents[2] / "docs" / "configuration.md"
-    assert doc.read_text() == render(), "run: python -m gapless.config_doc > docs/configuration.md"
+    assert doc.read_text() == render(), "run: python -m gapless.config.doc > docs/configuration.md"
 
 
 def test_tool_use_rejects_the_per_completion_overlong_penalty():

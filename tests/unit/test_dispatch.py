@@ -9,7 +9,7 @@ P = 4
 
 
 def _dispatcher(budget: int, replicas: int, oversample: float = 0.0) -> Dispatcher:
-    d = Dispatcher(Admission(P, budget, oversample), PromptSource(0, [f"t{i}" for i in range(50)], P), budget, -budget)
+    d = Dispatcher(Admission(P, budget, oversample), PromptSource(0, [f"t{i}" for i in range(50)], P))
     for r in range(replicas):
         d.loaded(r, 0)
     return d
@@ -33,7 +33,7 @@ def test_groups_spread_over_replicas_and_lost_ones_are_returned():
     d.scored(held_by_1[0])
     assert d.lost(1) == held_by_1[1:]  # exactly the unscored ones
     assert d.assign() == {}  # no place freed yet: the trainer frees them as replica_lost drops
-    d.freed(len(held_by_1) - 1)
+    d.admission.freed(len(held_by_1) - 1)
     again = d.assign()
     assert list(again) == [0] and len(again[0]) == len(held_by_1) - 1  # backfilled on the surviving replica
 
@@ -42,8 +42,8 @@ def test_a_lagging_replica_gets_no_group_born_stale():
     d = _dispatcher(budget=1, replicas=2)
     d.assign()
     d.loaded(0, 3)  # replica 1 still holds version 0
-    d.assembling(3)  # the trainer fills step 3: groups born before version 2 would already be due
-    d.freed(5)
+    d.admission.assembling(3)  # the trainer fills step 3: groups born before version 2 would already be due
+    d.admission.freed(5)
     out = d.assign()
     assert list(out) == [0] and all(born == 3 for _, _, born in out[0])
 
@@ -57,13 +57,13 @@ def test_a_new_version_is_shared_with_a_replica_one_version_behind():
         for index, _, _ in held:
             d.scored(index)
     d.loaded(0, 1)  # replica 1 has not reported version 1 yet
-    d.assembling(1)
+    d.admission.assembling(1)
     out = d.assign()
     assert sorted(out) == [0, 1] and [len(out[0]), len(out[1])] == [P // 2, P // 2]
     assert all(born == 1 for held in out.values() for _, _, born in held)
     d.loaded(0, 3)  # replica 1 now lags by more than one version: it gets nothing new
-    d.assembling(3)
-    d.freed(2)
+    d.admission.assembling(3)
+    d.admission.freed(2)
     assert list(d.assign()) == [0]
 
 

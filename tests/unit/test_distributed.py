@@ -16,7 +16,7 @@ import torch
 
 from gapless.config import ClusterConfig, ConfigError, TrainerConfig, load_config
 from gapless.generate.sampler import TorchSampler
-from gapless.orchestrate.watchdog import process_state
+from gapless.cluster.watchdog import process_state
 from gapless.trainer.batch import build_batch
 from gapless.trainer.distributed import DataParallelTrainer, TrainerRankFailed, deal_rows, make_trainer
 from gapless.trainer.trainer import GRPOTrainer, StepStats, Trainer
@@ -185,7 +185,7 @@ def test_ranks_placed_on_ray_equal_local_ranks_bitwise_and_a_killed_rank_is_name
     loss); a rank killed with SIGKILL ends the next step within 2 s with an error naming it; the
     placement's teardown leaves no Ray process."""
     pytest.importorskip("ray")
-    from gapless.orchestrate.placement import make_placement
+    from gapless.cluster import make_placement
 
     def ray_processes(marker: str) -> list[str]:
         out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()

@@ -16,8 +16,8 @@ import pytest
 from sandbox_host import SLOT_UID_BASE, needs_bwrap
 
 from gapless.config import ModelConfig
-from gapless.envs.tool_task import ToolTask
-from gapless.envs.tools import ToolUseEnvironment
+from gapless.envs.tools.tasks import ToolTask
+from gapless.envs.tools.environment import ToolUseEnvironment
 from gapless.envs.turns import TurnRequest
 from gapless.models import build_tiny
 from gapless.orchestrate.episode_runner import EpisodeRunner
@@ -152,7 +152,7 @@ def test_suspended_episodes_resume_with_their_state_and_record_its_versions(env,
         # every turn 1 is sampled after the bump; a turn 0 before it (the first back) or after (its sibling may be)
         assert r.info["resumes"] == 2 and r.info["resumed_by_version"] == 1  # its turns 1 and 2 each resume it
         assert r.info["env_state_version"] == 1  # the last resume (turn 2) found the state turn 1 wrote
-    for r in c.rollouts + [r for g in scored if g.index == 0 for r in g.rollouts]:
+    for r in [*c.rollouts, *(r for g in scored if g.index == 0 for r in g.rollouts)]:
         assert r.info["env_state_gap_max"] in (0, 1)
     assert any(r.info["env_state_gap_max"] == 1 for r in c.rollouts)  # resumed under newer weights
 

@@ -1,5 +1,5 @@
 """The training gateway (serve/gateway.py, serve/transcript.py) and the agent environment
-(envs/agent.py): real agent processes with the `openai` client, a real engine, and the check that
+(envs/agent/environment.py): real agent processes with the `openai` client, a real engine, and the check that
 matters -- the tokens an episode trains on are exactly the ones the engine sampled: the ids the
 agent received equal the rollout's model tokens, and the log-probs the engine recorded equal a
 fresh forward pass over the whole trained sequence (a context that differed from what was
@@ -17,9 +17,9 @@ import torch
 from openai import BadRequestError, OpenAI
 
 from gapless.config import ConfigError, ModelConfig, load_config
-from gapless.envs.agent import AgentEnvironment
-from gapless.envs.math import ProceduralMathEnvironment
-from gapless.envs.math_problems import generate_math_problems
+from gapless.envs.agent.environment import AgentEnvironment
+from gapless.envs.math.environment import ProceduralMathEnvironment
+from gapless.envs.math.problems import generate_math_problems
 from gapless.generate.engine import TorchEngine
 from gapless.models import build_tiny
 from gapless.prompts import PromptEncoder

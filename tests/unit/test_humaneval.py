@@ -1,6 +1,6 @@
 """HumanEval in the sandbox: every canonical solution passes, empty and truncated ones fail.
 
-The tests run in the judge's process against a proxy of the candidate's entry point (envs/code.py),
+The tests run in the judge's process against a proxy of the candidate's entry point (envs/code/environment.py),
 so this is the check that the judge, the plain-value boundary and HumanEval's `check(candidate)`
 tests agree. The whole set (164 problems x 3 completions) is a `slow` test; the fast suite runs
 a representative subset: the first problems, those whose tests use helpers the prompt defines
@@ -13,8 +13,8 @@ import time
 import pytest
 from sandbox_host import SLOT_UID_BASE
 
-from gapless.envs.code import CodeEnvironment
-from gapless.envs.code_dataset import humaneval_tasks
+from gapless.envs.code.environment import CodeEnvironment
+from gapless.envs.code.dataset import humaneval_tasks
 from gapless.sandbox import BwrapSandbox, SandboxLimits
 from gapless.types import Completion
 

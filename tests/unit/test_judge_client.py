@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from gapless.envs.judge_client import HttpJudgeClient
+from gapless.envs.judge.client import HttpJudgeClient
 
 
 class Misbehaving(BaseHTTPRequestHandler):

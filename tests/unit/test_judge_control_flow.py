@@ -1,4 +1,4 @@
-"""The judge runs the test's control flow, never the candidate's (envs/code_judge.py).
+"""The judge runs the test's control flow, never the candidate's (envs/code/sandbox_scripts/judge.py).
 
 An asserts task (the judge runs each `check(candidate)`) whose tests call the entry point through
 the shapes that give an exception a meaning of its own: `map`, `zip`, `filter`, `next` with a
@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sandbox_host import SLOT_UID_BASE, needs_bwrap
 
-from gapless.envs.code import CodeEnvironment
-from gapless.envs.problems import CodeProblem
+from gapless.envs.code.environment import CodeEnvironment
+from gapless.envs.code.problems import CodeProblem
 from gapless.sandbox import BwrapSandbox, SandboxLimits
 
 pytestmark = needs_bwrap

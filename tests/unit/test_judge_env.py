@@ -12,9 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from gapless.envs.base import Environment
-from gapless.envs.judge import JudgeEnvironment, JudgeTask, JudgeUnavailable, embedded_judge_tasks, load_judge_tasks
-from gapless.envs.judge_client import HttpJudgeClient
-from gapless.envs.judge_parse import parse_score
+from gapless.envs.judge.environment import JudgeEnvironment, JudgeTask, JudgeUnavailable, embedded_judge_tasks, load_judge_tasks
+from gapless.envs.judge.client import HttpJudgeClient
+from gapless.envs.judge.parse import parse_score
 from gapless.types import Completion
 
 
@@ -149,7 +149,7 @@ def test_tasks_from_jsonl(tmp_path):
 
 def test_made_from_the_config(tmp_path):
     from gapless.config import load_config
-    from gapless.envs.judge import make_judge_environment
+    from gapless.envs.judge.environment import make_judge_environment
 
     cfg = load_config(overrides={"judge.base_url": '"http://127.0.0.1:9/v1"', "judge.api": "chat", "judge.max_retries": "0",
                                  "judge.timeout_s": "0.5"})

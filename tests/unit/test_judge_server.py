@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from gapless.config import ModelConfig
-from gapless.envs.judge import JudgeEnvironment, embedded_judge_tasks
-from gapless.envs.judge_client import HttpJudgeClient, LocalJudgeClient
+from gapless.envs.judge.environment import JudgeEnvironment, embedded_judge_tasks
+from gapless.envs.judge.client import HttpJudgeClient, LocalJudgeClient
 from gapless.generate.sampler import TorchSampler
 from gapless.models import build_tiny
 from gapless.trainer.batch import token_logprobs
-from gapless.trainer.warmstart import supervised_batch
+from gapless.trainer.warmstart.pairs import supervised_batch
 from gapless.types import Completion
 
 SRC = Path(__file__).resolve().parents[2] / "src"

@@ -5,9 +5,9 @@ import threading
 
 import pytest
 
-from gapless.envs.math import MathEnvironment, load_math_dataset
-from gapless.envs.math_answer import extract_answer, grade
-from gapless.envs.math_problems import generate_math_problems, left_to_right
+from gapless.envs.math.environment import MathEnvironment, load_math_dataset
+from gapless.envs.math.answer import extract_answer, grade
+from gapless.envs.math.problems import generate_math_problems, left_to_right
 from gapless.envs.records import DatasetError
 from gapless.types import Completion
 
@@ -226,7 +226,7 @@ def test_a_helper_that_dies_on_an_answer_is_retried_once_and_then_blames_the_ans
     import subprocess
     import sys
 
-    from gapless.envs import math_answer
+    from gapless.envs.math import answer as math_answer
 
     started = []
 

@@ -14,18 +14,18 @@ import pytest
 import torch
 
 from gapless.orchestrate.admission import Admission, PromptSource, sample_step_tasks
-from gapless.orchestrate.buffer import ScoredGroup, StalenessBuffer
+from gapless.orchestrate.buffer import StalenessBuffer
 from gapless.orchestrate.curriculum import PassRateCurriculum
 from gapless.orchestrate.ledger import GroupLedger
-from gapless.orchestrate.watchdog import ACTORS, Heartbeats, PipelineStalled, StallWatch, process_state
-from gapless.orchestrate.weights import SharedWeights
-from gapless.types import Completion, Rollout
+from gapless.cluster.watchdog import ACTORS, Heartbeats, PipelineStalled, StallWatch, process_state
+from gapless.cluster.weights import SharedWeights
+from gapless.types import Admitted, Completion, Group, Rollout
 
 
-def _group(index: int, born: int, rewards: list[float], versions: list[int] | None = None) -> ScoredGroup:
+def _group(index: int, born: int, rewards: list[float], versions: list[int] | None = None) -> Group:
     rollouts = [Rollout("t", Completion([1], [2, 3], [-0.1, -0.2], versions or [born, born], "stop", ""), r, "ok" if r == 1 else "wrong_answer")
                 for r in rewards]
-    return ScoredGroup(index, 0, born, rollouts)
+    return Group(index=index, task_index=0, born=born, rollouts=tuple(rollouts))
 
 
 def _ledger_events(path) -> list[dict]:
@@ -40,7 +40,7 @@ def test_admission_bound(staleness, oversample):
         while adm.may_admit(version):
             adm.admit()
         assert adm.admitted == (version + staleness + 1) * P + adm.extra
-    adm.dropped += 3  # each drop frees one place for a backfill
+    adm.freed(3)  # each drop frees one place for a backfill
     assert adm.may_admit(4) and adm.limit(4) - adm.admitted == 3
 
 
@@ -260,7 +260,7 @@ def test_the_group_that_empties_a_replica_carries_its_report(tmp_path, tiny_poli
     from gapless.config import load_config
     from gapless.orchestrate import actors
     from gapless.orchestrate.messages import Assign, GenStats, ToScore
-    from gapless.orchestrate.watchdog import StopFlag
+    from gapless.cluster.watchdog import StopFlag
 
     monkeypatch.setattr(actors, "STATS_EVERY_S", 1e9)  # no periodic report during the test
     ctx = mp.get_context("spawn")
@@ -271,9 +271,10 @@ def test_the_group_that_empties_a_replica_carries_its_report(tmp_path, tiny_poli
     to_env, inbox, outbox = queue.Queue(), queue.Queue(), queue.Queue()
     spec = actors.ActorSpec(cfg, "generator", [(p.uid, p.prompt) for p in problems[:3]], tmp_path / "policy", 0,
                             Heartbeats(ctx, ("generator",)), StopFlag(ctx), inbox, outbox,
-                            weights=SharedWeights(state, 0, ctx), to_env=(to_env,))
+                            weights=SharedWeights(state, 0, ctx), to_env=(to_env,),
+                            max_seq_len=max(len(tiny_policy.encode(p.prompt)) for p in problems[:3]) + 4)
     actor = actors._GeneratorActor(spec)
-    inbox.put(Assign(((0, 0, 0), (1, 1, 0), (2, 2, 0))))
+    inbox.put(Assign((Admitted(0, 0, 0), Admitted(1, 1, 0), Admitted(2, 2, 0))))
     runner = threading.Thread(target=actor.run)
     runner.start()
     try:

@@ -8,7 +8,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from gapless.orchestrate.ray_deaths import death_reason, is_memory_kill  # noqa: E402
+from gapless.cluster.ray.deaths import death_reason, is_memory_kill  # noqa: E402
 
 # the head of the text Ray 2.60's raylet writes for a worker its memory monitor killed
 OOM_TEXT = ("1 worker(s) were killed due to the node running low on memory. Memory on the node (IP: 10.0.0.7, ID: "

@@ -1,4 +1,4 @@
-"""The Ray mailbox's call gate and heartbeat ages (orchestrate/ray_mail.py), without a Ray instance:
+"""The Ray mailbox's call gate and heartbeat ages (cluster/ray/mail.py), without a Ray instance:
 the Ray calls are replaced at `ray.get` / `ray.is_initialized`, the logic under test is the real one.
 
 - quiesce refuses new calls and waits for the one in flight (ray.shutdown under a thread inside
@@ -24,7 +24,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from gapless.orchestrate import ray_mail  # noqa: E402
+from gapless.cluster.ray import mail as ray_mail  # noqa: E402
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import random
 import pytest
 from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
 
-from gapless.envs.reasoning_gym import ReasoningGymEnvironment
+from gapless.envs.reasoning_gym.environment import ReasoningGymEnvironment
 from gapless.types import Completion
 
 DATASETS = ["basic_arithmetic", "leg_counting", "spell_backward"]

@@ -14,9 +14,9 @@ from sandbox_host import SLOT_UID_BASE, needs_bwrap
 
 from gapless.config import ModelConfig
 from gapless.envs.base import MultiTurnEnvironment, Teacher
-from gapless.envs.repo import RepoEnvironment
-from gapless.envs.repo_gen import generate_repo_tasks
-from gapless.envs.repo_tools import ideal_transcript
+from gapless.envs.repo.environment import RepoEnvironment
+from gapless.envs.repo.tasks import generate_repo_tasks
+from gapless.envs.repo.tools import ideal_transcript, solution_text
 from gapless.models import build_tiny
 from gapless.sandbox import BwrapSandbox, SandboxLimits
 from gapless.types import Completion, SamplingParams
@@ -49,7 +49,7 @@ class ScriptedGenerator:
 @pytest.fixture(scope="module")
 def policy():
     cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=300)
-    return build_tiny(cfg, [t.prompt + t.solution for t in TASKS], seed=0)
+    return build_tiny(cfg, [t.prompt + solution_text(t) for t in TASKS], seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gapless.config import ModelConfig
-from gapless.envs.repo_gen import generate_repo_tasks
-from gapless.envs.repo_tools import PLAIN, chat_format, parse_command, shown
+from gapless.envs.repo.tasks import generate_repo_tasks
+from gapless.envs.repo.tools import PLAIN, chat_format, parse_command, shown, solution_text
 from gapless.models import build_tiny
 
 CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
@@ -40,7 +40,7 @@ def test_shown_keeps_head_and_tail_within_the_byte_cap():
 def test_a_chat_template_frames_turns_token_exactly():
     tasks = generate_repo_tasks(0, "train", 4)
     policy = build_tiny(ModelConfig(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64,
-                                    vocab_size=300), [t.prompt + t.solution for t in tasks], seed=0)
+                                    vocab_size=300), [t.prompt + solution_text(t) for t in tasks], seed=0)
     tokenizer = policy.tokenizer
     tokenizer.chat_template = None
     assert chat_format(tokenizer) == PLAIN  # no template: plain turns

@@ -20,9 +20,9 @@ import time
 import pytest
 from sandbox_host import IS_ROOT, SLOT_UID_BASE, needs_bwrap
 
-from gapless.envs.code import HARNESSES, JUDGE_FILES, CodeEnvironment
-from gapless.envs.code_dataset import humaneval_tasks
-from gapless.envs.problems import CodeProblem
+from gapless.envs.code.environment import HARNESSES, JUDGE_FILES, CodeEnvironment
+from gapless.envs.code.dataset import humaneval_tasks
+from gapless.envs.code.problems import CodeProblem
 from gapless.sandbox import BwrapSandbox, Judged, SandboxLimits, Status, procs
 
 pytestmark = needs_bwrap
@@ -121,8 +121,8 @@ def test_only_the_judge_can_say_its_candidate_did_not_start():
 
 
 def test_a_repository_whose_code_kills_its_grading_job_is_graded_zero_not_masked():
-    from gapless.envs.repo import RepoEnvironment
-    from gapless.envs.repo_gen import generate_repo_tasks
+    from gapless.envs.repo.environment import RepoEnvironment
+    from gapless.envs.repo.tasks import generate_repo_tasks
 
     task = generate_repo_tasks(0, "train", 1)[0]
     limits = SandboxLimits(timeout_s=20.0, memory_mb=256, max_processes=16, tmp_size_mb=4)

@@ -9,6 +9,7 @@ from sandbox_host import SLOT_UID_BASE, needs_bwrap
 
 import gapless.sandbox
 from gapless.cli import main
+from gapless.envs.code import probes as code_probes
 from gapless.sandbox import probes
 
 pytestmark = needs_bwrap
@@ -20,6 +21,7 @@ def test_sandbox_check_prints_probe_status_and_host_clean(monkeypatch, capsys, c
                         lambda **kw: real_open(slot_uid_base=SLOT_UID_BASE, **kw))  # fmt: skip
     chosen = [p for p in probes.PROBES if p.name in ("fork bomb", "TCP to the host")]
     monkeypatch.setattr(probes, "PROBES", tuple(chosen))
+    monkeypatch.setattr(code_probes, "HARNESS_PROBES", ())
     assert main(["sandbox", "check", "--path", "warm"]) == 0
     out = capsys.readouterr().out
     assert "probe" in out and "host clean" in out

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from sandbox_host import SLOT_UID_BASE, needs_bwrap
 
-from gapless.envs.code import CodeEnvironment, SandboxUnavailable
-from gapless.envs.problems import CodeProblem
+from gapless.envs.code.environment import CodeEnvironment, SandboxUnavailable
+from gapless.envs.code.problems import CodeProblem
 from gapless.sandbox import BwrapSandbox, SandboxLimits, SandboxResult, Status
 from gapless.trainer.advantages import group_advantages
 from gapless.types import Completion

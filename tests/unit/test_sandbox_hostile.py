@@ -14,6 +14,7 @@ import pytest
 from sandbox_host import SLOT_UID_BASE, assert_host_clean, host_state, needs_bwrap
 
 from gapless.sandbox import BwrapSandbox
+from gapless.envs.code.probes import HARNESS_PROBES
 from gapless.sandbox.probes import PROBES, run_probe
 
 pytestmark = needs_bwrap
@@ -29,7 +30,7 @@ def sandbox(request):
     assert_host_clean(before)
 
 
-@pytest.mark.parametrize("probe", PROBES, ids=[probe.name for probe in PROBES])
+@pytest.mark.parametrize("probe", PROBES + HARNESS_PROBES, ids=[probe.name for probe in PROBES + HARNESS_PROBES])
 def test_probe(sandbox, probe):
     if probe.needs_cgroup and not sandbox.has_cgroups:
         pytest.skip(f"needs a per-slot cgroup ({sandbox.cgroup_note})")

@@ -1,6 +1,6 @@
 """Reward integrity: completions that try to forge their reward instead of solving the task.
 
-Each forgery acts in the only process it has (the candidate's, envs/code_candidate.py) against
+Each forgery acts in the only process it has (the candidate's, envs/code/sandbox_scripts/candidate.py) against
 a HumanEval task (asserts harness: `check(candidate)` in the judge) and a procedural io task (the
 host compares outputs). Each must score 0 with the status listed; the correct solution still
 scores 1. The attempts: patching builtins, comparison objects with a forged `__eq__`, writing
@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 from sandbox_host import SLOT_UID_BASE, needs_bwrap
 
-from gapless.envs.code import CodeEnvironment
-from gapless.envs.code_dataset import humaneval_tasks
-from gapless.envs.problems import CodeProblem
+from gapless.envs.code.environment import CodeEnvironment
+from gapless.envs.code.dataset import humaneval_tasks
+from gapless.envs.code.problems import CodeProblem
 from gapless.sandbox import BwrapSandbox, SandboxLimits
 
 pytestmark = needs_bwrap

@@ -47,7 +47,7 @@ def test_code_tasks_refuse_to_start_in_reduced_mode(clean_host):
     """issue 21: in reduced mode the candidate could read its tests, so a code task never
     starts there (it would train on zeros or on forgeable rewards): one line, naming the fix."""
     from gapless.config import ConfigError
-    from gapless.envs.code import CodeEnvironment
+    from gapless.envs.code.environment import CodeEnvironment
 
     box = open_sandbox(mode="reduced", slot_uid_base=SLOT_UID_BASE, max_concurrency=1)
     try:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gapless.config import load_config
-from gapless.envs.judge import JudgeEnvironment, embedded_judge_tasks, make_judge_environment
-from gapless.envs.judge_client import HttpJudgeClient, SchedulerJudgeClient
+from gapless.envs.judge.environment import JudgeEnvironment, embedded_judge_tasks, make_judge_environment
+from gapless.envs.judge.client import HttpJudgeClient, SchedulerJudgeClient
 from gapless.serve.openai_server import ServerThread, build_app
 from gapless.types import Completion
 from serve_model import tiny_policy

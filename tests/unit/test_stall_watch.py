@@ -1,4 +1,4 @@
-"""The stall watch's rule (orchestrate/watchdog.py): a stall is an actor without progress.
+"""The stall watch's rule (cluster/watchdog.py): a stall is an actor without progress.
 
 - an actor process that keeps marking progress is no stall however long the trainer waits with
   nothing arriving; the same process, still beating, stops progressing: a stall within the
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from gapless.orchestrate.watchdog import WHAT_BYTES, Heartbeats, PipelineStalled, StallWatch
+from gapless.cluster.watchdog import WHAT_BYTES, Heartbeats, PipelineStalled, StallWatch
 
 
 def _actor(beats: Heartbeats, keep_progressing) -> None:

@@ -4,12 +4,18 @@ import pytest
 
 from gapless.config import TrainerConfig
 from gapless.trainer.targets import overlong_penalty, step_targets
-from gapless.types import Completion, Rollout
+from gapless.types import Completion, Group, Rollout
 
 
 def rollout(reward: float, length: int = 3, finish: str = "stop", status: str = "wrong_answer") -> Rollout:
     completion = Completion([1], [5] * length, [-1.0] * length, [0] * length, finish, "")
     return Rollout("p", completion, reward, status)
+
+
+def groups(rollouts: list[Rollout], size: int) -> list[Group]:
+    """Consecutive runs of `size` rollouts, as the sources hand them over."""
+    return [Group(index=i // size, task_index=0, born=0, rollouts=tuple(rollouts[i : i + size]))
+            for i in range(0, len(rollouts), size)]
 
 
 def test_overlong_penalty_is_linear_over_the_buffer():
@@ -20,7 +26,7 @@ def test_overlong_penalty_is_linear_over_the_buffer():
 
 def test_default_targets_are_plain_grpo():
     group = [rollout(1.0), rollout(0.0), rollout(0.0), rollout(1.0)]
-    out = step_targets(group, 4, TrainerConfig(), max_new_tokens=8)
+    out = step_targets(groups(group, 4), TrainerConfig(), max_new_tokens=8)
     # mean 0.5, sample std sqrt(1/3) = 0.57735, eps 1e-6: 0.5 / 0.577351 = 0.866024
     a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
     assert out.advantages == pytest.approx([a, -a, -a, a], abs=1e-12)
@@ -32,7 +38,7 @@ def test_soft_overlong_penalty_shapes_rewards_before_the_baseline():
     # Dr. GRPO advantages: mean 0.5 -> -0.5, +0.5
     group = [rollout(1.0, length=8, finish="length"), rollout(1.0, length=3)]
     cfg = TrainerConfig(overlong="penalty", overlong_buffer=4, advantage="drgrpo")
-    out = step_targets(group, 2, cfg, max_new_tokens=8)
+    out = step_targets(groups(group, 2), cfg, max_new_tokens=8)
     assert out.advantages == pytest.approx([-0.5, 0.5])
     assert out.metrics["rollout/shaped_reward_mean"] == pytest.approx(0.5)
 
@@ -40,7 +46,7 @@ def test_soft_overlong_penalty_shapes_rewards_before_the_baseline():
 def test_masked_truncations_keep_their_reward_in_the_baseline():
     # rewards 0 (truncated), 1, 1: Dr. GRPO mean 2/3 -> -2/3, 1/3, 1/3; the truncated one does not train
     group = [rollout(0.0, length=8, finish="length"), rollout(1.0), rollout(1.0)]
-    out = step_targets(group, 3, TrainerConfig(overlong="mask", advantage="drgrpo"), max_new_tokens=8)
+    out = step_targets(groups(group, 3), TrainerConfig(overlong="mask", advantage="drgrpo"), max_new_tokens=8)
     assert out.advantages == pytest.approx([-2 / 3, 1 / 3, 1 / 3])
     assert out.is_trainable == [False, True, True]
     assert out.metrics["rollout/masked_truncated"] == 1.0
@@ -49,16 +55,16 @@ def test_masked_truncations_keep_their_reward_in_the_baseline():
 def test_kl_folded_into_the_reward():
     # rewards 1, 0 minus 0.1 * KL (2.0, 0.0) -> 0.8, 0.0; Dr. GRPO: mean 0.4 -> 0.4, -0.4
     group = [rollout(1.0), rollout(0.0)]
-    out = step_targets(group, 2, TrainerConfig(kl_coef=0.1, kl_placement="reward", advantage="drgrpo"), 8, ref_kl=[2.0, 0.0])
+    out = step_targets(groups(group, 2), TrainerConfig(kl_coef=0.1, kl_placement="reward", advantage="drgrpo"), 8, ref_kl=[2.0, 0.0])
     assert out.advantages == pytest.approx([0.4, -0.4])
     assert out.metrics["rollout/kl_ref_mean"] == 1.0
 
 
 def test_zero_variance_groups_flagged_and_optionally_dropped():
     rollouts = [rollout(1.0), rollout(1.0), rollout(0.0), rollout(1.0), rollout(0.5), rollout(0.0, status="infra_error")]
-    kept = step_targets(rollouts, 2, TrainerConfig(), max_new_tokens=8)
+    kept = step_targets(groups(rollouts, 2), TrainerConfig(), max_new_tokens=8)
     assert kept.zero_variance_groups == 2  # [1, 1] and [0.5, infra failure]: one valid rollout is no signal
     assert kept.keep == [0, 1, 2, 3, 4, 5] and kept.advantages[:2] == [0.0, 0.0]
     assert kept.is_trainable == [True] * 5 + [False]  # the infra failure never trains
-    dropped = step_targets(rollouts, 2, TrainerConfig(drop_zero_variance=True), max_new_tokens=8)
+    dropped = step_targets(groups(rollouts, 2), TrainerConfig(drop_zero_variance=True), max_new_tokens=8)
     assert dropped.keep == [2, 3] and dropped.metrics["rollout/dropped_groups"] == 2.0

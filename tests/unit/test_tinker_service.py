@@ -16,8 +16,8 @@ import torch
 from tinker import types
 
 from gapless.config import load_config
-from gapless.serve.tinker_losses import LossInputError, cispo, cross_entropy, dro, gspo, importance_sampling, ppo
-from gapless.serve.tinker_server import ServiceThread, build_service
+from gapless.service.losses import LossInputError, cispo, cross_entropy, dro, gspo, importance_sampling, ppo
+from gapless.service.server import ServiceThread, build_service
 from serve_model import tiny_policy
 
 KEY = "tml-gapless-test"
@@ -291,8 +291,8 @@ def test_cli_needs_an_api_key(monkeypatch, capsys):
 
 def test_full_fine_tuning_run_learns(service):
     """lora_config absent (a raw create_model; the SDK 0.38 creates LoRA clients only): every weight trains."""
-    from gapless.serve.tinker_models import AdamParams, BaseModel, TrainingRun
-    from gapless.serve.tinker_wire import DatumIn
+    from gapless.service.models import AdamParams, BaseModel, TrainingRun
+    from gapless.service.wire import DatumIn
 
     _, policy = service
     before = {k: v.clone() for k, v in policy.model.state_dict().items()}
@@ -309,8 +309,8 @@ def test_full_fine_tuning_run_learns(service):
 
 
 def test_sdk_sample_request_translation():
-    from gapless.serve.tinker_models import UserError
-    from gapless.serve.tinker_params import scheduler_request
+    from gapless.service.models import UserError
+    from gapless.service.params import scheduler_request
 
     def request(**params):
         return types.SampleRequest(num_samples=2, prompt=types.ModelInput.from_ints([3, 4]),
@@ -328,8 +328,8 @@ def test_sdk_sample_request_translation():
 
 
 def test_sampler_snapshots_are_bounded(service, tmp_path):
-    from gapless.serve.tinker_models import BaseModels, UserError
-    from gapless.serve.tinker_samplers import SamplerPool
+    from gapless.service.models import BaseModels, UserError
+    from gapless.service.samplers import SamplerPool
 
     _, policy = service
     pool = SamplerPool(BaseModels({}, default=lambda: policy, tokenizer_root=tmp_path), max_snapshots=2)
@@ -368,8 +368,8 @@ def test_full_sampler_is_backpressure_the_sdk_retries(service, client):
 
 def test_micro_batching_leaves_loss_and_gradient_unchanged(service):
     from gapless.lora import LoraSpec
-    from gapless.serve.tinker_models import BaseModel, TrainingRun, micro_batches
-    from gapless.serve.tinker_wire import DatumIn
+    from gapless.service.models import BaseModel, TrainingRun, micro_batches
+    from gapless.service.wire import DatumIn
 
     # lengths 3, 5, 2, 4 within 10 padded tokens: [3, 5] pads to 10, then [2, 4] pads to 8
     assert micro_batches([3, 5, 2, 4], 10) == [(0, 2), (2, 4)]

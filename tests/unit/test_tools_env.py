@@ -12,8 +12,8 @@ import pytest
 from sandbox_host import SLOT_UID_BASE, needs_bwrap
 
 from gapless.envs.base import MultiTurnEnvironment
-from gapless.envs.tool_task import ToolTask, generate_tool_tasks
-from gapless.envs.tools import ToolUseEnvironment
+from gapless.envs.tools.tasks import ToolTask, generate_tool_tasks
+from gapless.envs.tools.environment import ToolUseEnvironment
 from gapless.sandbox import BwrapSandbox, SandboxLimits, procs
 from gapless.types import Completion, SamplingParams
 

@@ -25,7 +25,7 @@ Attack index (model-controlled bytes against the environments: what was tried, w
     values the candidate returns (huge ints, deep nesting)        test_code_values.py
 Bounded, not closed: a completion that takes a judge server down until the probe is also refused
 is infra_error (the step raises if every rollout is); an agent that executes the model's text
-outside a sandbox can end other episodes' agents before their first call (envs/agent.py)."""
+outside a sandbox can end other episodes' agents before their first call (envs/agent/environment.py)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ from sandbox_host import SLOT_UID_BASE, needs_bwrap
 
 from gapless.envs.delayed import DelayedEnvironment
 from gapless.envs.episode import Episode
-from gapless.envs.math import MathEnvironment
-from gapless.envs.math_problems import generate_math_problems
+from gapless.envs.math.environment import MathEnvironment
+from gapless.envs.math.problems import generate_math_problems
 from gapless.types import Completion, Rollout
 
 NASTY = ["\ud800", "\udfff", "\x00", "\r\n", "\u2028", "\ufeff", "\U0001f600", "x" * 100_000, "\\boxed{", "}",
@@ -105,7 +105,7 @@ def test_math_off_the_main_thread_scores_any_text():
 @pytest.fixture(scope="module")
 def gym():
     pytest.importorskip("reasoning_gym")
-    from gapless.envs.reasoning_gym import ReasoningGymEnvironment
+    from gapless.envs.reasoning_gym.environment import ReasoningGymEnvironment
 
     return ReasoningGymEnvironment("basic_arithmetic", seed=0, num_train=2, num_eval=1)
 
@@ -141,8 +141,8 @@ class EchoJudge(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def judge():
-    from gapless.envs.judge import JudgeEnvironment, embedded_judge_tasks
-    from gapless.envs.judge_client import HttpJudgeClient
+    from gapless.envs.judge.environment import JudgeEnvironment, embedded_judge_tasks
+    from gapless.envs.judge.client import HttpJudgeClient
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), EchoJudge)
     httpd.daemon_threads = True
@@ -167,7 +167,7 @@ def test_judge_scores_any_text(judge, batch):
 @pytest.fixture(scope="module")
 def verifiers_env():
     vf = pytest.importorskip("verifiers.v1")
-    from gapless.envs.verifiers_adapter import VerifiersEnvironment
+    from gapless.envs.verifiers.adapter import VerifiersEnvironment
 
     class Data(vf.TaskData):
         answer: str
@@ -194,8 +194,8 @@ def test_verifiers_scores_any_text(verifiers_env, text):
 @FAST
 @given(batch=st.lists(texts(), min_size=1, max_size=3))
 def test_tool_use_grades_any_transcript(batch):
-    from gapless.envs.tool_task import ToolTask
-    from gapless.envs.tools import ToolUseEnvironment
+    from gapless.envs.tools.tasks import ToolTask
+    from gapless.envs.tools.environment import ToolUseEnvironment
 
     task = ToolTask("t0", "Q: 1+1\n", "1+1", "2")
     env = ToolUseEnvironment(sandbox=None, tasks={"train": [task]}, limits=None)
@@ -219,7 +219,7 @@ def box():
 @SANDBOXED
 @given(batch=st.lists(texts(4), min_size=1, max_size=2))
 def test_code_scores_any_text(box, problems, batch):
-    from gapless.envs.code import CodeEnvironment
+    from gapless.envs.code.environment import CodeEnvironment
 
     sandbox, limits = box
     env = CodeEnvironment(sandbox, limits, concurrency=2)  # closed with the fixture, not here
@@ -233,8 +233,8 @@ def test_code_scores_any_text(box, problems, batch):
 @SANDBOXED
 @given(turns=st.lists(texts(4).map(lambda t: f"<py>{t}</py>") | texts(4), min_size=1, max_size=3))
 def test_tool_use_takes_any_turn(box, turns):
-    from gapless.envs.tool_task import ToolTask
-    from gapless.envs.tools import ToolUseEnvironment
+    from gapless.envs.tools.tasks import ToolTask
+    from gapless.envs.tools.environment import ToolUseEnvironment
 
     sandbox, limits = box
     task = ToolTask("t0", "Q: 1+1\n", "1+1", "2")
@@ -260,8 +260,8 @@ def test_tool_use_takes_any_turn(box, turns):
 @given(turns=st.lists(st.tuples(st.sampled_from(["write a.py\n", "run ", "cat ", "patch a.py\n", "ls", ""]), texts(4))
                       .map(lambda vt: f"<cmd>{vt[0]}{vt[1]}</cmd>") | texts(4), min_size=1, max_size=3))
 def test_repo_takes_any_turn(box, turns):
-    from gapless.envs.repo import RepoEnvironment
-    from gapless.envs.repo_gen import generate_repo_tasks
+    from gapless.envs.repo.environment import RepoEnvironment
+    from gapless.envs.repo.tasks import generate_repo_tasks
 
     sandbox, limits = box
     task = generate_repo_tasks(0, "train", 1)[0]
@@ -321,8 +321,8 @@ def agents(tmp_path_factory):
     """An agent environment per prompt format, on a real byte-level tokenizer."""
     import sys
 
-    from gapless.envs.agent import AgentEnvironment
-    from gapless.envs.math import ProceduralMathEnvironment
+    from gapless.envs.agent.environment import AgentEnvironment
+    from gapless.envs.math.environment import ProceduralMathEnvironment
     from gapless.models import train_tokenizer
     from gapless.prompts import PromptEncoder
 

@@ -12,7 +12,7 @@ import pytest
 
 vf = pytest.importorskip("verifiers.v1")
 
-from gapless.envs.verifiers_adapter import VerifiersEnvironment, VerifiersUnsupported  # noqa: E402
+from gapless.envs.verifiers.adapter import VerifiersEnvironment, VerifiersUnsupported  # noqa: E402
 from gapless.types import Completion  # noqa: E402
 
 

@@ -5,8 +5,8 @@ only; and the imperfect teacher is imperfect in the documented proportions."""
 import random
 
 from gapless.envs.episode import Episode
-from gapless.envs.tool_task import ToolTask, demonstration, generate_tool_tasks, parse_turn
-from gapless.trainer.warmstart_turns import transcript_batch
+from gapless.envs.tools.tasks import ToolTask, demonstration, generate_tool_tasks, parse_turn
+from gapless.trainer.warmstart.transcripts import transcript_batch
 from gapless.types import Completion
 
 TASK = ToolTask("t", "Q: 12*34\n", "12*34", "408")

@@ -25,8 +25,8 @@ def _make(cfg: Config) -> Environment:
     if task.name in ("procedural_code", "code_dataset", "humaneval"):
         return _code_environment(cfg)
     if task.name == "math":
-        from gapless.envs.math import MathEnvironment, ProceduralMathEnvironment, load_math_dataset
-        from gapless.envs.math_problems import generate_math_problems
+        from gapless.envs.math.environment import MathEnvironment, ProceduralMathEnvironment, load_math_dataset
+        from gapless.envs.math.problems import generate_math_problems
 
         if task.path is not None:
             return MathEnvironment(load_math_dataset(task.path), lenient=task.math_lenient)
@@ -34,42 +34,42 @@ def _make(cfg: Config) -> Environment:
                   for split, count in (("train", task.num_train_prompts), ("eval", task.num_eval_prompts))}
         return ProceduralMathEnvironment(splits, teacher_error_frac=cfg.warmstart.overfit_frac, lenient=task.math_lenient)
     if task.name == "reasoning_gym":
-        from gapless.envs.reasoning_gym import ReasoningGymEnvironment
+        from gapless.envs.reasoning_gym.environment import ReasoningGymEnvironment
 
         return ReasoningGymEnvironment(task.reasoning_gym_dataset, cfg.seed, task.num_train_prompts, task.num_eval_prompts)
     if task.name == "tool_use":
-        from gapless.envs.tools import make_tool_environment
+        from gapless.envs.tools.environment import make_tool_environment
 
         return make_tool_environment(cfg)
     if task.name == "repo":
-        from gapless.envs.repo import make_repo_environment
+        from gapless.envs.repo.environment import make_repo_environment
 
         return make_repo_environment(cfg)
     if task.name == "agent":
-        from gapless.envs.agent import make_agent_environment
+        from gapless.envs.agent.environment import make_agent_environment
 
         return make_agent_environment(cfg)
     if task.name == "judge":
-        from gapless.envs.judge import make_judge_environment
+        from gapless.envs.judge.environment import make_judge_environment
 
         return make_judge_environment(cfg)
     raise ValueError(f"unknown task.name {task.name!r}")  # unreachable: the config validates it
 
 
 def _code_environment(cfg: Config) -> Environment:
-    from gapless.envs.code import CodeEnvironment
+    from gapless.envs.code.environment import CodeEnvironment
     from gapless.sandbox import SandboxLimits, open_sandbox
 
     task, box = cfg.task, cfg.sandbox
     splits = None
     if task.name != "procedural_code":  # read the data before starting the sandbox: a bad file fails fast
-        from gapless.envs.code_dataset import humaneval_tasks, load_code_dataset
+        from gapless.envs.code.dataset import humaneval_tasks, load_code_dataset
 
         splits = humaneval_tasks() if task.name == "humaneval" else load_code_dataset(task.path)
     limits = SandboxLimits(timeout_s=box.timeout_s, memory_mb=box.memory_mb, max_processes=box.max_processes)
     sandbox = open_sandbox(limits, box.python, mode=box.mode, warm=box.warm, max_concurrency=box.concurrency)
     if splits is None:
-        from gapless.envs.procedural_code import ProceduralCodeEnvironment
+        from gapless.envs.code.procedural import ProceduralCodeEnvironment
 
         return ProceduralCodeEnvironment(
             sandbox, limits, seed=cfg.seed, levels=task.levels, num_train=task.num_train_prompts,

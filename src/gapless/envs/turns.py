@@ -61,7 +61,7 @@ class EpisodeSteps(Protocol):
 
     # Optional: `open_episode(episode, encode)`, blocking, called once before an episode's first
     # turn when the environment has it: the episode's first context comes from outside (an agent
-    # program's first call, envs/agent.py); it may also end the episode (`is_done`) at once.
+    # program's first call, envs/agent/environment.py); it may also end the episode (`is_done`) at once.
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def run_wave(env: EpisodeSteps, generator, wave: Sequence[tuple[int, int, Episod
              encode: Callable[[str], list[int]], pool: ThreadPoolExecutor) -> None:
     """Run one wave's episodes (group, sample, episode) to their end in lock-step turns."""
     opener = getattr(env, "open_episode", None)
-    if opener is not None:  # an agent's first call is its first context (envs/agent.py)
+    if opener is not None:  # an agent's first call is its first context (envs/agent/environment.py)
         list(pool.map(lambda e: opener(e, encode), [e for _, _, e in wave if e.turns == 0 and not e.is_done]))
     while active := [(g, j, e) for g, j, e in wave if not e.is_done]:
         requests = [TurnRequest(g, j, e.turns, tuple(e.context)) for g, j, e in active]

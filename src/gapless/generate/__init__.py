@@ -10,7 +10,7 @@ from pathlib import Path
 from gapless.config import GeneratorConfig
 from gapless.generate.adapters import AdapterMerge
 from gapless.generate.engine import TorchEngine
-from gapless.generate.families import engine_path
+from gapless.generate.families import engine_path, require_engine
 from gapless.generate.protocol import Generator, SteppedGenerator
 from gapless.generate.sampler import TorchSampler
 from gapless.lora import LoraSpec
@@ -25,6 +25,7 @@ def make_generator(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_
     The torch engine's path (lean runner or generic) is logged in one line and recorded in
     `work_dir/generator.json`. `lora`: weight pushes are that adapter's tensors, merged into
     `policy.model`'s weights, which must stay the unchanged base (generate/adapters.py)."""
+    require_engine(policy.model)
     generator = _make(cfg, policy, max_seq_len, work_dir, log, lora)
     if lora is not None and cfg.engine != "vllm":  # vLLM takes the adapter itself, as a LoRA request
         generator.adapters = AdapterMerge(policy.model, lora)

@@ -23,7 +23,7 @@ second copy of it.
 
 Guaranteed: every merge starts from W0, so versions never accumulate rounding; a push that
 names a layer the base lacks, or misses a B for an A, raises KeyError before any weight is
-written; versions and the never-torn guarantee are the transport's (weights.py), which carries
+written; versions and the never-torn guarantee are the transport's (cluster/weights.py), which carries
 adapter tensors like any state dict. Not guaranteed: bitwise equality with the trainer's
 unmerged forward, x W0^T + s (x A^T) B^T, which rounds differently from x W^T (within float32
 rounding; the engine's log-probs still equal the trainer's within 1e-5, tested).

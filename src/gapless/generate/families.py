@@ -62,6 +62,17 @@ def layout_of(config) -> tuple[Layout | None, str]:
     return Layout(family, qk_norm, family == "olmo2", family == "phi3", windows), ""
 
 
+def require_engine(model) -> None:
+    """ConfigError naming the checkpoint when the engine cannot run `model` (check_generic says why);
+    every factory of an engine over a loaded checkpoint calls it before the first request."""
+    if (why := check_generic(model)) is not None:
+        from gapless.config import ConfigError
+
+        path, kind = getattr(model.config, "_name_or_path", ""), model.config.model_type
+        raise ConfigError(f"model.path {path}: the engine cannot run model type {kind!r} ({why}); "
+                          "docs/engine.md lists the families it serves")
+
+
 def check_generic(model) -> str | None:
     """Why the generic path cannot serve `model`, or None: one prefill and one cached decode
     step of its HF forward, as `hf_runner` runs them (cheap: two tokens)."""

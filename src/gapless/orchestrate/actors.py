@@ -25,8 +25,8 @@ send `ActorError` to the trainer and exit if anything raises, so a crash is an e
 trainer's process, never a silent hang (the trainer also notices an actor that died without a
 word). Each stamps its heartbeat on every pass of its loop, no wait of theirs blocks longer than a
 poll, each marks its progress (a replica per decode step and weight load, the environment per group
-scored and tool call answered), and each dumps its Python stacks on SIGUSR1 (watchdog.py: a stalled
-actor is diagnosed, not waited for). All die with the trainer, even when it is SIGKILLed (the
+scored and tool call answered), and each dumps its Python stacks on SIGUSR1 (cluster/watchdog.py: a
+stalled actor is diagnosed, not waited for). All die with the trainer, even when it is SIGKILLed (the
 kernel's parent-death signal). No actor holds state worth keeping: the trainer's checkpoint is the run's state.
 """
 
@@ -49,17 +49,16 @@ import torch
 
 from gapless.config import Config
 from gapless.orchestrate.admission import sampling_params
-from gapless.orchestrate.buffer import ScoredGroup
 from gapless.faults import fault_point, name_process
 from gapless.orchestrate.lending import LendingFlags
 from gapless.envs.turns import queue_turn
 from gapless.orchestrate.messages import (Abort, ActorError, Assign, GenStats, Loaded, Ready, Scored,
                                             NextTurns, StartEpisodes, ToScore, TurnDone)
 from gapless.orchestrate.partial import PartialRollouts
-from gapless.orchestrate.watchdog import Heartbeats, StopFlag, install_stack_dump
-from gapless.orchestrate.weights import SharedWeights
+from gapless.cluster.watchdog import Heartbeats, StopFlag, install_stack_dump
+from gapless.cluster.weights import SharedWeights
 from gapless.timeline import MergedSpans, open_timeline
-from gapless.types import Completion
+from gapless.types import Completion, Group
 
 POLL_S = 0.002
 STATS_EVERY_S = 0.05
@@ -87,7 +86,7 @@ class ActorSpec:
     lending: LendingFlags | None = None  # the trainer borrows the generator's threads while it idles and nothing is scored
     from_env: Any = None  # a replica's queue of NextTurns from the environment (multi-turn tasks only)
     to_generators: tuple = ()  # the environment's: every replica slot's NextTurns queue (multi-turn tasks)
-    max_seq_len: int | None = None  # longest context to hold (an episode's); None: longest prompt + max_new_tokens
+    max_seq_len: int = 0  # a replica's longest context to hold (the longest prompt's, or an episode's, + max_new_tokens)
 
 
 def _put(q, item, stop, beat=None) -> float:
@@ -108,7 +107,7 @@ def _die_with_trainer(spec: ActorSpec) -> None:
     """A killed trainer must not leave actors behind (they are not its threads): ask the kernel
     to SIGKILL this process when its parent dies, and exit if that already happened."""
     if spec.trainer_pid == 0:
-        return  # a Ray actor: Ray ties its life to the trainer (ray_placement.py)
+        return  # a Ray actor: Ray ties its life to the trainer (cluster/ray/placement.py)
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != spec.trainer_pid:
@@ -157,11 +156,10 @@ class _GeneratorActor:
         torch.set_num_threads(cfg.pipeline.generator_threads_resolved)
         self.policy = load_local(spec.policy_dir)
         self.prompts = [self.policy.encode(prompt) for _, prompt in spec.prompts]
-        max_seq_len = spec.max_seq_len or max(map(len, self.prompts)) + cfg.generator.max_new_tokens
         self.multi_turn = spec.from_env is not None  # sample turns the environment asks for (episode_runner.py)
         self.cut_groups: set[int] = set()  # multi-turn groups aborted: their late turns are ignored
         self.deferred: list[Assign] = []  # groups born at a version not loaded here yet, in arrival order
-        self.engine = make_generator(cfg.generator, self.policy, max_seq_len, Path(cfg.run_dir),
+        self.engine = make_generator(cfg.generator, self.policy, spec.max_seq_len, Path(cfg.run_dir),
                                      lora=run_spec(cfg.lora, cfg.seed))  # LoRA: self.policy.model is the merge's base
         spec.weights.fetch_into(self.engine.update_weights, -1)
         self.groups: dict[int, list[Completion]] = {}
@@ -427,7 +425,8 @@ def _environment_loop(spec: ActorSpec) -> None:
             if item.index in cancelled:
                 _pass_on(item.gen_stats, spec.outbox, spec.stop, beat)
                 return
-            _put(spec.outbox, Scored(ScoredGroup(item.index, item.task_index, item.born, rollouts), item.gen_stats),
+            _put(spec.outbox, Scored(Group(index=item.index, task_index=item.task_index, born=item.born,
+                                              rollouts=tuple(rollouts)), item.gen_stats),
                  spec.stop, beat)
         except BaseException:
             failures.append(traceback.format_exc())

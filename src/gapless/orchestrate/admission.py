@@ -29,18 +29,31 @@ from gapless.types import SamplingParams
 
 
 class Admission:
+    """The staleness budget at admission, in one place: the count above and the born-stale guard
+    (dispatch.py explains it), for groups born at `version`."""
+
     def __init__(self, groups_per_step: int, max_staleness: int, oversample: float, start_step: int = 0):
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
         self.extra = math.ceil(oversample * groups_per_step)
         self.admitted = start_step * groups_per_step  # group indices continue after a resume
         self.dropped = 0
+        self.min_birth = start_step - max_staleness  # a group born earlier would be due before `start_step`
 
     def limit(self, version: int) -> int:
         return (version + self.max_staleness + 1) * self.groups_per_step + self.extra + self.dropped
 
     def may_admit(self, version: int) -> bool:
-        return self.admitted < self.limit(version)
+        return version >= self.min_birth and self.admitted < self.limit(version)
+
+    def assembling(self, step: int) -> None:
+        """The trainer now fills step `step`'s batch: a group born earlier than step - budget
+        would already be due."""
+        self.min_birth = max(self.min_birth, step - self.max_staleness)
+
+    def freed(self, count: int) -> None:
+        """`count` admitted groups were dropped: as many places open for backfills."""
+        self.dropped += count
 
     def admit(self) -> int:
         """The next group's index (its place in admission order)."""

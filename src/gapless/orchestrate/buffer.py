@@ -26,34 +26,12 @@ last changed its sandbox state and the version that resumed it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 from gapless.orchestrate.ledger import GroupEvent, GroupLedger
-from gapless.types import Rollout
+from gapless.types import DropReason, Group
 
-ENV_STATE_STALE = "env_state_stale"  # an episode's status and its group's drop reason (episode_runner.py)
-
-
-@dataclass
-class ScoredGroup:
-    index: int  # admission order
-    task_index: int
-    born: int  # policy version when admitted
-    rollouts: list[Rollout]
-
-    @property
-    def oldest_version(self) -> int:
-        return min(r.completion.oldest_version for r in self.rollouts)
-
-    @property
-    def is_zero_variance(self) -> bool:
-        rewards = {r.reward for r in self.rollouts if not r.is_infra_failure}
-        return len(rewards) <= 1
-
-    @property
-    def is_infra_failure(self) -> bool:
-        return all(r.is_infra_failure for r in self.rollouts)
+ENV_STATE_STALE = DropReason.ENV_STATE_STALE.value  # also an episode's status (episode_runner.py)
 
 
 class StalenessBuffer:
@@ -65,7 +43,7 @@ class StalenessBuffer:
         self.uids = list(uids)  # task index -> prompt uid, for the ledger
         self.task_of: dict[int, int] = {}  # index -> task index of every open group
         self.in_flight: dict[int, int] = {}  # index -> birth version: admitted, not yet scored
-        self.ready: dict[int, ScoredGroup] = {}
+        self.ready: dict[int, Group] = {}
         self.closed: set[int] = set()  # trained or dropped
         self.drops: dict[str, int] = {}  # reason -> count
         self.num_dropped = 0
@@ -81,22 +59,22 @@ class StalenessBuffer:
             self.task_of[index] = task_index
         self.ledger.write(GroupEvent(index, "admitted", uid=self._uid(task_index), born=born))
 
-    def arrived(self, group: ScoredGroup) -> str | None:
+    def arrived(self, group: Group) -> str | None:
         """File a scored group; returns the drop reason if it does not enter the buffer."""
         if group.index in self.closed:
             return None  # already dropped (cut as a straggler while its scoring was under way)
         self.admitted(group.index, group.born, group.task_index)
         self.in_flight.pop(group.index, None)
         if group.is_infra_failure:
-            return self.drop(group.index, "infra_error", group=group)
+            return self.drop(group.index, DropReason.INFRA_ERROR, group=group)
         if any(r.status == ENV_STATE_STALE for r in group.rollouts):  # resumed past pipeline.max_env_state_staleness
-            return self.drop(group.index, ENV_STATE_STALE, group=group)
+            return self.drop(group.index, DropReason.ENV_STATE_STALE, group=group)
         if self.dynamic_sampling and group.is_zero_variance:
-            return self.drop(group.index, "zero_variance", group=group)
+            return self.drop(group.index, DropReason.ZERO_VARIANCE, group=group)
         self.ready[group.index] = group
         return None
 
-    def drop(self, index: int, reason: str, step: int | None = None, group: ScoredGroup | None = None) -> str:
+    def drop(self, index: int, reason: DropReason, step: int | None = None, group: Group | None = None) -> str:
         born = self.in_flight.pop(index, None)
         group = self.ready.pop(index, None) or group
         self.closed.add(index)
@@ -106,7 +84,7 @@ class StalenessBuffer:
         self.task_of.pop(index, None)
         return reason
 
-    def _event(self, index: int, kind: str, step: int | None, group: ScoredGroup | None, **fields) -> GroupEvent:
+    def _event(self, index: int, kind: str, step: int | None, group: Group | None, **fields) -> GroupEvent:
         if group is None:
             return GroupEvent(index, kind, uid=self._uid(self.task_of.get(index)), step=step, **fields)
         fields["born"] = group.born
@@ -128,11 +106,11 @@ class StalenessBuffer:
         last_born = step - self.max_staleness
         return self.cut_stragglers or all(born > last_born for born in self.in_flight.values())
 
-    def take(self, step: int) -> tuple[list[ScoredGroup], list[int]]:
+    def take(self, step: int) -> tuple[list[Group], list[int]]:
         """Step `step`'s groups (in admission order) and the in-flight groups cut as stragglers."""
         for group in list(self.ready.values()):  # never trained: a group admission let through too early
             if not 0 <= step - group.oldest_version <= self.max_staleness:
-                self.drop(group.index, "over_budget", step)
+                self.drop(group.index, DropReason.OVER_BUDGET, step)
         order = sorted(self.ready.values(), key=lambda g: (g.born, g.index))
         taken = sorted(order[: self.per_step], key=lambda g: g.index)
         for group in taken:
@@ -145,11 +123,11 @@ class StalenessBuffer:
             is_running = index in self.in_flight
             if is_running:
                 cut.append(index)
-            self.drop(index, "straggler" if is_running else "surplus", step)
+            self.drop(index, DropReason.STRAGGLER if is_running else DropReason.SURPLUS, step)
         return taken, cut
 
     def close(self, step: int, reason: str = "run_ended") -> None:
         """End of run (`reason`: run_ended, run_stopped, run_failed): what is still admitted is
         dropped, so the ledger closes every group of the segment."""
         for index in list(self.in_flight) + list(self.ready):
-            self.drop(index, reason, step)
+            self.drop(index, DropReason(reason), step)

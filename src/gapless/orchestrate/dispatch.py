@@ -6,11 +6,11 @@ run's `Admission` and `PromptSource` (admission.py) and each replica's policy ve
 replica last reported it (messages.Loaded), and hands out groups (messages.Assign), each born at
 the newest version a replica reports, n:
 
-    a group is admitted  iff  Admission.may_admit(n)  and  n >= min_birth
+    a group is admitted  iff  Admission.may_admit(n)  (the count, and n >= min_birth)
     it goes to the replica holding the fewest among those at version n or n - 1
 
-`min_birth` is the born-stale guard: a group born at v is due at step v + max_staleness, which
-must not be before the step the trainer is assembling. A replica one version behind starts its
+`min_birth` (kept by Admission, with the count) is the born-stale guard: a group born at v is
+due at step v + max_staleness, which must not be before the step the trainer is assembling. A replica one version behind starts its
 groups once it has loaded version n (already published: another replica holds it); one further
 behind gets no new groups until it loads newer weights (it finishes what it holds). Groups go to
 the replica holding the fewest, lowest replica index first; with one replica this reproduces the
@@ -29,12 +29,12 @@ from __future__ import annotations
 from collections import defaultdict
 
 from gapless.orchestrate.admission import Admission, PromptSource
+from gapless.types import Admitted
 
 
 class Dispatcher:
-    def __init__(self, admission: Admission, prompts: PromptSource, max_staleness: int, min_birth: int):
-        self.admission, self.prompts, self.max_staleness = admission, prompts, max_staleness
-        self.min_birth = min_birth
+    def __init__(self, admission: Admission, prompts: PromptSource):
+        self.admission, self.prompts = admission, prompts  # the budget is the admission's alone
         self.versions: dict[int, int] = {}  # replica -> the policy version it last reported holding
         self.holder: dict[int, int] = {}  # group index -> replica, until scored or lost
         self.held: dict[int, set[int]] = defaultdict(set)  # replica -> group indices
@@ -42,18 +42,9 @@ class Dispatcher:
     def loaded(self, replica: int, version: int) -> None:
         self.versions[replica] = max(version, self.versions.get(replica, version))
 
-    def assembling(self, step: int) -> None:
-        """The trainer now fills step `step`'s batch: a group born earlier than step - budget
-        would already be due."""
-        self.min_birth = max(self.min_birth, step - self.max_staleness)
-
-    def freed(self, count: int) -> None:
-        """`count` admitted groups were dropped: as many places open for backfills."""
-        self.admission.dropped += count
-
-    def assign(self) -> dict[int, list[tuple[int, int, int]]]:
+    def assign(self) -> dict[int, list[Admitted]]:
         """Hand out every group admission allows now: replica -> [(index, task index, born)]."""
-        out: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+        out: dict[int, list[Admitted]] = defaultdict(list)
         if not self.versions:
             return {}
         born = max(self.versions.values())  # the newest version any replica holds (it is published)
@@ -61,12 +52,12 @@ class Dispatcher:
         # one a version behind starts them once it has loaded it (actors.py), so a new version's
         # groups are shared instead of all going to the replica whose Loaded was read first
         takers = [r for r, v in self.versions.items() if v >= born - 1]
-        while born >= self.min_birth and self.admission.may_admit(born):
+        while self.admission.may_admit(born):
             replica = min(takers, key=lambda r: (len(self.held[r]), r))
             index = self.admission.admit()
             self.holder[index] = replica
             self.held[replica].add(index)
-            out[replica].append((index, self.prompts.task_for(index), born))
+            out[replica].append(Admitted(index, self.prompts.task_for(index), born))
         return dict(out)
 
     def scored(self, index: int) -> None:

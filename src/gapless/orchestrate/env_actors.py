@@ -18,11 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-
-def env_name(slot: int, count: int) -> str:
-    """'environment' when the run has one environment actor (and none can restart), else
-    'environment-<slot>'."""
-    return "environment" if count == 1 else f"environment-{slot}"
+from gapless.cluster.names import env_name
 
 
 class EnvActors:

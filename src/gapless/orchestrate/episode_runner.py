@@ -29,7 +29,7 @@ the sandbox state) and `resumed_by_version` (this turn's), and, past `max_state_
 restarts the episode from its prompt or ends it as `env_state_stale` (its group is then dropped
 with that reason by the trainer's buffer), before any tool call of the stale turn runs.
 
-An environment with `open_episode` (an agent program, envs/agent.py) opens each episode on a
+An environment with `open_episode` (an agent program, envs/agent/environment.py) opens each episode on a
 tool thread first (its first context is the agent's first call); the episode's first turn goes out
 when that returns, like a turn after a tool call.
 
@@ -48,9 +48,8 @@ from typing import Callable, Sequence
 
 from gapless.envs.episode import Episode
 from gapless.envs.turns import EpisodeSteps, TurnRequest
-from gapless.orchestrate.buffer import ScoredGroup
 from gapless.orchestrate.messages import StartEpisodes, TurnDone
-from gapless.types import Rollout
+from gapless.types import Group, Rollout
 
 MAX_TOOL_THREADS = 4096  # threads are made on demand; a tool call waits on the sandbox, not on a core
 
@@ -68,7 +67,7 @@ class _Group:
 class EpisodeRunner:
     def __init__(self, env: EpisodeSteps, tasks: Sequence, encode: Callable[[str], list[int]], group_size: int,
                  schedule: str, send_turns: Callable[[int, tuple[TurnRequest, ...]], None],
-                 send_scored: Callable[[ScoredGroup], None], suspend: bool = False, max_state_staleness: int = -1,
+                 send_scored: Callable[[Group], None], suspend: bool = False, max_state_staleness: int = -1,
                  on_stale: str = "restart", resume_after_s: float = 0.0,
                  progress: Callable[[str], None] = lambda what: None):
         """`send_turns(replica, turns)` and `send_scored(group)` are called from this runner's
@@ -206,7 +205,7 @@ class EpisodeRunner:
                 continue
             if kind == "scored":
                 del self.groups[index]
-                self.send_scored(ScoredGroup(index, group.task_index, group.born, payload))
+                self.send_scored(Group(index=index, task_index=group.task_index, born=group.born, rollouts=tuple(payload)))
             elif kind == "turn":
                 self._after_turn(group, sample)
 

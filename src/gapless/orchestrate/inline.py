@@ -25,6 +25,7 @@ from gapless.orchestrate.admission import sample_step_tasks, sampling_params
 from gapless.orchestrate.masking import MaskingWatch
 from gapless.orchestrate.source import StepRollouts
 from gapless.orchestrate.step_metrics import env_metrics
+from gapless.types import Group
 
 
 class InlineSource:
@@ -65,7 +66,9 @@ class InlineSource:
         gen_tokens = sum(len(r.completion.token_ids) if r.completion.loss_mask is None else sum(r.completion.loss_mask)
                          for r in rollouts)
         self._started, self._generate_s = t0, t1 - t0
-        return StepRollouts([list(g) for g in groups], t0, t2 - t0,
+        groups = [Group(index=first + g, task_index=picks[g], born=step, rollouts=tuple(scored))
+                  for g, scored in enumerate(groups)]
+        return StepRollouts(groups, t0, t2 - t0,
                             {"perf/generate_s": t1 - t0, "perf/score_s": t2 - t1,
                              "perf/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9)})
 

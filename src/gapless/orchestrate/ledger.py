@@ -27,6 +27,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from gapless.types import DropReason
+
 END_EVENTS = ("trained", "dropped")
 
 
@@ -40,7 +42,7 @@ class GroupEvent:
     step: int | None = None  # trainer step that trained, dropped or rolled back the group
     oldest_version: int | None = None  # oldest policy version among its tokens
     staleness: int | None = None  # step - oldest_version, for trained groups
-    reason: str | None = None  # why it was dropped
+    reason: DropReason | None = None  # why it was dropped
     rewards: list[float] | None = None  # scored groups: one per rollout (None for infra errors)
     statuses: list[str] | None = None
     resumed_at: int | None = None  # rolled_back / run_lost: the step the next segment starts from
@@ -81,7 +83,7 @@ class GroupLedger:
             self._reconcile(previous, resume_step)
 
     def write(self, event: GroupEvent) -> None:
-        if event.event != "rolled_back" and event.reason != "run_lost":
+        if event.event != "rolled_back" and event.reason != DropReason.RUN_LOST:
             event.segment = self.segment
         self._fh.write(event.to_json() + "\n")
         self._fh.flush()
@@ -94,7 +96,7 @@ class GroupLedger:
             if e["event"] == "admitted" and key not in ended:
                 ended.add(key)
                 self.write(GroupEvent(e["group"], "dropped", e["segment"], e.get("uid"), e.get("born"),
-                                      reason="run_lost", resumed_at=resume_step))
+                                      reason=DropReason.RUN_LOST, resumed_at=resume_step))
             elif e["event"] == "trained" and e["step"] >= resume_step and key not in rolled:
                 self.write(GroupEvent(e["group"], "rolled_back", e["segment"], e.get("uid"), e.get("born"),
                                       step=e["step"], resumed_at=resume_step))

@@ -138,7 +138,7 @@ class RunLoop:
     @staticmethod
     def _placement(cfg: Config, log):
         from gapless.orchestrate.pipeline import actor_threads
-        from gapless.orchestrate.placement import make_placement
+        from gapless.cluster import make_placement
 
         placement = make_placement(cfg, log)
         if (warning := placement.reserve(actor_threads(cfg))):
@@ -264,7 +264,7 @@ class RunLoop:
         infra_errors = check_infra(rollouts, hint=f" in environment {self.env.name!r}")
         t1 = time.perf_counter()
         with self.timelines["trainer"].span("train", step=step, version=self.trainer.version), self.source.training():
-            batch, targets = step_batch(rollouts, cfg.generator.group_size, cfg.trainer, cfg.generator.max_new_tokens,
+            batch, targets = step_batch(taken.groups, cfg.trainer, cfg.generator.max_new_tokens,
                                         self.policy.pad_id, self.trainer.reference_kl)
             stats = self.trainer.step(batch)
         t2 = time.perf_counter()

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gapless.orchestrate.buffer import ScoredGroup
 from gapless.envs.turns import TurnRequest
-from gapless.types import Completion
+from gapless.types import Admitted, Completion, Group
 
 
 # ---- to the trainer ----------------------------------------------------------------------
@@ -30,7 +29,7 @@ class Loaded:
 
 @dataclass(frozen=True)
 class Scored:
-    group: ScoredGroup
+    group: Group
     gen_stats: GenStats | None = None  # the replica's report that travelled with the group (ToScore.gen_stats)
 
 
@@ -53,7 +52,7 @@ class ActorError:
 # ---- to a generator replica ----------------------------------------------------------------
 @dataclass(frozen=True)
 class Assign:
-    groups: tuple[tuple[int, int, int], ...]  # (index, task index, birth version) of each group to start
+    groups: tuple[Admitted, ...]  # each group to start
     scorers: tuple[int, ...] = ()  # the environment slot that scores each group (empty: slot 0)
 
 

@@ -17,7 +17,7 @@ works on the next batch while the trainer trains. `publish`: one memory
 copy into `SharedWeights`; the generator swaps them in between two decode steps without dropping
 sequences in flight. In a LoRA run the state is the adapter tensors alone: the generators load
 the frozen base from `generator_policy/` once and merge each version's adapters into it. The
-actors are started and watched through a Placement (placement.py). Multi-turn tasks
+actors are started and watched through a Placement (cluster/placement.py). Multi-turn tasks
 (`multi_turn`): the environment process runs the episodes and sends each replica the turns to
 sample on a queue of its own (episode_runner.py); groups are admitted, budgeted and filed
 exactly as single-turn ones.
@@ -27,7 +27,7 @@ token's version; every admitted group is trained or dropped with a reason exactl
 segment (`groups.jsonl`, ledger.py), across crashes and resumes too; with max_staleness = 0 and
 no oversampling, the batches, and so the weights, equal the reference synchronous loop's for the
 same seed and thread counts. Every wait of the trainer is bounded: an actor that dies is an
-`ActorFailed`, one that stops making progress a `PipelineStalled` with a diagnosis (watchdog.py).
+`ActorFailed`, one that stops making progress a `PipelineStalled` with a diagnosis (cluster/watchdog.py).
 Not guaranteed: bitwise reproducibility when max_staleness > 0 (which groups are ready at a step
 depends on timing); a resumed run starts its pipeline afresh from the checkpoint's version (what
 was in flight is `run_lost`, what was trained after the checkpoint `rolled_back`).
@@ -36,6 +36,7 @@ was in flight is `run_lost`, what was trained after the checkpoint `rolled_back`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -56,14 +57,16 @@ from gapless.orchestrate.buffer import StalenessBuffer
 from gapless.orchestrate.dispatch import Dispatcher
 from gapless.orchestrate.env_actors import EnvActors
 from gapless.orchestrate.inbox import Inbox
-from gapless.orchestrate.ipc import clean_leftover_ipc, name_ipc_objects
+from gapless.cluster.ipc import clean_leftover_ipc, name_ipc_objects
 from gapless.orchestrate.ledger import GroupLedger
 from gapless.orchestrate.masking import MaskingWatch
 from gapless.orchestrate.lending import LendingFlags, TrainerLending
 from gapless.orchestrate.messages import Abort, ActorError, Assign, CancelScoring, GenStats, Loaded, Ready, Scored
-from gapless.orchestrate.placement import ActorExit, Placement, make_placement
+from gapless.cluster.names import replica_name
+from gapless.cluster.placement import ActorExit, Placement
 from gapless.orchestrate.source import StepRollouts
-from gapless.orchestrate.watchdog import StallWatch
+from gapless.types import DropReason
+from gapless.cluster.watchdog import StallWatch
 
 SHUTDOWN_S = 10.0
 FAILED_SHUTDOWN_S = 1.0  # after a failure or stall the actors' work is lost anyway: stop the run promptly
@@ -88,11 +91,6 @@ def actor_threads(cfg: Config) -> dict[str, int]:
     return {**generators, "trainer": cfg.pipeline.trainer_threads_resolved}
 
 
-def replica_name(slot: int, replicas: int) -> str:
-    """'generator' when the run has one replica (and no restarts can happen), else 'generator-<slot>'."""
-    return "generator" if replicas == 1 else f"generator-{slot}"
-
-
 class _Evicted(Exception):
     """Raised inside a wait on a replica that was just evicted."""
 
@@ -109,25 +107,23 @@ class ProcessSource:
     eval_actor = "trainer"
 
     def __init__(self, cfg: Config, train: list[Task], policy, start_step: int, resume: bool, env_name: str,
-                 timelines, stop_requested, log=print, placement: Placement | None = None, trained_model=None,
-                 multi_turn: bool = False, max_seq_len: int | None = None, masking: MaskingWatch | None = None):
+                 timelines, stop_requested, log=print, *, placement: Placement, trained_model=None,
+                 multi_turn: bool = False, max_seq_len: int, masking: MaskingWatch | None = None):
         """`policy`: the trainer's Policy (saved for the generators; its model may lend threads);
         `stop_requested()`: the name of a stop signal received, or None (checked in every wait);
         `trained_model`: the module the trainer runs when it is not `policy.model` (a LoRA run's
         peft model), where thread lending hooks its layers. `multi_turn`: the task's episodes run
         turn by turn (episode_runner.py), each replica sampling the turns the environment sends it;
-        `max_seq_len`: the longest context then. `masking`: the run's masking watch (masking.py):
-        it sees every scored group as it arrives, before the buffer files it."""
+        `max_seq_len`: the longest context a replica holds (an episode's, for multi-turn tasks);
+        `placement`: where the actors run, already reserved (gapless.cluster.make_placement).
+        `masking`: the run's masking watch (masking.py): it sees every scored group as it arrives,
+        before the buffer files it."""
         self.multi_turn, self.max_seq_len = multi_turn, max_seq_len
         self.cfg, self.train, self.policy, self.log, self.timelines = cfg, train, policy, log, timelines
         self.env_name, self.stop_requested = env_name, stop_requested
         self.start_step, self.version = start_step, start_step
         self.run_dir = Path(cfg.run_dir)
         self.masking = masking or MaskingWatch(cfg.pipeline.max_infra_fraction, cfg.pipeline.on_infra_excess)
-        if placement is None:
-            placement = make_placement(cfg, log)
-            if (warning := placement.reserve(actor_threads(cfg))):
-                log(f"warning: {warning}")
         self.placement = placement
         self.ctx = self.placement.ctx
         if (removed := clean_leftover_ipc(self.run_dir)):
@@ -138,8 +134,8 @@ class ProcessSource:
         self.buffer = StalenessBuffer(P, pl.max_staleness, pl.oversample > 0, self.ledger, pl.dynamic_sampling,
                                       [t.uid for t in train])
         self.prompts = PromptSource(cfg.seed, [t.uid for t in train], P, pl.curriculum)
-        self.dispatcher = Dispatcher(Admission(P, pl.max_staleness, pl.oversample, start_step), self.prompts,
-                                     pl.max_staleness, start_step - pl.max_staleness)
+        self.admission = Admission(P, pl.max_staleness, pl.oversample, start_step)
+        self.dispatcher = Dispatcher(self.admission, self.prompts)
         self.evictable = R > 1  # one replica stays today's pipeline: its death or stall ends the run
         self.slots = R + (cfg.cluster.replica_restarts if self.evictable else 0)
         self.names = [replica_name(slot, R) for slot in range(self.slots)]
@@ -195,7 +191,7 @@ class ProcessSource:
     def take(self, step: int) -> StepRollouts:
         t0 = self._last_step_end or time.perf_counter()
         self.assembling, self.step_resamples = step, 0
-        self.dispatcher.assembling(step)
+        self.admission.assembling(step)
         self.watch.progressed()  # the trainer's own work since the last wait (train, eval, checkpoint) is no stall
         # the first step waits for every actor to start; a replica restarted after an eviction
         # starts while the others go on (the stall watch bounds its start-up by itself)
@@ -218,12 +214,12 @@ class ProcessSource:
             self._abort(cut)
             for env in self.envs.live.values():
                 env.inbox.put(CancelScoring(tuple(cut)))
-        self.dispatcher.freed(self.buffer.num_dropped - drops_before)  # stragglers and surplus free places to backfill,
-        self.dispatcher.assembling(step + 1)  # each born no earlier than the next step's weights allow
+        self.admission.freed(self.buffer.num_dropped - drops_before)  # stragglers and surplus free places to backfill,
+        self.admission.assembling(step + 1)  # each born no earlier than the next step's weights allow
         self._assign()
         self.staleness_counts.update(step - r.completion.oldest_version for g in groups for r in g.rollouts)
         self._step_started = t0
-        return StepRollouts([list(g.rollouts) for g in groups], t0, waited)
+        return StepRollouts(groups, t0, waited)
 
     @contextlib.contextmanager
     def training(self) -> Iterator[None]:
@@ -369,8 +365,8 @@ class ProcessSource:
         self.actors.discard(replica.name)
         lost = [i for i in self.dispatcher.lost(replica.slot) if i not in self.buffer.closed]
         for index in lost:
-            self.buffer.drop(index, "replica_lost", self.assembling)
-        self.dispatcher.freed(len(lost))
+            self.buffer.drop(index, DropReason.REPLICA_LOST, self.assembling)
+        self.admission.freed(len(lost))
         restart = len(self.replicas) < self.slots
         self.log(f"warning: evicted {replica.name}: {why}; {len(lost)} groups end as replica_lost"
                  + (f"; starting {self.names[len(self.replicas)]}" if restart else ""))
@@ -392,8 +388,8 @@ class ProcessSource:
         lost = [i for i in self.envs.lost(slot) if i not in self.buffer.closed]
         self._abort(lost)
         for index in lost:
-            self.buffer.drop(index, "env_lost", self.assembling)
-        self.dispatcher.freed(len(lost))
+            self.buffer.drop(index, DropReason.ENV_LOST, self.assembling)
+        self.admission.freed(len(lost))
         restart = self.envs.has_spare()
         self.log(f"warning: evicted {name}: {why}; {len(lost)} groups end as env_lost"
                  + (f"; starting {self.envs.names[self.envs.started]}" if restart else ""))
@@ -448,7 +444,8 @@ class ProcessSource:
         elif isinstance(message, Scored):
             self.watch.progressed()
             group = message.group
-            group.rollouts = self.masking.observe(self.train[group.task_index].uid, group.rollouts)
+            observed = self.masking.observe(self.train[group.task_index].uid, list(group.rollouts))
+            group = dataclasses.replace(group, rollouts=tuple(observed))  # a flagged prompt's masked ones scored
             self.dispatcher.scored(group.index)
             self.envs.scored(group.index)
             self.prompts.feedback(self.train[group.task_index].uid,
@@ -478,7 +475,7 @@ class ProcessSource:
         if reason is None:
             return
         # a backfill born now is due at step born + budget: the dispatcher's guard keeps it from being due too early
-        self.dispatcher.freed(1)
+        self.admission.freed(1)
         self._assign()
         if reason == "infra_error":
             now = time.monotonic()

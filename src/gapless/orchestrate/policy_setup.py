@@ -23,8 +23,8 @@ from gapless.config import Config
 from gapless.envs.base import Environment, Task, Teacher
 from gapless.lora import check_run_targets
 from gapless.models import Policy, build_tiny, load_local
-from gapless.trainer.warmstart import warm_start
-from gapless.trainer.warmstart_turns import warm_start_transcripts
+from gapless.trainer.warmstart.pairs import warm_start
+from gapless.trainer.warmstart.transcripts import warm_start_transcripts
 
 
 def warmstart_key(cfg: Config, env_name: str | None = None) -> str:

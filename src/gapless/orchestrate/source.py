@@ -6,7 +6,7 @@
 Two sources implement it:
     InlineSource   (inline.py)    the reference loop: generate, then score, in this process, in turn
     ProcessSource  (pipeline.py)  the pipeline: generator and environment actors, placed by a
-                                  Placement (placement.py), bounded by the staleness budget
+                                  Placement (cluster/placement.py), bounded by the staleness budget
 
 What every source guarantees to the loop (tests/integration/test_sources.py runs one contract over
 each): `take(t)` returns exactly `loop.prompts_per_step` groups of `generator.group_size` scored
@@ -25,23 +25,23 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from gapless.types import Rollout
+from gapless.types import Group, Rollout
 
 
 @dataclass
 class StepRollouts:
-    """One step's input: `groups` in batch order (each a prompt's group of rollouts), `started`
+    """One step's input: `groups` in batch order (admission order), `started`
     (perf_counter when the step began, for perf/step_s) and `waited_s` (how long the trainer
     waited for them: its idle time in this step)."""
 
-    groups: list[list[Rollout]]
+    groups: list[Group]
     started: float
     waited_s: float
     metrics: dict[str, float] = field(default_factory=dict)  # the source's own, for this step
 
     @property
     def rollouts(self) -> list[Rollout]:
-        return [rollout for group in self.groups for rollout in group]
+        return [rollout for group in self.groups for rollout in group.rollouts]
 
 
 @runtime_checkable

@@ -17,7 +17,7 @@ reduced mode) and talks to it over a unix socket. Process tree of one slot, all 
                  |- program  closes every other fd, sets rlimits, drops every capability, checks
                  |           that none is left, installs the syscall filter, compiles main, writes
                  |           its start marker, runs main (a judged job: the judge, not dumpable)
-                 `- candidate   judged jobs only (envs/code.py): forked before init writes the job's
+                 `- candidate   judged jobs only (envs/code/environment.py): forked before init writes the job's
                                 files, so its memory never held the tests; pid 1 of its own pid
                                 namespace, its own session, its own mount namespace with a fresh
                                 /proc and an empty mount over the private directory; then a program
@@ -65,7 +65,7 @@ FD_CANDIDATE = 5  # a judged job's judge: its channel to the candidate's process
 EXIT_INFRA = 70  # init or the program's start-up failed before main ran: the sandbox's fault
 CANDIDATE_GRACE_S = 1.0  # for a judged job's candidate to end after its judge (then it is killed)
 MAX_PTYS = 8  # pseudo terminals of a slot at once (its jobs run one at a time)
-EXIT_CANDIDATE_GONE = 75  # the judge's exit when its candidate's channel closed (envs/code_judge.py)
+EXIT_CANDIDATE_GONE = 75  # the judge's exit when its candidate's channel closed (envs/code/sandbox_scripts/judge.py)
 _libc = ctypes.CDLL(None, use_errno=True)
 _FILTER = None  # the program's syscall filter (bytes), from the server's spec
 

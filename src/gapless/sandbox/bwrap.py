@@ -52,7 +52,7 @@ sandbox's own processes or fake its results. Each defence, outermost first:
   each job (no cache-timing channel between consecutive jobs).
 - Output: stdout and stderr capped at `max_output_bytes`, the report fd at 1 MiB, the rest
   drained. The environment is cleared; stdin is /dev/null.
-- Results: fd 3 (report) is a pipe only the host reads. A judged job (`judged=`, envs/code.py)
+- Results: fd 3 (report) is a pipe only the host reads. A judged job (`judged=`, envs/code/environment.py)
   runs the candidate in a process of its own (pid, mount namespace and session of its own,
   the private files covered) that talks to the judge in plain values only, so the candidate
   never holds the tests, the report or the comparison. INFRA_ERROR needs host-side evidence

@@ -21,7 +21,7 @@ PAGE_BYTES = 4096
 
 @dataclass(frozen=True)
 class Judged:
-    """A judged job (envs/code.py): `main` is the judge; `candidate` (one of the files) runs in
+    """A judged job (envs/code/environment.py): `main` is the judge; `candidate` (one of the files) runs in
     a process of its own that cannot see the files under the directory `private`."""
 
     candidate: str

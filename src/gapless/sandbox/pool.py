@@ -9,7 +9,7 @@ running server (worker.py). Slots are prepared on first use and kept until `clos
       --> lowest free slot not excluded --> settle: is its previous run gone? (else restart its
           server, or quarantine a slot that cannot be emptied and take the next)
       --> worker.run --> release --> infra_error or killed? once more on another slot, and
-          that result stands (infra_error is never scored: envs/code.py)
+          that result stands (infra_error is never scored: envs/code/environment.py)
 
 Attribution (result.py, docs/sandbox.md): the pool's own infra_error verdicts are failures it
 observed before the job was sent (no slot, no cgroup, no server, bwrap missing, a send that

@@ -4,8 +4,9 @@
 table (tests/unit/test_sandbox_hostile.py), so what the command reports is what CI asserts.
 
 A probe is one hostile behaviour: its program, the statuses it may end with, a check of its
-output, and its limits. Harness probes are completions of a tiny code problem, scored through
-the code environment (envs/code.py), for attacks on the test harness itself. `HostBait` sets the
+output, and its limits. Harness probes (envs/code/probes.py) are completions of a tiny code
+problem, scored by the code environment through the probe's `runner`, for attacks on the test
+harness itself; this module runs them with the same traps. `HostBait` sets the
 host-side traps (TCP, UDP, unix path and abstract sockets on 127.0.0.1 / this host, a secret file
 in the host home, a directory outside the sandbox) and says afterwards whether anything reached
 them. The host is clean after a probe when nothing reached a trap, the sandbox reports no
@@ -47,11 +48,16 @@ class Probe:
     expect: frozenset[str]  # statuses it may end with (sandbox statuses, or the env's)
     limits: SandboxLimits = QUICK
     check: Callable[[str], bool] = field(default=lambda stdout: True)  # on its stdout
-    is_harness: bool = False
     needs_cgroup: bool = False  # only a run-wide limit (the slot's cgroup) can stop it
     then: str = ""  # a second program, run right after: `check` reads its output instead
     setup: Callable[[], None] | None = None  # on the host, before the program
     keeps_server: bool = False  # warm path: the slot's server must serve the next job itself
+    # a harness probe: scored by a caller above the sandbox (envs/code/probes.py), (status, stdout)
+    runner: Callable[[BwrapSandbox, Probe], tuple[str, str]] | None = None
+
+    @property
+    def is_harness(self) -> bool:
+        return self.runner is not None
 
 
 def _probe(name: str, code: str, *expect: str, limits: SandboxLimits = QUICK,
@@ -63,11 +69,7 @@ def _probe(name: str, code: str, *expect: str, limits: SandboxLimits = QUICK,
                  then=textwrap.dedent(then), setup=setup, keeps_server=keeps_server)  # fmt: skip
 
 
-def _harness(name: str, completion: str, *expect: str, check=lambda stdout: True) -> Probe:
-    return Probe(name, completion, frozenset(expect), QUICK, check, is_harness=True)
-
-
-def _all_failed(stdout: str) -> bool:
+def all_failed(stdout: str) -> bool:
     """Each line of the probe's output is `<target>: <outcome>`; none may say `REACHED`."""
     return bool(stdout.strip()) and "REACHED" not in stdout
 
@@ -166,7 +168,7 @@ PROBES: tuple[Probe, ...] = (
                 print(host, "REACHED")
             except OSError as error:
                 print(host, type(error).__name__)
-    """, "ok", check=_all_failed, uses_bait=True),
+    """, "ok", check=all_failed, uses_bait=True),
     _probe("UDP to the host", """
         import socket
         udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -184,7 +186,7 @@ PROBES: tuple[Probe, ...] = (
                 print(repr(address), "REACHED")
             except OSError as error:
                 print(repr(address), type(error).__name__)
-    """, "ok", check=_all_failed, uses_bait=True),
+    """, "ok", check=all_failed, uses_bait=True),
     _probe("read /etc/shadow and the host home", """
         import os
         for path in ("/etc/shadow", "/etc/passwd", bait["secret_path"], "/root", "/home"):
@@ -195,7 +197,7 @@ PROBES: tuple[Probe, ...] = (
                     print(path, "REACHED", open(path).read(20))
             except OSError as error:
                 print(path, type(error).__name__)
-    """, "ok", check=_all_failed, uses_bait=True),
+    """, "ok", check=all_failed, uses_bait=True),
     _probe("write outside the work dir", """
         import os
         for path in ("/usr/x", "/work/job/x", "/work/job/main.py", "/x", "/dev/x", "/etc/x",
@@ -206,7 +208,7 @@ PROBES: tuple[Probe, ...] = (
                 print(path, "REACHED")
             except OSError as error:
                 print(path, type(error).__name__)
-    """, "ok", check=_all_failed, uses_bait=True),
+    """, "ok", check=all_failed, uses_bait=True),
     _probe("remount and mount", """
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
@@ -215,7 +217,7 @@ PROBES: tuple[Probe, ...] = (
                                       (b"/tmp", b"tmpfs", 0), (b"/usr", None, MS_REMOUNT)):
             result = libc.mount(b"none", target, fstype, flags, None)
             print(target.decode(), "REACHED" if result == 0 else ctypes.get_errno())
-    """, "ok", check=_all_failed),
+    """, "ok", check=all_failed),
     _probe("daemon that outlives the program", """
         import os, time
         if os.fork() == 0:
@@ -234,7 +236,7 @@ PROBES: tuple[Probe, ...] = (
               else ctypes.get_errno())
         done = subprocess.run(["unshare", "-U", "true"], capture_output=True)
         print("unshare -U:", "REACHED" if done.returncode == 0 else done.returncode)
-    """, "ok", check=_all_failed),
+    """, "ok", check=all_failed),
     _probe("signal and trace the sandbox's own processes", """
         import ctypes, os, signal
         for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
@@ -248,7 +250,7 @@ PROBES: tuple[Probe, ...] = (
             except OSError as error:
                 print(path, type(error).__name__)
         print("alive")
-    """, "ok", check=lambda stdout: _all_failed(stdout) and stdout.endswith("alive\n")),
+    """, "ok", check=lambda stdout: all_failed(stdout) and stdout.endswith("alive\n")),
     _probe("keyrings of the host and of earlier jobs", """
         session = libc.syscall(nr["keyctl"], 0, -3, 0)  # KEYCTL_GET_KEYRING_ID, session keyring
         user = libc.syscall(nr["keyctl"], 0, -4, 0)  # ... the uid's user keyring
@@ -259,7 +261,7 @@ PROBES: tuple[Probe, ...] = (
         with open("/proc/keys") as keys:
             text = keys.read()
         print("/proc/keys", "REACHED" if bait["key_name"] in text or "gapless-probe" in text else "no bait")
-    """, "ok", check=_all_failed, uses_bait=True, uses_syscalls=True),
+    """, "ok", check=all_failed, uses_bait=True, uses_syscalls=True),
     _probe("socket families past the network namespace", """
         import socket
         for family in (40, 16, 17, 38, 15, 31):  # VSOCK, NETLINK, PACKET, ALG, KEY, BLUETOOTH
@@ -271,7 +273,7 @@ PROBES: tuple[Probe, ...] = (
         for family in (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6):
             socket.socket(family, socket.SOCK_STREAM).close()  # the three allowed ones work
         print("allowed families open")
-    """, "ok", check=lambda stdout: _all_failed(stdout) and "allowed families open" in stdout),
+    """, "ok", check=lambda stdout: all_failed(stdout) and "allowed families open" in stdout),
     _probe("io_uring, inotify, fanotify and dnotify", """
         import fcntl, os
         params = ctypes.create_string_buffer(120)
@@ -285,7 +287,7 @@ PROBES: tuple[Probe, ...] = (
             print("dnotify REACHED")
         except OSError as error:
             print("dnotify", error.errno)
-    """, "ok", check=_all_failed, uses_syscalls=True),
+    """, "ok", check=all_failed, uses_syscalls=True),
     _probe("file locks on files every job shares", """
         import fcntl, os
         for path, mode in (("/usr/bin/python3", os.O_RDONLY), ("/dev/null", os.O_WRONLY)):
@@ -298,7 +300,7 @@ PROBES: tuple[Probe, ...] = (
                     print(path, name, "REACHED")
                 except OSError as error:
                     print(path, name, error.errno)
-    """, "ok", check=_all_failed),
+    """, "ok", check=all_failed),
     _probe("ptrace/bpf/perf/uffd/mount/module/kexec", """
         calls = {"ptrace": (16, 1, 0, 0), "bpf": (0, None, 0), "perf_event_open": (None, 0, -1, -1, 0),
                  "userfaultfd": (0,), "mount": (b"none", b"/tmp", b"tmpfs", 0, None),
@@ -310,18 +312,18 @@ PROBES: tuple[Probe, ...] = (
         for name, args in calls.items():
             result = libc.syscall(nr[name], *args)
             print(name, "REACHED" if result >= 0 else ctypes.get_errno())
-    """, "ok", check=lambda stdout: _all_failed(stdout) and all(
+    """, "ok", check=lambda stdout: all_failed(stdout) and all(
         line.split()[-1] == "1" for line in stdout.splitlines()), uses_syscalls=True),  # EPERM: the filter's
     _probe("the host's cgroup path", """
         with open("/proc/self/cgroup") as cgroups:
             text = cgroups.read()
         print("REACHED" if "gapless-sandbox" in text or ".slice" in text else "hidden", text.count("\\n"))
-    """, "ok", check=_all_failed),
+    """, "ok", check=all_failed),
     _probe("legacy AIO contexts", """
         context = ctypes.c_ulong(0)
         result = libc.syscall(nr["io_setup"], 65536, ctypes.byref(context))  # fs.aio-max-nr: host-wide
         print("io_setup", "REACHED" if result >= 0 else ctypes.get_errno())
-    """, "ok", check=_all_failed, uses_syscalls=True),
+    """, "ok", check=all_failed, uses_syscalls=True),
     _probe("pseudo terminals past the slot's cap", """
         import pty
         terminals = []
@@ -331,7 +333,7 @@ PROBES: tuple[Probe, ...] = (
         except OSError as error:
             print("stopped", error.errno)
         print("ptys", len(terminals), "REACHED" if len(terminals) > 8 else "capped")
-    """, "ok", check=lambda stdout: _all_failed(stdout) and "stopped" in stdout),
+    """, "ok", check=lambda stdout: all_failed(stdout) and "stopped" in stdout),
     _probe("TCP buffers past the memory limit", """
         import socket, time
         queued, sockets, deadline = 0, [], time.monotonic() + 3
@@ -350,7 +352,7 @@ PROBES: tuple[Probe, ...] = (
             sockets += [listener, sender, receiver]
         # the run's memory cgroup is 256 MiB; its sockets may hold at most 64 MiB of it again
         print("queued MiB", queued >> 20, "REACHED" if queued > 128 << 20 else "capped")
-    """, "ok", check=_all_failed, limits=SandboxLimits(timeout_s=6.0, memory_mb=128), needs_cgroup=True),
+    """, "ok", check=all_failed, limits=SandboxLimits(timeout_s=6.0, memory_mb=128), needs_cgroup=True),
     _probe("unix socket queues past the memory limit", """
         import socket
         queued, pairs = 0, []
@@ -404,7 +406,7 @@ PROBES: tuple[Probe, ...] = (
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # answered 0, and ignored
         view.madvise(21)  # MADV_PAGEOUT
         print("advice accepted")
-    """, "ok", check=lambda stdout: _all_failed(stdout) and "advice accepted" in stdout,
+    """, "ok", check=lambda stdout: all_failed(stdout) and "advice accepted" in stdout,
            uses_syscalls=True),
     _probe("page cache between consecutive jobs", CACHE_LIST + f"BITS = {CACHE_BITS!r}\n" + textwrap.dedent("""
         for path, bit in zip(FILES, BITS):  # a cold file read is a 1, left cold a 0
@@ -432,7 +434,7 @@ PROBES: tuple[Probe, ...] = (
                 print(name, "REACHED")
             except (OSError, ValueError) as error:
                 print(name, type(error).__name__)
-    """, "ok", check=_all_failed),
+    """, "ok", check=all_failed),
     _probe("mlock, memfd_secret, real-time priority", """
         import os
         buffer = ctypes.create_string_buffer(4096)
@@ -450,21 +452,7 @@ PROBES: tuple[Probe, ...] = (
             print("nice -5", error.errno)
         os.sync()  # answered at once, flushing nothing
         print("sync returned")
-    """, "ok", check=lambda stdout: _all_failed(stdout) and "sync returned" in stdout, uses_syscalls=True),
-    _harness("exit(0) before the tests run", "0\nimport sys\nsys.exit(0)", "harness_incomplete"),
-    _harness("os._exit(0) before the tests run", "0\nimport os\nos._exit(0)", "harness_incomplete"),
-    _harness("edit the test file", """0
-for path in ("/work/job/judge/tests.json", "/work/job/tests.json", "/work/job/harness.py"):
-    try:
-        open(path, "w").write("[]")
-        print(path, "REACHED")
-    except OSError as error:
-        print(path, type(error).__name__)""", "wrong_answer", check=_all_failed),
-    _harness("fake results on the report fd", """0
-import os
-for i in range(2):
-    os.write(3, ('{"i": %d, "out": 999}\\n' % i).encode())
-os._exit(0)""", "harness_incomplete", "wrong_answer"),
+    """, "ok", check=lambda stdout: all_failed(stdout) and "sync returned" in stdout, uses_syscalls=True),
 )
 
 
@@ -557,7 +545,7 @@ def run_probe(sandbox: BwrapSandbox, probe: Probe) -> ProbeOutcome:
         if probe.setup is not None:
             probe.setup()
         if probe.is_harness:
-            status, stdout = _run_harness_probe(sandbox, probe)
+            status, stdout = probe.runner(sandbox, probe)
         else:
             files = {"main.py": probe.code, "bait.json": json.dumps(bait.params())}
             result = sandbox.run_python(files, "main.py", limits=probe.limits)
@@ -583,20 +571,6 @@ def _server_lost(sandbox: BwrapSandbox, restarts_before: float) -> list[str]:
     if sandbox.path == "warm" and sandbox.metrics()["sandbox/slot_restarts_total"] != restarts_before:
         lost.append("the slot's server was restarted")
     return lost
-
-
-def _run_harness_probe(sandbox: BwrapSandbox, probe: Probe) -> tuple[str, str]:
-    from gapless.envs.code import CodeEnvironment
-    from gapless.envs.problems import CodeProblem
-
-    problem = CodeProblem(uid="probe", level=1, prompt="def f(x):\n    return ", solution="x + 1", overfit_solution="abs(x) + 1",
-                          entry_point="f", test_inputs=("[1]", "[2]"), test_outputs=("2", "3"))  # fmt: skip
-    env = CodeEnvironment(sandbox, probe.limits, concurrency=1)
-    try:
-        _, status, info = env.score_text(problem, probe.code)
-    finally:
-        env.pool.shutdown(wait=True)  # not env.close(): the sandbox is the caller's
-    return status, str(info.get("stdout_tail", ""))
 
 
 KEYCTL_REVOKE, KEYCTL_READ, KEY_SPEC_SESSION_KEYRING = 3, 11, -3

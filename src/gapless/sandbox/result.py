@@ -5,9 +5,9 @@ limit that was hit. Its main invariant, the attribution rule (docs/sandbox.md ha
 `INFRA_ERROR` rests only on evidence the program cannot produce. Here that is: the program's
 start-up line is missing from the status pipe (written by trusted start-up code before the
 program's first line, boot.py; a judged job's candidate runs none of its own code before the
-judge's start-up line is written, envs/code_candidate.py), or init reported a start-up failure
+judge's start-up line is written, envs/code/sandbox_scripts/candidate.py), or init reported a start-up failure
 before that line, or a judged job's judge (trusted code) says its candidate's process died in
-its trusted start-up (`EXIT_CANDIDATE_NOT_STARTED`, envs/code_judge.py). The pool adds the
+its trusted start-up (`EXIT_CANDIDATE_NOT_STARTED`, envs/code/sandbox_scripts/judge.py). The pool adds the
 failures it observes itself: no slot, no server, a job it could not send (pool.py). Nothing the
 program can produce after its first line (its exit status, its signals, its own or init's
 limits, its output, init dying of what it did) yields `INFRA_ERROR`.
@@ -33,7 +33,7 @@ NOT guaranteed, and why (documented heuristics, each in favour of blaming the pr
 - An outage that hits the same job on two slots in a row is scored as the program's `KILLED`.
 - The stderr heuristics read the last line (e.g. `BlockingIOError: [Errno 11] ...` from a
   refused fork); a program that prints such a line itself gets that status.
-- HARNESS_INCOMPLETE is the caller's verdict (e.g. envs/code.py): the sandbox cannot know how
+- HARNESS_INCOMPLETE is the caller's verdict (e.g. envs/code/environment.py): the sandbox cannot know how
   many results a harness owes.
 """
 
@@ -47,8 +47,8 @@ from enum import Enum
 from gapless.errors import InfrastructureError
 
 
-EXIT_CANDIDATE_GONE = 75  # a judge's exit when its candidate's process is gone (boot.py, code_judge.py)
-EXIT_CANDIDATE_NOT_STARTED = 76  # a judge's exit when its candidate died in trusted start-up (code_judge.py)
+EXIT_CANDIDATE_GONE = 75  # a judge's exit when its candidate's process is gone (boot.py, envs/code/sandbox_scripts/judge.py)
+EXIT_CANDIDATE_NOT_STARTED = 76  # a judge's exit when its candidate died in trusted start-up (envs/code/sandbox_scripts/judge.py)
 
 
 class Status(str, Enum):

@@ -2,7 +2,7 @@
 
     agent process ──POST {base}/episodes/KEY/v1/chat/completions──> Gateway (uvicorn thread)
                                                                       │ Channel(KEY).calls
-    AgentEnvironment (envs/agent.py), the episode's thread  <─────────┘ next(): a Call, or Exited
+    AgentEnvironment (envs/agent/environment.py), the episode's thread  <─────────┘ next(): a Call, or Exited
         renders the call (serve/transcript.py), has the turn sampled, answer(call, reply) ──> 200
 
 Each episode gets its own channel with an unguessable key in its base URL, so an agent reaches

@@ -25,6 +25,7 @@ import uvicorn
 
 from gapless.config import usable_cores
 from gapless.generate.engine import TorchEngine
+from gapless.generate.families import require_engine
 from gapless.models import Policy
 from gapless.serve.listen import BACKLOG, bind, url_of
 from gapless.serve.openai_app import OpenAIApp
@@ -77,6 +78,7 @@ def serve(model_path: str, sock: socket.socket, model_name: str | None = None, t
 
     torch.set_num_threads(threads or max(1, usable_cores() - 1))
     policy = load_local(model_path)
+    require_engine(policy.model)
     context = max_seq_len or min(DEFAULT_CONTEXT, policy.model.config.max_position_embeddings)
     app = build_app(policy, model_name or model_path, max_batch=max_batch, api_key=api_key, max_seq_len=context)
     log(f"serving {model_path} at {url_of(sock)}", flush=True)

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from gapless.config import Config
 from gapless.orchestrate.admission import Admission, PromptSource, sampling_params
-from gapless.orchestrate.buffer import ScoredGroup, StalenessBuffer
+from gapless.orchestrate.buffer import StalenessBuffer
 from gapless.orchestrate.dispatch import Dispatcher
 from gapless.orchestrate.partial import PartialRollouts
 from gapless.simulate.clock import EventLoop
@@ -51,17 +51,17 @@ from gapless.simulate.costs import Costs
 from gapless.simulate.engine import PartialView, Replica, SimGroup
 from gapless.simulate.pool import DedicatedPool, SharedPool, Work
 from gapless.trainer.micro_batches import padded_tokens
-from gapless.types import Completion, Rollout
+from gapless.types import Completion, Group, Rollout
 
 
-class SimScoredGroup(ScoredGroup):
+class SimScoredGroup(Group):
     """The real buffer's record, with what a simulated group knows when it is built: the oldest
     token version (its G rollouts share one completion record) and that no rollout failed in the
     infrastructure, so the buffer's per-step checks need not scan the rollouts again."""
 
     def __init__(self, index: int, task_index: int, born: int, rollouts: list, oldest: int):
-        super().__init__(index, task_index, born, rollouts)
-        self._oldest = oldest
+        super().__init__(index=index, task_index=task_index, born=born, rollouts=tuple(rollouts))
+        object.__setattr__(self, "_oldest", oldest)  # the record is frozen
 
     @property
     def oldest_version(self) -> int:
@@ -171,7 +171,8 @@ class Simulation:
         self.pass_rate = [task_rng.random() for _ in uids]
         self.uids = uids
         self.source = PromptSource(cfg.seed, uids, self.P, pl.curriculum)
-        self.dispatcher = Dispatcher(Admission(self.P, self.s, pl.oversample), self.source, self.s, -self.s)
+        self.admission = Admission(self.P, self.s, pl.oversample)
+        self.dispatcher = Dispatcher(self.admission, self.source)
         self.ledger = ledger if ledger is not None else NullLedger()
         self.buffer = StalenessBuffer(self.P, self.s, pl.oversample > 0, self.ledger, pl.dynamic_sampling, uids)
         self.partial = PartialRollouts(0, pl.partial_rollout_s, clock=self.loop.clock)
@@ -341,7 +342,7 @@ class Simulation:
             self.source.feedback(self.uids[group.task_index], [r.reward for r in rollouts])
         reason = self.buffer.arrived(scored)
         if reason is not None:  # a drop frees a place; the dispatcher's guard keeps a backfill from being due too early
-            self.dispatcher.freed(1)
+            self.admission.freed(1)
             self._admit()
 
     # ---- the trainer's inbox ---------------------------------------------------------------
@@ -387,8 +388,8 @@ class Simulation:
                     replica.abort([index])
             cut_set = set(cut)
             self.env_queue = deque(g for g in self.env_queue if g.index not in cut_set)
-        self.dispatcher.freed(self.buffer.num_dropped - drops_before)
-        self.dispatcher.assembling(step + 1)  # a backfill born now must not be due before the next step
+        self.admission.freed(self.buffer.num_dropped - drops_before)
+        self.admission.assembling(step + 1)  # a backfill born now must not be due before the next step
         lengths = [self.lengths_of.pop(g.index) for g in groups]
         for index in [i for i in self.lengths_of if i in self.buffer.closed]:
             del self.lengths_of[index]  # dropped after scoring

@@ -1,7 +1,7 @@
 """Trainer data parallel over torch.distributed: DDP or FSDP2, gloo on CPU.
 
 Rank 0 is the run's trainer process; ranks 1..W-1 run where its `RankHosts` puts them
-(rank_hosts.py: processes on this machine by default, Ray actors in the run's placement group
+(cluster/ranks.py: processes on this machine by default, Ray actors in the run's placement group
 with cluster.placement = 'ray') and die with it (trainer/dp_rank.py: the records the ranks
 exchange and what each rank runs). Each
 step rank 0 deals the batch's rows to the ranks (sorted by length, round-robin, so each gets a
@@ -59,7 +59,7 @@ from gapless.trainer.corrections import summarise
 from gapless.trainer.dp_rank import (Crashed, Done, GatherOptimizer, JoinGroup, LoadOptimizer, RankEngine, RankSpec, Ready,
                                      StepShare, Stop, join_group, rank_main)
 from gapless.trainer.normalisers import StepNorm
-from gapless.trainer.rank_hosts import LocalRanks, RankHosts
+from gapless.cluster.ranks import LocalRanks, RankHosts
 from gapless.trainer.trainer import GRPOTrainer, StepStats, Trainer
 
 POLL_S = 0.1
@@ -130,7 +130,7 @@ class DataParallelTrainer:
 
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, cluster: ClusterConfig, temperature: float = 1.0,
                  max_new_tokens: int | None = None, hosts: RankHosts | None = None):
-        """`hosts`: where ranks 1..W-1 run (rank_hosts.py); None: processes on this machine."""
+        """`hosts`: where ranks 1..W-1 run (cluster/ranks.py); None: processes on this machine."""
         global _live
         if cfg.loss == "drgrpo" and max_new_tokens is None:
             raise ValueError("trainer.loss = 'drgrpo' divides by generator.max_new_tokens; pass max_new_tokens")
@@ -286,7 +286,7 @@ def make_trainer(cfg: TrainerConfig, model: torch.nn.Module, cluster: ClusterCon
                  hosts: RankHosts | None = None) -> Trainer:
     """GRPOTrainer at cluster.trainer_world_size 1 (the code path of every single-process run),
     the data-parallel trainer above it, its ranks on `hosts` (None: processes on this machine).
-    `lora`: train that adapter (world size 1 only; config.py checks)."""
+    `lora`: train that adapter (world size 1 only; config/checks.py)."""
     if cluster.trainer_world_size == 1:
         return GRPOTrainer(model, cfg, temperature, max_new_tokens, lora=lora)
     if lora is not None:

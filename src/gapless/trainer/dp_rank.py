@@ -3,7 +3,7 @@
 Every rank, rank 0 included, holds a `RankEngine`: the world-1 GRPOTrainer over its wrapped
 model (a DDP replica or an FSDP2 shard), so the GRPO step itself is the same code at every world
 size. Ranks 1..W-1 run `rank_main` in a process of their own (a spawned one, or a Ray actor:
-rank_hosts.py) and serve rank 0's records in order:
+cluster/ranks.py) and serve rank 0's records in order:
 
     check in (Ready) ─> JoinGroup: join the gloo group, wrap ─> Ready
     StepShare ─> train the rows (FSDP2: then join the full-weight gather) ─> Done(stats)
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from gapless.config import TrainerConfig
 from gapless.trainer.batch import Batch
 from gapless.trainer.normalisers import StepNorm
-from gapless.trainer.rank_hosts import Rendezvous
+from gapless.cluster.ranks import Rendezvous
 from gapless.trainer.trainer import GRPOTrainer, ShardPlan, StepStats
 
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from gapless.config import TrainerConfig
 from gapless.trainer.advantages import group_advantages
 from gapless.trainer.batch import Batch, build_batch
-from gapless.types import Rollout
+from gapless.types import Group, Rollout
 
 
 @dataclass
@@ -53,21 +53,23 @@ def shaped_rewards(rollouts: list[Rollout], cfg: TrainerConfig, max_new_tokens: 
     return rewards
 
 
-def step_targets(rollouts: list[Rollout], group_size: int, cfg: TrainerConfig, max_new_tokens: int,
+def step_targets(groups: Sequence[Group], cfg: TrainerConfig, max_new_tokens: int,
                  ref_kl: list[float] | None = None) -> StepTargets:
-    """Targets for rollouts laid out group by group (`group_size` consecutive rollouts each)."""
+    """Targets for the step's groups; rows in group order, each group's rollouts in order."""
+    rollouts = [r for g in groups for r in g.rollouts]
     rewards = shaped_rewards(rollouts, cfg, max_new_tokens, ref_kl)
-    advantages, trainable, keep, zero_var = [], [], [], 0
-    for start in range(0, len(rollouts), group_size):
-        group = rollouts[start : start + group_size]
+    advantages, trainable, keep, zero_var, start = [], [], [], 0, 0
+    for g in groups:
+        group = g.rollouts
         valid = [not r.is_infra_failure for r in group]
-        adv = group_advantages(rewards[start : start + group_size], valid, estimator=cfg.advantage)
+        adv = group_advantages(rewards[start : start + len(group)], valid, estimator=cfg.advantage)
         masked = [cfg.overlong == "mask" and r.completion.finish_reason == "length" for r in group]
         advantages += adv.advantages
         trainable += [ok and not m for ok, m in zip(valid, masked)]
         zero_var += adv.is_zero_variance
         if not (cfg.drop_zero_variance and adv.is_zero_variance):
             keep += range(start, start + len(group))
+        start += len(group)
     metrics = {}
     if cfg.overlong != "keep" or ref_kl is not None:
         scored = [x for x, r in zip(rewards, rollouts) if not r.is_infra_failure]
@@ -81,18 +83,19 @@ def step_targets(rollouts: list[Rollout], group_size: int, cfg: TrainerConfig, m
     return StepTargets(advantages, trainable, keep, zero_var, metrics)
 
 
-def step_batch(rollouts: list[Rollout], group_size: int, cfg: TrainerConfig, max_new_tokens: int, pad_id: int,
+def step_batch(groups: Sequence[Group], cfg: TrainerConfig, max_new_tokens: int, pad_id: int,
                reference_kl: Callable[[Batch], list[float]] | None = None) -> tuple[Batch, StepTargets]:
-    """Scored rollouts (group after group) -> the step's batch: advantages set, rows that must
-    not train masked, dropped groups removed. `reference_kl(batch)` gives each rollout's KL to the
-    reference model; it is called only when the KL is folded into the reward."""
+    """The step's scored groups -> its batch: advantages set, rows that must not train masked,
+    dropped groups removed. `reference_kl(batch)` gives each rollout's KL to the reference model;
+    it is called only when the KL is folded into the reward."""
+    rollouts = [r for g in groups for r in g.rollouts]
     valid = [not r.is_infra_failure for r in rollouts]
-    group_ids = [i // group_size for i in range(len(rollouts))]
+    group_ids = [i for i, g in enumerate(groups) for _ in g.rollouts]
     batch = build_batch([r.completion for r in rollouts], [0.0] * len(rollouts), valid, pad_id, group_ids)
     ref_kl = None
     if cfg.kl_coef > 0 and cfg.kl_placement == "reward":
         if reference_kl is None:
             raise ValueError("trainer.kl_placement = 'reward' needs the trainer's reference_kl")
         ref_kl = reference_kl(batch)
-    targets = step_targets(rollouts, group_size, cfg, max_new_tokens, ref_kl)
+    targets = step_targets(groups, cfg, max_new_tokens, ref_kl)
     return batch.with_targets(targets.advantages, targets.is_trainable).select(targets.keep), targets

@@ -1,0 +1,1 @@
+"""The LLM-judge task family: a reward model scores each completion."""

@@ -1,0 +1,1 @@
+"""The reasoning-gym task family."""

@@ -1,0 +1,1 @@
+"""The tool-use task family: multi-turn episodes with tools run in a sandbox session."""

@@ -1,0 +1,1 @@
+"""Prime Intellect's verifiers environments behind the Environment protocol."""

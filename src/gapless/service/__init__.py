@@ -1,0 +1,1 @@
+"""The Tinker-compatible training service (`gapless serve-training`, docs/service.md)."""

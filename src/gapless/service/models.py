@@ -1,0 +1,281 @@
+"""Base models and training runs of the Tinker service: the model work behind each SDK call.
+
+    BaseModels           name -> Policy, loaded once from a local checkpoint directory (or built)
+    TrainingRun          one training client: its own LoRA adapter on the base model's one shared
+                         peft copy (or a whole private copy, for full fine-tuning), its gradients
+                         and Adam state
+      forward_backward   per-datum log-probs, the summed loss (tinker_losses), gradients accumulated
+                         (in micro-batches of at most `micro_batch_tokens` padded tokens: the sums,
+                         and so the gradients, are those of one batch up to float rounding)
+      optim_step         AdamW with the SDK's parameters on the accumulated gradients, then zero them
+      save / load        adapter (or full weights) + optimizer state, one torch file per checkpoint
+      sampler_state      full HF-named weights (adapter merged) for a sampling engine
+
+LoRA runs on one base share its frozen weights (one copy, whatever the number of clients) and
+nothing else: each call activates the run's own adapter first, so two clients never see each
+other's adapters, gradients or optimizer state (lora.py's guarantee; tested). Every method runs on the service's one
+training thread (service/app.py), which executes calls in arrival order.
+Guaranteed: bad input (token ids outside the vocabulary, loss inputs whose shape differs from the
+datum's, an unknown loss) raises `UserError` before any gradient changes; a run's log-probs are
+those of the same weights the sampler gets from `sampler_state` (fp32 rounding apart).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gapless.generate.families import require_engine
+from gapless.lora import (LoraSpec, activate, adapter_parameters, adapter_state, add_lora, attach_lora,
+                          load_adapter_state, merged_state, remove_lora)
+from gapless.models import Policy, load_local, save_tokenizer
+from gapless.service.losses import LossInputError, loss_fn
+from gapless.service.wire import DatumIn
+from gapless.trainer.selected_logprobs import selected_logprobs
+
+
+class UserError(ValueError):
+    """A request the client must fix; becomes a failed future of category "user"."""
+
+
+@dataclass
+class BaseModel:
+    name: str
+    policy: Policy
+    tokenizer_dir: str  # the tokenizer alone, saved by the service: the SDK's tokenizer_id
+    adapted: torch.nn.Module | None = None  # one peft model holding every LoRA run's adapter on this base
+    adapters_made: int = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.policy.model.config.vocab_size)
+
+
+class BaseModels:
+    """The configured base models: `{name: directory}`; `default` builds one on first use (gapless-tiny).
+
+    Each base model's tokenizer is also saved alone under `tokenizer_root/NAME`, and that directory
+    is what get_info reports as `tokenizer_id`: `AutoTokenizer.from_pretrained` (the SDK's
+    `get_tokenizer()`, the cookbook's) on a full checkpoint would rebuild a plain `tokenizers`
+    tokenizer as the model family's class and tokenize differently; on the tokenizer alone it
+    loads exactly the tokenizer the service uses."""
+
+    def __init__(self, directories: dict[str, str], default=None, tokenizer_root: str | Path = "runs/service/tokenizers"):
+        self._directories, self._default = dict(directories), default
+        self._tokenizer_root = Path(tokenizer_root)
+        self._loaded: dict[str, BaseModel] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._directories) or (["gapless-tiny"] if self._default else [])
+
+    def get(self, name: str) -> BaseModel:
+        if name in self._loaded:
+            return self._loaded[name]
+        if name in self._directories:
+            policy = load_local(self._directories[name])
+            require_engine(policy.model)
+        elif name == "gapless-tiny" and self._default is not None and not self._directories:
+            policy = self._default()
+        else:
+            raise UserError(f"unknown base model {name!r}; this service serves {', '.join(self.names) or 'nothing'} "
+                            "(name more in the service config: [service] base_models = {NAME = \"DIR\"})")
+        tokenizer_dir = (self._tokenizer_root / _SAFE.sub("_", name)).resolve()
+        save_tokenizer(policy.tokenizer, tokenizer_dir)
+        policy.model.requires_grad_(False)
+        model = self._loaded[name] = BaseModel(name, policy, str(tokenizer_dir))
+        return model
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    learning_rate: float
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0 = no clipping
+
+
+class TrainingRun:
+    def __init__(self, model_id: str, base: BaseModel, spec: LoraSpec | None, micro_batch_tokens: int = 4096):
+        self.model_id, self.base, self.spec = model_id, base, spec
+        self.micro_batch_tokens = micro_batch_tokens
+        self.adapter = f"run{base.adapters_made}"  # a module-name-safe key (model ids hold ':')
+        if spec is None:
+            self.model = copy.deepcopy(base.policy.model).requires_grad_(True)
+            self.params = list(self.model.parameters())
+        else:
+            if base.adapted is None:
+                base.adapted = attach_lora(base.policy.model, spec, self.adapter)
+            else:
+                add_lora(base.adapted, spec, self.adapter)
+            self.model = base.adapted
+            self.params = adapter_parameters(self.model, self.adapter)
+        base.adapters_made += 1
+        self.optimizer: torch.optim.AdamW | None = None
+        self.steps = 0
+
+    def _activate(self) -> None:
+        if self.spec is not None:
+            activate(self.model, self.adapter)
+
+    def close(self) -> None:
+        """Free the run's adapter (a LoRA run) or its copy of the model."""
+        if self.spec is not None:
+            others = [a for a in self.model.peft_config if a != self.adapter]
+            if not others:  # the last adapter on this base: drop the shared copy itself
+                self.base.adapted = None
+            else:
+                if self.model.active_adapter == self.adapter:
+                    activate(self.model, others[0])
+                remove_lora(self.model, self.adapter)
+        self.model, self.params, self.optimizer = None, [], None
+
+    # ---- forward / backward -----------------------------------------------------------------
+    def forward_backward(self, datums: list[DatumIn], loss_name: str, config: dict[str, float], forward_only: bool
+                         ) -> tuple[list[np.ndarray], dict[str, float]]:
+        """Per-datum target log-probs and {"loss:sum": ...}; gradients are added unless `forward_only`."""
+        try:
+            fn = loss_fn(loss_name)
+        except LossInputError as exc:
+            raise UserError(str(exc)) from None
+        if not datums:
+            raise UserError("forward_backward needs at least one datum")
+        targets = [self._check(i, d) for i, d in enumerate(datums)]
+        inputs = [{k: v.float() for k, v in d.inputs.items() if k != "target_tokens"} for d in datums]
+        try:  # every datum's loss inputs checked before any gradient changes
+            for t, x in zip(targets, inputs):
+                fn(torch.zeros(len(t)), x, config)
+        except LossInputError as exc:
+            raise UserError(str(exc)) from None
+        self._activate()
+        logprobs: list[np.ndarray] = []
+        total = 0.0
+        for lo, hi in micro_batches([len(d.tokens) for d in datums], self.micro_batch_tokens):
+            out, loss = self._micro_batch(datums[lo:hi], targets[lo:hi], inputs[lo:hi], fn, config, forward_only)
+            logprobs += out
+            total += loss
+        return logprobs, {"loss:sum": total}
+
+    def _micro_batch(self, datums, targets, inputs, fn, config, forward_only) -> tuple[list[np.ndarray], float]:
+        """One padded forward (and backward) over a few datums; losses are sums, so gradients add up."""
+        lengths = [len(d.tokens) for d in datums]
+        width = max(lengths)
+        input_ids = torch.zeros(len(datums), width, dtype=torch.long)  # (B, L), right-padded
+        attention = torch.zeros(len(datums), width, dtype=torch.long)
+        target_ids = torch.zeros(len(datums), width, dtype=torch.long)
+        for i, (d, t) in enumerate(zip(datums, targets)):
+            input_ids[i, : lengths[i]] = torch.tensor(d.tokens)
+            attention[i, : lengths[i]] = 1
+            target_ids[i, : lengths[i]] = t
+        with torch.set_grad_enabled(not forward_only):
+            logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits  # (B, L, V)
+            logp, _ = selected_logprobs(logits, target_ids)  # (B, L), no (B, L, V) log-softmax kept
+            total = torch.stack([fn(logp[i, : lengths[i]], x, config) for i, x in enumerate(inputs)]).sum()
+            if not forward_only:
+                total.backward()
+        return [logp[i, : lengths[i]].detach().numpy().copy() for i in range(len(datums))], float(total.detach())
+
+    def _check(self, i: int, d: DatumIn) -> torch.Tensor:
+        vocab = self.base.vocab_size
+        if not d.tokens:
+            raise UserError(f"datum {i}: model_input is empty")
+        if "target_tokens" not in d.inputs:
+            raise UserError(f"datum {i}: loss_fn_inputs has no 'target_tokens'")
+        target = d.inputs["target_tokens"].long()
+        if target.shape != (len(d.tokens),):
+            raise UserError(f"datum {i}: target_tokens has shape {tuple(target.shape)}; it must have one token per "
+                            f"model_input position, shape ({len(d.tokens)},)")
+        for what, ids in (("model_input", torch.tensor(d.tokens)), ("target_tokens", target)):
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+                bad = int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())
+                raise UserError(f"datum {i}: {what} holds token id {bad}, outside the vocabulary of "
+                                f"{self.base.name!r} (0..{vocab - 1})")
+        for name, tensor in d.inputs.items():
+            if name != "target_tokens" and tensor.shape != target.shape:
+                raise UserError(f"datum {i}: loss_fn_inputs[{name!r}] has shape {tuple(tensor.shape)}, target_tokens "
+                                f"has {tuple(target.shape)}: they must match")
+        return target
+
+    # ---- optimizer ------------------------------------------------------------------------
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        if adam.learning_rate < 0 or not 0 <= adam.beta1 < 1 or not 0 <= adam.beta2 < 1 or adam.eps <= 0:
+            raise UserError(f"Adam parameters out of range: {adam} (learning_rate >= 0, 0 <= betas < 1, eps > 0)")
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(self.params, lr=adam.learning_rate)
+        for group in self.optimizer.param_groups:
+            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                         weight_decay=adam.weight_decay)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        if adam.grad_clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, adam.grad_clip_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return {"grad_norm:mean": norm}
+
+    # ---- weights --------------------------------------------------------------------------
+    def sampler_state(self) -> dict[str, torch.Tensor]:
+        if self.spec is None:
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return merged_state(self.model, self.adapter)
+
+    def save(self, path: Path) -> None:
+        weights = adapter_state(self.model, self.adapter) if self.spec is not None else self.sampler_state()
+        payload = {"base": self.base.name, "spec": self.spec, "weights": weights, "steps": self.steps,
+                   "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(payload, tmp)
+        tmp.replace(path)
+
+    def load(self, payload: dict, with_optimizer: bool) -> None:
+        if payload["base"] != self.base.name or _shape(payload["spec"]) != _shape(self.spec):
+            raise UserError(f"checkpoint is for base {payload['base']!r} with {payload['spec']}; this run is "
+                            f"{self.base.name!r} with {self.spec}")
+        if self.spec is not None:
+            load_adapter_state(self.model, payload["weights"], self.adapter)
+        else:
+            self.model.load_state_dict(payload["weights"])
+        self.optimizer = None
+        for p in self.params:
+            p.grad = None
+        if with_optimizer and payload["optimizer"] is not None:
+            self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
+            self.optimizer.load_state_dict(payload["optimizer"])
+            self.steps = payload["steps"]
+
+
+def _shape(spec: LoraSpec | None) -> LoraSpec | None:
+    """What a checkpoint must match to load: everything but the seed (it only chose the initial A)."""
+    return dataclasses.replace(spec, seed=None) if spec is not None else None
+
+
+def micro_batches(lengths: list[int], max_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive index ranges whose padded size (count x longest) stays within `max_tokens`
+    (a datum longer than that gets a range of its own)."""
+    ranges, lo, longest = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > lo and max(longest, n) * (i - lo + 1) > max_tokens:
+            ranges.append((lo, i))
+            lo, longest = i, 0
+        longest = max(longest, n)
+    return ranges + [(lo, len(lengths))] if lengths else ranges
+
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def checkpoint_file(root: Path, model_id: str, name: str) -> Path:
+    """Where `tinker://MODEL_ID/weights/NAME` is stored under `root` (names made filesystem-safe)."""
+    if not name or name in (".", "..") or "/" in name:
+        raise UserError(f"checkpoint name {name!r} must be a non-empty name without '/'")
+    return root / _SAFE.sub("_", model_id) / f"{_SAFE.sub('_', name)}.pt"

@@ -1,0 +1,1 @@
+"""Supervised warm start (SFT) before the RL steps."""
