@@ -73,7 +73,7 @@ def child(args) -> dict:
     else:
         import tempfile
 
-        from gapless.generate.vllm_engine import VLLMEngine
+        from gapless.generate.vllm.engine import VLLMEngine
 
         path = Path(tempfile.mkdtemp()) / "model"
         model.save_pretrained(path)

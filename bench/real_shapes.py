@@ -179,7 +179,7 @@ def vllm_phase(args, rows) -> dict:
 
     import torch
 
-    from gapless.generate.vllm_engine import VLLMEngine
+    from gapless.generate.vllm.engine import VLLMEngine
     from gapless.types import SamplingParams
 
     model = build_model(args.shape, dtype="bfloat16")

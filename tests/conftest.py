@@ -68,7 +68,7 @@ def vllm_engine(vllm_policy, tmp_path_factory):
     """One vLLM engine for the whole session (start-up takes tens of seconds; one per process), in
     fp32 with the prefix cache on and LoRA enabled (rank up to 8). A test that pushes other weights
     pushes `vllm_policy`'s back before it ends."""
-    from gapless.generate.vllm_engine import VLLMEngine
+    from gapless.generate.vllm.engine import VLLMEngine
 
     path = tmp_path_factory.mktemp("vllm") / "policy"
     vllm_policy.save(path)

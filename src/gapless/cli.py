@@ -117,7 +117,7 @@ def _vllm_preflight(cfg) -> None:
     one line at start (exit 2), before any model is built."""
     if cfg.generator.engine != "vllm":
         return
-    from gapless.generate.vllm_engine import VLLMUnavailable, check_model
+    from gapless.generate.vllm.engine import VLLMUnavailable, check_model
 
     if cfg.model.path is None:
         head_dim = cfg.model.hidden_size // cfg.model.num_heads
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                 sock = bind(args.host, args.port)  # before the heavy imports: a port in use fails at once
             except PortInUse as exc:
                 raise _Usage(str(exc)) from None
-            from gapless.serve.openai_server import serve
+            from gapless.serve.openai.server import serve
 
             serve(args.model_path, sock, args.model_name, args.threads, args.api_key, args.max_batch, args.max_seq_len)
             print("gapless: server stopped", file=sys.stderr)

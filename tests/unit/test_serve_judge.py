@@ -10,7 +10,7 @@ import torch
 from gapless.config import load_config
 from gapless.envs.judge.environment import JudgeEnvironment, embedded_judge_tasks, make_judge_environment
 from gapless.envs.judge.client import HttpJudgeClient, SchedulerJudgeClient
-from gapless.serve.openai_server import ServerThread, build_app
+from gapless.serve.openai.server import ServerThread, build_app
 from gapless.types import Completion
 from serve_model import tiny_policy
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from gapless.generate.engine import TorchEngine
-from gapless.serve.openai_app import OpenAIApp
-from gapless.serve.openai_server import ServerThread, build_app
+from gapless.serve.openai.app import OpenAIApp
+from gapless.serve.openai.server import ServerThread, build_app
 from gapless.serve.protocol import SampleRequest
 from gapless.types import SamplingParams
 from serve_model import tiny_policy

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 from gapless.generate.engine import TorchEngine
 from gapless.generate.sampling import sample_seed
 from gapless.serve.grammar import Grammars, StructureSpec
-from gapless.serve.openai_server import ServerThread, build_app
+from gapless.serve.openai.server import ServerThread, build_app
 from gapless.types import Completion, SamplingParams
 from serve_model import tiny_policy
 

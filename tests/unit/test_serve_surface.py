@@ -12,7 +12,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from gapless.generate.logit_adjust import apply_adjustments
-from gapless.serve.openai_server import ServerThread, build_app
+from gapless.serve.openai.server import ServerThread, build_app
 from gapless.types import LogitAdjustment
 from serve_model import tiny_policy
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from gapless.serve.openai_server import ServerThread, build_app
+from gapless.serve.openai.server import ServerThread, build_app
 from serve_model import tiny_policy
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two small numbers.", "parameters": {

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from gapless.generate.vllm_engine import VLLMEngine
+from gapless.generate.vllm.engine import VLLMEngine
 from gapless.lora import LoraSpec, adapter_state, attach_lora
 from gapless.trainer.batch import build_batch, token_logprobs
 from gapless.types import SamplingParams

@@ -5,7 +5,7 @@ torch engine). Runs in either venv; nothing is built before the check."""
 import pytest
 
 from gapless.cli import main
-from gapless.generate.vllm_engine import on_cpu, vllm_installed
+from gapless.generate.vllm.engine import on_cpu, vllm_installed
 
 
 def _stderr_of(argv, capsys) -> str:

@@ -43,7 +43,7 @@ def _make(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_dir: Path
                            kernels=cfg.kernels, stop_ids=policy.stop_ids, recompute_kv=cfg.recompute_kv)
     if cfg.engine == "reference":
         return TorchSampler(copy.deepcopy(policy.model), policy.eos_id, policy.pad_id, policy.decode, policy.stop_ids)
-    from gapless.generate.vllm_engine import VLLMEngine, check_model, on_cpu
+    from gapless.generate.vllm.engine import VLLMEngine, check_model, on_cpu
 
     check_model(head_dim(policy.model.config))
     # vLLM builds its model from a directory; one per process (the trainer's eval engine and each

@@ -48,7 +48,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gapless.serve.openai_params import ChatBody, parse_body
+from gapless.serve.openai.params import ChatBody, parse_body
 from gapless.serve.protocol import ServeError
 from gapless.serve.tools.parsers import HERMES
 from gapless.serve.tools.render import plain_messages
@@ -153,7 +153,7 @@ class Gateway:
     """The per-episode endpoints of one environment, served from a background thread."""
 
     def __init__(self, model: str = "gapless-policy", host: str = "127.0.0.1"):
-        from gapless.serve.openai_server import ServerThread  # uvicorn, on a socket bound now
+        from gapless.serve.openai.server import ServerThread  # uvicorn, on a socket bound now
 
         self.model = model
         self.channels: dict[str, Channel] = {}

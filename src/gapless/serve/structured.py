@@ -51,7 +51,7 @@ class StructuredOutputs(_Strict):
 
 
 class StructuredFields(_Strict):
-    """Mixed into the completions and chat bodies (openai_params.py)."""
+    """Mixed into the completions and chat bodies (openai/params.py)."""
 
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

@@ -23,7 +23,7 @@ Rendering follows the run's prompt format (prompts.py `PromptEncoder`): `chat` r
 tokenizer's chat template (no system prompt is added: the agent sends its own); `raw` concatenates
 the messages' contents as they are, so an agent that sends a task's prompt as its one user
 message gets exactly the tokens that `encode(prompt)` gives, as in the warm start. (Not the
-"role: content" lines that `gapless serve` writes for a template-less tokenizer, serve/chat.py:
+"role: content" lines that `gapless serve` writes for a template-less tokenizer, serve/openai/chat.py:
 in training the first call must tokenise as the task's prompt does.)
 Not guaranteed: that a chat template nests (a later call's rendering extends the earlier one);
 `extend` raises `NotAnExtension` when it does not.

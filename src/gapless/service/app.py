@@ -6,7 +6,7 @@
     POST /api/v1/create_sampling_session, asample; GET /api/v1/samplers/{id} -> the sampler pool
     POST /api/v1/retrieve_future                                         -> the future store
     GET  /api/v1/healthz, /api/v1/get_server_capabilities
-    /v1/...  the OpenAI API (openai_app.py) over the first base model's scheduler, when given
+    /v1/...  the OpenAI API (openai/app.py) over the first base model's scheduler, when given
 
 Who waits for whom:
 

@@ -1,6 +1,6 @@
 """`gapless serve-training`: the Tinker-compatible training service (service/app.py) on uvicorn.
 
-The same stack as `gapless serve` (openai_server.py): one process, uvicorn's loop for HTTP
+The same stack as `gapless serve` (openai/server.py): one process, uvicorn's loop for HTTP
 (listen.bind's socket, the same uvicorn settings), the sampling schedulers' engine threads, and
 one training thread. The SDK's `base_url` is the server root (`http://HOST:PORT`).
 
@@ -23,8 +23,8 @@ import uvicorn
 
 from gapless.config import Config, usable_cores
 from gapless.models import Policy
-from gapless.serve.openai_app import OpenAIApp
-from gapless.serve.openai_server import ServerThread, _config
+from gapless.serve.openai.app import OpenAIApp
+from gapless.serve.openai.server import ServerThread, _config
 from gapless.serve.scoring import Scorer
 from gapless.service.app import TinkerApp
 from gapless.service.models import BaseModels

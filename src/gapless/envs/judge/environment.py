@@ -165,8 +165,8 @@ def _in_process_judge(j, seed: int) -> SchedulerJudgeClient:
     from gapless.generate.engine import TorchEngine
     from gapless.generate.families import require_engine
     from gapless.models import load_local
-    from gapless.serve.chat import chat_prompt_ids
-    from gapless.serve.openai_params import Message
+    from gapless.serve.openai.chat import chat_prompt_ids
+    from gapless.serve.openai.params import Message
     from gapless.serve.scheduler import Scheduler
 
     judge = load_local(j.model_path, "raw")  # the chat api applies the template itself (serve.chat)

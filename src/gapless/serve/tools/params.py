@@ -63,7 +63,7 @@ class ToolCallParam(_Strict):
 
 
 class ToolFields(_Strict):
-    """Mixed into the chat body (openai_params.py)."""
+    """Mixed into the chat body (openai/params.py)."""
 
     tools: list[ToolParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -1,7 +1,7 @@
 """Tool definitions and tool-calling history as plain chat messages, for templates without tool support.
 
 A chat template that takes `tools` (its text mentions them: Qwen, Hermes, Llama 3.1 ...) renders
-the conversation itself (serve/chat.py passes `tools=` and the messages' `tool_calls`). A template
+the conversation itself (serve/openai/chat.py passes `tools=` and the messages' `tool_calls`). A template
 without tool support -- or no template, or the training gateway, whose transcripts are
 (role, content) pairs -- gets the conversation rewritten here, in the tool-call format the server
 parses (Hermes-like for 'hermes'):

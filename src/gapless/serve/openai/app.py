@@ -4,10 +4,10 @@
     POST /v1/completions                 prompt: string, strings, token ids or lists of token ids
     POST /v1/chat/completions            messages rendered by the tokenizer's chat template (chat.py)
     POST /v1/responses                   the Responses API, text (responses.py)
-    POST /tokenize, /detokenize          vLLM's tokenizer routes (openai_extras.py)
+    POST /tokenize, /detokenize          vLLM's tokenizer routes (openai/extras.py)
     GET  /health, /metrics               liveness; the scheduler's counters in Prometheus text
 
-Each route parses the body itself (strict models in openai_params.py, so every failure, malformed
+Each route parses the body itself (strict models in openai/params.py, so every failure, malformed
 JSON included, is an OpenAI-shaped 400 naming the field), turns it into `SampleRequest`s and awaits
 their handles. Streams are server-sent events: a chunk per sample per engine step, a `usage`
 chunk before `data: [DONE]` when `stream_options.include_usage` asks for it (deltas that piled up
@@ -45,14 +45,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gapless.serve.chat import chat_prompt_ids
+from gapless.serve.openai.chat import chat_prompt_ids
 from gapless.serve.grammar import Grammars, StructureSpec
-from gapless.serve.openai_extras import DetokenizeBody, PrometheusMetrics, TokenizeBody, detokenize, tokenize
-from gapless.serve.openai_params import ChatBody, CompletionBody, parse_body
+from gapless.serve.openai.extras import DetokenizeBody, PrometheusMetrics, TokenizeBody, detokenize, tokenize
+from gapless.serve.openai.params import ChatBody, CompletionBody, parse_body
 from gapless.serve.protocol import (ContextLengthExceeded, InvalidRequest, SampleRequest, SampleResult, ServeError,
                                     merge_deltas)
 from gapless.serve.scheduler import RequestHandle, Scheduler
-from gapless.serve.responses import ResponsesBody, response_events, response_object
+from gapless.serve.openai.responses import ResponsesBody, response_events, response_object
 from gapless.serve.scoring import Scorer
 from gapless.serve.tools.choice import forced_calls
 from gapless.serve.tools.parsers import tool_call_format

@@ -8,7 +8,7 @@ prompt ends with "assistant:". Content given as a list of text parts is joined w
 Tools and tool-calling history (assistant `tool_calls`, `tool` messages) go through the template's
 own tool support when it has some, else they are rewritten into plain messages in the server's
 tool-call format first (tools/render.py). Not supported: images and audio parts (refused by the
-request model, openai_params.py).
+request model, openai/params.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
-from gapless.serve.openai_params import Message
+from gapless.serve.openai.params import Message
 from gapless.serve.protocol import InvalidRequest
 from gapless.serve.tools.parsers import HERMES, ToolCallFormat
 from gapless.serve.tools.render import plain_messages, template_takes_tools

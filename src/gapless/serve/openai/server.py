@@ -1,4 +1,4 @@
-"""`gapless serve`: a checkpoint's scheduler behind the OpenAI API (openai_app.py) on uvicorn.
+"""`gapless serve`: a checkpoint's scheduler behind the OpenAI API (openai/app.py) on uvicorn.
 
 One process: uvicorn's event loop (uvloop + httptools, one worker, listen backlog 2048) handles
 HTTP; the scheduler's engine thread runs the model. Torch releases the GIL inside its kernels, so
@@ -28,7 +28,7 @@ from gapless.generate.engine import TorchEngine
 from gapless.generate.families import require_engine
 from gapless.models import Policy
 from gapless.serve.listen import BACKLOG, bind, url_of
-from gapless.serve.openai_app import OpenAIApp
+from gapless.serve.openai.app import OpenAIApp
 from gapless.serve.scheduler import Scheduler
 from gapless.serve.scoring import Scorer
 

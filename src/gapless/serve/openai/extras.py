@@ -19,8 +19,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import Field
 from starlette.responses import Response
 
-from gapless.serve.chat import chat_prompt_ids
-from gapless.serve.openai_params import Message, _Body
+from gapless.serve.openai.chat import chat_prompt_ids
+from gapless.serve.openai.params import Message, _Body
 from gapless.serve.protocol import InvalidRequest
 from gapless.serve.scheduler import Scheduler
 

@@ -7,7 +7,7 @@ weight push hands vLLM the tensors by reference. Every sample is its own vLLM re
 group's prompt. Log-probs are requested in `processed_logprobs` mode: after temperature and
 top-k/top-p, i.e. under the distribution actually sampled from, as `TorchEngine` records them.
 
-Weights move only through vLLM's supported APIs, behind one seam (`WeightPush`, vllm_weights.py):
+Weights move only through vLLM's supported APIs, behind one seam (`WeightPush`, vllm/weights.py):
 the in-place reload (`collective_rpc("reload_weights", weights_iterator=...)`, vLLM's own
 checkpoint-format loader, which maps HF names onto its fused q/k/v and gate/up parameters) by
 default, or vLLM's weight-transfer engine (IPC / NCCL, GPU only). In a LoRA run only the adapter
@@ -122,7 +122,7 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         import vllm
 
-        from gapless.generate.vllm_weights import VLLMWeights, is_adapter_push
+        from gapless.generate.vllm.weights import VLLMWeights, is_adapter_push
 
         self._vllm = vllm
         self.vllm_version = getattr(vllm, "__version__", "?")

@@ -23,7 +23,7 @@ from typing import AsyncIterator
 
 from pydantic import Field, model_validator
 
-from gapless.serve.openai_params import Message, REFUSED_PARTS, _Sampling
+from gapless.serve.openai.params import Message, REFUSED_PARTS, _Sampling
 from gapless.serve.protocol import InvalidRequest, SampleResult, ServeError, merge_deltas
 from gapless.serve.scheduler import RequestHandle
 

@@ -1,0 +1,1 @@
+"""vLLM behind the stepped-generator surface: the engine and its weight transports."""
