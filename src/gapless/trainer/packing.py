@@ -7,11 +7,13 @@ batch's padded (B, L-1) layout, 0 where `need` is false. The LM head runs only a
 positions and a chunk at a time (chunked_head.py), so neither the padding nor the (tokens x vocab)
 logits are ever computed in full.
 
-Sequence boundaries: with no 2-D attention mask and restarted position ids, transformers detects
-the packing from the position ids (`masking_utils.find_packed_sequence_indices`) and builds a
-block-diagonal causal mask for SDPA and eager attention, or passes the boundaries to flash-attention's
-variable-length kernel; a micro-batch of one row keeps the plain causal path. The mask it builds
-for SDPA is (N x N) booleans, which the token budget of a micro-batch bounds.
+Sequence boundaries: under SDPA (the CPU default) the packed call swaps in, for that call only,
+an attention that runs SDPA's causal kernel on each row's own span (`_segment_attention`): the
+cost is the rows' own sum of length^2 and no (N x N) mask exists; a sliding window (mistral, the
+gemmas' local layers) becomes a banded mask within the row. Under flash-attention transformers
+derives the rows' boundaries from the restarted position ids (its variable-length kernel); under
+eager attention it builds the block-diagonal (N x N) mask itself. A micro-batch of one row is the
+plain causal forward either way.
 
 Guaranteed: the log-probs equal the padded forward's at every needed position within float
 rounding (tested on the tiny model, forward and gradient). Not guaranteed: models whose forward
@@ -21,11 +23,18 @@ linear layer, or logit soft-capping, takes the materialised path (every kept pos
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from gapless.trainer.chunked_head import head_logprobs
+
+SEGMENT_ATTENTION = "gapless_segments"
+_spans: list[tuple[int, int]] = []  # the packed call's rows as [start, stop), set around the forward
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -48,7 +57,9 @@ def packed_logprobs_and_entropy(model: torch.nn.Module, input_ids: torch.Tensor,
     rows, cols = need.nonzero(as_tuple=True)  # (M,) each
     flat = offsets[rows] + cols  # (M,) packed positions whose next token is scored
     targets = ids[0, flat + 1]
-    picked, entropy = _head_at(model, ids, positions, flat, targets, temperature)
+    stops = torch.cumsum(lengths, 0).tolist()
+    with _segments(_unwrap(model).config, list(zip([0, *stops[:-1]], stops))):
+        picked, entropy = _head_at(model, ids, positions, flat, targets, temperature)
     shape = need.shape
     return (picked.new_zeros(shape).index_put((rows, cols), picked),
             entropy.new_zeros(shape).index_put((rows, cols), entropy))
@@ -78,6 +89,44 @@ def _head_at(model, ids, positions, flat, targets, temperature):
     finally:
         del head.forward
     return out[0]
+
+
+@contextlib.contextmanager
+def _segments(config, spans: list[tuple[int, int]]):
+    """Under SDPA, attend within `spans` only (the module docstring) for the duration of the call."""
+    if getattr(config, "_attn_implementation", None) != "sdpa" or len(spans) < 2:
+        yield
+        return
+    _spans[:] = spans
+    config._attn_implementation_internal = SEGMENT_ATTENTION  # the internal field: the setter would re-validate
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = "sdpa"
+        _spans.clear()
+
+
+def _segment_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                       sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """query (1, heads, N, d), key and value (1, kv_heads, N, d) -> (1, N, heads, d): causal
+    SDPA over each span of `_spans` alone."""
+    repeat = query.shape[1] // key.shape[1]
+    if repeat > 1:
+        key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
+    out = []
+    for lo, hi in _spans:
+        mask = None
+        if sliding_window is not None and hi - lo > sliding_window:  # q attends to k when q - window < k <= q
+            i = torch.arange(hi - lo, device=query.device)
+            mask = (i[None] <= i[:, None]) & (i[None] > i[:, None] - sliding_window)
+        out.append(F.scaled_dot_product_attention(query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi], attn_mask=mask,
+                                                  dropout_p=dropout if module.training else 0.0, is_causal=mask is None,
+                                                  scale=scaling))
+    return torch.cat(out, 2).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(SEGMENT_ATTENTION, _segment_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(SEGMENT_ATTENTION, lambda *args, **kwargs: None)  # spans, not a mask
 
 
 def _is_plain_head(model: torch.nn.Module, head) -> bool:
