@@ -97,7 +97,7 @@ def estimate_memory(cfg: Config, shape: ModelShape, max_seq_len: int, trained_pa
         tokens = max(t.max_tokens_per_micro_batch, max_seq_len)
         from gapless.trainer.chunked_head import chunk_positions
 
-        logits = 4 * chunk_positions(shape.vocab) * shape.vocab * 4
+        logits = 4 * min(chunk_positions(shape.vocab), tokens) * shape.vocab * 4
     else:
         tokens = min(t.micro_batch_size, rows) * max_seq_len
         logits = 3 * tokens * shape.vocab * 4
