@@ -113,15 +113,16 @@ def _segment_attention(module, query, key, value, attention_mask, dropout: float
     repeat = query.shape[1] // key.shape[1]
     if repeat > 1:
         key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
+    sizes = [hi - lo for lo, hi in _spans]
     out = []
-    for lo, hi in _spans:
+    # one split per tensor, not a slice per row: a slice's backward writes a full-size zero tensor per row
+    for q, k, v in zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2)):
         mask = None
-        if sliding_window is not None and hi - lo > sliding_window:  # q attends to k when q - window < k <= q
-            i = torch.arange(hi - lo, device=query.device)
+        if sliding_window is not None and q.shape[2] > sliding_window:  # q attends to k when q - window < k <= q
+            i = torch.arange(q.shape[2], device=query.device)
             mask = (i[None] <= i[:, None]) & (i[None] > i[:, None] - sliding_window)
-        out.append(F.scaled_dot_product_attention(query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi], attn_mask=mask,
-                                                  dropout_p=dropout if module.training else 0.0, is_causal=mask is None,
-                                                  scale=scaling))
+        out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout if module.training else 0.0,
+                                                  is_causal=mask is None, scale=scaling))
     return torch.cat(out, 2).transpose(1, 2).contiguous(), None
 
 
