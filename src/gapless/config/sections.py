@@ -231,6 +231,13 @@ class TrainerConfig(_Section):
     Rows are sorted by length and each micro-batch is cut to its longest row; the step is split
     into ceil(rows / micro_batch_size) micro-batches holding at most micro_batch_size x the
     step's longest row in padded tokens (short rows share a micro-batch with more of them)."""
+    max_tokens_per_micro_batch: int = Field(0, ge=0)
+    """Tokens (prompt + completion, no padding) per forward/backward pass; 0 cuts by rows
+    (`micro_batch_size`) instead. Above 0 the step's length-sorted rows are packed into
+    micro-batches of at most this many tokens (a longer row trains alone), each row attending only
+    to itself, and the log-probs come from the LM head a chunk of positions at a time, so the
+    (tokens x vocab) logits are never held: activation memory grows with this number, not with
+    the longest rollout times the rows. Set it for long rollouts or large vocabularies."""
     threads: int = Field(0, ge=0, le=512)
     """torch intra-op threads; 0 uses every core given to the process."""
     gradient_checkpointing: bool = False

@@ -49,6 +49,7 @@ from gapless.models import load_local
 from gapless.orchestrate.evaluate import EvalScore, greedy_pass_at_1, multi_turn_pass_at_1
 from gapless.orchestrate.inline import InlineSource
 from gapless.orchestrate.masking import MaskingWatch
+from gapless.orchestrate.memory_fit import check_fits
 from gapless.orchestrate.policy_setup import prepare_policy
 from gapless.orchestrate.source import RolloutSource
 from gapless.orchestrate.step_metrics import rollout_metrics, staleness_metrics, train_metrics
@@ -119,6 +120,7 @@ class RunLoop:
     def _setup(self, cfg: Config, resume: bool, log, kind: str) -> None:
         self.lora = run_spec(cfg.lora, cfg.seed)  # None: full fine-tuning
         self.policy, self.setup_info = prepare_policy(cfg, self.env, log)
+        check_fits(cfg, self.policy.model, self.max_seq_len(), log)  # before any rollout: refuse what cannot fit
         self.start_step, self.state = 0, {}
         checkpoint = latest_checkpoint(self.run_dir) if resume else None
         if checkpoint is not None:

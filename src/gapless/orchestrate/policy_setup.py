@@ -101,4 +101,5 @@ def _initial_policy(cfg: Config, train: list[Task], teacher: Teacher | None) -> 
     if cfg.model.path is not None:
         return load_local(cfg.model.path, cfg.model.prompt_format, cfg.model.system_prompt, cfg.model)
     texts = [t.prompt + (teacher.reference(t) if teacher is not None else "") for t in train]
-    return build_tiny(cfg.model, texts, cfg.seed)
+    # positions for the longest prompt and completion (RoPE has no learned table: only the config's bound grows)
+    return build_tiny(cfg.model, texts, cfg.seed, max_positions=max(512, cfg.generator.max_new_tokens + 512))

@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
-from gapless.trainer.micro_batches import micro_batch_rows
+from gapless.trainer.micro_batches import micro_batch_rows, token_budget_rows
 from gapless.trainer.selected_logprobs import selected_logprobs
 from gapless.types import Completion
 
@@ -48,11 +48,28 @@ class Batch:
         of length-sorted rows, each cut to its own longest row (see the module docstring)."""
         out = []
         for rows, width in micro_batch_rows(self.attention_mask.sum(-1).tolist(), size):
-            index = torch.tensor(rows, dtype=torch.long)
-            mb = self.select(rows)
-            out.append((index, replace(mb, input_ids=mb.input_ids[:, :width], attention_mask=mb.attention_mask[:, :width],
-                                       loss_mask=mb.loss_mask[:, : width - 1], behaviour_logprobs=mb.behaviour_logprobs[:, : width - 1])))
+            out.append((torch.tensor(rows, dtype=torch.long), self.select(rows).cut_to(width)))
         return out
+
+    def packed_micro_batches(self, max_tokens: int) -> list[tuple[torch.Tensor, "Batch"]]:
+        """(row index, micro-batch) pairs covering every row once, each micro-batch at most
+        `max_tokens` real tokens (a longer row alone), cut to its own longest row; the forward
+        packs its rows (packing.py), so the padding left here is only the loss's layout."""
+        out = []
+        for rows in token_budget_rows(self.attention_mask.sum(-1).tolist(), max_tokens):
+            mb = self.select(rows)
+            out.append((torch.tensor(rows, dtype=torch.long), mb.cut_to(max(int(mb.attention_mask.sum(-1).max()), 2))))
+        return out
+
+    def cut(self, micro_batch_size: int, max_tokens: int = 0) -> list[tuple[torch.Tensor, "Batch"]]:
+        """The trainer's micro-batches: packed under a token budget when `max_tokens` > 0, else
+        `micro_batches(micro_batch_size)`."""
+        return self.packed_micro_batches(max_tokens) if max_tokens > 0 else self.micro_batches(micro_batch_size)
+
+    def cut_to(self, width: int) -> "Batch":
+        """The first `width` token positions of every row (`width` - 1 predicted positions)."""
+        return replace(self, input_ids=self.input_ids[:, :width], attention_mask=self.attention_mask[:, :width],
+                       loss_mask=self.loss_mask[:, : width - 1], behaviour_logprobs=self.behaviour_logprobs[:, : width - 1])
 
     def select(self, index: list[int]) -> "Batch":
         keep = torch.tensor(index, dtype=torch.long)
@@ -135,7 +152,7 @@ def token_logprobs_and_entropy(model: torch.nn.Module, input_ids: torch.Tensor, 
     log-softmax)."""
     logits, targets = _logits(model, input_ids, attention_mask, first), input_ids[:, first + 1 :]
     if entropy_grad and torch.is_grad_enabled():
-        logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
+        logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)  # (B, T, V)
         entropy = -(logp.exp() * logp).sum(-1)
         picked = logp.gather(-1, targets[..., None]).squeeze(-1)
     else:

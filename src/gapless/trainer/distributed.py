@@ -172,7 +172,7 @@ class DataParallelTrainer:
         if norm.num_tokens > 0:
             rows = deal_rows(batch, self.world_size)
             shares = [batch.select(r) for r in rows]
-            count = max(len(s.micro_batches(self.cfg.micro_batch_size)) for s in shares)
+            count = max(len(s.cut(self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)) for s in shares)
             padding = loss_free_row(batch)
             records = [StepShare(s, norm.select(torch.tensor(r, dtype=torch.long)), count, padding) for s, r in zip(shares, rows)]
             for rank, inbox in self._inboxes.items():

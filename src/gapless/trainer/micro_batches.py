@@ -4,7 +4,8 @@ Torch-free, so that the capacity simulator (simulate/run.py) prices a training s
 trainer's own cuts: `micro_batch_rows` is how `Batch.micro_batches` (batch.py) cuts a step, and
 `padded_tokens` the number of token positions its forward and backward passes then compute
 (every row of a micro-batch right-padded to that micro-batch's longest row). `balanced_cuts` is
-exact (a binary search over the bound).
+exact (a binary search over the bound). `token_budget_rows` is the cut of a packed step
+(`trainer.max_tokens_per_micro_batch`): micro-batches bounded by their real tokens, no padding.
 """
 
 from __future__ import annotations
@@ -49,3 +50,22 @@ def padded_tokens(lengths: list[int], micro_batch_size: int) -> int:
     """Token positions the trainer computes for a step whose rows have `lengths`: rows x width
     summed over its micro-batches (`micro_batch_rows`)."""
     return sum(len(rows) * width for rows, width in micro_batch_rows(lengths, micro_batch_size))
+
+
+def token_budget_rows(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """How the trainer cuts a packed step whose rows have `lengths` (tokens, prompt included):
+    the rows sorted by length (stable) and filled greedily into micro-batches of at most
+    `max_tokens` tokens in all; a row longer than `max_tokens` is a micro-batch of its own.
+    Contiguous greedy filling gives the fewest micro-batches of sorted rows, and rows of similar
+    length share one (their padded loss layout stays near their packed size)."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    out: list[list[int]] = []
+    total = 0
+    for row in order:
+        if out and total + lengths[row] <= max_tokens:
+            out[-1].append(row)
+            total += lengths[row]
+        else:
+            out.append([row])
+            total = lengths[row]
+    return out

@@ -23,7 +23,7 @@ class _SelectedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
         rows = logits.shape[0]
-        picked = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+        picked = torch.empty(logits.shape[:-1], dtype=_dtype(logits), device=logits.device)
         lse = torch.empty_like(picked)
         entropy = torch.empty_like(picked) if with_entropy else None
         for b in range(rows):
@@ -45,7 +45,7 @@ class _SelectedLogProbs(torch.autograd.Function):
         logits, targets, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
         for b in range(logits.shape[0]):
-            g = grad_picked[b].float()[:, None]  # (T, 1)
+            g = grad_picked[b].to(_dtype(logits))[:, None]  # (T, 1)
             row = torch.exp(_scaled(logits[b], ctx.temperature) - lse[b, :, None]).mul_(-g)  # -softmax * g
             row.scatter_add_(-1, targets[b, :, None], g)
             if ctx.temperature != 1.0:
@@ -54,14 +54,18 @@ class _SelectedLogProbs(torch.autograd.Function):
         return grad, None, None, None
 
 
+def _dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(logits.dtype, torch.float32)  # float32 at least; float64 stays float64
+
+
 def _scaled(row: torch.Tensor, temperature: float) -> torch.Tensor:
-    row = row.float()
+    row = row.to(_dtype(row))
     return row if temperature == 1.0 else row / temperature
 
 
 def selected_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits (B, T, V), targets (B, T) -> (log p(target), entropy or None), each (B, T) float32."""
+    """logits (B, T, V), targets (B, T) -> (log p(target), entropy or None), each (B, T) float32 (float64 for float64 logits)."""
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"selected_logprobs: logits {tuple(logits.shape)} do not match targets {tuple(targets.shape)}")
     picked, entropy = _SelectedLogProbs.apply(logits, targets, float(temperature), with_entropy)

@@ -3,7 +3,9 @@
 A step makes `epochs` updates on its batch (stats are those of the last update). Each update
 splits the batch into micro-batches and accumulates gradients with normalisers counted once over
 the whole step (normalisers.StepNorm), so the result equals one big batch for every loss; then
-it clips the global gradient norm and takes one AdamW step. At cluster.trainer_world_size > 1
+it clips the global gradient norm and takes one AdamW step. Micro-batches are cut by rows
+(padded) or, with `trainer.max_tokens_per_micro_batch`, by tokens and packed (packing.py): the
+same gradient within float rounding. At cluster.trainer_world_size > 1
 every rank runs this same `update` on its rows of the step, with the whole step's normalisers
 and a `ShardPlan` (trainer/distributed.py). `version` counts published steps;
 `state_for_push` hands the weights to the generator. The reference model for the KL term is a
@@ -41,6 +43,7 @@ from gapless.trainer.batch import Batch, first_trained_position, token_logprobs,
 from gapless.trainer.corrections import importance_weights, summarise
 from gapless.trainer.losses import LOSSES
 from gapless.trainer.normalisers import StepNorm
+from gapless.trainer.packing import packed_logprobs_and_entropy
 from gapless.trainer.regularizers import sequence_kl, token_kl
 
 
@@ -150,7 +153,7 @@ class GRPOTrainer:
         cfg = self.cfg
         totals = {"loss": 0.0, "clip": 0.0, "ratio": 0.0, "kl": 0.0, "entropy": 0.0}
         offpolicy: list[dict[str, float]] = []
-        parts: list[tuple[torch.Tensor | None, Batch]] = list(batch.micro_batches(cfg.micro_batch_size))
+        parts: list[tuple[torch.Tensor | None, Batch]] = list(batch.cut(cfg.micro_batch_size, cfg.max_tokens_per_micro_batch))
         scale, no_sync = 1.0, contextlib.nullcontext
         if shard is not None:
             parts += [(None, shard.padding)] * (shard.num_micro_batches - len(parts))
@@ -170,8 +173,7 @@ class GRPOTrainer:
         """One forward/backward; `index` None marks a loss-free padding pass (data parallel)."""
         cfg = self.cfg
         width, first = mb.loss_mask.shape[1], first_trained_position(mb.loss_mask)  # no LM head over the prompts
-        logprobs, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask, self.temperature,
-                                                       entropy_grad=cfg.entropy_coef > 0, first=first)
+        logprobs, entropy = self._logprobs_and_entropy(self.model, mb, first)
         if index is None:
             trainer_start, mb_norm = logprobs.detach(), replace(norm, group_sizes=torch.zeros(len(mb)))
         else:
@@ -209,8 +211,21 @@ class GRPOTrainer:
     def _reference_logprobs(self, mb: Batch, first: int = 0) -> torch.Tensor:
         if self.lora is not None:  # the base model is the reference: the adapters switched off
             with self.model.disable_adapter():
-                return token_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature, first)
-        return token_logprobs(self.reference, mb.input_ids, mb.attention_mask, self.temperature, first)
+                return self._logprobs(self.model, mb, first)
+        return self._logprobs(self.reference, mb, first)
+
+    def _logprobs(self, model: torch.nn.Module, mb: Batch, first: int) -> torch.Tensor:
+        if self.cfg.max_tokens_per_micro_batch > 0:
+            return packed_logprobs_and_entropy(model, mb.input_ids, mb.attention_mask, mb.loss_mask != 0, self.temperature)[0]
+        return token_logprobs(model, mb.input_ids, mb.attention_mask, self.temperature, first)
+
+    def _logprobs_and_entropy(self, model: torch.nn.Module, mb: Batch, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T) log-probs and entropies of `mb`'s rows: packed and chunked at the loss tokens
+        (packing.py) under a token budget, else padded from position `first` on."""
+        if self.cfg.max_tokens_per_micro_batch > 0:
+            return packed_logprobs_and_entropy(model, mb.input_ids, mb.attention_mask, mb.loss_mask != 0, self.temperature)
+        return token_logprobs_and_entropy(model, mb.input_ids, mb.attention_mask, self.temperature,
+                                          entropy_grad=self.cfg.entropy_coef > 0, first=first)
 
     @torch.no_grad()
     def reference_kl(self, batch: Batch) -> list[float]:
@@ -218,7 +233,7 @@ class GRPOTrainer:
         'reward'): the sum over its loss tokens of the per-token estimate."""
         assert self.has_reference, "reference_kl needs trainer.kl_coef > 0"
         out = [0.0] * len(batch)
-        for index, mb in batch.micro_batches(self.cfg.micro_batch_size):
+        for index, mb in batch.cut(self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch):
             ref = self._reference_logprobs(mb)
             for row, kl in zip(index.tolist(), sequence_kl(mb.behaviour_logprobs, ref, mb.loss_mask, self.cfg.kl_estimator).tolist()):
                 out[row] = kl
