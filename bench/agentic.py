@@ -74,14 +74,21 @@ TASKS = {
 LATENCY_KEY = {"tool_use": "tools.latency_s", "repo": "repo.latency_s"}
 
 
-def run_job(task: str, mode: str, latency_s: float, budget: int, steps: int, out: Path, sigma: float = 0.0,
-            cpus: int = 0) -> dict:
+def run_job(
+    task: str, mode: str, latency_s: float, budget: int, steps: int, out: Path, sigma: float = 0.0, cpus: int = 0
+) -> dict:
     run_dir = out / f"{task}-{mode}-{latency_s:g}-{time.monotonic_ns()}"
-    overrides = {"loop.steps": str(steps), "loop.eval_every": "100000", "loop.checkpoint_every": "100000",
-                 "metrics.tensorboard": "false", **TASKS[task], LATENCY_KEY[task]: str(latency_s),
-                 LATENCY_KEY[task].replace("latency_s", "latency_sigma"): str(sigma),
-                 "pipeline.max_staleness": str(budget if mode == "async" else 0),
-                 "pipeline.turn_schedule": "waves" if mode == "sync_waves" else "turns"}
+    overrides = {
+        "loop.steps": str(steps),
+        "loop.eval_every": "100000",
+        "loop.checkpoint_every": "100000",
+        "metrics.tensorboard": "false",
+        **TASKS[task],
+        LATENCY_KEY[task]: str(latency_s),
+        LATENCY_KEY[task].replace("latency_s", "latency_sigma"): str(sigma),
+        "pipeline.max_staleness": str(budget if mode == "async" else 0),
+        "pipeline.turn_schedule": "waves" if mode == "sync_waves" else "turns",
+    }
     args = [sys.executable, "-m", "gapless.cli", "train", "--run-dir", str(run_dir)]
     for key, value in overrides.items():
         args += [f"--{key}", value]
@@ -97,8 +104,11 @@ def run_job(task: str, mode: str, latency_s: float, budget: int, steps: int, out
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps_m = [m for m in metrics if "perf/step_s" in m][1:]  # step 1 includes the actors' start
     cpu_steps = sorted(cpu_at_step)
-    cpu_per_step = ((cpu_at_step[cpu_steps[-1]] - cpu_at_step[cpu_steps[0]]) / (cpu_steps[-1] - cpu_steps[0])
-                    if len(cpu_steps) > 1 else None)
+    cpu_per_step = (
+        (cpu_at_step[cpu_steps[-1]] - cpu_at_step[cpu_steps[0]]) / (cpu_steps[-1] - cpu_steps[0])
+        if len(cpu_steps) > 1
+        else None
+    )
     episodes = len(steps_m) * int(TASKS[task]["loop.prompts_per_step"]) * int(TASKS[task]["generator.group_size"])
 
     def mean(key):
@@ -163,18 +173,26 @@ def main() -> None:
     parser.add_argument("--cpus", type=int, default=0, help="pin each run to this many cores (0: all)")
     parser.add_argument("--rounds", type=int, default=1, help="repeat every run; figures are per round and medians")
     args = parser.parse_args()
-    figures: dict = {"steps": args.steps, "budget": args.budget, "latency_sigma": args.latency_sigma,
-                     "cores": args.cpus or os.cpu_count(), "rounds": args.rounds, "tasks": {}}
+    figures: dict = {
+        "steps": args.steps,
+        "budget": args.budget,
+        "latency_sigma": args.latency_sigma,
+        "cores": args.cpus or os.cpu_count(),
+        "rounds": args.rounds,
+        "tasks": {},
+    }
     with tempfile.TemporaryDirectory(prefix="gapless-agentic-") as tmp:
 
         def run(task, mode, latency_s, round_):
             result = run_job(task, mode, latency_s, args.budget, args.steps, Path(tmp), args.latency_sigma, args.cpus)
             result["round"] = round_
-            print(f"round {round_} {task} latency {latency_s * 1e3:6.0f} ms {mode:<10}: "
-                  f"{result['s_per_episode'] * 1e3:7.1f} ms/episode step {result['step_s']:.2f} s "
-                  f"CPU {result['cpu_s_per_step'] or 0:.2f} s  trainer idle {result['trainer_idle_frac']:.2f}  "
-                  f"generator idle {result['generator_idle_frac'] or 0:.2f}  staleness max {result['staleness_max']:.0f}",
-                  flush=True)
+            print(
+                f"round {round_} {task} latency {latency_s * 1e3:6.0f} ms {mode:<10}: "
+                f"{result['s_per_episode'] * 1e3:7.1f} ms/episode step {result['step_s']:.2f} s "
+                f"CPU {result['cpu_s_per_step'] or 0:.2f} s  trainer idle {result['trainer_idle_frac']:.2f}  "
+                f"generator idle {result['generator_idle_frac'] or 0:.2f}  staleness max {result['staleness_max']:.0f}",
+                flush=True,
+            )
             return result
 
         for task in args.tasks.split(","):
@@ -185,17 +203,25 @@ def main() -> None:
                         step_latency, calibration = _calibrate(lambda x: run(task, "sync_turns", x, round_), runs)
                     latency_s = step_latency if latency == "step" else float(latency)
                     for mode in ("sync_turns", "sync_waves", "async"):
-                        done = any(r["mode"] == mode and r["latency_s"] == latency_s and r["round"] == round_ for r in runs)
+                        done = any(
+                            r["mode"] == mode and r["latency_s"] == latency_s and r["round"] == round_ for r in runs
+                        )
                         if not done:
                             runs.append(run(task, mode, latency_s, round_))
-            figures["tasks"][task] = {"step_latency_s": step_latency, "calibration": calibration, "runs": runs,
-                                      "by_latency": _ratios(runs)}
+            figures["tasks"][task] = {
+                "step_latency_s": step_latency,
+                "calibration": calibration,
+                "runs": runs,
+                "by_latency": _ratios(runs),
+            }
     for task, at in figures["tasks"].items():
         for latency, row in at["by_latency"].items():
-            print(f"{task} latency {float(latency) * 1e3:6.0f} ms: async / sync {_fmt(row['async_over_sync'])}, "
-                  f"bound {_fmt(row['bound'])} (C {_fmt(row['C_s'])} s, L {_fmt(row['L_s'])} s), "
-                  f"async / bound {_fmt(row['async_over_bound'])}, waves / turns {_fmt(row['waves_over_turns_sync'])} "
-                  f"(medians of {row['rounds']})")
+            print(
+                f"{task} latency {float(latency) * 1e3:6.0f} ms: async / sync {_fmt(row['async_over_sync'])}, "
+                f"bound {_fmt(row['bound'])} (C {_fmt(row['C_s'])} s, L {_fmt(row['L_s'])} s), "
+                f"async / bound {_fmt(row['async_over_bound'])}, waves / turns {_fmt(row['waves_over_turns_sync'])} "
+                f"(medians of {row['rounds']})"
+            )
     print(json.dumps(figures))
 
 
@@ -211,8 +237,13 @@ def _calibrate(sync_at, runs: list[dict]) -> tuple[float, dict]:
     runs.append(probe)
     slope = (probe["step_s"] - probe["cpu_s_per_step"] - waits) / probe["latency_s"]
     latency = round(max(compute - waits, 0.0) / slope, 3) if slope > 0 else compute
-    return latency, {"C_s": compute, "L0_s": waits, "probe_latency_s": probe["latency_s"],
-                     "L_per_latency_s": slope, "latency_s": latency}
+    return latency, {
+        "C_s": compute,
+        "L0_s": waits,
+        "probe_latency_s": probe["latency_s"],
+        "L_per_latency_s": slope,
+        "latency_s": latency,
+    }
 
 
 def _ratios(runs: list[dict]) -> dict:

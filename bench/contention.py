@@ -172,13 +172,18 @@ def part_train_threads(args) -> dict:
     medians = {t: {k: statistics.median(v) for k, v in m.items()} for t, m in ms.items()}
     for t in threads:
         a, b = medians[t]["alone"], medians[t]["beside"]
-        print(f"{t} thread(s): training step alone {a:.1f} ms, beside the sandbox {b:.1f} ms ({b / a:.2f}x; "
-              f"rounds {[round(y / x, 2) for x, y in zip(ms[t]['alone'], ms[t]['beside'])]})", flush=True)
+        print(
+            f"{t} thread(s): training step alone {a:.1f} ms, beside the sandbox {b:.1f} ms ({b / a:.2f}x; "
+            f"rounds {[round(y / x, 2) for x, y in zip(ms[t]['alone'], ms[t]['beside'])]})",
+            flush=True,
+        )
     out = {"ms": ms, "median_ms": medians}
     if 1 in medians and 2 in medians:
         out["beside_2_over_1"] = medians[2]["beside"] / medians[1]["beside"]
         out["alone_2_over_1"] = medians[2]["alone"] / medians[1]["alone"]
-        print(f"2 threads / 1 thread: {out['alone_2_over_1']:.2f} alone, {out['beside_2_over_1']:.2f} beside the sandbox")
+        print(
+            f"2 threads / 1 thread: {out['alone_2_over_1']:.2f} alone, {out['beside_2_over_1']:.2f} beside the sandbox"
+        )
     return out
 
 
@@ -205,13 +210,21 @@ def pool_matrix(slots: int, cores: int) -> dict[str, dict[str, float]]:
     def speeds(loads) -> dict[str, float]:
         pool = SharedPool.for_costs(cores, costs)
         for load in loads:
-            pool.start(load, {"decode": 1.0, "train": 1.0, "sandbox": float(slots)}[load], lambda _: None,
-                       team=load != "sandbox", first=load == "decode")
+            pool.start(
+                load,
+                {"decode": 1.0, "train": 1.0, "sandbox": float(slots)}[load],
+                lambda _: None,
+                team=load != "sandbox",
+                first=load == "decode",
+            )
         return dict(pool.speeds)
 
     alone = {load: speeds([load])[load] for load in LOADS}
-    return {"+".join(c): {load: v / alone[load] for load, v in speeds(c).items()}
-            for n in (2, 3) for c in combinations(LOADS, n)}
+    return {
+        "+".join(c): {load: v / alone[load] for load, v in speeds(c).items()}
+        for n in (2, 3)
+        for c in combinations(LOADS, n)
+    }
 
 
 def start_sandbox(ctx):
@@ -263,7 +276,8 @@ def part_matrix(args, engine, prompts, params, slots: int) -> dict:
         sandbox_stop, scored, sandbox = start_sandbox(ctx)
         res["sandbox|train"], (res["train|sandbox"], _) = scored_per_s(scored, lambda: train_median(phase))
         res["sandbox|decode+train"], (res["train|decode+sandbox"], res["decode|train+sandbox"]) = scored_per_s(
-            scored, lambda: train_median(during=decode_median))
+            scored, lambda: train_median(during=decode_median)
+        )
         stop.set()
         trainer.join(30)
         res["sandbox|decode"], res["decode|sandbox"] = scored_per_s(scored, decode_median)
@@ -278,15 +292,29 @@ def part_matrix(args, engine, prompts, params, slots: int) -> dict:
                 combo = "+".join(x for x in LOADS if x == load or x in beside.split("+"))
                 shares.setdefault(combo, {})[load] = value / alone if load == "sandbox" else alone / value
         rounds.append({"alone": {load: res[load] for load in LOADS}, "shares": shares})
-        print(f"round {r}: " + "; ".join(f"{combo}: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(s.items()))
-                                      for combo, s in sorted(shares.items())), flush=True)
+        print(
+            f"round {r}: "
+            + "; ".join(
+                f"{combo}: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(s.items()))
+                for combo, s in sorted(shares.items())
+            ),
+            flush=True,
+        )
     predicted = pool_matrix(slots, os.cpu_count() or 2)
     print("speed beside the others / alone, median of rounds (the pool model's prediction):")
     medians = {}
     for combo in predicted:
-        medians[combo] = {load: statistics.median(r["shares"][combo][load] for r in rounds) for load in predicted[combo]}
-        print(f"  {combo:<20} " + "  ".join(f"{load} {medians[combo][load]:.2f} ({predicted[combo][load]:.2f})"
-                                          for load in LOADS if load in predicted[combo]))
+        medians[combo] = {
+            load: statistics.median(r["shares"][combo][load] for r in rounds) for load in predicted[combo]
+        }
+        print(
+            f"  {combo:<20} "
+            + "  ".join(
+                f"{load} {medians[combo][load]:.2f} ({predicted[combo][load]:.2f})"
+                for load in LOADS
+                if load in predicted[combo]
+            )
+        )
     return {"rounds": rounds, "median": medians, "predicted": predicted}
 
 
@@ -299,7 +327,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.part == "train-threads":
         out = part_train_threads(args)
-        print(json.dumps({"cores": os.cpu_count(), "rounds": args.rounds, "phase_s": args.phase_s, "train_threads": out}))
+        print(
+            json.dumps({"cores": os.cpu_count(), "rounds": args.rounds, "phase_s": args.phase_s, "train_threads": out})
+        )
         return
 
     import torch
@@ -329,20 +359,27 @@ def main() -> None:
         for _ in range(args.rounds):
             res["alone_ms"].append(1e3 * statistics.median(decode_steps(engine, prompts, params, args.phase_s)))
             stop, scored, proc = start_sandbox(ctx)
-            rate, beside = scored_per_s(scored, lambda: statistics.median(decode_steps(engine, prompts, params, args.phase_s)))
+            rate, beside = scored_per_s(
+                scored, lambda: statistics.median(decode_steps(engine, prompts, params, args.phase_s))
+            )
             res["beside_ms"].append(1e3 * beside)
             res["groups_per_s"].append(rate)
-            res["alone_groups_per_s"].append(scored_per_s(scored, lambda: time.sleep(args.phase_s))[0])  # the sandbox alone
+            res["alone_groups_per_s"].append(
+                scored_per_s(scored, lambda: time.sleep(args.phase_s))[0]
+            )  # the sandbox alone
             stop.set()
             proc.join(30)
         results[threads] = res
         slots = cfg.sandbox.concurrency
         alone, beside = statistics.median(res["alone_ms"]), statistics.median(res["beside_ms"])
-        print(f"{threads} thread(s): decode step alone {alone:.2f} ms, beside the sandbox {beside:.2f} ms "
-              f"({beside / alone:.2f}x; rounds {[round(b / a, 2) for a, b in zip(res['alone_ms'], res['beside_ms'])]}); "
-              f"sandbox {statistics.median(res['groups_per_s']):.1f} groups/s meanwhile "
-              f"({statistics.median(res['alone_groups_per_s']):.1f} alone); the pool model predicts "
-              f"{pool_slowdown(threads, slots, os.cpu_count() or 2):.2f}x", flush=True)
+        print(
+            f"{threads} thread(s): decode step alone {alone:.2f} ms, beside the sandbox {beside:.2f} ms "
+            f"({beside / alone:.2f}x; rounds {[round(b / a, 2) for a, b in zip(res['alone_ms'], res['beside_ms'])]}); "
+            f"sandbox {statistics.median(res['groups_per_s']):.1f} groups/s meanwhile "
+            f"({statistics.median(res['alone_groups_per_s']):.1f} alone); the pool model predicts "
+            f"{pool_slowdown(threads, slots, os.cpu_count() or 2):.2f}x",
+            flush=True,
+        )
     print(json.dumps({"cores": os.cpu_count(), "rounds": args.rounds, "phase_s": args.phase_s, "results": results}))
 
 

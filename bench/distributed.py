@@ -104,17 +104,25 @@ def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return alpha, 1.0 / slope
 
 
-def relay_and_failures(sizes_mb: list[int], held_out_mb: int, reps: int,
-                       transports: tuple[str, ...] = ("object_store", "broadcast")) -> dict:
-    from gapless.config import load_config
+def relay_and_failures(
+    sizes_mb: list[int], held_out_mb: int, reps: int, transports: tuple[str, ...] = ("object_store", "broadcast")
+) -> dict:
     from gapless.cluster import make_placement
     from gapless.cluster.ray.broadcast import BroadcastSender, BroadcastWeights
     from gapless.cluster.ray.weights import ObjectStoreSender, ObjectStoreWeights, WeightBoard
+    from gapless.config import load_config
 
     os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
-    cfg = load_config(ROOT / "configs" / "smoke.toml", {
-        "cluster.placement": '"ray"', "cluster.replicas": "2", "pipeline.generator_threads": "1",
-        "cluster.object_store_mb": "3000", "run_dir": json.dumps(tempfile.mkdtemp(prefix="gapless-bench-"))})
+    cfg = load_config(
+        ROOT / "configs" / "smoke.toml",
+        {
+            "cluster.placement": '"ray"',
+            "cluster.replicas": "2",
+            "pipeline.generator_threads": "1",
+            "cluster.object_store_mb": "3000",
+            "run_dir": json.dumps(tempfile.mkdtemp(prefix="gapless-bench-")),
+        },
+    )
     placement = make_placement(cfg)
     out: dict = {}
     try:
@@ -138,8 +146,11 @@ def relay_and_failures(sizes_mb: list[int], held_out_mb: int, reps: int,
         boxes = []
         for r in range(2):
             inbox, outbox = placement.channel(), placement.channel()
-            placement.start(f"generator-{r}" if r == 0 else "generator-1",
-                            receiver_main, ReceiverSpec(f"r{r}", os.getpid(), inbox, outbox, stop, beats, handles[r]))
+            placement.start(
+                f"generator-{r}" if r == 0 else "generator-1",
+                receiver_main,
+                ReceiverSpec(f"r{r}", os.getpid(), inbox, outbox, stop, beats, handles[r]),
+            )
             boxes.append((inbox, outbox))
         pids = [box[1].get(timeout=300)[1] for box in boxes]
 
@@ -156,38 +167,54 @@ def relay_and_failures(sizes_mb: list[int], held_out_mb: int, reps: int,
         keys = list(senders)
         receivers_of = {key: int(key.rsplit("R", 1)[1]) for key in keys}
         for key in keys:
-            for inbox, outbox in boxes[:receivers_of[key]]:
+            for inbox, outbox in boxes[: receivers_of[key]]:
                 inbox.put(key)
                 landed(outbox, key, 0, 300)
         times: dict[str, list[float]] = {key: [] for key in keys}
         for v in range(1, reps + 1):
-            for key in keys[v % len(keys):] + keys[:v % len(keys)]:
+            for key in keys[v % len(keys) :] + keys[: v % len(keys)]:
                 sender = senders[key]
                 state = {"w": torch.full((sender.layout.nbytes // 4,), float(v))}
                 t0 = time.time()
                 sender.publish(state, v)
-                times[key].append(max(landed(outbox, key, v) for _, outbox in boxes[:receivers_of[key]]) - t0)
+                times[key].append(max(landed(outbox, key, v) for _, outbox in boxes[: receivers_of[key]]) - t0)
         relay: dict[str, dict] = {}
         for key, sender in senders.items():
-            relay[key] = {"transport": key.split("-")[0], "bytes": sender.layout.nbytes, "receivers": receivers_of[key],
-                          "median_s": statistics.median(times[key]), "runs_s": [round(t, 4) for t in times[key]]}
+            relay[key] = {
+                "transport": key.split("-")[0],
+                "bytes": sender.layout.nbytes,
+                "receivers": receivers_of[key],
+                "median_s": statistics.median(times[key]),
+                "runs_s": [round(t, 4) for t in times[key]],
+            }
             print(f"relay {key}: median {relay[key]['median_s'] * 1e3:.1f} ms  {relay[key]['runs_s']}", flush=True)
             sender.close()
         fits = {}
         for transport, receivers in [(t, r) for t in transports for r in (1, 2)]:
-            points = [(d["bytes"], d["median_s"]) for k, d in relay.items()
-                      if d["transport"] == transport and d["receivers"] == receivers and d["bytes"] != held_out_mb * MB]
+            points = [
+                (d["bytes"], d["median_s"])
+                for k, d in relay.items()
+                if d["transport"] == transport and d["receivers"] == receivers and d["bytes"] != held_out_mb * MB
+            ]
             alpha, bandwidth = _fit(points)
             held = relay[f"{transport}-{held_out_mb}MB-R{receivers}"]
             predicted = alpha + held["bytes"] / bandwidth
             error = abs(predicted - held["median_s"]) / held["median_s"]
-            fits[f"{transport}-R{receivers}"] = {"alpha_s": alpha, "bandwidth_GBps": bandwidth / 1e9,
-                                                 "held_out_MB": held_out_mb, "held_out_measured_s": held["median_s"],
-                                                 "held_out_predicted_s": predicted, "held_out_error": error,
-                                                 "within_25pct": error <= 0.25}
-            print(f"fit {transport} R={receivers}: alpha {alpha * 1e3:.1f} ms, B {bandwidth / 1e9:.2f} GB/s; held-out "
-                  f"{held_out_mb} MB measured {held['median_s'] * 1e3:.1f} ms, predicted {predicted * 1e3:.1f} ms "
-                  f"({error:.0%})", flush=True)
+            fits[f"{transport}-R{receivers}"] = {
+                "alpha_s": alpha,
+                "bandwidth_GBps": bandwidth / 1e9,
+                "held_out_MB": held_out_mb,
+                "held_out_measured_s": held["median_s"],
+                "held_out_predicted_s": predicted,
+                "held_out_error": error,
+                "within_25pct": error <= 0.25,
+            }
+            print(
+                f"fit {transport} R={receivers}: alpha {alpha * 1e3:.1f} ms, B {bandwidth / 1e9:.2f} GB/s; held-out "
+                f"{held_out_mb} MB measured {held['median_s'] * 1e3:.1f} ms, predicted {predicted * 1e3:.1f} ms "
+                f"({error:.0%})",
+                flush=True,
+            )
         out.update(relay=relay, relay_fit=fits)
 
         # failure detection: SIGSTOP r1 (heartbeat age past 2 s), SIGKILL r0 (exited)
@@ -205,11 +232,17 @@ def relay_and_failures(sizes_mb: list[int], held_out_mb: int, reps: int,
         while not any(e.name == "generator-0" for e in placement.exited()):
             time.sleep(0.005)
         kill_detect = time.monotonic() - killed
-        out["failure_detection"] = {"ray_actor_sigkill_s": kill_detect, "heartbeat_threshold_s": threshold,
-                                    "sigstop_detected_after_s": stop_detect,
-                                    "sigstop_excess_over_threshold_s": stop_detect - threshold}
-        print(f"detection: SIGKILL -> exited {kill_detect * 1e3:.0f} ms; SIGSTOP -> heartbeat age past {threshold:g} s "
-              f"after {stop_detect:.2f} s", flush=True)
+        out["failure_detection"] = {
+            "ray_actor_sigkill_s": kill_detect,
+            "heartbeat_threshold_s": threshold,
+            "sigstop_detected_after_s": stop_detect,
+            "sigstop_excess_over_threshold_s": stop_detect - threshold,
+        }
+        print(
+            f"detection: SIGKILL -> exited {kill_detect * 1e3:.0f} ms; SIGSTOP -> heartbeat age past {threshold:g} s "
+            f"after {stop_detect:.2f} s",
+            flush=True,
+        )
     finally:
         placement.shutdown(placement.stop_flag(), 2.0)
     return out
@@ -218,12 +251,12 @@ def relay_and_failures(sizes_mb: list[int], held_out_mb: int, reps: int,
 def blocking_push(reps: int) -> dict:
     import ray
 
-    from gapless.config import ModelConfig
-    from gapless.envs.code.problems import generate_problems
-    from gapless.models import build_tiny
     from gapless.cluster.ray.broadcast import BroadcastSender
     from gapless.cluster.ray.weights import ObjectStoreSender, WeightBoard
     from gapless.cluster.weights import SharedWeights
+    from gapless.config import ModelConfig
+    from gapless.envs.code.problems import generate_problems
+    from gapless.models import build_tiny
 
     problems = generate_problems(0, "train", 64, [1, 2, 3])
     torch.manual_seed(0)
@@ -255,15 +288,21 @@ def blocking_push(reps: int) -> dict:
         caster.close()
     finally:
         ray.shutdown()
-    result = {"state_bytes": nbytes, "local_shm_publish_s": statistics.median(local),
-              "object_store_blocking_publish_s": statistics.median(cluster),
-              "broadcast_blocking_publish_s": statistics.median(broadcast)}
+    result = {
+        "state_bytes": nbytes,
+        "local_shm_publish_s": statistics.median(local),
+        "object_store_blocking_publish_s": statistics.median(cluster),
+        "broadcast_blocking_publish_s": statistics.median(broadcast),
+    }
     result["ratio"] = result["object_store_blocking_publish_s"] / result["local_shm_publish_s"]
     result["broadcast_ratio"] = result["broadcast_blocking_publish_s"] / result["local_shm_publish_s"]
-    print(f"blocking push of {nbytes / MB:.1f} MB: local shm {result['local_shm_publish_s'] * 1e3:.2f} ms, "
-          f"object store (staging copy) {result['object_store_blocking_publish_s'] * 1e3:.2f} ms "
-          f"({result['ratio']:.2f}x), broadcast (staging copy) {result['broadcast_blocking_publish_s'] * 1e3:.2f} ms "
-          f"({result['broadcast_ratio']:.2f}x)", flush=True)
+    print(
+        f"blocking push of {nbytes / MB:.1f} MB: local shm {result['local_shm_publish_s'] * 1e3:.2f} ms, "
+        f"object store (staging copy) {result['object_store_blocking_publish_s'] * 1e3:.2f} ms "
+        f"({result['ratio']:.2f}x), broadcast (staging copy) {result['broadcast_blocking_publish_s'] * 1e3:.2f} ms "
+        f"({result['broadcast_ratio']:.2f}x)",
+        flush=True,
+    )
     return result
 
 
@@ -271,9 +310,11 @@ def blocking_push(reps: int) -> dict:
 # pipeline.lend_idle_cores, orchestrate/lending.py); Ray placement does not (lending to a replica
 # on the trainer's node was tried and measured slower, docs/distributed.md); local is read
 # without it too, so that Ray's own overhead shows apart from the lending's
-VARIANTS = {"local": ["--cluster.placement", "local"],
-            "ray": ["--cluster.placement", "ray"],
-            "local_no_lending": ["--cluster.placement", "local", "--pipeline.lend_idle_cores", "false"]}
+VARIANTS = {
+    "local": ["--cluster.placement", "local"],
+    "ray": ["--cluster.placement", "ray"],
+    "local_no_lending": ["--cluster.placement", "local", "--pipeline.lend_idle_cores", "false"],
+}
 
 
 def step_times(steps: int, jobs: list[str], rounds: int) -> dict:
@@ -287,22 +328,54 @@ def step_times(steps: int, jobs: list[str], rounds: int) -> dict:
         for round_ in range(rounds):
             for variant, extra in VARIANTS.items():
                 run = work / f"{job}-{variant}-{round_}"
-                args = [sys.executable, "-m", "gapless.cli", "train", *config, "--run-dir", str(run),
-                        "--warmstart.cache_dir", str(work / "warm"), "--loop.steps", str(steps),
-                        "--loop.eval_every", "1000", "--pipeline.max_staleness", "1", "--trainer.threads", "1",
-                        "--pipeline.generator_threads", "1", "--pipeline.trainer_threads", "1",
-                        "--metrics.tensorboard", "false", *extra]
-                subprocess.run(args, check=True, capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+                args = [
+                    sys.executable,
+                    "-m",
+                    "gapless.cli",
+                    "train",
+                    *config,
+                    "--run-dir",
+                    str(run),
+                    "--warmstart.cache_dir",
+                    str(work / "warm"),
+                    "--loop.steps",
+                    str(steps),
+                    "--loop.eval_every",
+                    "1000",
+                    "--pipeline.max_staleness",
+                    "1",
+                    "--trainer.threads",
+                    "1",
+                    "--pipeline.generator_threads",
+                    "1",
+                    "--pipeline.trainer_threads",
+                    "1",
+                    "--metrics.tensorboard",
+                    "false",
+                    *extra,
+                ]
+                subprocess.run(
+                    args, check=True, capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+                )
                 rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
                 per_step = [r["perf/step_s"] for r in rows if "perf/step_s" in r][1:]
                 means[variant].append(statistics.mean(per_step))
-                print(f"s/step {job} {variant} round {round_ + 1}: {means[variant][-1]:.3f} "
-                      f"(mean of {len(per_step)})", flush=True)
+                print(
+                    f"s/step {job} {variant} round {round_ + 1}: {means[variant][-1]:.3f} (mean of {len(per_step)})",
+                    flush=True,
+                )
         m = {variant: statistics.median(v) for variant, v in means.items()}
-        out[job] = {**m, "ratio": m["ray"] / m["local"], "ratio_no_lending": m["ray"] / m["local_no_lending"],
-                    "rounds": means}
-        print(f"s/step {job}: ray {m['ray']:.3f} / local {m['local']:.3f} = {out[job]['ratio']:.2f}x; against local "
-              f"without lending {m['local_no_lending']:.3f}: {out[job]['ratio_no_lending']:.2f}x", flush=True)
+        out[job] = {
+            **m,
+            "ratio": m["ray"] / m["local"],
+            "ratio_no_lending": m["ray"] / m["local_no_lending"],
+            "rounds": means,
+        }
+        print(
+            f"s/step {job}: ray {m['ray']:.3f} / local {m['local']:.3f} = {out[job]['ratio']:.2f}x; against local "
+            f"without lending {m['local_no_lending']:.3f}: {out[job]['ratio_no_lending']:.2f}x",
+            flush=True,
+        )
     return out
 
 
@@ -313,7 +386,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--push-reps", type=int, default=30)
     parser.add_argument("--steps", type=int, default=13)
-    parser.add_argument("--step-jobs", default="smoke,default", help="steps part: configs/NAME.toml, or default (the embedded job)")
+    parser.add_argument(
+        "--step-jobs", default="smoke,default", help="steps part: configs/NAME.toml, or default (the embedded job)"
+    )
     parser.add_argument("--step-rounds", type=int, default=2)
     parser.add_argument("--parts", default="push,relay,steps", help="which of push, relay (and detection), steps")
     parser.add_argument("--transports", default="object_store,broadcast", help="relay part: which transports")
@@ -323,8 +398,11 @@ def main() -> None:
     if "push" in parts:
         result["push"] = blocking_push(args.push_reps)
     if "relay" in parts:
-        result.update(relay_and_failures([int(s) for s in args.sizes.split(",")], args.held_out, args.reps,
-                                         tuple(args.transports.split(","))))
+        result.update(
+            relay_and_failures(
+                [int(s) for s in args.sizes.split(",")], args.held_out, args.reps, tuple(args.transports.split(","))
+            )
+        )
     if "steps" in parts:
         result["s_per_step"] = step_times(args.steps, args.step_jobs.split(","), args.step_rounds)
     result["load_avg_end"] = os.getloadavg()[0]

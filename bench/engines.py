@@ -30,9 +30,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 from real_shapes import SHAPES
 
 SHAPES = dict(SHAPES)
-SHAPES["default"] = dict(model_type="qwen2", vocab_size=384, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0,
-                         rms_norm_eps=1e-6, tie_word_embeddings=True)
+SHAPES["default"] = dict(
+    model_type="qwen2",
+    vocab_size=384,
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
 WORKLOAD = {"default": (64, 32, 128), "qwen2.5-0.5b": (16, 32, 64)}  # sequences, prompt tokens, new tokens
 PHASES = ("torch", "vllm", "hf")
 
@@ -62,8 +72,14 @@ def child(args) -> dict:
             out["startup_s"] = time.perf_counter() - started
             t = time.perf_counter()
             ids = torch.tensor(rows)
-            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )
             out["tokens_per_s"] = sequences * new_tokens / (time.perf_counter() - t)
         return out
     if args.phase == "torch":
@@ -77,8 +93,14 @@ def child(args) -> dict:
 
         path = Path(tempfile.mkdtemp()) / "model"
         model.save_pretrained(path)
-        engine = VLLMEngine(str(path), eos_id=0, max_batch=sequences, max_seq_len=prompt_tokens + new_tokens, dtype="float32",
-                            prefix_caching=False)
+        engine = VLLMEngine(
+            str(path),
+            eos_id=0,
+            max_batch=sequences,
+            max_seq_len=prompt_tokens + new_tokens,
+            dtype="float32",
+            prefix_caching=False,
+        )
     out["startup_s"] = time.perf_counter() - started
     engine.generate(rows[:2], SamplingParams(greedy=True, max_new_tokens=4, ignore_eos=True))  # warm
     t = time.perf_counter()
@@ -113,7 +135,9 @@ def main() -> None:
         for shape in args.shapes.split(","):
             for phase in PHASES:
                 cmd = [sys.executable, __file__, "--phase", phase, "--shape", shape, "--threads", str(args.threads)]
-                proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+                proc = subprocess.run(
+                    cmd, capture_output=True, text=True, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+                )
                 try:
                     row = json.loads(proc.stdout.strip().splitlines()[-1])
                 except (IndexError, ValueError):
@@ -124,10 +148,16 @@ def main() -> None:
     summary = {}
     for shape in args.shapes.split(","):
         for phase in PHASES:
-            rows = [row for rnd in rounds for row in rnd if row["shape"] == shape and row["phase"] == phase and "error" not in row]
+            rows = [
+                row
+                for rnd in rounds
+                for row in rnd
+                if row["shape"] == shape and row["phase"] == phase and "error" not in row
+            ]
             if rows:
-                summary[f"{shape}/{phase}"] = {k: statistics.median(row[k] for row in rows) for k in rows[0]
-                                               if isinstance(rows[0][k], float)}
+                summary[f"{shape}/{phase}"] = {
+                    k: statistics.median(row[k] for row in rows) for k in rows[0] if isinstance(rows[0][k], float)
+                }
     print(json.dumps({"threads": args.threads, "rounds": rounds, "median": summary}))
 
 

@@ -146,8 +146,13 @@ def run_engine(engine: TorchEngine, prompts: list[list[int]], n: int, params: Sa
     decode = engine.stats.decode_tokens - before[1]
     tokens = len(prompts) * n * params.max_new_tokens
     full = [dt for b, dt in steps[1:] if b == len(prompts) * n]  # steady-state decode steps
-    return {"wall_s": meter.wall_s, "outside_cores": meter.outside_cores, "tokens": tokens,
-            "flop_tokens": prefill + decode, "decode_step_s": statistics.median(full) if full else float("nan")}
+    return {
+        "wall_s": meter.wall_s,
+        "outside_cores": meter.outside_cores,
+        "tokens": tokens,
+        "flop_tokens": prefill + decode,
+        "decode_step_s": statistics.median(full) if full else float("nan"),
+    }
 
 
 def run_hf(model, rows: list[list[int]], pad_id: int, new_tokens: int) -> dict:
@@ -155,11 +160,24 @@ def run_hf(model, rows: list[list[int]], pad_id: int, new_tokens: int) -> dict:
     ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])  # left padded, as generate wants
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     with LoadMeter() as meter, torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_id)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=pad_id,
+        )
     assert out.shape[1] - width == new_tokens
-    return {"wall_s": meter.wall_s, "outside_cores": meter.outside_cores, "tokens": len(rows) * new_tokens,
-            "flop_tokens": sum(map(len, rows)) + len(rows) * new_tokens}
+    return {
+        "wall_s": meter.wall_s,
+        "outside_cores": meter.outside_cores,
+        "tokens": len(rows) * new_tokens,
+        "flop_tokens": sum(map(len, rows)) + len(rows) * new_tokens,
+    }
 
 
 def run_tailed(engine: TorchEngine, prompts: list[list[int]], n: int, short: int, mode: str) -> dict:
@@ -199,8 +217,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tail-groups", type=int, default=64, help="groups of 8 in the heavy-tailed workload")
-    ap.add_argument("--max-wait-s", type=float, default=60.0, help="wait up to this long for a quiet machine before each run")
-    ap.add_argument("--max-attempts", type=int, default=4, help="repeat a run disturbed by other tenants up to this many times")
+    ap.add_argument(
+        "--max-wait-s", type=float, default=60.0, help="wait up to this long for a quiet machine before each run"
+    )
+    ap.add_argument(
+        "--max-attempts", type=int, default=4, help="repeat a run disturbed by other tenants up to this many times"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -209,7 +231,10 @@ def main() -> None:
     texts = [p.prompt + p.solution for p in problems]
     tiny = build_tiny(TINY, texts, seed=0)
     wide = build_tiny(WIDE, texts, seed=0)
-    n_params = {"tiny": sum(p.numel() for p in tiny.model.parameters()), "wide": sum(p.numel() for p in wide.model.parameters())}
+    n_params = {
+        "tiny": sum(p.numel() for p in tiny.model.parameters()),
+        "wide": sum(p.numel() for p in wide.model.parameters()),
+    }
     prompts = [tiny.encode(p.prompt) for p in problems[:8]]
     rows = [p for p in prompts for _ in range(8)]
     tail_prompts = [tiny.encode(p.prompt) for p in problems[: args.tail_groups]]
@@ -226,12 +251,31 @@ def main() -> None:
     big_prompts = [tiny.encode(p.prompt) for p in problems[8:40]]
 
     # warm-up: first calls allocate and pick kernels
-    run_engine(engine, prompts, 8, params), run_hf(tiny.model, rows, tiny.pad_id, 32), run_engine(torch_path, prompts, 8, params)
+    (
+        run_engine(engine, prompts, 8, params),
+        run_hf(tiny.model, rows, tiny.pad_id, 32),
+        run_engine(torch_path, prompts, 8, params),
+    )
     run_engine(default_batch, prompts128, 8, params), run_hf(tiny.model, rows128, tiny.pad_id, 32)
     run_engine(big_batch, big_prompts, 8, params), run_engine(wide_engine, prompts, 8, params)
 
-    res = {k: [] for k in ("peak", "engine", "hf", "torch_path", "engine128", "hf128", "continuous", "shrinking_static", "padded_static",
-                           "big_batch", "wide")}
+    res = {
+        k: []
+        for k in (
+            "peak",
+            "engine",
+            "hf",
+            "torch_path",
+            "engine128",
+            "hf128",
+            "continuous",
+            "shrinking_static",
+            "padded_static",
+            "big_batch",
+            "wide",
+        )
+    }
+
     def measure(key: str, run, warm=None) -> None:
         res[key].append(clean_run(run, warm or run, args.max_attempts, args.max_wait_s))
 
@@ -251,12 +295,15 @@ def main() -> None:
         measure("wide", lambda: run_engine(wide_engine, prompts, 8, params))
         e, h, e2, h2 = res["engine"][-1], res["hf"][-1], res["engine128"][-1], res["hf128"][-1]
         t = res["torch_path"][-1]
-        print(f"round {r}: 64 rows: engine {e['tokens'] / e['wall_s']:.0f} tok/s (torch path {t['tokens'] / t['wall_s']:.0f}), "
-              f"generate {h['tokens'] / h['wall_s']:.0f} tok/s; "
-              f"128 rows: engine {e2['tokens'] / e2['wall_s']:.0f}, generate {h2['tokens'] / h2['wall_s']:.0f}; "
-              f"continuous {res['continuous'][-1]['wall_s']:.2f} s, shrinking static {res['shrinking_static'][-1]['wall_s']:.2f} s, "
-              f"padded static {res['padded_static'][-1]['wall_s']:.2f} s; "
-              f"outside load {e['outside_cores']:.2f}/{h['outside_cores']:.2f} cores", flush=True)
+        print(
+            f"round {r}: 64 rows: engine {e['tokens'] / e['wall_s']:.0f} tok/s (torch path {t['tokens'] / t['wall_s']:.0f}), "
+            f"generate {h['tokens'] / h['wall_s']:.0f} tok/s; "
+            f"128 rows: engine {e2['tokens'] / e2['wall_s']:.0f}, generate {h2['tokens'] / h2['wall_s']:.0f}; "
+            f"continuous {res['continuous'][-1]['wall_s']:.2f} s, shrinking static {res['shrinking_static'][-1]['wall_s']:.2f} s, "
+            f"padded static {res['padded_static'][-1]['wall_s']:.2f} s; "
+            f"outside load {e['outside_cores']:.2f}/{h['outside_cores']:.2f} cores",
+            flush=True,
+        )
 
     peak = statistics.median(x["gflops"] for x in res["peak"])
 
@@ -289,17 +336,25 @@ def main() -> None:
 
     def versus(baseline: str) -> dict:
         ratios = [b["wall_s"] / c["wall_s"] for c, b in zip(res["continuous"], res[baseline])]
-        return {"s": round(_median(res[baseline], "wall_s"), 3), "steps": res[baseline][0]["steps"],
-                "speedup": round(_median(res[baseline], "wall_s") / _median(res["continuous"], "wall_s"), 2),
-                "speedup_round_median": round(statistics.median(ratios), 2), "speedup_iqr": _iqr(ratios)}
+        return {
+            "s": round(_median(res[baseline], "wall_s"), 3),
+            "steps": res[baseline][0]["steps"],
+            "speedup": round(_median(res[baseline], "wall_s") / _median(res["continuous"], "wall_s"), 2),
+            "speedup_round_median": round(statistics.median(ratios), 2),
+            "speedup_iqr": _iqr(ratios),
+        }
 
     summary = {
         "threads": args.threads,
         "rounds": args.rounds,
         "model": {"tiny": TINY.model_dump(), "tiny_params": n_tiny, "wide": WIDE.model_dump(), "wide_params": n_wide},
         "matmul_peak_gflops": round(peak, 1),
-        "outside_load_cores_median": round(statistics.median(x["outside_cores"] for runs in res.values() for x in runs), 3),
-        "clean_run_frac": round(statistics.mean(x["outside_cores"] < CLEAN_CORES for runs in res.values() for x in runs), 2),
+        "outside_load_cores_median": round(
+            statistics.median(x["outside_cores"] for runs in res.values() for x in runs), 3
+        ),
+        "clean_run_frac": round(
+            statistics.mean(x["outside_cores"] < CLEAN_CORES for runs in res.values() for x in runs), 2
+        ),
         "throughput_default_batch": throughput(res["engine128"], res["hf128"], 16),
         "throughput": throughput(res["engine"], res["hf"], 8),
         "torch_path": {

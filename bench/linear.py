@@ -36,8 +36,13 @@ ROWS = (1, 4, 16, 64, 512)
 def matrices(shape: str) -> list[tuple[str, int, int, bool]]:
     """(name, out_dim, in_dim, gated) of one layer's matmuls and the LM head."""
     hidden, q, kv, mlp, vocab = SHAPES[shape]
-    return [("qkv", q + 2 * kv, hidden, False), ("o", hidden, q, False), ("gate|up", mlp, hidden, True),
-            ("down", hidden, mlp, False), ("head", vocab, hidden, False)]
+    return [
+        ("qkv", q + 2 * kv, hidden, False),
+        ("o", hidden, q, False),
+        ("gate|up", mlp, hidden, True),
+        ("down", hidden, mlp, False),
+        ("head", vocab, hidden, False),
+    ]
 
 
 def timed(fn, seconds: float) -> float:
@@ -74,7 +79,10 @@ def main() -> None:
                 y = F.linear(x, weight)
                 return F.silu(y[:, : y.shape[1] // 2]) * y[:, y.shape[1] // 2 :] if gated else y
 
-            impls = {key: (lambda k=k, x=x, p=packed, n=out_dim, g=gated: k.linear(x, p, n, gated=g)) for key, k in kernels.items()}
+            impls = {
+                key: (lambda k=k, x=x, p=packed, n=out_dim, g=gated: k.linear(x, p, n, gated=g))
+                for key, k in kernels.items()
+            }
             impls["onednn"] = onednn
             cases.append((name, rows, flop, impls))
     results = {}
@@ -83,16 +91,25 @@ def main() -> None:
             row = results.setdefault(f"{name} x{rows}", {key: [] for key in impls})
             for key, fn in impls.items():
                 row[key].append(flop / timed(fn, args.seconds) / 1e9)
-        print(f"round {round_ + 1}: " + ", ".join(f"{case} {r['native'][-1]:.0f}/{r['avx2'][-1]:.0f}/{r['onednn'][-1]:.0f}"
-                                                  for case, r in results.items()), flush=True)
+        print(
+            f"round {round_ + 1}: "
+            + ", ".join(
+                f"{case} {r['native'][-1]:.0f}/{r['avx2'][-1]:.0f}/{r['onednn'][-1]:.0f}" for case, r in results.items()
+            ),
+            flush=True,
+        )
     summary = {}
-    print(f"{'matrix x rows':>16} {'native':>8} {'avx2':>8} {'onednn':>8}   GFLOP/s (median)   native/avx2  native/onednn")
+    print(
+        f"{'matrix x rows':>16} {'native':>8} {'avx2':>8} {'onednn':>8}   GFLOP/s (median)   native/avx2  native/onednn"
+    )
     for case, r in results.items():
         med = {key: statistics.median(v) for key, v in r.items()}
         vs_avx2 = statistics.median(a / b for a, b in zip(r["native"], r["avx2"]))
         vs_onednn = statistics.median(a / b for a, b in zip(r["native"], r["onednn"]))
         summary[case] = {"gflops": med, "native_vs_avx2": vs_avx2, "native_vs_onednn": vs_onednn}
-        print(f"{case:>16} {med['native']:8.1f} {med['avx2']:8.1f} {med['onednn']:8.1f}{'':21}{vs_avx2:9.2f}x {vs_onednn:12.2f}x")
+        print(
+            f"{case:>16} {med['native']:8.1f} {med['avx2']:8.1f} {med['onednn']:8.1f}{'':21}{vs_avx2:9.2f}x {vs_onednn:12.2f}x"
+        )
     print(json.dumps({"shape": args.shape, "threads": args.threads, "rounds": args.rounds, "summary": summary}))
 
 

@@ -38,11 +38,11 @@ def _bytes(state) -> int:
 def push(model, args) -> dict:
     import torch
 
+    from gapless.cluster.weights import SharedWeights
     from gapless.config import TrainerConfig
     from gapless.generate.adapters import AdapterMerge
     from gapless.generate.engine import TorchEngine
     from gapless.lora import LoraSpec
-    from gapless.cluster.weights import SharedWeights
     from gapless.trainer.trainer import GRPOTrainer
 
     full = {k: v.detach() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied: pushed once
@@ -84,21 +84,37 @@ def rl_step(model, args) -> dict:
 
     rows = prompts(args)
     gen = torch.Generator().manual_seed(2)
-    completions = [Completion(r, torch.randint(1000, 4000, (args.new_tokens,), generator=gen).tolist(), [0.0] * args.new_tokens,
-                              [0] * args.new_tokens, "length", "") for r in rows]
+    completions = [
+        Completion(
+            r,
+            torch.randint(1000, 4000, (args.new_tokens,), generator=gen).tolist(),
+            [0.0] * args.new_tokens,
+            [0] * args.new_tokens,
+            "length",
+            "",
+        )
+        for r in rows
+    ]
     batch = build_batch(completions, [(-1.0) ** i for i in range(len(rows))], [True] * len(rows), 0)
     with torch.no_grad():  # behaviour log-probs = the current policy's: ratios 1, as at zero staleness
         for start in range(0, len(rows), args.micro_batch_size):  # in micro-batches, as the step itself runs
             rows_ = slice(start, start + args.micro_batch_size)
-            batch.behaviour_logprobs[rows_] = (token_logprobs(model, batch.input_ids[rows_], batch.attention_mask[rows_])
-                                               * batch.loss_mask[rows_])
-    cfg = TrainerConfig(lr=1e-4, micro_batch_size=args.micro_batch_size, gradient_checkpointing=args.gradient_checkpointing)
-    trainer = GRPOTrainer(model, cfg, 1.0, args.new_tokens,
-                          lora=LoraSpec(rank=args.rank, seed=0, target_modules=TARGETS))
+            batch.behaviour_logprobs[rows_] = (
+                token_logprobs(model, batch.input_ids[rows_], batch.attention_mask[rows_]) * batch.loss_mask[rows_]
+            )
+    cfg = TrainerConfig(
+        lr=1e-4, micro_batch_size=args.micro_batch_size, gradient_checkpointing=args.gradient_checkpointing
+    )
+    trainer = GRPOTrainer(
+        model, cfg, 1.0, args.new_tokens, lora=LoraSpec(rank=args.rank, seed=0, target_modules=TARGETS)
+    )
     started = time.perf_counter()
     stats = trainer.step(batch)
-    return {"step_s": time.perf_counter() - started, "num_tokens": stats.num_tokens,
-            "trained_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)}
+    return {
+        "step_s": time.perf_counter() - started,
+        "num_tokens": stats.num_tokens,
+        "trained_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+    }
 
 
 def child(args) -> dict:
@@ -107,8 +123,12 @@ def child(args) -> dict:
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     model = build_model(args.shape)
-    out = {"phase": args.phase, "shape": args.shape, "params": sum(p.numel() for p in model.parameters()),
-           "build_s": time.perf_counter() - started}
+    out = {
+        "phase": args.phase,
+        "shape": args.shape,
+        "params": sum(p.numel() for p in model.parameters()),
+        "build_s": time.perf_counter() - started,
+    }
     out.update(push(model, args) if args.phase == "push" else rl_step(model, args))
     out["peak_rss_gb"] = peak_rss_gb()
     return out
@@ -124,7 +144,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rl-step", action="store_true", help="also one LoRA RL step per shape")
     ap.add_argument("--micro-batch-size", type=int, default=64, help="trainer.micro_batch_size of the RL step")
-    ap.add_argument("--gradient-checkpointing", action="store_true", help="trainer.gradient_checkpointing in the RL step")
+    ap.add_argument(
+        "--gradient-checkpointing", action="store_true", help="trainer.gradient_checkpointing in the RL step"
+    )
     ap.add_argument("--phases", default=None, help="comma-separated subset of push, rl_step")
     ap.add_argument("--phase", help=argparse.SUPPRESS)  # child mode
     ap.add_argument("--shape", help=argparse.SUPPRESS)
@@ -137,9 +159,26 @@ def main() -> None:
     for shape in args.shapes.split(","):
         results[shape] = {}
         for phase in phases:
-            cmd = [sys.executable, __file__, "--phase", phase, "--shape", shape, "--threads", str(args.threads),
-                   "--rank", str(args.rank), "--sequences", str(args.sequences), "--prompt-tokens", str(args.prompt_tokens),
-                   "--new-tokens", str(args.new_tokens), "--micro-batch-size", str(args.micro_batch_size)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--phase",
+                phase,
+                "--shape",
+                shape,
+                "--threads",
+                str(args.threads),
+                "--rank",
+                str(args.rank),
+                "--sequences",
+                str(args.sequences),
+                "--prompt-tokens",
+                str(args.prompt_tokens),
+                "--new-tokens",
+                str(args.new_tokens),
+                "--micro-batch-size",
+                str(args.micro_batch_size),
+            ]
             cmd += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = proc.stdout.strip().splitlines()
@@ -148,8 +187,17 @@ def main() -> None:
             else:
                 results[shape][phase] = json.loads(lines[-1])
             print(shape, phase, json.dumps(results[shape][phase]), flush=True)
-    print(json.dumps({"rank": args.rank, "threads": args.threads, "micro_batch_size": args.micro_batch_size,
-                      "gradient_checkpointing": args.gradient_checkpointing, "results": results}))
+    print(
+        json.dumps(
+            {
+                "rank": args.rank,
+                "threads": args.threads,
+                "micro_batch_size": args.micro_batch_size,
+                "gradient_checkpointing": args.gradient_checkpointing,
+                "results": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -82,8 +82,14 @@ def run_job(workload: str, budget: str, steps: int, out: Path) -> dict:
     are scored: the rule before 2026-12-06)."""
     label = budget
     run_dir = out / f"{workload}-b{label}-{time.monotonic_ns()}"
-    overrides = {"run_dir": json.dumps(str(run_dir)), "loop.steps": str(steps), "loop.eval_every": "100000",
-                 "loop.checkpoint_every": "100000", "metrics.tensorboard": "false", **WORKLOADS[workload]}
+    overrides = {
+        "run_dir": json.dumps(str(run_dir)),
+        "loop.steps": str(steps),
+        "loop.eval_every": "100000",
+        "loop.checkpoint_every": "100000",
+        "metrics.tensorboard": "false",
+        **WORKLOADS[workload],
+    }
     if budget == "ref":
         args = [sys.executable, "-c", REFERENCE]
         overrides["trainer.threads"] = str(os.cpu_count())
@@ -112,8 +118,11 @@ def read_run(run_dir: Path, workload: str, budget: str, busy: "BusySampler | Non
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     all_steps = [m for m in metrics if "perf/step_s" in m]
     steps_m = all_steps[1:]  # step 1 includes the actors' start
-    spans = [s["end"] - s["start"] for s in read_records(run_dir)
-             if s.get("actor") == "env" and s.get("name") == "score" and s["start"] >= all_steps[0]["time"]]
+    spans = [
+        s["end"] - s["start"]
+        for s in read_records(run_dir)
+        if s.get("actor") == "env" and s.get("name") == "score" and s["start"] >= all_steps[0]["time"]
+    ]
     summary = json.loads((run_dir / "summary.json").read_text())
     config = json.loads((run_dir / "config.json").read_text())
     samples = len(steps_m) * config["loop"]["prompts_per_step"] * config["generator"]["group_size"]
@@ -200,9 +209,9 @@ def autogroup() -> bool | None:
 
 
 def weight_push_vs_copy(repeats: int = 50) -> dict:
+    from gapless.cluster.weights import SharedWeights
     from gapless.config import ModelConfig
     from gapless.models import build_tiny
-    from gapless.cluster.weights import SharedWeights
 
     policy = build_tiny(ModelConfig(), ["def f(x): return x + 1"] * 10, seed=0)
     state = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
@@ -223,8 +232,12 @@ def weight_push_vs_copy(repeats: int = 50) -> dict:
         copies.append(t1 - t0)
         pushes.append(t2 - t1)
     copy_s, push_s = statistics.median(copies), statistics.median(pushes)
-    return {"plain_copy_s": copy_s, "publish_s": push_s, "ratio": push_s / copy_s,
-            "bytes": sum(v.numel() * v.element_size() for v in state.values())}
+    return {
+        "plain_copy_s": copy_s,
+        "publish_s": push_s,
+        "ratio": push_s / copy_s,
+        "bytes": sum(v.numel() * v.element_size() for v in state.values()),
+    }
 
 
 def summarise(runs: list[dict], workloads: list[str], budgets: list[int]) -> dict:
@@ -233,20 +246,33 @@ def summarise(runs: list[dict], workloads: list[str], budgets: list[int]) -> dic
         values = [r[key] for r in runs if r["workload"] == workload and r["budget"] == budget and r[key] is not None]
         return statistics.median(values) if values else None
 
-    table = {w: {b: {k: med(w, b, k) for k in runs[0] if k not in ("workload", "budget")} for b in budgets} for w in workloads}
+    table = {
+        w: {b: {k: med(w, b, k) for k in runs[0] if k not in ("workload", "budget")} for b in budgets}
+        for w in workloads
+    }
     ratios, hidden = {}, {}
     latency_workloads = [w for w in workloads if w.startswith("latency")] if "default" in workloads else []
     for base in [b for b in ("0", "ref") if b in budgets]:
-        ratios[f"vs_{base}"] = {w: {b: med(w, b, "s_per_sample") / med(w, base, "s_per_sample")
-                                    for b in budgets if b not in ("0", "ref")} for w in workloads}
+        ratios[f"vs_{base}"] = {
+            w: {b: med(w, b, "s_per_sample") / med(w, base, "s_per_sample") for b in budgets if b not in ("0", "ref")}
+            for w in workloads
+        }
         for lat in latency_workloads:
             added_sync = med(lat, base, "s_per_sample") - med("default", base, "s_per_sample")
             hidden.setdefault(lat, {})[f"vs_{base}"] = {
                 b: 1 - (med(lat, b, "s_per_sample") - med("default", b, "s_per_sample")) / added_sync
-                for b in budgets if b not in ("0", "ref") and added_sync > 0}
+                for b in budgets
+                if b not in ("0", "ref") and added_sync > 0
+            }
     # 'B:OPTION' against plain 'B', run side by side (admission modes, lending through the scoring)
-    variants = {w: {b: med(w, b, "s_per_sample") / med(w, b.partition(":")[0], "s_per_sample")
-                    for b in budgets if ":" in b and b.partition(":")[0] in budgets} for w in workloads}
+    variants = {
+        w: {
+            b: med(w, b, "s_per_sample") / med(w, b.partition(":")[0], "s_per_sample")
+            for b in budgets
+            if ":" in b and b.partition(":")[0] in budgets
+        }
+        for w in workloads
+    }
     variants = {w: v for w, v in variants.items() if v}
     return {"runs": table, "async_over_sync_time": ratios, "latency_hidden_frac": hidden,
             "variant_over_plain_time": variants}  # fmt: skip
@@ -256,50 +282,84 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--budgets", default="ref,0,1,2,4",
-                        help="staleness budgets; 'ref' = the one-process reference loop; 'B:MODE' = budget B with "
-                             "pipeline.admit_while_training = MODE (e.g. 1,1:on compares the admission modes side by side); "
-                             "'B:lend-scoring' = budget B with pipeline.lend_while_scoring = true")
+    parser.add_argument(
+        "--budgets",
+        default="ref,0,1,2,4",
+        help="staleness budgets; 'ref' = the one-process reference loop; 'B:MODE' = budget B with "
+        "pipeline.admit_while_training = MODE (e.g. 1,1:on compares the admission modes side by side); "
+        "'B:lend-scoring' = budget B with pipeline.lend_while_scoring = true",
+    )
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--keep", type=Path, default=None,
-                        help="keep every run directory under this (ignored) folder, e.g. for gapless simulate --calibrate")
-    parser.add_argument("--resummarise", default=None,
-                        help="run nothing: read the run directories --keep runs left in this folder (or these "
-                             "folders, comma-separated: the medians are then over every round of every run) and "
-                             "print the figures again (busy cores are not kept)")
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="keep every run directory under this (ignored) folder, e.g. for gapless simulate --calibrate",
+    )
+    parser.add_argument(
+        "--resummarise",
+        default=None,
+        help="run nothing: read the run directories --keep runs left in this folder (or these "
+        "folders, comma-separated: the medians are then over every round of every run) and "
+        "print the figures again (busy cores are not kept)",
+    )
     args = parser.parse_args()
     budgets = args.budgets.split(",")
     workloads = args.workloads.split(",")
     if args.resummarise:
         folders = [Path(f) for f in args.resummarise.split(",")]
-        runs = [read_run(d, *d.name.rsplit("-", 1)[0].rsplit("-b", 1)) for folder in folders
-                for d in sorted(folder.iterdir()) if (d / "summary.json").exists()]
+        runs = [
+            read_run(d, *d.name.rsplit("-", 1)[0].rsplit("-b", 1))
+            for folder in folders
+            for d in sorted(folder.iterdir())
+            if (d / "summary.json").exists()
+        ]
         runs = [r for r in runs if r["workload"] in workloads and r["budget"] in budgets]
-        print(json.dumps({"steps": None, "rounds": None, "resummarised_from": args.resummarise,
-                          **summarise(runs, workloads, budgets)}))
+        print(
+            json.dumps(
+                {
+                    "steps": None,
+                    "rounds": None,
+                    "resummarised_from": args.resummarise,
+                    **summarise(runs, workloads, budgets),
+                }
+            )
+        )
         return
     runs = []
     with tempfile.TemporaryDirectory(prefix="gapless-bench-") as tmp:
         out = args.keep or Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
         for rnd in range(args.rounds):
-            order = budgets[rnd % len(budgets):] + budgets[: rnd % len(budgets)]
+            order = budgets[rnd % len(budgets) :] + budgets[: rnd % len(budgets)]
             for workload in workloads:
                 for budget in order:
                     result = run_job(workload, budget, args.steps, out)
                     runs.append(result)
-                    print(f"round {rnd} {workload:<10} budget {budget:>3}: {result['s_per_sample'] * 1e3:6.2f} ms/sample  "
-                          f"trainer idle {result['trainer_idle_frac']:.2f}  generator idle {result['generator_idle_frac'] or 0:.2f}  "
-                          f"staleness {result['staleness_mean']:.2f} (max {result['staleness_max']:.0f})  "
-                          f"busy {result['busy_cores']:.2f} cores  "
-                          f"pass@1 {result['pass_at_1_end']:.3f}", flush=True)
-    figures = {"steps": args.steps, "rounds": args.rounds, "cores": os.cpu_count(), "cpu": cpu_model(),
-               "autogroup": autogroup(), "load_avg_1m": os.getloadavg()[0],
-               **summarise(runs, workloads, budgets), "weight_push": weight_push_vs_copy()}
+                    print(
+                        f"round {rnd} {workload:<10} budget {budget:>3}: {result['s_per_sample'] * 1e3:6.2f} ms/sample  "
+                        f"trainer idle {result['trainer_idle_frac']:.2f}  generator idle {result['generator_idle_frac'] or 0:.2f}  "
+                        f"staleness {result['staleness_mean']:.2f} (max {result['staleness_max']:.0f})  "
+                        f"busy {result['busy_cores']:.2f} cores  "
+                        f"pass@1 {result['pass_at_1_end']:.3f}",
+                        flush=True,
+                    )
+    figures = {
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "cores": os.cpu_count(),
+        "cpu": cpu_model(),
+        "autogroup": autogroup(),
+        "load_avg_1m": os.getloadavg()[0],
+        **summarise(runs, workloads, budgets),
+        "weight_push": weight_push_vs_copy(),
+    }
     for workload, ratios in figures["variant_over_plain_time"].items():
         for label, ratio in ratios.items():
-            print(f"{workload:<14} {label} / {label.partition(':')[0]}: {ratio:.3f} of the time per trained sample "
-                  f"(median of {args.rounds} rounds)")
+            print(
+                f"{workload:<14} {label} / {label.partition(':')[0]}: {ratio:.3f} of the time per trained sample "
+                f"(median of {args.rounds} rounds)"
+            )
     print(json.dumps(figures))
 
 

@@ -47,16 +47,48 @@ import time
 from pathlib import Path
 
 SHAPES = {
-    "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1_000_000.0,
-                         rms_norm_eps=1e-6, tie_word_embeddings=True),
-    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                       rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-0.6b": dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
     # a seconds-long stand-in for checking the script itself (--shapes tiny)
-    "tiny": dict(model_type="qwen3", vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=10000.0,
-                 rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "tiny": dict(
+        model_type="qwen3",
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
 }
 CPU_PHASES = ["engine", "hf_generate", "generate_batch"]
 
@@ -112,12 +144,17 @@ def child(args) -> dict:
     flop_tokens = total + args.sequences * args.prompt_tokens
     # the roofline: every decode step streams the weights once (fp32, the tied head counted once),
     # the prefill is compute at the matmul peak
-    roofline_s = args.new_tokens * params * 4 / bandwidth / 1e9 + 2 * params * args.sequences * args.prompt_tokens / peak["gflops"] / 1e9
+    roofline_s = (
+        args.new_tokens * params * 4 / bandwidth / 1e9
+        + 2 * params * args.sequences * args.prompt_tokens / peak["gflops"] / 1e9
+    )
     if args.phase == "engine":
         from gapless.generate.engine import TorchEngine
         from gapless.types import SamplingParams
 
-        engine = TorchEngine(model, eos_id=0, max_batch=args.sequences, max_seq_len=args.prompt_tokens + args.new_tokens)
+        engine = TorchEngine(
+            model, eos_id=0, max_batch=args.sequences, max_seq_len=args.prompt_tokens + args.new_tokens
+        )
         del model
         gc.collect()  # the engine holds its own copy
         engine.generate(rows[:2], SamplingParams(greedy=True, max_new_tokens=4, ignore_eos=True))  # packs, compiles
@@ -129,26 +166,52 @@ def child(args) -> dict:
         with torch.no_grad():
             if args.phase == "hf_generate":
                 ids = torch.tensor(rows)
-                model.generate(input_ids=ids[:2], attention_mask=torch.ones_like(ids[:2]), do_sample=False, max_new_tokens=4,
-                               min_new_tokens=4, pad_token_id=0)
+                model.generate(
+                    input_ids=ids[:2],
+                    attention_mask=torch.ones_like(ids[:2]),
+                    do_sample=False,
+                    max_new_tokens=4,
+                    min_new_tokens=4,
+                    pad_token_id=0,
+                )
                 with LoadMeter() as meter:
-                    result = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                            max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0)
+                    result = model.generate(
+                        input_ids=ids,
+                        attention_mask=torch.ones_like(ids),
+                        do_sample=False,
+                        max_new_tokens=args.new_tokens,
+                        min_new_tokens=args.new_tokens,
+                        pad_token_id=0,
+                    )
                 assert result.shape == (args.sequences, args.prompt_tokens + args.new_tokens)
             else:
                 from transformers import GenerationConfig
                 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-                config = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-                pages = ContinuousBatchingConfig(num_blocks=4 * args.sequences, max_batch_tokens=args.sequences * args.prompt_tokens)
+                config = GenerationConfig(
+                    max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
+                )
+                pages = ContinuousBatchingConfig(
+                    num_blocks=4 * args.sequences, max_batch_tokens=args.sequences * args.prompt_tokens
+                )
                 model.generate_batch(inputs=rows[:2], generation_config=config, continuous_batching_config=pages)
                 with LoadMeter() as meter:
-                    result = model.generate_batch(inputs=rows, generation_config=config, continuous_batching_config=pages)
+                    result = model.generate_batch(
+                        inputs=rows, generation_config=config, continuous_batching_config=pages
+                    )
                 assert sum(len(o.generated_tokens) for o in result.values()) == total
     tokens_per_s = total / meter.wall_s
-    out.update(tokens_per_s=tokens_per_s, wall_s=meter.wall_s, outside_cores=meter.outside_cores, peak_gflops=peak["gflops"],
-               peak_share=2 * params * flop_tokens / meter.wall_s / 1e9 / peak["gflops"], read_gbps=bandwidth,
-               roofline_tokens_per_s=total / roofline_s, roofline_share=roofline_s / meter.wall_s, peak_rss_gb=peak_rss_gb())
+    out.update(
+        tokens_per_s=tokens_per_s,
+        wall_s=meter.wall_s,
+        outside_cores=meter.outside_cores,
+        peak_gflops=peak["gflops"],
+        peak_share=2 * params * flop_tokens / meter.wall_s / 1e9 / peak["gflops"],
+        read_gbps=bandwidth,
+        roofline_tokens_per_s=total / roofline_s,
+        roofline_share=roofline_s / meter.wall_s,
+        peak_rss_gb=peak_rss_gb(),
+    )
     return out
 
 
@@ -162,8 +225,17 @@ def rl_step(model, rows, args) -> dict:
     from gapless.types import Completion
 
     gen = torch.Generator().manual_seed(2)
-    completions = [Completion(r, torch.randint(1000, 4000, (args.new_tokens,), generator=gen).tolist(), [0.0] * args.new_tokens,
-                              [0] * args.new_tokens, "length", "") for r in rows]
+    completions = [
+        Completion(
+            r,
+            torch.randint(1000, 4000, (args.new_tokens,), generator=gen).tolist(),
+            [0.0] * args.new_tokens,
+            [0] * args.new_tokens,
+            "length",
+            "",
+        )
+        for r in rows
+    ]
     batch = build_batch(completions, [(-1.0) ** i for i in range(len(rows))], [True] * len(rows), 0)
     with torch.no_grad():  # behaviour log-probs = the current policy's: ratios 1, as at zero staleness
         batch.behaviour_logprobs.copy_(token_logprobs(model, batch.input_ids, batch.attention_mask) * batch.loss_mask)
@@ -186,8 +258,15 @@ def vllm_phase(args, rows) -> dict:
     directory = Path(tempfile.mkdtemp(prefix="real-shapes-"))
     model.save_pretrained(directory)
     del model
-    engine = VLLMEngine(str(directory), eos_id=0, max_batch=args.sequences, max_seq_len=args.prompt_tokens + args.new_tokens,
-                        dtype="bfloat16", gpu_memory_utilization=0.5, skip_tokenizer_init=True)
+    engine = VLLMEngine(
+        str(directory),
+        eos_id=0,
+        max_batch=args.sequences,
+        max_seq_len=args.prompt_tokens + args.new_tokens,
+        dtype="bfloat16",
+        gpu_memory_utilization=0.5,
+        skip_tokenizer_init=True,
+    )
     params = SamplingParams(greedy=True, max_new_tokens=args.new_tokens, ignore_eos=True)
     engine.generate(rows[:2], SamplingParams(greedy=True, max_new_tokens=4, ignore_eos=True))
     torch.cuda.synchronize()
@@ -215,13 +294,33 @@ def main() -> None:
     if args.phase:
         print(json.dumps(child(args)))
         return
-    phases = args.phases.split(",") if args.phases else (["vllm"] if args.device == "cuda" else CPU_PHASES + (["rl_step"] if args.rl_step else []))
+    phases = (
+        args.phases.split(",")
+        if args.phases
+        else (["vllm"] if args.device == "cuda" else CPU_PHASES + (["rl_step"] if args.rl_step else []))
+    )
     results: dict[str, dict] = {shape: {} for shape in args.shapes.split(",")}
-    for round_ in range(args.rounds):  # every phase once per round: each ratio compares runs minutes apart, not a round apart
+    for round_ in range(
+        args.rounds
+    ):  # every phase once per round: each ratio compares runs minutes apart, not a round apart
         for shape in results:
             for phase in phases:
-                cmd = [sys.executable, __file__, "--phase", phase, "--shape", shape, "--threads", str(args.threads),
-                       "--sequences", str(args.sequences), "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--phase",
+                    phase,
+                    "--shape",
+                    shape,
+                    "--threads",
+                    str(args.threads),
+                    "--sequences",
+                    str(args.sequences),
+                    "--prompt-tokens",
+                    str(args.prompt_tokens),
+                    "--new-tokens",
+                    str(args.new_tokens),
+                ]
                 proc = subprocess.run(cmd, capture_output=True, text=True)
                 lines = proc.stdout.strip().splitlines()
                 if proc.returncode != 0 or not lines:
@@ -232,9 +331,14 @@ def main() -> None:
                 print(f"round {round_ + 1}", shape, phase, json.dumps(result), flush=True)
     summary = {}
     for shape, by_phase in results.items():
-        summary[shape] = {phase: {key: statistics.median(r[key] for r in runs)
-                                  for key in ("tokens_per_s", "peak_share", "roofline_share", "step_s", "peak_rss_gb")
-                                  if all(key in r for r in runs)} for phase, runs in by_phase.items()}
+        summary[shape] = {
+            phase: {
+                key: statistics.median(r[key] for r in runs)
+                for key in ("tokens_per_s", "peak_share", "roofline_share", "step_s", "peak_rss_gb")
+                if all(key in r for r in runs)
+            }
+            for phase, runs in by_phase.items()
+        }
         rounds = [dict(zip(CPU_PHASES, runs)) for runs in zip(*(by_phase.get(p, []) for p in CPU_PHASES))]
         if rounds and all("tokens_per_s" in r for row in rounds for r in row.values()):
             for other in ("hf_generate", "generate_batch"):
@@ -243,8 +347,19 @@ def main() -> None:
                 # the most any fp32 engine could be ahead of `other` on this host: the memory roofline's speed over its
                 ceiling = [row["engine"]["roofline_tokens_per_s"] / row[other]["tokens_per_s"] for row in rounds]
                 summary[shape][f"roofline_vs_{other}"] = {"per_round": ceiling, "median": statistics.median(ceiling)}
-    print(json.dumps({"threads": args.threads, "sequences": args.sequences, "prompt_tokens": args.prompt_tokens,
-                      "new_tokens": args.new_tokens, "rounds": args.rounds, "summary": summary, "results": results}))
+    print(
+        json.dumps(
+            {
+                "threads": args.threads,
+                "sequences": args.sequences,
+                "prompt_tokens": args.prompt_tokens,
+                "new_tokens": args.new_tokens,
+                "rounds": args.rounds,
+                "summary": summary,
+                "results": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -64,20 +64,30 @@ def measure(seed: int, work: Path, steps: int, samples: int, cache: Path | None 
     cfg = load_config(None, overrides(seed, work / f"run{seed}", cache or work / "cache", steps, lr))
     loop = RunLoop(cfg, log=lambda *_: None, source="inline")
     before, n = sampled_pass_at_1(loop, loop.env, samples)
-    greedy_before = multi_turn_pass_at_1(loop.sampler, loop.env, loop.eval, loop.policy.encode,
-                                         loop.cfg.generator.max_new_tokens).pass_at_1
+    greedy_before = multi_turn_pass_at_1(
+        loop.sampler, loop.env, loop.eval, loop.policy.encode, loop.cfg.generator.max_new_tokens
+    ).pass_at_1
     loop.run()  # closes its environment
     env = make_environment(loop.cfg)
     try:
         after, _ = sampled_pass_at_1(loop, env, samples)
-        greedy_after = multi_turn_pass_at_1(loop.sampler, env, loop.eval, loop.policy.encode,
-                                            loop.cfg.generator.max_new_tokens).pass_at_1
+        greedy_after = multi_turn_pass_at_1(
+            loop.sampler, env, loop.eval, loop.policy.encode, loop.cfg.generator.max_new_tokens
+        ).pass_at_1
     finally:
         env.close()
     stderr = math.sqrt(before * (1 - before) / n + after * (1 - after) / n)
-    return {"seed": seed, "before": round(before, 4), "after": round(after, 4), "gain": round(after - before, 4),
-            "stderr": round(stderr, 4), "episodes": n, "greedy_before": round(greedy_before, 4),
-            "greedy_after": round(greedy_after, 4), "seconds": round(time.perf_counter() - started, 1)}
+    return {
+        "seed": seed,
+        "before": round(before, 4),
+        "after": round(after, 4),
+        "gain": round(after - before, 4),
+        "stderr": round(stderr, 4),
+        "episodes": n,
+        "greedy_before": round(greedy_before, 4),
+        "greedy_after": round(greedy_after, 4),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
 
 
 def main() -> None:
@@ -95,10 +105,18 @@ def main() -> None:
             print(results[-1], flush=True)
     befores, afters = [r["before"] for r in results], [r["after"] for r in results]
     spread = max(befores) - min(befores)
-    summary = {"steps": args.steps, "lr": args.lr, "samples_per_task": args.samples, "eval_tasks": EVAL_TASKS, "seeds": results,
-               "before_range": [min(befores), max(befores)], "after_range": [min(afters), max(afters)],
-               "seed_spread_before": round(spread, 4), "min_gain": round(min(r["gain"] for r in results), 4),
-               "gain_beyond_spread": all(r["gain"] > spread for r in results)}
+    summary = {
+        "steps": args.steps,
+        "lr": args.lr,
+        "samples_per_task": args.samples,
+        "eval_tasks": EVAL_TASKS,
+        "seeds": results,
+        "before_range": [min(befores), max(befores)],
+        "after_range": [min(afters), max(afters)],
+        "seed_spread_before": round(spread, 4),
+        "min_gain": round(min(r["gain"] for r in results), 4),
+        "gain_beyond_spread": all(r["gain"] > spread for r in results),
+    }
     print(json.dumps(summary))
 
 

@@ -122,29 +122,56 @@ def run_gapless(args) -> dict:
     from gapless.orchestrate.loop import RunLoop
 
     with tempfile.TemporaryDirectory() as run_dir:
-        cfg = Config.model_validate({
-            "run_dir": run_dir, "seed": 0,
-            "model": {"path": args.model},
-            "warmstart": {"steps": 0},
-            "generator": {"group_size": args.group, "max_new_tokens": args.new_tokens, "temperature": 1.0, "top_p": 1.0},
-            "trainer": {"threads": args.threads, "lr": LR, "micro_batch_size": micro_batch(args), "loss": "dapo",
-                        "advantage": "grpo", "clip_eps": 0.2, "max_grad_norm": 1.0, "weight_decay": 0.0,
-                        "gradient_checkpointing": args.gradient_checkpointing},
-            "lora": {"rank": args.rank if args.mode == "lora" else 0, "alpha": ALPHA, "target_modules": TARGETS},
-            "loop": {"steps": args.warmup + args.steps, "prompts_per_step": args.prompts},
-            "metrics": {"tensorboard": False, "timeline": False, "live": "plain"},
-        })
-        loop = RunLoop(cfg, log=lambda *_: None, env=ParityEnvironment(prompt_texts(args.prompts, args.prompt_tokens)),
-                       source="inline")
+        cfg = Config.model_validate(
+            {
+                "run_dir": run_dir,
+                "seed": 0,
+                "model": {"path": args.model},
+                "warmstart": {"steps": 0},
+                "generator": {
+                    "group_size": args.group,
+                    "max_new_tokens": args.new_tokens,
+                    "temperature": 1.0,
+                    "top_p": 1.0,
+                },
+                "trainer": {
+                    "threads": args.threads,
+                    "lr": LR,
+                    "micro_batch_size": micro_batch(args),
+                    "loss": "dapo",
+                    "advantage": "grpo",
+                    "clip_eps": 0.2,
+                    "max_grad_norm": 1.0,
+                    "weight_decay": 0.0,
+                    "gradient_checkpointing": args.gradient_checkpointing,
+                },
+                "lora": {"rank": args.rank if args.mode == "lora" else 0, "alpha": ALPHA, "target_modules": TARGETS},
+                "loop": {"steps": args.warmup + args.steps, "prompts_per_step": args.prompts},
+                "metrics": {"tensorboard": False, "timeline": False, "live": "plain"},
+            }
+        )
+        loop = RunLoop(
+            cfg,
+            log=lambda *_: None,
+            env=ParityEnvironment(prompt_texts(args.prompts, args.prompt_tokens)),
+            source="inline",
+        )
         steps = []
         for step in range(args.warmup + args.steps):
             started = time.perf_counter()
             m = loop.train_step(step)
-            steps.append({"step_s": time.perf_counter() - started, "generate_s": m["perf/generate_s"],
-                          "train_s": m["perf/train_s"], "push_s": m["perf/weight_push_s"],
-                          "completion_len": m["rollout/completion_len_mean"], "reward": m.get("rollout/reward_mean")})
+            steps.append(
+                {
+                    "step_s": time.perf_counter() - started,
+                    "generate_s": m["perf/generate_s"],
+                    "train_s": m["perf/train_s"],
+                    "push_s": m["perf/weight_push_s"],
+                    "completion_len": m["rollout/completion_len_mean"],
+                    "reward": m.get("rollout/reward_mean"),
+                }
+            )
         loop.env.close()
-    return {"steps": steps[args.warmup:]}
+    return {"steps": steps[args.warmup :]}
 
 
 def run_trl(args) -> dict:
@@ -169,9 +196,14 @@ def run_trl(args) -> dict:
             self.started = time.perf_counter()
 
         def on_step_end(self, a, state, control, **kwargs):
-            steps.append({"step_s": time.perf_counter() - self.started, "generate_s": pending["generate_s"],
-                          "completion_len": statistics.mean(pending["lengths"]),
-                          "reward": statistics.mean(pending["rewards"])})
+            steps.append(
+                {
+                    "step_s": time.perf_counter() - self.started,
+                    "generate_s": pending["generate_s"],
+                    "completion_len": statistics.mean(pending["lengths"]),
+                    "reward": statistics.mean(pending["rewards"]),
+                }
+            )
             pending.update(generate_s=0.0, lengths=[], rewards=[])
 
     batch = args.prompts * args.group
@@ -179,22 +211,53 @@ def run_trl(args) -> dict:
     if args.mode == "lora":
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=args.rank, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS, bias="none",
-                                 task_type="CAUSAL_LM")
+        peft_config = LoraConfig(
+            r=args.rank, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS, bias="none", task_type="CAUSAL_LM"
+        )
     with tempfile.TemporaryDirectory() as out_dir:
         config = GRPOConfig(
-            output_dir=out_dir, report_to="none", save_strategy="no", logging_steps=10**6, disable_tqdm=True,
-            use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=args.gradient_checkpointing, seed=0,
-            max_steps=args.warmup + args.steps, per_device_train_batch_size=micro_batch(args),
+            output_dir=out_dir,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=10**6,
+            disable_tqdm=True,
+            use_cpu=True,
+            bf16=False,
+            fp16=False,
+            gradient_checkpointing=args.gradient_checkpointing,
+            seed=0,
+            max_steps=args.warmup + args.steps,
+            per_device_train_batch_size=micro_batch(args),
             gradient_accumulation_steps=batch // micro_batch(args),
-            num_generations=args.group, max_completion_length=args.new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-            learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-            optim="adamw_torch", beta=0.0, num_iterations=1, epsilon=0.2, loss_type="dapo", scale_rewards="group",
-            mask_truncated_completions=False, dataloader_num_workers=0,
+            num_generations=args.group,
+            max_completion_length=args.new_tokens,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            learning_rate=LR,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            optim="adamw_torch",
+            beta=0.0,
+            num_iterations=1,
+            epsilon=0.2,
+            loss_type="dapo",
+            scale_rewards="group",
+            mask_truncated_completions=False,
+            dataloader_num_workers=0,
         )
         data = Dataset.from_dict({"prompt": prompt_texts(args.prompts, args.prompt_tokens) * 64})
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tokenizer,
-                              callbacks=[StepClock()], peft_config=peft_config)
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=config,
+            train_dataset=data,
+            processing_class=tokenizer,
+            callbacks=[StepClock()],
+            peft_config=peft_config,
+        )
         generate = trainer.model.generate
 
         def timed_generate(*a, **k):
@@ -207,7 +270,7 @@ def run_trl(args) -> dict:
         trainer.train()
     import trl
 
-    return {"steps": steps[args.warmup:], "trl": trl.__version__}
+    return {"steps": steps[args.warmup :], "trl": trl.__version__}
 
 
 def child(args) -> dict:
@@ -215,19 +278,54 @@ def child(args) -> dict:
     import torch
     import transformers
 
-    out["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__, "trl": out.pop("trl", None)}
+    out["versions"] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": out.pop("trl", None),
+    }
     out["peak_rss_gb"] = peak_rss_gb()
     return out
 
 
 def run_side(python: Path, side: str, mode: str, model_dir: Path, args) -> dict:
     threads = str(args.threads)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    cmd = [str(python), __file__, "--side", side, "--mode", mode, "--model", str(model_dir), "--threads", threads,
-           "--rank", str(args.rank), "--warmup", str(args.warmup), "--steps", str(args.steps), "--prompts", str(args.prompts),
-           "--group", str(args.group), "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
-           "--micro-batch-size", str(args.micro_batch_size)] + (["--gradient-checkpointing"] if args.gradient_checkpointing else [])
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "src"),
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    cmd = [
+        str(python),
+        __file__,
+        "--side",
+        side,
+        "--mode",
+        mode,
+        "--model",
+        str(model_dir),
+        "--threads",
+        threads,
+        "--rank",
+        str(args.rank),
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--prompts",
+        str(args.prompts),
+        "--group",
+        str(args.group),
+        "--prompt-tokens",
+        str(args.prompt_tokens),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--micro-batch-size",
+        str(args.micro_batch_size),
+    ] + (["--gradient-checkpointing"] if args.gradient_checkpointing else [])
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode != 0:
         fail(f"the {side} side ({mode}) failed (exit {done.returncode}): {last_line(done.stderr)}")
@@ -259,8 +357,13 @@ def main() -> None:
         return
     python = ensure_trl_env()
     probe = subprocess.run([str(python), "-c", "import peft"], capture_output=True)
-    if probe.returncode != 0 and subprocess.run([str(python), "-m", "pip", "install", "-q", "peft", "torch==2.13.0+cpu"],
-                                                capture_output=True).returncode != 0:
+    if (
+        probe.returncode != 0
+        and subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "peft", "torch==2.13.0+cpu"], capture_output=True
+        ).returncode
+        != 0
+    ):
         fail("cannot install peft into bench/.venv-trl (TRL's LoRA path)")
     results: dict = {}
     for shape in args.shapes.split(","):
@@ -275,10 +378,12 @@ def main() -> None:
                         result = run_side(python, side, mode, model_dir, args)
                         runs[side].append(result)
                         step = statistics.median(s["step_s"] for s in result["steps"])
-                        print(f"{shape} {mode} round {rnd} {side:>7}: {step:.1f} s/step "
-                              f"(generate {statistics.median(s['generate_s'] for s in result['steps']):.1f} s), "
-                              f"peak {result['peak_rss_gb']:.2f} GB, completion {result['steps'][0]['completion_len']:.1f} tokens",
-                              flush=True)
+                        print(
+                            f"{shape} {mode} round {rnd} {side:>7}: {step:.1f} s/step "
+                            f"(generate {statistics.median(s['generate_s'] for s in result['steps']):.1f} s), "
+                            f"peak {result['peak_rss_gb']:.2f} GB, completion {result['steps'][0]['completion_len']:.1f} tokens",
+                            flush=True,
+                        )
                 summary = {}
                 for side, rs in runs.items():
                     steps = [s for r in rs for s in r["steps"]]
@@ -292,10 +397,20 @@ def main() -> None:
                 g, t = summary["gapless"], summary["trl"]
                 summary["ratio_step_s"] = g["step_s"] / t["step_s"]
                 summary["ratio_peak_rss"] = g["peak_rss_gb"] / t["peak_rss_gb"]
-                print(f"{shape} {mode}: gapless / TRL step {summary['ratio_step_s']:.2f}x, "
-                      f"peak memory {summary['ratio_peak_rss']:.2f}x", flush=True)
-    print(json.dumps({"bench": "rl_step_vs_trl", "settings": {k: v for k, v in vars(args).items() if k not in ("side", "mode", "model")},
-                      "results": results}))
+                print(
+                    f"{shape} {mode}: gapless / TRL step {summary['ratio_step_s']:.2f}x, "
+                    f"peak memory {summary['ratio_peak_rss']:.2f}x",
+                    flush=True,
+                )
+    print(
+        json.dumps(
+            {
+                "bench": "rl_step_vs_trl",
+                "settings": {k: v for k, v in vars(args).items() if k not in ("side", "mode", "model")},
+                "results": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

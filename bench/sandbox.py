@@ -50,8 +50,12 @@ from gapless.sandbox.launch import ROOT_LINK_ARGS  # noqa: E402
 PYTHON = "/usr/bin/python3"
 PROGRAM = "print(1)\n"
 UID_BASE = 240000  # away from services and tests
-WARM_UID_BASES = {"warm": UID_BASE, "warm_baseline": UID_BASE + 2000, "judged": UID_BASE + 3000,
-                  "judged_baseline": UID_BASE + 4000}  # slot cgroups whose CPU a variant owns
+WARM_UID_BASES = {
+    "warm": UID_BASE,
+    "warm_baseline": UID_BASE + 2000,
+    "judged": UID_BASE + 3000,
+    "judged_baseline": UID_BASE + 4000,
+}  # slot cgroups whose CPU a variant owns
 JUDGED_TEXT = "sorted(x)[::-1]"  # an io task's completion: reverse-sorted list
 
 
@@ -122,8 +126,11 @@ def baseline_variants(ref: str, concurrency: int, pools: dict[str, object]) -> d
                                           max_concurrency=concurrency)  # fmt: skip
     judged = CodeEnvironment(BwrapSandbox(slot_uid_base=WARM_UID_BASES["judged"], max_concurrency=concurrency),
                              limits, concurrency=1)  # fmt: skip
-    base_judged = base_code.CodeEnvironment(base_sandbox.BwrapSandbox(
-        slot_uid_base=WARM_UID_BASES["judged_baseline"], max_concurrency=concurrency), base_limits, concurrency=1)
+    base_judged = base_code.CodeEnvironment(
+        base_sandbox.BwrapSandbox(slot_uid_base=WARM_UID_BASES["judged_baseline"], max_concurrency=concurrency),
+        base_limits,
+        concurrency=1,
+    )
     pools.update(warm_baseline=base_warm, judged=judged, judged_baseline=base_judged)
     return {
         "warm_baseline": lambda: base_warm.run_python({"m.py": PROGRAM}, "m.py").status.value == "ok",
@@ -177,9 +184,9 @@ def main() -> int:
         variants: dict[str, Callable[[], bool]] = {
             "warm": lambda: warm.run_python({"m.py": PROGRAM}, "m.py").status is Status.OK,
             "cold": lambda: cold.run_python({"m.py": PROGRAM}, "m.py").status is Status.OK,
-            "subprocess": lambda: subprocess.run(
-                [PYTHON, "-c", PROGRAM], capture_output=True, timeout=30
-            ).stdout == b"1\n",
+            "subprocess": lambda: (
+                subprocess.run([PYTHON, "-c", PROGRAM], capture_output=True, timeout=30).stdout == b"1\n"
+            ),
         }
         if args.baseline:
             variants.update(baseline_variants(args.baseline, args.concurrency, pools))
@@ -191,7 +198,7 @@ def main() -> int:
         failures = {name: 0 for name in variants}
         names = list(variants)
         for round_index in range(args.rounds):
-            order = names[round_index % len(names):] + names[:round_index % len(names)]
+            order = names[round_index % len(names) :] + names[: round_index % len(names)]
             for name in order:
                 warm_base = WARM_UID_BASES.get(name)
                 cpu_before = cpu_s(warm_base)
@@ -230,10 +237,10 @@ def main() -> int:
     for name in ("warm", "judged"):
         if f"{name}_baseline" in figures:
             for key in ("executions_per_s", "capacity_per_s"):
-                figures[f"{name}_over_baseline_{key}"] = round(
-                    figures[name][key] / figures[f"{name}_baseline"][key], 3)  # type: ignore[index]
+                figures[f"{name}_over_baseline_{key}"] = round(figures[name][key] / figures[f"{name}_baseline"][key], 3)  # type: ignore[index]
             figures[f"{name}_cpu_ms_per_job_over_baseline"] = round(
-                figures[name]["cpu_ms_per_job"] / figures[f"{name}_baseline"]["cpu_ms_per_job"], 3)  # type: ignore[index]
+                figures[name]["cpu_ms_per_job"] / figures[f"{name}_baseline"]["cpu_ms_per_job"], 3
+            )  # type: ignore[index]
     figures["cold_parts_ms"] = parts
     figures["infra_errors"] = {k: v["sandbox/infra_errors_total"] for k, v in sandbox_metrics.items()}
     figures["load_average_1m"] = round(os.getloadavg()[0], 2)

@@ -54,9 +54,17 @@ def child(args: argparse.Namespace) -> dict:
     attention = torch.ones_like(ids)
     loss_mask = torch.zeros(rows, length - 1)
     loss_mask[:, PROMPT - 1 :] = 1
-    batch = Batch(ids, attention, loss_mask, torch.zeros(rows, length - 1), torch.randn(rows, generator=g),
-                  torch.arange(rows) // 2)
-    cfg = TrainerConfig(max_tokens_per_micro_batch=args.micro_batch_tokens, gradient_checkpointing=args.gradient_checkpointing)
+    batch = Batch(
+        ids,
+        attention,
+        loss_mask,
+        torch.zeros(rows, length - 1),
+        torch.randn(rows, generator=g),
+        torch.arange(rows) // 2,
+    )
+    cfg = TrainerConfig(
+        max_tokens_per_micro_batch=args.micro_batch_tokens, gradient_checkpointing=args.gradient_checkpointing
+    )
     trainer = GRPOTrainer(model, cfg, 1.0, length, lora=lora)
     trainer.step(batch)  # warm-up: AdamW state, allocator pools
     peak_flops = matmul_peak()
@@ -68,9 +76,18 @@ def child(args: argparse.Namespace) -> dict:
     seconds = time.perf_counter() - started
     peak = status_kb("VmHWM")
     flops = step_flops(model, rows, length, args.gradient_checkpointing)
-    return {"length": length, "rows": rows, "step_s": seconds, "peak_rss_mb": peak / 1024, "rss_before_mb": rss_before / 1024,
-            "step_rss_mb": (peak - rss_before) / 1024, "flops": flops, "flop_s": flops / seconds,
-            "matmul_peak_flop_s": peak_flops, "mfu": flops / seconds / peak_flops}
+    return {
+        "length": length,
+        "rows": rows,
+        "step_s": seconds,
+        "peak_rss_mb": peak / 1024,
+        "rss_before_mb": rss_before / 1024,
+        "step_rss_mb": (peak - rss_before) / 1024,
+        "flops": flops,
+        "flop_s": flops / seconds,
+        "matmul_peak_flop_s": peak_flops,
+        "mfu": flops / seconds / peak_flops,
+    }
 
 
 def build(shape: str):
@@ -85,13 +102,25 @@ def build(shape: str):
 
     from gapless.lora import LoraSpec
 
-    config = transformers.Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768 + 512,
-                                      tie_word_embeddings=True)
+    config = transformers.Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768 + 512,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    spec = LoraSpec(rank=8, alpha=32, seed=0, dropout=0.0,
-                    target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    spec = LoraSpec(
+        rank=8,
+        alpha=32,
+        seed=0,
+        dropout=0.0,
+        target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    )
     return model, spec
 
 
@@ -100,8 +129,9 @@ def step_flops(model, rows: int, length: int, checkpointing: bool) -> float:
 
     c = model.config
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    if getattr(c, "tie_word_embeddings", False) and not any(m.weight is model.get_input_embeddings().weight
-                                                            for m in model.modules() if isinstance(m, torch.nn.Linear)):
+    if getattr(c, "tie_word_embeddings", False) and not any(
+        m.weight is model.get_input_embeddings().weight for m in model.modules() if isinstance(m, torch.nn.Linear)
+    ):
         matmul += model.get_input_embeddings().weight.numel()
     factor = 8 if checkpointing else 6
     hidden = c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
@@ -143,25 +173,58 @@ def main() -> None:
     runs: dict[int, list[dict]] = {n: [] for n in lengths}
     for r in range(args.rounds):
         for n in lengths if r % 2 == 0 else lengths[::-1]:
-            cmd = [sys.executable, __file__, "--length", str(n), "--tokens", str(args.tokens), "--shape", args.shape,
-                   "--micro-batch-tokens", str(args.micro_batch_tokens), "--threads", str(args.threads)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--length",
+                str(n),
+                "--tokens",
+                str(args.tokens),
+                "--shape",
+                args.shape,
+                "--micro-batch-tokens",
+                str(args.micro_batch_tokens),
+                "--threads",
+                str(args.threads),
+            ]
             cmd += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
-            out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+            out = subprocess.run(
+                cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+            )
             if out.returncode != 0:
                 print(f"round {r} length {n}: failed\n{out.stderr[-2000:]}", flush=True)
                 continue
             rec = json.loads(out.stdout.strip().splitlines()[-1])
             runs[n].append(rec)
-            print(f"round {r} length {n:>6} rows {rec['rows']:>3}  step {rec['step_s']:8.2f} s  step RSS +{rec['step_rss_mb']:7.0f} MB "
-                  f"(peak {rec['peak_rss_mb']:.0f})  {rec['flop_s'] / 1e9:6.1f} GFLOP/s = {rec['mfu']:.2f} of matmul peak "
-                  f"{rec['matmul_peak_flop_s'] / 1e9:.1f}", flush=True)
+            print(
+                f"round {r} length {n:>6} rows {rec['rows']:>3}  step {rec['step_s']:8.2f} s  step RSS +{rec['step_rss_mb']:7.0f} MB "
+                f"(peak {rec['peak_rss_mb']:.0f})  {rec['flop_s'] / 1e9:6.1f} GFLOP/s = {rec['mfu']:.2f} of matmul peak "
+                f"{rec['matmul_peak_flop_s'] / 1e9:.1f}",
+                flush=True,
+            )
     summary = {}
     for n, recs in runs.items():
         if recs:
-            summary[n] = {k: {"median": statistics.median(x[k] for x in recs), "min": min(x[k] for x in recs),
-                              "max": max(x[k] for x in recs)} for k in ("step_s", "step_rss_mb", "peak_rss_mb", "mfu", "flop_s")}
-    print(json.dumps({"shape": args.shape, "tokens": args.tokens, "micro_batch_tokens": args.micro_batch_tokens,
-                      "threads": args.threads, "rounds": args.rounds, "by_length": summary}))
+            summary[n] = {
+                k: {
+                    "median": statistics.median(x[k] for x in recs),
+                    "min": min(x[k] for x in recs),
+                    "max": max(x[k] for x in recs),
+                }
+                for k in ("step_s", "step_rss_mb", "peak_rss_mb", "mfu", "flop_s")
+            }
+    print(
+        json.dumps(
+            {
+                "shape": args.shape,
+                "tokens": args.tokens,
+                "micro_batch_tokens": args.micro_batch_tokens,
+                "threads": args.threads,
+                "rounds": args.rounds,
+                "by_length": summary,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,8 @@ from pathlib import Path
 
 import httpx
 import openai
-
 from generate import TINY, LoadMeter
+
 from gapless.models import build_tiny
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -46,10 +46,28 @@ PROMPTS = [f"Question {i}: name {i % 7} fruits, colours or animals, then explain
 
 
 def start_server(model_dir: Path, threads: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "gapless.cli", "serve", "--model.path", str(model_dir), "--port", "0",
-                             "--model-name", "bench", "--threads", str(threads), "--max-batch", "64"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(SRC)})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gapless.cli",
+            "serve",
+            "--model.path",
+            str(model_dir),
+            "--port",
+            "0",
+            "--model-name",
+            "bench",
+            "--threads",
+            str(threads),
+            "--max-batch",
+            "64",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+    )
     ready, _, _ = select.select([proc.stdout], [], [], 300)
     line = proc.stdout.readline() if ready else ""
     if " at http://" not in line:
@@ -75,16 +93,27 @@ async def concurrent(client: openai.AsyncOpenAI, tokens: int, stream: bool, cons
 
     outcomes = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))), return_exceptions=True)
     errors = [o for o in outcomes if isinstance(o, BaseException)]
-    return {"tokens": sum(o for o in outcomes if isinstance(o, int)), "errors": len(errors),
-            "error_kinds": sorted({type(e).__name__ for e in errors})}
+    return {
+        "tokens": sum(o for o in outcomes if isinstance(o, int)),
+        "errors": len(errors),
+        "error_kinds": sorted({type(e).__name__ for e in errors}),
+    }
 
 
 async def raw_streams(url: str, tokens: int) -> dict:
     limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
     async with httpx.AsyncClient(limits=limits, timeout=300) as http:
+
         async def one(i: int) -> int:
-            body = {"model": "bench", "prompt": PROMPTS[i], "max_tokens": tokens, "seed": i, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": "bench",
+                "prompt": PROMPTS[i],
+                "max_tokens": tokens,
+                "seed": i,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             usage = 0
             async with http.stream("POST", f"{url}/completions", json=body) as response:
                 async for line in response.aiter_lines():
@@ -94,21 +123,29 @@ async def raw_streams(url: str, tokens: int) -> dict:
 
         outcomes = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))), return_exceptions=True)
     errors = [o for o in outcomes if isinstance(o, BaseException)]
-    return {"tokens": sum(o for o in outcomes if isinstance(o, int)), "errors": len(errors),
-            "error_kinds": sorted({type(e).__name__ for e in errors})}
+    return {
+        "tokens": sum(o for o in outcomes if isinstance(o, int)),
+        "errors": len(errors),
+        "error_kinds": sorted({type(e).__name__ for e in errors}),
+    }
 
 
 async def one_request(client: openai.AsyncOpenAI, tokens: int) -> dict:
-    out = await client.completions.create(model="bench", prompt=PROMPTS, max_tokens=tokens, seed=0,
-                                          extra_body={"ignore_eos": True})
+    out = await client.completions.create(
+        model="bench", prompt=PROMPTS, max_tokens=tokens, seed=0, extra_body={"ignore_eos": True}
+    )
     return {"tokens": out.usage.completion_tokens, "errors": 0, "error_kinds": []}
 
 
 def timed(coro_fn) -> dict:
     with LoadMeter() as meter:
         result = asyncio.run(coro_fn())
-    return {**result, "wall_s": meter.wall_s, "tokens_per_s": result["tokens"] / meter.wall_s,
-            "outside_cores": meter.outside_cores}
+    return {
+        **result,
+        "wall_s": meter.wall_s,
+        "tokens_per_s": result["tokens"] / meter.wall_s,
+        "outside_cores": meter.outside_cores,
+    }
 
 
 def refusal_s(url: str) -> dict:
@@ -132,10 +169,16 @@ def main() -> None:
         build_tiny(TINY, PROMPTS, seed=0, max_positions=512).save(Path(tmp))
         proc, url = start_server(Path(tmp), args.threads)
         try:
+
             def client() -> openai.AsyncOpenAI:
                 limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
-                return openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300,
-                                          http_client=openai.DefaultAsyncHttpxClient(limits=limits))
+                return openai.AsyncOpenAI(
+                    base_url=url,
+                    api_key="unused",
+                    max_retries=0,
+                    timeout=300,
+                    http_client=openai.DefaultAsyncHttpxClient(limits=limits),
+                )
 
             async def warm():
                 await one_request(client(), 4)
@@ -147,7 +190,9 @@ def main() -> None:
                 runs["one_request"].append(timed(lambda: one_request(client(), args.tokens)))
                 runs["streams"].append(timed(lambda: concurrent(client(), args.tokens, stream=True)))
                 runs["raw_streams"].append(timed(lambda: raw_streams(url, args.tokens)))
-                runs["constrained"].append(timed(lambda: concurrent(client(), args.tokens, stream=False, constrained=True)))
+                runs["constrained"].append(
+                    timed(lambda: concurrent(client(), args.tokens, stream=False, constrained=True))
+                )
             refusal = refusal_s(url)
         finally:
             proc.terminate()
@@ -155,24 +200,48 @@ def main() -> None:
     ratios = [c["tokens_per_s"] / o["tokens_per_s"] for c, o in zip(runs["concurrent"], runs["one_request"])]
     stream_ratios = [s["tokens_per_s"] / o["tokens_per_s"] for s, o in zip(runs["streams"], runs["one_request"])]
     raw_ratios = [s["tokens_per_s"] / o["tokens_per_s"] for s, o in zip(runs["raw_streams"], runs["one_request"])]
-    constrained_ratios = [k["tokens_per_s"] / c["tokens_per_s"] for k, c in zip(runs["constrained"], runs["concurrent"])]
-    summary = {name: {"tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rs),
-                      "errors": sum(r["errors"] for r in rs), "error_kinds": sorted({k for r in rs for k in r["error_kinds"]}),
-                      "outside_cores_max": max(r["outside_cores"] for r in rs)} for name, rs in runs.items()}
-    result = {"rounds": args.rounds, "tokens": args.tokens, "threads": args.threads, "sequences": len(PROMPTS),
-              "ratio_concurrent_vs_one_request": statistics.median(ratios), "ratios": ratios,
-              "ratio_streams_vs_one_request": statistics.median(stream_ratios),
-              "ratio_raw_streams_vs_one_request": statistics.median(raw_ratios),
-              "ratio_constrained_vs_concurrent": statistics.median(constrained_ratios), "workloads": summary,
-              "refusal_1mb_prompt": refusal, "runs": runs}
+    constrained_ratios = [
+        k["tokens_per_s"] / c["tokens_per_s"] for k, c in zip(runs["constrained"], runs["concurrent"])
+    ]
+    summary = {
+        name: {
+            "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rs),
+            "errors": sum(r["errors"] for r in rs),
+            "error_kinds": sorted({k for r in rs for k in r["error_kinds"]}),
+            "outside_cores_max": max(r["outside_cores"] for r in rs),
+        }
+        for name, rs in runs.items()
+    }
+    result = {
+        "rounds": args.rounds,
+        "tokens": args.tokens,
+        "threads": args.threads,
+        "sequences": len(PROMPTS),
+        "ratio_concurrent_vs_one_request": statistics.median(ratios),
+        "ratios": ratios,
+        "ratio_streams_vs_one_request": statistics.median(stream_ratios),
+        "ratio_raw_streams_vs_one_request": statistics.median(raw_ratios),
+        "ratio_constrained_vs_concurrent": statistics.median(constrained_ratios),
+        "workloads": summary,
+        "refusal_1mb_prompt": refusal,
+        "runs": runs,
+    }
     for name, s in summary.items():
-        print(f"{name:<12} {s['tokens_per_s_median']:8.0f} tokens/s   errors {s['errors']}   "
-              f"other processes <= {s['outside_cores_max']:.2f} cores")
-    print(f"concurrent / one_request: {result['ratio_concurrent_vs_one_request']:.2f}x (rounds: "
-          + ", ".join(f"{r:.2f}" for r in ratios) + f"); streams / one_request: {result['ratio_streams_vs_one_request']:.2f}x (read raw: "
-          f"{result['ratio_raw_streams_vs_one_request']:.2f}x)")
-    print(f"constrained / concurrent (JSON schema, 50 requests): {result['ratio_constrained_vs_concurrent']:.2f}x (rounds: "
-          + ", ".join(f"{r:.2f}" for r in constrained_ratios) + ")")
+        print(
+            f"{name:<12} {s['tokens_per_s_median']:8.0f} tokens/s   errors {s['errors']}   "
+            f"other processes <= {s['outside_cores_max']:.2f} cores"
+        )
+    print(
+        f"concurrent / one_request: {result['ratio_concurrent_vs_one_request']:.2f}x (rounds: "
+        + ", ".join(f"{r:.2f}" for r in ratios)
+        + f"); streams / one_request: {result['ratio_streams_vs_one_request']:.2f}x (read raw: "
+        f"{result['ratio_raw_streams_vs_one_request']:.2f}x)"
+    )
+    print(
+        f"constrained / concurrent (JSON schema, 50 requests): {result['ratio_constrained_vs_concurrent']:.2f}x (rounds: "
+        + ", ".join(f"{r:.2f}" for r in constrained_ratios)
+        + ")"
+    )
     print(f"1 MB prompt: {refusal['code']} in {refusal['seconds']:.3f} s")
     print(json.dumps(result))
 

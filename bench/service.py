@@ -29,9 +29,9 @@ from pathlib import Path
 
 import tinker
 import torch
+from generate import TINY, LoadMeter
 from tinker import types
 
-from generate import TINY, LoadMeter
 from gapless.generate.engine import TorchEngine
 from gapless.models import build_tiny, load_local
 from gapless.types import SamplingParams
@@ -42,9 +42,13 @@ PROMPTS = [f"Question {i}: name {i % 7} fruits, colours or animals, then explain
 
 
 def start_service(config: Path, threads: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "gapless.cli", "serve-training", str(config), "--port", "0",
-                             "--threads", str(threads)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(SRC), "TINKER_API_KEY": KEY})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gapless.cli", "serve-training", str(config), "--port", "0", "--threads", str(threads)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(SRC), "TINKER_API_KEY": KEY},
+    )
     ready, _, _ = select.select([proc.stdout], [], [], 300)
     line = proc.stdout.readline() if ready else ""
     if " at http://" not in line:
@@ -55,9 +59,14 @@ def start_service(config: Path, threads: int) -> tuple[subprocess.Popen, str]:
 
 def via_service(sampler, prompts: list[list[int]], samples: int, tokens: int) -> int:
     params = types.SamplingParams(max_tokens=tokens, temperature=1.0, stop=[])
-    futures = [sampler.sample(types.ModelInput.from_ints(p), num_samples=samples,
-                              sampling_params=types.SamplingParams(**{**params.model_dump(), "seed": i}))
-               for i, p in enumerate(prompts)]
+    futures = [
+        sampler.sample(
+            types.ModelInput.from_ints(p),
+            num_samples=samples,
+            sampling_params=types.SamplingParams(**{**params.model_dump(), "seed": i}),
+        )
+        for i, p in enumerate(prompts)
+    ]
     return sum(len(s.tokens) for f in futures for s in f.result().sequences)
 
 
@@ -84,9 +93,11 @@ def main() -> None:
         model_dir = Path(tmp) / "base"
         build_tiny(TINY, PROMPTS, seed=0, max_positions=512).save(model_dir)
         config = Path(tmp) / "service.toml"
-        config.write_text(f'[service]\nbase_models = {{bench = {json.dumps(str(model_dir))}}}\n'
-                          f'checkpoint_dir = {json.dumps(str(Path(tmp) / "ckpt"))}\nmax_batch = {args.max_batch}\n'
-                          'max_seq_len = 512\n')
+        config.write_text(
+            f"[service]\nbase_models = {{bench = {json.dumps(str(model_dir))}}}\n"
+            f"checkpoint_dir = {json.dumps(str(Path(tmp) / 'ckpt'))}\nmax_batch = {args.max_batch}\n"
+            "max_seq_len = 512\n"
+        )
         policy = load_local(model_dir)
         prompts = [policy.encode(p) for p in PROMPTS[: args.prompts]]
         engine = TorchEngine(policy.model, policy.eos_id, max_batch=args.max_batch, max_seq_len=512)
@@ -98,25 +109,44 @@ def main() -> None:
             via_engine(engine, prompts[:2], 1, 4)
             runs = {"service": [], "engine": []}
             for _ in range(args.rounds):
-                for name, fn in (("service", lambda: via_service(sampler, prompts, args.samples, args.tokens)),
-                                 ("engine", lambda: via_engine(engine, prompts, args.samples, args.tokens))):
+                for name, fn in (
+                    ("service", lambda: via_service(sampler, prompts, args.samples, args.tokens)),
+                    ("engine", lambda: via_engine(engine, prompts, args.samples, args.tokens)),
+                ):
                     with LoadMeter() as meter:
                         count = fn()
-                    runs[name].append({"tokens": count, "wall_s": meter.wall_s, "tokens_per_s": count / meter.wall_s,
-                                       "outside_cores": meter.outside_cores})
+                    runs[name].append(
+                        {
+                            "tokens": count,
+                            "wall_s": meter.wall_s,
+                            "tokens_per_s": count / meter.wall_s,
+                            "outside_cores": meter.outside_cores,
+                        }
+                    )
             client.close("success").result()
         finally:
             proc.terminate()
             proc.wait(timeout=60)
     ratios = [s["tokens_per_s"] / e["tokens_per_s"] for s, e in zip(runs["service"], runs["engine"])]
-    result = {"rounds": args.rounds, "prompts": args.prompts, "samples": args.samples, "tokens": args.tokens,
-              "threads": args.threads, "ratio_service_vs_engine": statistics.median(ratios), "ratios": ratios,
-              "tokens_per_s_median": {k: statistics.median(r["tokens_per_s"] for r in rs) for k, rs in runs.items()},
-              "outside_cores_max": max(r["outside_cores"] for rs in runs.values() for r in rs), "runs": runs}
+    result = {
+        "rounds": args.rounds,
+        "prompts": args.prompts,
+        "samples": args.samples,
+        "tokens": args.tokens,
+        "threads": args.threads,
+        "ratio_service_vs_engine": statistics.median(ratios),
+        "ratios": ratios,
+        "tokens_per_s_median": {k: statistics.median(r["tokens_per_s"] for r in rs) for k, rs in runs.items()},
+        "outside_cores_max": max(r["outside_cores"] for rs in runs.values() for r in rs),
+        "runs": runs,
+    }
     for name, rs in runs.items():
         print(f"{name:<8} {result['tokens_per_s_median'][name]:8.0f} tokens/s")
-    print(f"service / engine: {result['ratio_service_vs_engine']:.2f}x (rounds: " + ", ".join(f"{r:.2f}" for r in ratios)
-          + f"); other processes <= {result['outside_cores_max']:.2f} cores")
+    print(
+        f"service / engine: {result['ratio_service_vs_engine']:.2f}x (rounds: "
+        + ", ".join(f"{r:.2f}" for r in ratios)
+        + f"); other processes <= {result['outside_cores_max']:.2f} cores"
+    )
     print(json.dumps(result))
 
 

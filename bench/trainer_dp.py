@@ -74,11 +74,19 @@ def main() -> None:
     policy = build_tiny(ModelConfig(), [p.prompt + p.solution for p in problems], seed=0)
     batch = default_step_batch(policy.model, len(policy.tokenizer))
     cfg = TrainerConfig()
-    result = {"cores": os.cpu_count(), "threads_per_rank": args.threads, "world_size": world, "rows": ROWS,
-              "parameters": sum(p.numel() for p in policy.model.parameters()), "rounds": args.rounds}
+    result = {
+        "cores": os.cpu_count(),
+        "threads_per_rank": args.threads,
+        "world_size": world,
+        "rows": ROWS,
+        "parameters": sum(p.numel() for p in policy.model.parameters()),
+        "rounds": args.rounds,
+    }
     for kind in ("ddp", "fsdp2"):
         torch.set_num_threads(args.threads)  # the spawned rank takes the thread count at start
-        dp = DataParallelTrainer(copy.deepcopy(policy.model), cfg, ClusterConfig(trainer_world_size=world, data_parallel=kind))
+        dp = DataParallelTrainer(
+            copy.deepcopy(policy.model), cfg, ClusterConfig(trainer_world_size=world, data_parallel=kind)
+        )
         same_threads = GRPOTrainer(copy.deepcopy(policy.model), cfg)
         same_cores = GRPOTrainer(copy.deepcopy(policy.model), cfg)
         times: dict[str, list[float]] = {"world_2": [], "world_1_same_threads": [], "world_1_same_cores": []}

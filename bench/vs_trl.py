@@ -91,8 +91,11 @@ def ensure_trl_env() -> Path:
     pip = [str(python), "-m", "pip", "install", "-q"]
     torch_ok = subprocess.run(pip + [TORCH_PIN], capture_output=True, text=True)
     if torch_ok.returncode != 0:  # the CPU build may only be on PyTorch's own index
-        torch_ok = subprocess.run(pip + [TORCH_PIN, "--extra-index-url", "https://download.pytorch.org/whl/cpu"],
-                                  capture_output=True, text=True)
+        torch_ok = subprocess.run(
+            pip + [TORCH_PIN, "--extra-index-url", "https://download.pytorch.org/whl/cpu"],
+            capture_output=True,
+            text=True,
+        )
         if torch_ok.returncode != 0:
             fail(f"cannot install {TORCH_PIN} into bench/.venv-trl: {last_line(torch_ok.stderr)}")
     trl_ok = subprocess.run(pip + ["trl", "pydantic>=2.7", TORCH_PIN], capture_output=True, text=True)
@@ -121,10 +124,28 @@ def save_model(model_dir: Path, warmstart_steps: int) -> None:
 
 def run_side(python: Path, side: str, model_dir: Path, args: argparse.Namespace) -> dict:
     threads = str(args.threads)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    cmd = [str(python), str(ROOT / "bench" / "vs_trl_side.py"), side, "--model", str(model_dir),
-           "--warmup", str(args.warmup), "--steps", str(args.steps), "--threads", threads]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "src"),
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    cmd = [
+        str(python),
+        str(ROOT / "bench" / "vs_trl_side.py"),
+        side,
+        "--model",
+        str(model_dir),
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--threads",
+        threads,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode != 0:
         fail(f"the {side} side failed (exit {done.returncode}): {last_line(done.stderr)}")
@@ -165,42 +186,57 @@ def main() -> None:
             for side in order:
                 result = run_side(python, side, model_dir, args)
                 runs[side].append(result)
-                print(f"round {rnd} {side:>7}: {statistics.median(result['step_s']):.2f} s/step "
-                      f"(cpu {statistics.median(result['cpu_s']):.2f} s), peak {result['peak_rss_mb']:.0f} MB, "
-                      f"load {os.getloadavg()[0]:.1f}", flush=True)
+                print(
+                    f"round {rnd} {side:>7}: {statistics.median(result['step_s']):.2f} s/step "
+                    f"(cpu {statistics.median(result['cpu_s']):.2f} s), peak {result['peak_rss_mb']:.0f} MB, "
+                    f"load {os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
             g, t = runs["gapless"][-1], runs["trl"][-1]
-            per_round.append({
-                "order": "/".join(order),
-                "ratio_step_s": statistics.median(g["step_s"]) / statistics.median(t["step_s"]),
-                "ratio_cpu_s": statistics.median(g["cpu_s"]) / statistics.median(t["cpu_s"]),
-                "ratio_peak_rss": g["peak_rss_mb"] / t["peak_rss_mb"],
-                "loadavg_1m_start": load,
-                "loadavg_1m_end": os.getloadavg()[0],
-            })
+            per_round.append(
+                {
+                    "order": "/".join(order),
+                    "ratio_step_s": statistics.median(g["step_s"]) / statistics.median(t["step_s"]),
+                    "ratio_cpu_s": statistics.median(g["cpu_s"]) / statistics.median(t["cpu_s"]),
+                    "ratio_peak_rss": g["peak_rss_mb"] / t["peak_rss_mb"],
+                    "loadavg_1m_start": load,
+                    "loadavg_1m_end": os.getloadavg()[0],
+                }
+            )
     from gapless.config import Config
 
     cfg = Config()  # the defaults both sides ran with
     gapless, trl = side_summary(runs["gapless"]), side_summary(runs["trl"])
     ratio_step = gapless["step_s_median"] / trl["step_s_median"]
     ratio_rss = gapless["peak_rss_mb_median"] / trl["peak_rss_mb_median"]
-    print(json.dumps({
-        "bench": "vs_trl",
-        "settings": {"rounds": args.rounds, "warmup_steps": args.warmup, "measured_steps": args.steps,
-                     "threads": args.threads, "prompts_per_step": cfg.loop.prompts_per_step,
-                     "group_size": cfg.generator.group_size, "max_new_tokens": cfg.generator.max_new_tokens,
-                     "warmstart_steps": args.warmstart_steps},
-        "gapless": gapless,
-        "trl": trl,
-        "ratio_step_s": ratio_step,
-        "ratio_cpu_s": gapless["cpu_s_median"] / trl["cpu_s_median"],
-        "ratio_peak_rss": ratio_rss,
-        "ratio_step_s_round_median": statistics.median(r["ratio_step_s"] for r in per_round),
-        "ratio_peak_rss_round_median": statistics.median(r["ratio_peak_rss"] for r in per_round),
-        "per_round": per_round,
-        "target_step_ratio": SPEED_TARGET,
-        "meets_speed_target": ratio_step <= SPEED_TARGET,
-        "meets_memory_target": ratio_rss <= 1.0,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "vs_trl",
+                "settings": {
+                    "rounds": args.rounds,
+                    "warmup_steps": args.warmup,
+                    "measured_steps": args.steps,
+                    "threads": args.threads,
+                    "prompts_per_step": cfg.loop.prompts_per_step,
+                    "group_size": cfg.generator.group_size,
+                    "max_new_tokens": cfg.generator.max_new_tokens,
+                    "warmstart_steps": args.warmstart_steps,
+                },
+                "gapless": gapless,
+                "trl": trl,
+                "ratio_step_s": ratio_step,
+                "ratio_cpu_s": gapless["cpu_s_median"] / trl["cpu_s_median"],
+                "ratio_peak_rss": ratio_rss,
+                "ratio_step_s_round_median": statistics.median(r["ratio_step_s"] for r in per_round),
+                "ratio_peak_rss_round_median": statistics.median(r["ratio_peak_rss"] for r in per_round),
+                "per_round": per_round,
+                "target_step_ratio": SPEED_TARGET,
+                "meets_speed_target": ratio_step <= SPEED_TARGET,
+                "meets_memory_target": ratio_rss <= 1.0,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from gapless.envs.registry import make_environment
 from gapless.orchestrate.loop import RunLoop
 from gapless.types import Completion
 
+
 def peak_rss_mb() -> float:
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM:"):
@@ -58,23 +59,28 @@ def timed(fn, seconds: list[float]):
         out = fn(*args, **kwargs)
         seconds.append(time.perf_counter() - t0)
         return out
+
     return wrapper
 
 
 def gapless_config(model_dir: str, run_dir: str, threads: int, steps: int) -> Config:
-    return Config.model_validate({
-        "run_dir": run_dir,
-        "model": {"path": model_dir},
-        "warmstart": {"steps": 0},
-        "trainer": {"threads": threads},
-        "loop": {"steps": steps},
-        "metrics": {"tensorboard": False, "timeline": False, "live": "plain"},  # TRL's side logs nowhere either
-    })
+    return Config.model_validate(
+        {
+            "run_dir": run_dir,
+            "model": {"path": model_dir},
+            "warmstart": {"steps": 0},
+            "trainer": {"threads": threads},
+            "loop": {"steps": steps},
+            "metrics": {"tensorboard": False, "timeline": False, "live": "plain"},  # TRL's side logs nowhere either
+        }
+    )
 
 
 def run_gapless(model_dir: str, warmup: int, steps: int, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
-        loop = RunLoop(gapless_config(model_dir, run_dir, threads, warmup + steps), log=lambda *_: None, source="inline")
+        loop = RunLoop(
+            gapless_config(model_dir, run_dir, threads, warmup + steps), log=lambda *_: None, source="inline"
+        )
         marks, per_step = [clock()], {"generate_s": [], "score_s": [], "completion_len": []}
         for step in range(warmup + steps):
             metrics = loop.train_step(step)
@@ -128,20 +134,49 @@ def run_trl(model_dir: str, warmup: int, steps: int, threads: int) -> dict:
     policy.model.generate = timed(policy.model.generate, per_step["generate_s"])  # TRL samples with it
     with tempfile.TemporaryDirectory() as out_dir:
         args = GRPOConfig(
-            output_dir=out_dir, report_to="none", save_strategy="no", logging_steps=10**6, disable_tqdm=True,
-            use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, seed=cfg.seed,
-            max_steps=warmup + steps, per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro,
-            num_generations=g.group_size, max_completion_length=g.max_new_tokens, temperature=g.temperature,
-            top_p=g.top_p, top_k=0, learning_rate=t.lr, lr_scheduler_type="constant", warmup_steps=0,
-            weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, optim="adamw_torch",
-            beta=0.0, num_iterations=t.epochs, epsilon=t.clip_eps, loss_type=t.loss, scale_rewards="group",
-            mask_truncated_completions=False, dataloader_num_workers=0,
+            output_dir=out_dir,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=10**6,
+            disable_tqdm=True,
+            use_cpu=True,
+            bf16=False,
+            fp16=False,
+            gradient_checkpointing=False,
+            seed=cfg.seed,
+            max_steps=warmup + steps,
+            per_device_train_batch_size=micro,
+            gradient_accumulation_steps=batch // micro,
+            num_generations=g.group_size,
+            max_completion_length=g.max_new_tokens,
+            temperature=g.temperature,
+            top_p=g.top_p,
+            top_k=0,
+            learning_rate=t.lr,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            weight_decay=t.weight_decay,
+            max_grad_norm=t.max_grad_norm,
+            optim="adamw_torch",
+            beta=0.0,
+            num_iterations=t.epochs,
+            epsilon=t.clip_eps,
+            loss_type=t.loss,
+            scale_rewards="group",
+            mask_truncated_completions=False,
+            dataloader_num_workers=0,
         )
         assert args.generation_batch_size == batch and args.steps_per_generation * micro == batch
         data = Dataset.from_dict({"prompt": [p.prompt for p in problems], "uid": [p.uid for p in problems]})
         step_clock = StepClock()
-        trainer = GRPOTrainer(model=policy.model, reward_funcs=code_reward, args=args, train_dataset=data,
-                              processing_class=policy.tokenizer, callbacks=[step_clock])
+        trainer = GRPOTrainer(
+            model=policy.model,
+            reward_funcs=code_reward,
+            args=args,
+            train_dataset=data,
+            processing_class=policy.tokenizer,
+            callbacks=[step_clock],
+        )
         trainer.train()
     env.close()
     import trl
@@ -164,8 +199,17 @@ def main() -> None:
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
     if "trl" in result:
         versions["trl"] = result.pop("trl")
-    print(json.dumps({"side": a.side, **result, "peak_rss_mb": peak_rss_mb(), "torch_threads": torch.get_num_threads(),
-                      "versions": versions}))
+    print(
+        json.dumps(
+            {
+                "side": a.side,
+                **result,
+                "peak_rss_mb": peak_rss_mb(),
+                "torch_threads": torch.get_num_threads(),
+                "versions": versions,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

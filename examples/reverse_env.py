@@ -24,7 +24,10 @@ class ReverseEnvironment:
         rng = random.Random(seed)
         words = sorted({"".join(rng.choice("abcdefgh") for _ in range(rng.randint(2, 4))) for _ in range(count)})
         tasks = [WordTask(hashlib.sha256(w.encode()).hexdigest()[:16], f"Reverse {w}.\nAnswer: ", w) for w in words]
-        self.splits = {"train": [t for t in tasks if int(t.uid, 16) % 8], "eval": [t for t in tasks if not int(t.uid, 16) % 8]}
+        self.splits = {
+            "train": [t for t in tasks if int(t.uid, 16) % 8],
+            "eval": [t for t in tasks if not int(t.uid, 16) % 8],
+        }
 
     def tasks(self, split):
         return self.splits[split]

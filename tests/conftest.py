@@ -43,13 +43,13 @@ def one_torch_thread():
     torch.set_num_threads(1)
 
 
-
 def pytest_collection_modifyitems(config, items):
     """`-m vllm` tests run where vLLM is installed (its own venv: `bash scripts/setup.sh --vllm`)."""
     if importlib.util.find_spec("vllm") is not None:
         return
-    skip = pytest.mark.skip(reason="vLLM is not installed here: bash scripts/setup.sh --vllm, then "
-                                   ".venv-vllm/bin/python -m pytest -m vllm")
+    skip = pytest.mark.skip(
+        reason="vLLM is not installed here: bash scripts/setup.sh --vllm, then .venv-vllm/bin/python -m pytest -m vllm"
+    )
     for item in items:
         if item.get_closest_marker("vllm") is not None:
             item.add_marker(skip)
@@ -72,6 +72,16 @@ def vllm_engine(vllm_policy, tmp_path_factory):
 
     path = tmp_path_factory.mktemp("vllm") / "policy"
     vllm_policy.save(path)
-    return VLLMEngine(str(path), vllm_policy.eos_id, vllm_policy.decode, max_batch=4, max_seq_len=256, dtype="float32",
-                      prefix_caching=True, enforce_eager=True, lora_rank=8, lora_alpha=16.0,
-                      max_num_batched_tokens=256)  # the prefills of 4 prompts share one step (no chunked prefill on CPU)
+    return VLLMEngine(
+        str(path),
+        vllm_policy.eos_id,
+        vllm_policy.decode,
+        max_batch=4,
+        max_seq_len=256,
+        dtype="float32",
+        prefix_caching=True,
+        enforce_eager=True,
+        lora_rank=8,
+        lora_alpha=16.0,
+        max_num_batched_tokens=256,
+    )  # the prefills of 4 prompts share one step (no chunked prefill on CPU)

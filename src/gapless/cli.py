@@ -57,35 +57,54 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gapless", description="GRPO post-training of language models")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run a training job (no CONFIG: the embedded default)")
-    train.add_argument("args", nargs=argparse.REMAINDER,
-                       help="[CONFIG] [--run-dir DIR] [--resume] [--section.key VALUE ...]; "
-                            "CONFIG is a TOML run file such as configs/default.toml")
+    train.add_argument(
+        "args",
+        nargs=argparse.REMAINDER,
+        help="[CONFIG] [--run-dir DIR] [--resume] [--section.key VALUE ...]; "
+        "CONFIG is a TOML run file such as configs/default.toml",
+    )
     serve = sub.add_parser("serve", help="serve a local checkpoint over an OpenAI-compatible HTTP API")
     serve.add_argument("--model.path", dest="model_path", required=True, help="local Hugging Face checkpoint directory")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one")
     serve.add_argument("--model-name", default=None, help="name reported by /v1/models (default: the path)")
     serve.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores but one)")
-    serve.add_argument("--api-key", default=os.environ.get("GAPLESS_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' (default: $GAPLESS_API_KEY; unset = no check)")
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("GAPLESS_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $GAPLESS_API_KEY; unset = no check)",
+    )
     serve.add_argument("--max-batch", type=int, default=64, help="sequences decoded together by the engine")
-    serve.add_argument("--max-seq-len", type=int, default=None,
-                       help="served context, prompt + completion (default: the model's, at most 2048)")
-    training = sub.add_parser("serve-training", help="serve the Tinker training API to the tinker SDK (docs/service.md)")
-    training.add_argument("args", nargs=argparse.REMAINDER,
-                          help="[CONFIG] [--host 127.0.0.1] [--port 8001] [--api-key KEY (default: $TINKER_API_KEY)] "
-                               "[--threads N] [--section.key VALUE ...]; base models: [service] base_models in CONFIG")
+    serve.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="served context, prompt + completion (default: the model's, at most 2048)",
+    )
+    training = sub.add_parser(
+        "serve-training", help="serve the Tinker training API to the tinker SDK (docs/service.md)"
+    )
+    training.add_argument(
+        "args",
+        nargs=argparse.REMAINDER,
+        help="[CONFIG] [--host 127.0.0.1] [--port 8001] [--api-key KEY (default: $TINKER_API_KEY)] "
+        "[--threads N] [--section.key VALUE ...]; base models: [service] base_models in CONFIG",
+    )
     simulate = sub.add_parser("simulate", help="simulate the pipeline on a simulated clock (capacity planning)")
-    simulate.add_argument("args", nargs=argparse.REMAINDER,
-                          help="[CONFIG] [--section.key VALUE ...] | --calibrate RUN_DIR [RUN_DIR ...]")
+    simulate.add_argument(
+        "args", nargs=argparse.REMAINDER, help="[CONFIG] [--section.key VALUE ...] | --calibrate RUN_DIR [RUN_DIR ...]"
+    )
     report = sub.add_parser("report", help="compare runs in one self-contained HTML page")
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     report.add_argument("--out", default=None, help="output directory (default: FIRST_RUN_DIR/report)")
 
     evaluate = sub.add_parser("eval", help="pass@1 of a checkpoint on a task's eval split (RUN_DIR/eval.json)")
-    evaluate.add_argument("args", nargs=argparse.REMAINDER,
-                          help="[CONFIG] [--run-dir DIR] [--section.key VALUE ...], e.g. "
-                               "--task.name humaneval --model.path DIR --generator.max_new_tokens 256")
+    evaluate.add_argument(
+        "args",
+        nargs=argparse.REMAINDER,
+        help="[CONFIG] [--run-dir DIR] [--section.key VALUE ...], e.g. "
+        "--task.name humaneval --model.path DIR --generator.max_new_tokens 256",
+    )
     sandbox = sub.add_parser("sandbox", help="run programs in the sandbox")
     sandbox_sub = sandbox.add_subparsers(dest="sandbox_command", required=True)
     run = sandbox_sub.add_parser("run", help="run a Python file in the sandbox")
@@ -94,8 +113,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout-s", type=float, default=5.0)
     run.add_argument("--memory-mb", type=int, default=512)
     check = sandbox_sub.add_parser("check", help="run the hostile probes on this host")
-    check.add_argument("--path", choices=["warm", "cold", "both"], default="both",
-                       help="warm: jobs forked from a pre-started server; cold: fresh bwrap per job")
+    check.add_argument(
+        "--path",
+        choices=["warm", "cold", "both"],
+        default="both",
+        help="warm: jobs forked from a pre-started server; cold: fresh bwrap per job",
+    )
     check.add_argument("--mode", choices=["auto", "bwrap", "reduced"], default="auto")
     check.add_argument("--json", action="store_true", help="one JSON object per probe")
     return parser
@@ -145,6 +168,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     print(build_report(args.run_dirs, args.out))
     return 0
+
 
 def _cmd_eval(argv: list[str]) -> int:
     if "--resume" in argv:
@@ -206,9 +230,8 @@ def _cmd_sandbox_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_sandbox_check(args: argparse.Namespace) -> int:
-    from gapless.sandbox import SandboxError, open_sandbox
     from gapless.envs.code import probes as code_probes
-    from gapless.sandbox import probes
+    from gapless.sandbox import SandboxError, open_sandbox, probes
 
     paths = ["warm", "cold"] if args.path == "both" else [args.path]
     outcomes = []
@@ -228,14 +251,17 @@ def _cmd_sandbox_check(args: argparse.Namespace) -> int:
                 if args.json:
                     print(json.dumps({**vars(outcome), "expected": sorted(probe.expect)}))
                     continue
-                print(f"{probe.name:<46}{'/'.join(sorted(probe.expect)):<32}{outcome.status:<20}"
-                      f"{'yes' if outcome.is_expected else 'NO':<5}"
-                      f"{'yes' if outcome.is_host_clean else 'NO'}"
-                      + (f"  ({outcome.detail})" if outcome.detail else ""))
+                print(
+                    f"{probe.name:<46}{'/'.join(sorted(probe.expect)):<32}{outcome.status:<20}"
+                    f"{'yes' if outcome.is_expected else 'NO':<5}"
+                    f"{'yes' if outcome.is_host_clean else 'NO'}" + (f"  ({outcome.detail})" if outcome.detail else "")
+                )
     failed = [o for o in outcomes if not (o.is_expected and o.is_host_clean)]
     if not args.json:
-        print(f"{len(outcomes) - len(failed)}/{len(outcomes)} probes ended as expected "
-              "with a clean host" + ("" if not failed else "; see the rows marked NO"))
+        print(
+            f"{len(outcomes) - len(failed)}/{len(outcomes)} probes ended as expected "
+            "with a clean host" + ("" if not failed else "; see the rows marked NO")
+        )
     return 0 if not failed else 1
 
 
@@ -276,8 +302,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except InfrastructureError as exc:
         print(f"gapless: error: {exc}", file=sys.stderr)
-        print("gapless: the last checkpoint in the run directory is intact; fix the cause above, then rerun with --resume",
-              file=sys.stderr)
+        print(
+            "gapless: the last checkpoint in the run directory is intact; fix the cause above, then rerun with --resume",
+            file=sys.stderr,
+        )
         return 3
     except RunStopped as exc:
         print(f"gapless: stopped by {exc}; the steps done are checkpointed (continue with --resume)", file=sys.stderr)

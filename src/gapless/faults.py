@@ -65,7 +65,9 @@ def fault_point(actor: str, point: str, alive: Callable[[], None] | None = None)
     if _hits == _FAULT[2]:
         # the crash tests time the run's reaction from this line (CLOCK_MONOTONIC is machine-wide)
         signum = _ACTIONS[_FAULT[3]]
-        line = f"gapless fault: {signum.name if signum else 'hang'} {actor} at {point} #{_hits} t={time.monotonic():.3f}"
+        line = (
+            f"gapless fault: {signum.name if signum else 'hang'} {actor} at {point} #{_hits} t={time.monotonic():.3f}"
+        )
         print(line, file=sys.stderr, flush=True)
         if log := os.environ.get("GAPLESS_FAULT_LOG"):  # a Ray actor's stderr reaches the driver late, if at all
             with open(log, "a") as f:

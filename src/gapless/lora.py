@@ -76,11 +76,15 @@ def _config(model: torch.nn.Module, spec: LoraSpec):
         raise ValueError(f"LoRA rank must be at least 1 (got {spec.rank})")
     targets = spec.targets(model)
     if not targets:
-        raise ValueError("no module to adapt: set train_attn or train_mlp (train_unembed alone does nothing on a model "
-                         "with tied embeddings)")
+        raise ValueError(
+            "no module to adapt: set train_attn or train_mlp (train_unembed alone does nothing on a model "
+            "with tied embeddings)"
+        )
     if spec.target_modules is not None:  # named by the user: every name must adapt something
         check_targets(model, targets)
-    return LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=targets, lora_dropout=spec.dropout, bias="none")
+    return LoraConfig(
+        r=spec.rank, lora_alpha=spec.alpha, target_modules=targets, lora_dropout=spec.dropout, bias="none"
+    )
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:
@@ -94,15 +98,19 @@ def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
     if unknown:
         raise ValueError(f"{unknown} match no linear layer of this {model.config.model_type} model; it has {available}")
     if "lm_head" in targets and getattr(model.config, "tie_word_embeddings", False):
-        raise ValueError("'lm_head' is tied to the input embedding in this model (tie_word_embeddings): one matrix "
-                         "cannot carry two weights; leave it out")
+        raise ValueError(
+            "'lm_head' is tied to the input embedding in this model (tie_word_embeddings): one matrix "
+            "cannot carry two weights; leave it out"
+        )
 
 
 def run_spec(cfg: LoraConfig, seed: int) -> LoraSpec | None:
     """The run's adapter (`[lora]`), None when `lora.rank` = 0 (full fine-tuning)."""
     if cfg.rank == 0:
         return None
-    return LoraSpec(rank=cfg.rank, alpha=cfg.alpha, seed=seed, target_modules=tuple(cfg.target_modules), dropout=cfg.dropout)
+    return LoraSpec(
+        rank=cfg.rank, alpha=cfg.alpha, seed=seed, target_modules=tuple(cfg.target_modules), dropout=cfg.dropout
+    )
 
 
 def check_run_targets(cfg: LoraConfig, model: torch.nn.Module) -> None:
@@ -123,7 +131,9 @@ def _seeded(spec: LoraSpec, build):
         return build()
 
 
-def attach_lora(model: torch.nn.Module, spec: LoraSpec, name: str = "default", share_weights: bool = False) -> torch.nn.Module:
+def attach_lora(
+    model: torch.nn.Module, spec: LoraSpec, name: str = "default", share_weights: bool = False
+) -> torch.nn.Module:
     """A copy of `model` with adapter `name` on `spec.targets(model)`, active; only it requires grad.
     `share_weights`: the copy's base parameters are `model`'s own tensors (frozen), not copies."""
     from peft import get_peft_model
@@ -163,20 +173,27 @@ def _portable(key: str, name: str) -> str:
 
 
 def adapter_state(adapted: torch.nn.Module, name: str = "default") -> dict[str, torch.Tensor]:
-    return {_portable(key, name): p.detach().clone() for key, p in adapted.named_parameters()
-            if "lora_" in key and f".{name}." in key}
+    return {
+        _portable(key, name): p.detach().clone()
+        for key, p in adapted.named_parameters()
+        if "lora_" in key and f".{name}." in key
+    }
 
 
 def load_adapter_state(adapted: torch.nn.Module, state: dict[str, torch.Tensor], name: str = "default") -> None:
     params = {_portable(key, name): p for key, p in adapted.named_parameters() if "lora_" in key and f".{name}." in key}
     if set(state) != set(params):
-        raise KeyError(f"adapter does not match this model: missing {sorted(set(params) - set(state))[:3]}, "
-                       f"unknown {sorted(set(state) - set(params))[:3]}")
+        raise KeyError(
+            f"adapter does not match this model: missing {sorted(set(params) - set(state))[:3]}, "
+            f"unknown {sorted(set(state) - set(params))[:3]}"
+        )
     with torch.no_grad():
         for key, tensor in state.items():
             if params[key].shape != tensor.shape:
-                raise ValueError(f"adapter tensor {key} has shape {tuple(tensor.shape)}, the model wants "
-                                 f"{tuple(params[key].shape)} (a different LoRA rank?)")
+                raise ValueError(
+                    f"adapter tensor {key} has shape {tuple(tensor.shape)}, the model wants "
+                    f"{tuple(params[key].shape)} (a different LoRA rank?)"
+                )
             params[key].copy_(tensor)
 
 

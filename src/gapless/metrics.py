@@ -24,7 +24,16 @@ from gapless.live import ProgressLine, RichLiveView, live_view
 if TYPE_CHECKING:
     from gapless.config import Config
 
-__all__ = ["MetricsSink", "JsonlSink", "TensorBoardSink", "WandbSink", "ProgressLine", "RichLiveView", "Sinks", "open_sinks"]
+__all__ = [
+    "MetricsSink",
+    "JsonlSink",
+    "TensorBoardSink",
+    "WandbSink",
+    "ProgressLine",
+    "RichLiveView",
+    "Sinks",
+    "open_sinks",
+]
 
 
 class MetricsSink(Protocol):
@@ -71,8 +80,10 @@ class WandbSink:
         except ImportError:
             from gapless.config import ConfigError
 
-            raise ConfigError("metrics.wandb_project is set but the wandb package is not installed; "
-                              "pip install wandb, or unset metrics.wandb_project") from None
+            raise ConfigError(
+                "metrics.wandb_project is set but the wandb package is not installed; "
+                "pip install wandb, or unset metrics.wandb_project"
+            ) from None
         self.run = wandb.init(project=project, mode=mode, dir=str(run_dir), config=config, name=run_dir.name)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

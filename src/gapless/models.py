@@ -68,9 +68,12 @@ class Policy:
         """The HF checkpoint plus the resolved prompt format and precision, which `load_local` restores."""
         self.model.save_pretrained(path)
         save_tokenizer(self.tokenizer, path)
-        record = {"prompt_format": self.encode.format, "system_prompt": self.encode.system_prompt,
-                  "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
-                  "fp32_lm_head": isinstance(self.model.get_output_embeddings(), FP32Head)}
+        record = {
+            "prompt_format": self.encode.format,
+            "system_prompt": self.encode.system_prompt,
+            "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+            "fp32_lm_head": isinstance(self.model.get_output_embeddings(), FP32Head),
+        }
         (Path(path) / POLICY_FILE).write_text(json.dumps(record) + "\n")
 
 
@@ -91,7 +94,9 @@ class FP32Head(torch.nn.Linear):
     Swapped in as the module's class, so parameters and state-dict names are unchanged."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        return torch.nn.functional.linear(
+            x.float(), self.weight.float(), None if self.bias is None else self.bias.float()
+        )
 
 
 def apply_precision(model: torch.nn.Module, cfg: ModelConfig | None) -> torch.nn.Module:
@@ -104,7 +109,9 @@ def apply_precision(model: torch.nn.Module, cfg: ModelConfig | None) -> torch.nn
     if cfg.fp32_lm_head:
         head = model.get_output_embeddings()
         if not isinstance(head, torch.nn.Linear) or getattr(model.config, "final_logit_softcapping", None):
-            raise ConfigError(f"model.fp32_lm_head: the {model.config.model_type} head is not a plain linear layer; set it to false")
+            raise ConfigError(
+                f"model.fp32_lm_head: the {model.config.model_type} head is not a plain linear layer; set it to false"
+            )
         head.__class__ = FP32Head
     return model
 
@@ -115,10 +122,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
     `vocab_size`), and a ChatML chat template."""
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -127,8 +136,13 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS,
-                                   additional_special_tokens=[IM_START, IM_END], chat_template=CHATML_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        eos_token=EOS,
+        additional_special_tokens=[IM_START, IM_END],
+        chat_template=CHATML_TEMPLATE,
+    )
 
 
 def build_tiny(cfg: ModelConfig, texts: Iterable[str], seed: int, max_positions: int = 512) -> Policy:
@@ -181,10 +195,15 @@ def tiny_config(architecture: str, **common):
     elif architecture == "olmo2":
         cls = transformers.Olmo2Config
     elif architecture == "gemma2":
-        cls, extra = transformers.Gemma2Config, dict(head_dim=head_dim, sliding_window=16, query_pre_attn_scalar=head_dim)
+        cls, extra = (
+            transformers.Gemma2Config,
+            dict(head_dim=head_dim, sliding_window=16, query_pre_attn_scalar=head_dim),
+        )
     elif architecture == "gemma3":
-        cls, extra = transformers.Gemma3TextConfig, dict(head_dim=head_dim, sliding_window=16, query_pre_attn_scalar=head_dim,
-                                                         sliding_window_pattern=2)
+        cls, extra = (
+            transformers.Gemma3TextConfig,
+            dict(head_dim=head_dim, sliding_window=16, query_pre_attn_scalar=head_dim, sliding_window_pattern=2),
+        )
     else:
         raise ValueError(f"model.architecture: {architecture!r} is not one of {TINY_ARCHITECTURES}")
     return cls(**common, **extra)
@@ -203,8 +222,12 @@ def _load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
 _PLAIN_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
-def load_local(path: str | Path, prompt_format: str | None = None, system_prompt: str | None = None,
-               precision: ModelConfig | None = None) -> Policy:
+def load_local(
+    path: str | Path,
+    prompt_format: str | None = None,
+    system_prompt: str | None = None,
+    precision: ModelConfig | None = None,
+) -> Policy:
     """`prompt_format` None or 'auto': the format a gapless checkpoint was saved with, else chat
     when the tokenizer has a template; 'raw' / 'chat' force one. `precision` (the model section):
     dtype and fp32 head; None restores a gapless checkpoint's own, else float32."""
@@ -222,13 +245,17 @@ def load_local(path: str | Path, prompt_format: str | None = None, system_prompt
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except (ValueError, KeyError, OSError, ImportError) as err:  # transformers' ways of saying "not this"
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"model.path {path}: cannot load model type {kind!r} as a causal LM with its tokenizer "
-                          f"({first_line[:200]}); gapless trains decoder-only checkpoints (docs/engine.md lists the families)") from None
+        raise ConfigError(
+            f"model.path {path}: cannot load model type {kind!r} as a causal LM with its tokenizer "
+            f"({first_line[:200]}); gapless trains decoder-only checkpoints (docs/engine.md lists the families)"
+        ) from None
     saved = path / POLICY_FILE
     record = json.loads(saved.read_text()) if saved.is_file() else {}
     if precision is None and record:
-        precision = ModelConfig(dtype="bfloat16" if record.get("dtype") == "bfloat16" else "float32",
-                                fp32_lm_head=record.get("fp32_lm_head", False))
+        precision = ModelConfig(
+            dtype="bfloat16" if record.get("dtype") == "bfloat16" else "float32",
+            fp32_lm_head=record.get("fp32_lm_head", False),
+        )
     apply_precision(model, precision).eval()
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
@@ -250,8 +277,10 @@ def _load_adapter_checkpoint(path: Path, prompt_format, system_prompt, precision
 
     base = path.parent / "base"
     if not (base / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is a LoRA adapter but {base} (the base model its run writes beside it) is missing; "
-                                "load the adapter onto its base with peft's PeftModel.from_pretrained")
+        raise FileNotFoundError(
+            f"{path} is a LoRA adapter but {base} (the base model its run writes beside it) is missing; "
+            "load the adapter onto its base with peft's PeftModel.from_pretrained"
+        )
     policy = load_local(base, prompt_format, system_prompt, precision)
     policy.model = PeftModel.from_pretrained(policy.model, path).merge_and_unload().eval()
     return policy
@@ -263,5 +292,9 @@ def load_encoder(path: str | Path) -> PromptEncoder:
     path = Path(path)
     saved = path / POLICY_FILE
     record = json.loads(saved.read_text()) if saved.is_file() else {}
-    return PromptEncoder(_load_tokenizer(path), record.get("prompt_format", "auto"), record.get("system_prompt"),
-                         source=f"the tokenizer in {path}")
+    return PromptEncoder(
+        _load_tokenizer(path),
+        record.get("prompt_format", "auto"),
+        record.get("system_prompt"),
+        source=f"the tokenizer in {path}",
+    )

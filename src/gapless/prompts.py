@@ -24,12 +24,22 @@ _PROBE = "ZQXJ"  # an assistant message to locate where a turn's content ends in
 
 
 class PromptEncoder:
-    def __init__(self, tokenizer, prompt_format: PromptFormat = "auto", system_prompt: str | None = None, source: str = "the tokenizer"):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_format: PromptFormat = "auto",
+        system_prompt: str | None = None,
+        source: str = "the tokenizer",
+    ):
         has_template = bool(getattr(tokenizer, "chat_template", None))
         if prompt_format == "chat" and not has_template:
-            raise ValueError(f"model.prompt_format = 'chat' but {source} has no chat template; set it to 'raw' or 'auto'")
+            raise ValueError(
+                f"model.prompt_format = 'chat' but {source} has no chat template; set it to 'raw' or 'auto'"
+            )
         self.tokenizer = tokenizer
-        self.format: Literal["raw", "chat"] = "chat" if prompt_format == "chat" or (prompt_format == "auto" and has_template) else "raw"
+        self.format: Literal["raw", "chat"] = (
+            "chat" if prompt_format == "chat" or (prompt_format == "auto" and has_template) else "raw"
+        )
         self.system_prompt = system_prompt
         self.stop_ids: tuple[int, ...] = (self._end_of_turn(),) if self.format == "chat" else ()
         self._turn_cut: tuple[str, int] | None = None
@@ -50,8 +60,10 @@ class PromptEncoder:
         before, cut = self._turn_cut or self._find_turn_cut()
         after = self._render(self._messages("U", _PROBE, text), generation_prompt=True)
         if not after.startswith(before):
-            raise ValueError("chat template: a later turn's rendering does not extend the earlier one; "
-                             "multi-turn episodes need model.prompt_format = 'raw' with this checkpoint")
+            raise ValueError(
+                "chat template: a later turn's rendering does not extend the earlier one; "
+                "multi-turn episodes need model.prompt_format = 'raw' with this checkpoint"
+            )
         return self.text(after[cut:])
 
     # ---- the template -------------------------------------------------------------------------
@@ -74,7 +86,9 @@ class PromptEncoder:
             if token in special:
                 return token
         if self.tokenizer.eos_token_id is None:
-            raise ValueError("chat template writes no special token after an assistant turn and the tokenizer has no eos")
+            raise ValueError(
+                "chat template writes no special token after an assistant turn and the tokenizer has no eos"
+            )
         return self.tokenizer.eos_token_id
 
     def _find_turn_cut(self) -> tuple[str, int]:

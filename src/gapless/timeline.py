@@ -82,8 +82,15 @@ class Timeline:
                 self._fh = None
 
     def _write(self, name: str, start: float, end: float, args: dict[str, Any], instant: bool) -> None:
-        record = {"actor": self.actor, "name": name, "pid": os.getpid(), "tid": threading.get_ident(),
-                  "start": start, "end": end, "args": args}
+        record = {
+            "actor": self.actor,
+            "name": name,
+            "pid": os.getpid(),
+            "tid": threading.get_ident(),
+            "start": start,
+            "end": end,
+            "args": args,
+        }
         if instant:
             record["instant"] = True
         line = json.dumps(record, default=str) + "\n"
@@ -169,15 +176,30 @@ def export_chrome_trace(run_dir: str | Path) -> Path:
     events: list[dict[str, Any]] = []
     for actor in actors:
         events.append({"ph": "M", "name": "process_name", "pid": pids[actor], "tid": 0, "args": {"name": actor}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": pids[actor], "tid": 0, "args": {"sort_index": pids[actor]}})
+        events.append(
+            {"ph": "M", "name": "process_sort_index", "pid": pids[actor], "tid": 0, "args": {"sort_index": pids[actor]}}
+        )
     for r in records:
         key = (r["actor"], r["pid"], r["tid"])
         if key not in threads:
             threads[key] = tid = sum(k[0] == r["actor"] for k in threads) + 1
-            events.append({"ph": "M", "name": "thread_name", "pid": pids[r["actor"]], "tid": tid,
-                           "args": {"name": f"{r['actor']} (pid {r['pid']})"}})
-        event = {"name": r["name"], "cat": r["actor"], "pid": pids[r["actor"]], "tid": threads[key],
-                 "ts": (r["start"] - origin) * 1e6, "args": r.get("args", {})}
+            events.append(
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": pids[r["actor"]],
+                    "tid": tid,
+                    "args": {"name": f"{r['actor']} (pid {r['pid']})"},
+                }
+            )
+        event = {
+            "name": r["name"],
+            "cat": r["actor"],
+            "pid": pids[r["actor"]],
+            "tid": threads[key],
+            "ts": (r["start"] - origin) * 1e6,
+            "args": r.get("args", {}),
+        }
         if r.get("instant"):
             event.update(ph="i", s="t")
         else:

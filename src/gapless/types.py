@@ -31,8 +31,12 @@ class LogitAdjustment:
 
     @property
     def is_identity(self) -> bool:
-        return not self.logit_bias and self.presence_penalty == 0 and self.frequency_penalty == 0 \
+        return (
+            not self.logit_bias
+            and self.presence_penalty == 0
+            and self.frequency_penalty == 0
             and self.repetition_penalty == 1
+        )
 
 
 @dataclass(frozen=True)

@@ -69,16 +69,27 @@ class Outcome:
         return float(match.group(1)) if match else None
 
 
-def train(args: list[str], stderr_path: Path, fault: str | None = None, linger_s: float = 5.0,
-          timeout_s: float = 300) -> Outcome:
+def train(
+    args: list[str], stderr_path: Path, fault: str | None = None, linger_s: float = 5.0, timeout_s: float = 300
+) -> Outcome:
     env = dict(os.environ, PYTHONPATH=str(SRC))
     env.pop("GAPLESS_FAULT", None)
     fault_log = Path(f"{stderr_path}.faults")
     fault_log.unlink(missing_ok=True)
     if fault:
         env["GAPLESS_FAULT"], env["GAPLESS_FAULT_LOG"] = fault, str(fault_log)
-    command = [sys.executable, "-c", SUPERVISOR, str(linger_s), str(stderr_path), sys.executable, "-m", "gapless.cli",
-               "train", *args]
+    command = [
+        sys.executable,
+        "-c",
+        SUPERVISOR,
+        str(linger_s),
+        str(stderr_path),
+        sys.executable,
+        "-m",
+        "gapless.cli",
+        "train",
+        *args,
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, check=True)
     outcome = Outcome(**json.loads(done.stdout.strip().splitlines()[-1]))
     outcome.fault_log = fault_log.read_text() if fault_log.exists() else ""

@@ -23,8 +23,20 @@ pytestmark = [pytest.mark.slow]
 
 
 def gapless_train(run: Path, cache: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "gapless.cli", "train", str(ROOT / "configs" / "smoke.toml"), "--run-dir", str(run),
-            "--warmstart.cache_dir", json.dumps(str(cache)), "--cluster.trainer_world_size", "2", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "gapless.cli",
+        "train",
+        str(ROOT / "configs" / "smoke.toml"),
+        "--run-dir",
+        str(run),
+        "--warmstart.cache_dir",
+        json.dumps(str(cache)),
+        "--cluster.trainer_world_size",
+        "2",
+        *extra,
+    ]
 
 
 def descendants(pid: int) -> list[int]:
@@ -48,28 +60,42 @@ def orphan_ranks() -> list[int]:
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit() and comm(int(proc.name)).startswith("gapless-rank"):
             with contextlib.suppress(OSError):
-                status = dict(line.split(":\t", 1) for line in (proc / "status").read_text().splitlines() if ":\t" in line)
+                status = dict(
+                    line.split(":\t", 1) for line in (proc / "status").read_text().splitlines() if ":\t" in line
+                )
                 if status.get("PPid", "").strip() == "1" and not status.get("State", "").startswith("Z"):
                     out.append(int(proc.name))
     return out
 
 
 def trained_steps(run: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines() if "train/loss" in line]
+    return [
+        json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines() if "train/loss" in line
+    ]
 
 
 def test_world_2_trains_and_a_killed_rank_stops_the_run_which_resumes(tmp_path, warm_cache):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     run = tmp_path / "run"
-    done = subprocess.run(gapless_train(run, warm_cache, "--loop.steps", "2", "--cluster.data_parallel", "fsdp2"), env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        gapless_train(run, warm_cache, "--loop.steps", "2", "--cluster.data_parallel", "fsdp2"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert trained_steps(run) == [1, 2]
     AutoModelForCausalLM.from_pretrained(latest_checkpoint(run))  # plain HF format, gathered on rank 0
     assert not orphan_ranks(), "a rank outlived its run"
 
-    proc = subprocess.Popen(gapless_train(run, warm_cache, "--loop.steps", "40", "--loop.checkpoint_every", "1", "--resume"),
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        gapless_train(run, warm_cache, "--loop.steps", "40", "--loop.checkpoint_every", "1", "--resume"),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while latest_checkpoint(run).name in ("step_2", "step_3"):
@@ -84,13 +110,22 @@ def test_world_2_trains_and_a_killed_rank_stops_the_run_which_resumes(tmp_path, 
         proc.kill()
     assert proc.returncode == 3, stderr[-3000:]
     assert "trainer rank 1" in stderr and "--resume" in stderr
-    deadline = time.monotonic() + 15  # the actors' own children (sandboxes, the resource tracker) exit after the trainer
-    while (left := [pid for pid in children if not process_state(pid).startswith(("gone", "Z"))]) and time.monotonic() < deadline:
+    deadline = (
+        time.monotonic() + 15
+    )  # the actors' own children (sandboxes, the resource tracker) exit after the trainer
+    while (
+        left := [pid for pid in children if not process_state(pid).startswith(("gone", "Z"))]
+    ) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"processes outlived the run: {[(pid, comm(pid)) for pid in left]}"
 
     step = json.loads((latest_checkpoint(run) / "trainer_state.json").read_text())["step"]
-    done = subprocess.run(gapless_train(run, warm_cache, "--loop.steps", str(step + 1), "--resume"), env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        gapless_train(run, warm_cache, "--loop.steps", str(step + 1), "--resume"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert trained_steps(run)[-1] == step + 1

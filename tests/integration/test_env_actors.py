@@ -14,11 +14,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from crash import train
 
 from gapless.orchestrate.ledger import check_ledger, read_events
 from gapless.timeline import read_records
-
-from crash import train
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "smoke.toml")
 STEPS, BUDGET, OP_TIMEOUT_S, GROUPS_PER_STEP = 6, 1, 3.0, 2
@@ -26,10 +25,34 @@ pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewra
 
 
 def _args(run: Path, warm_cache: Path, *extra: str) -> list[str]:
-    return [CONFIG, "--run-dir", str(run), "--warmstart.cache_dir", str(warm_cache), "--loop.steps", str(STEPS),
-            "--loop.eval_every", "100", "--pipeline.max_staleness", str(BUDGET), "--cluster.env_actors", "2",
-            "--cluster.op_timeout_s", str(OP_TIMEOUT_S), "--trainer.threads", "1", "--pipeline.generator_threads", "1",
-            "--pipeline.trainer_threads", "1", "--pipeline.env_workers", "2", "--metrics.tensorboard", "false", *extra]
+    return [
+        CONFIG,
+        "--run-dir",
+        str(run),
+        "--warmstart.cache_dir",
+        str(warm_cache),
+        "--loop.steps",
+        str(STEPS),
+        "--loop.eval_every",
+        "100",
+        "--pipeline.max_staleness",
+        str(BUDGET),
+        "--cluster.env_actors",
+        "2",
+        "--cluster.op_timeout_s",
+        str(OP_TIMEOUT_S),
+        "--trainer.threads",
+        "1",
+        "--pipeline.generator_threads",
+        "1",
+        "--pipeline.trainer_threads",
+        "1",
+        "--pipeline.env_workers",
+        "2",
+        "--metrics.tensorboard",
+        "false",
+        *extra,
+    ]
 
 
 def _check_run(run: Path) -> tuple[list[dict], dict]:

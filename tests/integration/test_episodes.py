@@ -28,13 +28,30 @@ from gapless.trainer.targets import step_batch
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
 
 TASKS = {
-    "tool_use": {"task.name": '"tool_use"', "tools.num_train_prompts": "16", "tools.num_eval_prompts": "4",
-                 "tools.sessions": "4", "generator.max_new_tokens": "12"},
-    "repo": {"task.name": '"repo"', "repo.num_train_prompts": "8", "repo.num_eval_prompts": "2", "repo.sessions": "4",
-             "repo.max_turns": "3", "generator.max_new_tokens": "16"},
-    "agent": {"task.name": '"agent"', "agent.command": json.dumps(f"{sys.executable} examples/openai_agent.py"),
-              "agent.sessions": "4", "task.num_train_prompts": "16", "task.num_eval_prompts": "2", "task.levels": "[1]",
-              "generator.max_new_tokens": "8"},
+    "tool_use": {
+        "task.name": '"tool_use"',
+        "tools.num_train_prompts": "16",
+        "tools.num_eval_prompts": "4",
+        "tools.sessions": "4",
+        "generator.max_new_tokens": "12",
+    },
+    "repo": {
+        "task.name": '"repo"',
+        "repo.num_train_prompts": "8",
+        "repo.num_eval_prompts": "2",
+        "repo.sessions": "4",
+        "repo.max_turns": "3",
+        "generator.max_new_tokens": "16",
+    },
+    "agent": {
+        "task.name": '"agent"',
+        "agent.command": json.dumps(f"{sys.executable} examples/openai_agent.py"),
+        "agent.sessions": "4",
+        "task.num_train_prompts": "16",
+        "task.num_eval_prompts": "2",
+        "task.levels": "[1]",
+        "generator.max_new_tokens": "8",
+    },
 }
 
 
@@ -66,8 +83,9 @@ def _drive(loop: RunLoop, steps: int, budget: int, states: dict | None = None) -
             assert len(taken.groups) == cfg.loop.prompts_per_step
             assert all(len(group.rollouts) == cfg.generator.group_size for group in taken.groups)
             assert all(step - r.completion.oldest_version <= budget for r in taken.rollouts)
-            batch, _ = step_batch(taken.groups, cfg.trainer, loop.max_seq_len(),
-                                  loop.policy.pad_id, loop.trainer.reference_kl)
+            batch, _ = step_batch(
+                taken.groups, cfg.trainer, loop.max_seq_len(), loop.policy.pad_id, loop.trainer.reference_kl
+            )
             loop.trainer.step(batch)
             source.publish(loop.trainer.state_for_push(), loop.trainer.version)
             if states is not None:
@@ -83,8 +101,20 @@ def _drive(loop: RunLoop, steps: int, budget: int, states: dict | None = None) -
 
 
 def _record(steps) -> list:
-    return [[(r.completion.token_ids, r.completion.logprobs, r.completion.versions, r.completion.loss_mask, r.reward, r.status)
-             for r in rollouts] for rollouts in steps]
+    return [
+        [
+            (
+                r.completion.token_ids,
+                r.completion.logprobs,
+                r.completion.versions,
+                r.completion.loss_mask,
+                r.reward,
+                r.status,
+            )
+            for r in rollouts
+        ]
+        for rollouts in steps
+    ]
 
 
 def _ledger_checks(run: Path, budget: int, steps: int, groups_per_step: int) -> None:
@@ -100,7 +130,13 @@ def _ledger_checks(run: Path, budget: int, steps: int, groups_per_step: int) -> 
 @pytest.mark.slow
 def test_tool_use_budget_zero_waves_equal_the_reference_loop(tmp_path, warm_cache):
     inline = _record(_drive(_loop(tmp_path, warm_cache, "tool_use", "inline", 0, "inline"), 2, 0))
-    waves = _record(_drive(_loop(tmp_path, warm_cache, "tool_use", "process", 0, "waves", **{"pipeline.turn_schedule": '"waves"'}), 2, 0))
+    waves = _record(
+        _drive(
+            _loop(tmp_path, warm_cache, "tool_use", "process", 0, "waves", **{"pipeline.turn_schedule": '"waves"'}),
+            2,
+            0,
+        )
+    )
     assert inline == waves  # tokens, log-probs, versions, masks, rewards: bit for bit
     assert any(sum(1 for m in r[3] if m == 0) for step in inline for r in step)  # some episode called the tool
 
@@ -115,7 +151,11 @@ def test_budget_zero_turns_sample_the_reference_tokens(tmp_path, warm_cache, tas
         for x, y in zip(a, b):
             assert max(abs(p - q) for p, q in zip(x[1], y[1])) < 1e-4  # the batches differ: float rounding only
     if task == "repo":
-        waves = _record(_drive(_loop(tmp_path, warm_cache, task, "process", 0, "waves", **{"pipeline.turn_schedule": '"waves"'}), 2, 0))
+        waves = _record(
+            _drive(
+                _loop(tmp_path, warm_cache, task, "process", 0, "waves", **{"pipeline.turn_schedule": '"waves"'}), 2, 0
+            )
+        )
         assert waves == inline
 
 
@@ -132,7 +172,15 @@ def test_budgets_keep_the_ledger_and_the_bound(tmp_path, warm_cache, task, budge
 @pytest.mark.slow
 def test_tokens_across_a_mid_episode_swap_match_the_forward_of_their_versions(tmp_path, warm_cache):
     states: dict[int, dict] = {}
-    loop = _loop(tmp_path, warm_cache, "tool_use", "process", 2, "swap", **{"tools.latency_s": "0.3", "generator.recompute_kv": "true"})
+    loop = _loop(
+        tmp_path,
+        warm_cache,
+        "tool_use",
+        "process",
+        2,
+        "swap",
+        **{"tools.latency_s": "0.3", "generator.recompute_kv": "true"},
+    )
     steps = _drive(loop, 5, 2, states)
     model = loop.policy.model
     spanning = 0
@@ -145,7 +193,9 @@ def test_tokens_across_a_mid_episode_swap_match_the_forward_of_their_versions(tm
             for version in model_versions:
                 model.load_state_dict(states[version])
                 with torch.no_grad():
-                    ref = token_logprobs(model, ids, torch.ones_like(ids), loop.cfg.generator.temperature)[0, len(c.prompt_ids) - 1 :]
+                    ref = token_logprobs(model, ids, torch.ones_like(ids), loop.cfg.generator.temperature)[
+                        0, len(c.prompt_ids) - 1 :
+                    ]
                 for t, (v, m, lp) in enumerate(zip(c.versions, c.loss_mask, c.logprobs)):
                     if m and v == version:
                         assert abs(ref[t].item() - lp) < 2e-4, (version, t, ref[t].item(), lp)
@@ -155,10 +205,24 @@ def test_tokens_across_a_mid_episode_swap_match_the_forward_of_their_versions(tm
 @pytest.mark.slow
 def test_suspended_episodes_resume_under_newer_weights_within_the_state_bound(tmp_path, warm_cache):
     bound = 1
-    loop = _loop(tmp_path, warm_cache, "tool_use", "process", 2, "state",
-                 **{"pipeline.suspend_between_turns": "true", "pipeline.resume_after_s": "1.0", "pipeline.oversample": "1.0",
-                    "warmstart.steps": "150", "model.hidden_size": "64", "model.intermediate_size": "128",  # calls tools
-                    "pipeline.max_env_state_staleness": str(bound), "pipeline.env_state_stale": '"restart"'})
+    loop = _loop(
+        tmp_path,
+        warm_cache,
+        "tool_use",
+        "process",
+        2,
+        "state",
+        **{
+            "pipeline.suspend_between_turns": "true",
+            "pipeline.resume_after_s": "1.0",
+            "pipeline.oversample": "1.0",
+            "warmstart.steps": "150",
+            "model.hidden_size": "64",
+            "model.intermediate_size": "128",  # calls tools
+            "pipeline.max_env_state_staleness": str(bound),
+            "pipeline.env_state_stale": '"restart"',
+        },
+    )
     steps = _drive(loop, 5, 2)
     _ledger_checks(tmp_path / "state", 2, 5, loop.cfg.loop.prompts_per_step)
     events = [json.loads(line) for line in (tmp_path / "state" / "groups.jsonl").read_text().splitlines()]

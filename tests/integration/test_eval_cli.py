@@ -25,8 +25,23 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("samples", [1, 3])
 def test_eval_humaneval_writes_pass_at_1(checkpoint, tmp_path, capsys, samples):
     run_dir = tmp_path / "eval"
-    code = main(["eval", "--task.name", "humaneval", "--model.path", str(checkpoint), "--run-dir", str(run_dir),
-                 "--generator.max_new_tokens", "16", "--eval.max_tasks", "6", "--eval.samples", str(samples)])
+    code = main(
+        [
+            "eval",
+            "--task.name",
+            "humaneval",
+            "--model.path",
+            str(checkpoint),
+            "--run-dir",
+            str(run_dir),
+            "--generator.max_new_tokens",
+            "16",
+            "--eval.max_tasks",
+            "6",
+            "--eval.samples",
+            str(samples),
+        ]
+    )
     assert code == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     result = json.loads((run_dir / "eval.json").read_text())

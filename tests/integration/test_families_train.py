@@ -20,12 +20,28 @@ from gapless.models import build_tiny
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
 ROOT = Path(__file__).parents[2]
-PATHS = {"llama": "lean", "qwen2": "lean", "qwen3": "lean", "mistral": "lean", "phi3": "lean", "olmo2": "lean",
-         "gemma2": "generic", "gemma3": "generic"}
+PATHS = {
+    "llama": "lean",
+    "qwen2": "lean",
+    "qwen3": "lean",
+    "mistral": "lean",
+    "phi3": "lean",
+    "olmo2": "lean",
+    "gemma2": "generic",
+    "gemma3": "generic",
+}
 
 
 def _checkpoint(family: str, directory: Path) -> Path:
-    cfg = ModelConfig(architecture=family, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=300)
+    cfg = ModelConfig(
+        architecture=family,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        vocab_size=300,
+    )
     problems = generate_problems(0, "train", 64, [1])
     policy = build_tiny(cfg, [p.prompt + p.solution for p in problems], seed=0)
     policy.model.save_pretrained(directory)  # a plain HF checkpoint, as a user would bring one
@@ -34,8 +50,14 @@ def _checkpoint(family: str, directory: Path) -> Path:
 
 
 def _overrides(model_dir: Path, run_dir: Path, budget: int) -> dict[str, str]:
-    return {"model.path": json.dumps(str(model_dir)), "run_dir": json.dumps(str(run_dir)), "loop.steps": "2",
-            "warmstart.steps": "0", "pipeline.max_staleness": str(budget), "task.num_eval_prompts": "2"}
+    return {
+        "model.path": json.dumps(str(model_dir)),
+        "run_dir": json.dumps(str(run_dir)),
+        "loop.steps": "2",
+        "warmstart.steps": "0",
+        "pipeline.max_staleness": str(budget),
+        "task.num_eval_prompts": "2",
+    }
 
 
 @pytest.mark.parametrize("family", ["gemma2"])
@@ -43,7 +65,9 @@ def test_sync_loop_two_steps(family, tmp_path):
     from gapless.config import load_config
     from gapless.orchestrate.loop import RunLoop
 
-    cfg = load_config(ROOT / "configs" / "smoke.toml", _overrides(_checkpoint(family, tmp_path / "model"), tmp_path / "run", 0))
+    cfg = load_config(
+        ROOT / "configs" / "smoke.toml", _overrides(_checkpoint(family, tmp_path / "model"), tmp_path / "run", 0)
+    )
     lines: list[str] = []
     summary = RunLoop(cfg, log=lines.append, source="inline").run()
     assert summary["steps"] == 2 and summary["trained_samples"] == 16
@@ -58,13 +82,23 @@ def test_train_two_steps(family, budget, tmp_path):
     run_dir = tmp_path / "run"
     args = [a for k, v in _overrides(model_dir, run_dir, budget).items() for a in (f"--{k}", v)]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run([sys.executable, "-m", "gapless.cli", "train", str(ROOT / "configs" / "smoke.toml"), *args],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gapless.cli", "train", str(ROOT / "configs" / "smoke.toml"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     record = json.loads((run_dir / "generator.json").read_text())
     model_type = "gemma3_text" if family == "gemma3" else family
     assert (record["path"], record["model_type"]) == (PATHS[family], model_type)
     assert record["notice"] in proc.stdout.splitlines()
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "train/loss" in line]
+    steps = [
+        json.loads(line)["step"]
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if "train/loss" in line
+    ]
     assert steps == [1, 2]

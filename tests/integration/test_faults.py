@@ -19,12 +19,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from gapless.faults import POINTS
-from gapless.cluster.ipc import run_key
-from gapless.orchestrate.ledger import check_ledger, read_events
-
 from crash import train
+
+from gapless.cluster.ipc import run_key
+from gapless.faults import POINTS
+from gapless.orchestrate.ledger import check_ledger, read_events
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "smoke.toml")
 STEPS, GROUPS_PER_STEP, STALL_S = 6, 2, 4.0
@@ -34,10 +33,31 @@ MAX_COUNT = {"step": STEPS, "publish": STEPS, "checkpoint": 3, "decode": 80, "fe
 
 
 def _args(run: Path, warm_cache: Path) -> list[str]:
-    return [CONFIG, "--run-dir", str(run), "--warmstart.cache_dir", str(warm_cache), "--loop.steps", str(STEPS),
-            "--loop.checkpoint_every", "2", "--loop.eval_every", "100", "--pipeline.max_staleness", "2",
-            "--trainer.threads", "1", "--pipeline.generator_threads", "1", "--pipeline.trainer_threads", "1",
-            "--pipeline.stall_timeout_s", str(STALL_S), "--metrics.tensorboard", "false"]
+    return [
+        CONFIG,
+        "--run-dir",
+        str(run),
+        "--warmstart.cache_dir",
+        str(warm_cache),
+        "--loop.steps",
+        str(STEPS),
+        "--loop.checkpoint_every",
+        "2",
+        "--loop.eval_every",
+        "100",
+        "--pipeline.max_staleness",
+        "2",
+        "--trainer.threads",
+        "1",
+        "--pipeline.generator_threads",
+        "1",
+        "--pipeline.trainer_threads",
+        "1",
+        "--pipeline.stall_timeout_s",
+        str(STALL_S),
+        "--metrics.tensorboard",
+        "false",
+    ]
 
 
 def _leftover_semaphores(run: Path) -> list[str]:
@@ -83,8 +103,14 @@ def run_case(tmp_path: Path, warm_cache: Path, fault: str) -> None:
     assert _leftover_semaphores(run) == []
 
 
-@pytest.mark.parametrize("fault", [  # the environment case is slow: the fast suite keeps a publish kill and a stall
-    "trainer:publish:3", pytest.param("environment:score:3", marks=pytest.mark.slow), "generator:decode:5:stop"])
+@pytest.mark.parametrize(
+    "fault",
+    [  # the environment case is slow: the fast suite keeps a publish kill and a stall
+        "trainer:publish:3",
+        pytest.param("environment:score:3", marks=pytest.mark.slow),
+        "generator:decode:5:stop",
+    ],
+)
 def test_fault_then_resume(tmp_path, warm_cache, fault):
     run_case(tmp_path, warm_cache, fault)
 

@@ -25,8 +25,14 @@ from gapless.orchestrate.masking import EXCESS_STATUS, MaskingExcess
 SMOKE = Path(__file__).parents[2] / "configs" / "smoke.toml"
 BROKEN = "Describe the colour of silence."  # the judge never answers about this prompt
 # train task 2 is drawn at steps 0, 1, 2 and 3 of seed 0 (admission.sample_step_tasks, 4 tasks, 2 per step)
-TASKS = [("t0", "Name a fruit.", "train"), ("t1", "Name a colour.", "train"), ("broken", BROKEN, "train"),
-         ("t3", "Name an animal.", "train"), ("e0", "Name a tree.", "eval"), ("e1", "Name a metal.", "eval")]
+TASKS = [
+    ("t0", "Name a fruit.", "train"),
+    ("t1", "Name a colour.", "train"),
+    ("broken", BROKEN, "train"),
+    ("t3", "Name an animal.", "train"),
+    ("e0", "Name a tree.", "eval"),
+    ("e1", "Name a metal.", "eval"),
+]
 
 
 class SelectiveJudge(BaseHTTPRequestHandler):
@@ -62,13 +68,28 @@ def judge_url():
 
 def _cfg(tmp_path: Path, url: str, budget: int, action: str):
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps({"uid": u, "prompt": p, "reference": "", "split": s}) + "\n" for u, p, s in TASKS))
-    overrides = {"run_dir": json.dumps(str(tmp_path / "run")), "task.name": "judge", "judge.base_url": json.dumps(url),
-                 "judge.tasks_path": json.dumps(str(tasks)), "judge.max_retries": "0", "judge.timeout_s": "5",
-                 "warmstart.steps": "0", "loop.steps": "4", "loop.eval_every": "100", "loop.checkpoint_every": "100",
-                 "trainer.threads": "1", "pipeline.generator_threads": "1", "pipeline.trainer_threads": "1",
-                 "pipeline.infra_retries": "0", "pipeline.max_staleness": str(budget),
-                 "pipeline.on_infra_excess": json.dumps(action), "metrics.tensorboard": "false"}
+    tasks.write_text(
+        "".join(json.dumps({"uid": u, "prompt": p, "reference": "", "split": s}) + "\n" for u, p, s in TASKS)
+    )
+    overrides = {
+        "run_dir": json.dumps(str(tmp_path / "run")),
+        "task.name": "judge",
+        "judge.base_url": json.dumps(url),
+        "judge.tasks_path": json.dumps(str(tasks)),
+        "judge.max_retries": "0",
+        "judge.timeout_s": "5",
+        "warmstart.steps": "0",
+        "loop.steps": "4",
+        "loop.eval_every": "100",
+        "loop.checkpoint_every": "100",
+        "trainer.threads": "1",
+        "pipeline.generator_threads": "1",
+        "pipeline.trainer_threads": "1",
+        "pipeline.infra_retries": "0",
+        "pipeline.max_staleness": str(budget),
+        "pipeline.on_infra_excess": json.dumps(action),
+        "metrics.tensorboard": "false",
+    }
     return load_config(SMOKE, overrides)
 
 

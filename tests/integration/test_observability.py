@@ -22,8 +22,16 @@ pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewra
 def short_run(tmp_path_factory, warm_cache) -> Path:
     """Three real steps of the smoke job with every local sink on."""
     run = tmp_path_factory.mktemp("observed") / "run"
-    cfg = load_config(CONFIGS / "smoke.toml", {"run_dir": json.dumps(str(run)), "warmstart.cache_dir": json.dumps(str(warm_cache)),
-                                               "metrics.live": "plain", "metrics.tensorboard": "true", "metrics.timeline": "true"})
+    cfg = load_config(
+        CONFIGS / "smoke.toml",
+        {
+            "run_dir": json.dumps(str(run)),
+            "warmstart.cache_dir": json.dumps(str(warm_cache)),
+            "metrics.live": "plain",
+            "metrics.tensorboard": "true",
+            "metrics.timeline": "true",
+        },
+    )
     train(cfg, log=lambda *_: None)
     return run
 
@@ -48,10 +56,17 @@ def test_chrome_trace_of_a_run(short_run):
     names_by_actor = {a: {e["name"] for e in spans if e["pid"] == pid} for a, pid in actors.items()}
     # the pipeline's actors (budget 0): the generator decodes or waits for the next weights, the
     # environment scores, the trainer waits for rollouts, trains, pushes weights and evaluates
-    assert {"generate", "wait_weights"} <= names_by_actor["generator"] <= {"generate", "wait_weights", "weight_load", "wait_env_queue"}
+    assert (
+        {"generate", "wait_weights"}
+        <= names_by_actor["generator"]
+        <= {"generate", "wait_weights", "weight_load", "wait_env_queue"}
+    )
     assert names_by_actor["env"] == {"score"}
-    assert {"wait_rollouts", "train", "weight_push", "eval"} <= names_by_actor["trainer"] <= {
-        "wait_actors_start", "wait_rollouts", "train", "weight_push", "eval"}
+    assert (
+        {"wait_rollouts", "train", "weight_push", "eval"}
+        <= names_by_actor["trainer"]
+        <= {"wait_actors_start", "wait_rollouts", "train", "weight_push", "eval"}
+    )
     assert sum(e["name"] == "train" for e in spans) == 3
     assert all(e["dur"] > 0 for e in spans)
     by_thread: dict[tuple, list] = {}
@@ -68,8 +83,14 @@ def test_tensorboard_events_read_back(short_run):
     events = EventAccumulator(str(short_run / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    for tag in ("rollout/reward_mean", "train/loss", "perf/trainer_idle_frac", "perf/generator_idle_frac",
-                "staleness/max", "eval/pass@1"):
+    for tag in (
+        "rollout/reward_mean",
+        "train/loss",
+        "perf/trainer_idle_frac",
+        "perf/generator_idle_frac",
+        "staleness/max",
+        "eval/pass@1",
+    ):
         assert tag in tags, tag
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
     logged = [json.loads(line) for line in (short_run / "metrics.jsonl").read_text().splitlines()]
@@ -91,7 +112,9 @@ def test_report_renders_in_headless_chromium(short_run, tmp_path):
     browser = HeadlessChromium(binary)
     try:
         errors = browser.open(page.as_uri())
-        images = browser.evaluate("Array.from(document.images).map(i => [i.alt, i.complete, i.naturalWidth, i.naturalHeight])")
+        images = browser.evaluate(
+            "Array.from(document.images).map(i => [i.alt, i.complete, i.naturalWidth, i.naturalHeight])"
+        )
         title = browser.evaluate("document.title")
     finally:
         browser.close()

@@ -66,11 +66,22 @@ def judge_url():
 
 
 def _cfg(run: Path, url: str, **extra):
-    overrides = {"run_dir": json.dumps(str(run)), "task.name": "judge", "judge.base_url": json.dumps(url),
-                 "judge.max_retries": "0", "judge.timeout_s": "2", "warmstart.steps": "0", "loop.steps": "4",
-                 "loop.eval_every": "100", "loop.checkpoint_every": "100", "trainer.threads": "1",
-                 "pipeline.generator_threads": "1", "pipeline.trainer_threads": "1", "metrics.tensorboard": "false",
-                 **{k: str(v) for k, v in extra.items()}}
+    overrides = {
+        "run_dir": json.dumps(str(run)),
+        "task.name": "judge",
+        "judge.base_url": json.dumps(url),
+        "judge.max_retries": "0",
+        "judge.timeout_s": "2",
+        "warmstart.steps": "0",
+        "loop.steps": "4",
+        "loop.eval_every": "100",
+        "loop.checkpoint_every": "100",
+        "trainer.threads": "1",
+        "pipeline.generator_threads": "1",
+        "pipeline.trainer_threads": "1",
+        "metrics.tensorboard": "false",
+        **{k: str(v) for k, v in extra.items()},
+    }
     return load_config(SMOKE, overrides)
 
 

@@ -40,7 +40,9 @@ def _cfg(tmp_path, name, warm_cache, **extra):
 
 
 def _metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "rollout/reward_mean" in line]
+    return [
+        json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "rollout/reward_mean" in line
+    ]
 
 
 def _ledger(run: Path) -> list[dict]:
@@ -62,7 +64,9 @@ def test_budget_zero_equals_the_synchronous_loop(tmp_path, warm_cache):
 
 
 @pytest.mark.parametrize("budget,oversample,dynamic,partial_s", [(2, 0.0, False, 0.0), (1, 0.5, True, 0.02)])
-def test_async_run_respects_the_budget_and_ends_every_group_once(tmp_path, warm_cache, budget, oversample, dynamic, partial_s):
+def test_async_run_respects_the_budget_and_ends_every_group_once(
+    tmp_path, warm_cache, budget, oversample, dynamic, partial_s
+):
     cfg = _cfg(tmp_path, "run", warm_cache, **{"loop.steps": 6, "pipeline.max_staleness": budget,
                "pipeline.oversample": oversample, "pipeline.dynamic_sampling": str(dynamic).lower(),
                "pipeline.partial_rollout_tokens": 3, "pipeline.partial_rollout_s": partial_s,
@@ -79,6 +83,8 @@ def test_async_run_respects_the_budget_and_ends_every_group_once(tmp_path, warm_
     if dynamic:
         assert all(len(set(e["rewards"])) > 1 for e in trained)  # never a zero-variance group
     assert max(m["staleness/max"] for m in _metrics(run)) <= budget
-    assert sum(m.get("generator/partial_cuts", 0) for m in _metrics(run)) > 0  # groups of 8 on 4 slots: always someone waiting
+    assert (
+        sum(m.get("generator/partial_cuts", 0) for m in _metrics(run)) > 0
+    )  # groups of 8 on 4 slots: always someone waiting
     borrowed = [m["perf/trainer_borrowed_frac"] for m in _metrics(run)]  # core lending is on by default
     assert len(borrowed) == 6 and all(0.0 <= b <= 1.0 for b in borrowed)

@@ -34,16 +34,28 @@ pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewra
 
 
 def _overrides(run: Path, warm_cache: Path, **extra) -> dict[str, str]:
-    return {"run_dir": json.dumps(str(run)), "warmstart.cache_dir": json.dumps(str(warm_cache)), "loop.eval_every": "100",
-            "loop.checkpoint_every": "100", "trainer.threads": "1", "pipeline.generator_threads": "1",
-            "pipeline.trainer_threads": "1", "metrics.tensorboard": "false", **{k: str(v) for k, v in extra.items()}}
+    return {
+        "run_dir": json.dumps(str(run)),
+        "warmstart.cache_dir": json.dumps(str(warm_cache)),
+        "loop.eval_every": "100",
+        "loop.checkpoint_every": "100",
+        "trainer.threads": "1",
+        "pipeline.generator_threads": "1",
+        "pipeline.trainer_threads": "1",
+        "metrics.tensorboard": "false",
+        **{k: str(v) for k, v in extra.items()},
+    }
 
 
-@pytest.mark.parametrize("budget", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])  # 0: the default
+@pytest.mark.parametrize(
+    "budget", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
+)  # 0: the default
 def test_oversampling_holds_the_budget_and_the_ledger_audits_the_run(tmp_path, warm_cache, budget):
     run = tmp_path / "run"
-    cfg = load_config(SMOKE, _overrides(run, warm_cache, **{"loop.steps": 10, "pipeline.max_staleness": budget,
-                                                             "pipeline.oversample": 1.0}))
+    cfg = load_config(
+        SMOKE,
+        _overrides(run, warm_cache, **{"loop.steps": 10, "pipeline.max_staleness": budget, "pipeline.oversample": 1.0}),
+    )
     RunLoop(cfg, log=lambda *_: None, source="process").run()
     events = read_events(run / "groups.jsonl")
     check_ledger(events, 10, cfg.loop.prompts_per_step)
@@ -55,7 +67,7 @@ def test_oversampling_holds_the_budget_and_the_ledger_audits_the_run(tmp_path, w
     assert drops["straggler"] + drops["surplus"] > 0  # oversampling 1.0 always leaves some behind
     last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "perf/step_s" in line][-1]
     drops.pop("run_ended", None)  # written when the run closes, after the last step's metrics
-    assert {k[len("drops/"):-len("_total")]: v for k, v in last.items() if k.endswith("_total")} == drops
+    assert {k[len("drops/") : -len("_total")]: v for k, v in last.items() if k.endswith("_total")} == drops
     picks = Counter(e["uid"] for e in events if e["event"] == "admitted")
     assert sum(picks.values()) == sum(1 for e in events if e["event"] == "admitted") and None not in picks
 
@@ -63,8 +75,19 @@ def test_oversampling_holds_the_budget_and_the_ledger_audits_the_run(tmp_path, w
 def test_dynamic_sampling_without_any_signal_stops_within_its_bound(tmp_path, warm_cache):
     run = tmp_path / "run"
     # near-greedy sampling: every completion of a prompt is the same, so every group has zero variance
-    cfg = load_config(SMOKE, _overrides(run, warm_cache, **{"loop.steps": 3, "pipeline.dynamic_sampling": "true",
-                                                             "pipeline.max_resamples": 6, "generator.temperature": 0.001}))
+    cfg = load_config(
+        SMOKE,
+        _overrides(
+            run,
+            warm_cache,
+            **{
+                "loop.steps": 3,
+                "pipeline.dynamic_sampling": "true",
+                "pipeline.max_resamples": 6,
+                "generator.temperature": 0.001,
+            },
+        ),
+    )
     with pytest.raises(ResamplesExhausted, match="pipeline.max_resamples = 6"):
         RunLoop(cfg, log=lambda *_: None, source="process").run()
     events = read_events(run / "groups.jsonl")
@@ -75,15 +98,41 @@ def test_dynamic_sampling_without_any_signal_stops_within_its_bound(tmp_path, wa
     assert sorted(admitted) == sorted(ended)  # still exactly once: the rest ended as run_failed
 
 
-@pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 143), pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "signum, exit_code", [(signal.SIGTERM, 143), pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)]
+)
 def test_a_stop_signal_checkpoints_drops_in_flight_as_run_stopped_and_resumes(tmp_path, warm_cache, signum, exit_code):
     run = tmp_path / "run"
-    args = [str(SMOKE), "--run-dir", str(run), "--warmstart.cache_dir", str(warm_cache), "--loop.steps", "40",
-            "--loop.eval_every", "100", "--loop.checkpoint_every", "100", "--pipeline.max_staleness", "1",
-            "--trainer.threads", "1", "--pipeline.generator_threads", "1", "--pipeline.trainer_threads", "1"]
+    args = [
+        str(SMOKE),
+        "--run-dir",
+        str(run),
+        "--warmstart.cache_dir",
+        str(warm_cache),
+        "--loop.steps",
+        "40",
+        "--loop.eval_every",
+        "100",
+        "--loop.checkpoint_every",
+        "100",
+        "--pipeline.max_staleness",
+        "1",
+        "--trainer.threads",
+        "1",
+        "--pipeline.generator_threads",
+        "1",
+        "--pipeline.trainer_threads",
+        "1",
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.Popen([sys.executable, "-m", "gapless.cli", "train", *args], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gapless.cli", "train", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and (not metrics.is_file() or metrics.read_text().count("perf/step_s") < 3):
@@ -92,10 +141,17 @@ def test_a_stop_signal_checkpoints_drops_in_flight_as_run_stopped_and_resumes(tm
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == exit_code, stderr[-2000:]
     assert f"stopped by {signal.Signals(signum).name}" in stderr
-    state = json.loads((run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip() / "trainer_state.json").read_text())
+    state = json.loads(
+        (run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip() / "trainer_state.json").read_text()
+    )
     assert 3 <= state["step"] < 40
-    done = subprocess.run([sys.executable, "-m", "gapless.cli", "train", *args, "--loop.steps", str(state["step"] + 2),
-                           "--resume"], env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-m", "gapless.cli", "train", *args, "--loop.steps", str(state["step"] + 2), "--resume"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     events = read_events(run / "groups.jsonl")
     check_ledger(events, state["step"] + 2, 2)

@@ -26,8 +26,11 @@ from gapless.cluster.ray.broadcast import BroadcastSender, BroadcastWeights, Rel
 
 
 def _state(v: int) -> dict[str, torch.Tensor]:
-    return {"w": torch.full((64, 33), float(v)), "b": torch.full((7,), float(v), dtype=torch.bfloat16),
-            "n": torch.full((3,), v, dtype=torch.int64)}
+    return {
+        "w": torch.full((64, 33), float(v)),
+        "b": torch.full((7,), float(v), dtype=torch.bfloat16),
+        "n": torch.full((3,), v, dtype=torch.int64),
+    }
 
 
 def _receiver(handle: BroadcastWeights, until: int, out) -> None:
@@ -54,7 +57,9 @@ def _receiver(handle: BroadcastWeights, until: int, out) -> None:
 def test_versions_reach_every_member_monotonic_and_whole_and_a_killed_member_is_dropped(evicted):
     """evicted: the placement's kill drops the member; found-silent: nobody tells the relay, which
     finds the member without an answer and drops it alone (the survivor answered)."""
-    sender = BroadcastSender(_state(0), op_timeout_s=3.0, rendezvous_timeout_s=60.0, host="127.0.0.1", log=lambda m: None)
+    sender = BroadcastSender(
+        _state(0), op_timeout_s=3.0, rendezvous_timeout_s=60.0, host="127.0.0.1", log=lambda m: None
+    )
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = []
@@ -63,7 +68,7 @@ def test_versions_reach_every_member_monotonic_and_whole_and_a_killed_member_is_
         for name in ("generator-0", "generator-1"):
             handle = BroadcastWeights(sender, name)
             sender.expect(name)
-            p = ctx.Process(target=_receiver, args=(handle, 30 if name == "generator-0" else 10 ** 9, out), daemon=True)
+            p = ctx.Process(target=_receiver, args=(handle, 30 if name == "generator-0" else 10**9, out), daemon=True)
             p.start()
             procs.append(p)
         assert sender.wait_relayed(1, 90), sender.error
@@ -102,7 +107,9 @@ def test_versions_reach_every_member_monotonic_and_whole_and_a_killed_member_is_
 
 
 def test_a_replica_that_never_joins_fails_the_next_publish_naming_it():
-    sender = BroadcastSender(_state(0), op_timeout_s=0.5, rendezvous_timeout_s=1.0, host="127.0.0.1", log=lambda m: None)
+    sender = BroadcastSender(
+        _state(0), op_timeout_s=0.5, rendezvous_timeout_s=1.0, host="127.0.0.1", log=lambda m: None
+    )
     try:
         sender.expect("generator-7")
         deadline = time.monotonic() + 10
@@ -117,7 +124,9 @@ def test_a_replica_that_never_joins_fails_the_next_publish_naming_it():
 
 
 def test_a_replica_never_admitted_names_itself_and_the_trainer():
-    sender = BroadcastSender(_state(0), op_timeout_s=0.5, rendezvous_timeout_s=1.0, host="127.0.0.1", log=lambda m: None)
+    sender = BroadcastSender(
+        _state(0), op_timeout_s=0.5, rendezvous_timeout_s=1.0, host="127.0.0.1", log=lambda m: None
+    )
     try:
         receiver = pickle.loads(pickle.dumps(BroadcastWeights(sender, "generator-3")))  # never expected: never admitted
         start = time.monotonic()

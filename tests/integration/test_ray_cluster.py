@@ -31,14 +31,16 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from gapless.orchestrate.ledger import check_ledger, read_events  # noqa: E402
-
 from crash import SRC, train  # noqa: E402
 from test_ray_placement import ray_processes  # noqa: E402
 
+from gapless.orchestrate.ledger import check_ledger, read_events  # noqa: E402
+
 CONFIG = str(Path(__file__).parents[2] / "configs" / "smoke.toml")
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed"),
+]
 CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt", "trainer_state.json")
 NODES = 4  # 1-CPU worker nodes: 2 replicas + the environment + trainer rank 1, one per node
 
@@ -47,9 +49,12 @@ NODES = 4  # 1-CPU worker nodes: 2 replicas + the environment + trainer rank 1, 
 def cluster():
     from ray.cluster_utils import Cluster
 
-    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # every node on loopback (this box advertises eth0 otherwise)
-           "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-           "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # every node on loopback (this box advertises eth0 otherwise)
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     temp_dir = tempfile.mkdtemp(prefix="gapless-rc-")
@@ -58,7 +63,9 @@ def cluster():
 
     os.makedirs(os.path.dirname(get_ray_address_file(None)), exist_ok=True)
     common = dict(node_ip_address="127.0.0.1", object_store_memory=200 << 20)
-    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False, temp_dir=temp_dir, **common))
+    c = Cluster(
+        initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False, temp_dir=temp_dir, **common)
+    )
     try:
         for _ in range(NODES):
             c.add_node(num_cpus=1, **common)
@@ -80,10 +87,30 @@ def cluster():
 
 
 def _args(run: Path, warm_cache: Path, steps: int, budget: int, *extra: str) -> list[str]:
-    return [CONFIG, "--run-dir", str(run), "--warmstart.cache_dir", str(warm_cache), "--loop.steps", str(steps),
-            "--loop.eval_every", "100", "--loop.checkpoint_every", str(steps), "--pipeline.max_staleness", str(budget),
-            "--trainer.threads", "1", "--pipeline.generator_threads", "1", "--pipeline.trainer_threads", "1",
-            "--metrics.tensorboard", "false", *extra]
+    return [
+        CONFIG,
+        "--run-dir",
+        str(run),
+        "--warmstart.cache_dir",
+        str(warm_cache),
+        "--loop.steps",
+        str(steps),
+        "--loop.eval_every",
+        "100",
+        "--loop.checkpoint_every",
+        str(steps),
+        "--pipeline.max_staleness",
+        str(budget),
+        "--trainer.threads",
+        "1",
+        "--pipeline.generator_threads",
+        "1",
+        "--pipeline.trainer_threads",
+        "1",
+        "--metrics.tensorboard",
+        "false",
+        *extra,
+    ]
 
 
 def _ledger(run: Path) -> list[dict]:
@@ -103,8 +130,13 @@ def test_ray_placement_on_a_multi_node_cluster_reproduces_local_bitwise(tmp_path
     steps = 4
     local = train(_args(tmp_path / "local", warm_cache, steps, 0), tmp_path / "local.txt", timeout_s=900)
     assert local.rc == 0 and local.survivors == [], local.stderr[-2000:]
-    placed = train(_args(tmp_path / "ray", warm_cache, steps, 0, "--cluster.placement", "ray",
-                         "--cluster.address", cluster.address), tmp_path / "ray.txt", timeout_s=900)
+    placed = train(
+        _args(
+            tmp_path / "ray", warm_cache, steps, 0, "--cluster.placement", "ray", "--cluster.address", cluster.address
+        ),
+        tmp_path / "ray.txt",
+        timeout_s=900,
+    )
     assert placed.rc == 0 and placed.survivors == [], placed.stderr[-2000:]
     for name in CHECKPOINT_FILES:
         a = (tmp_path / "local" / "checkpoints" / f"step_{steps}" / name).read_bytes()
@@ -131,12 +163,18 @@ print(json.dumps({"elapsed_s": time.monotonic() - start, "error": error}))
 
 
 def test_an_infeasible_placement_fails_fast_naming_demand_and_supply(tmp_path, cluster):
-    overrides = {"run_dir": json.dumps(str(tmp_path / "run")), "cluster.placement": '"ray"',
-                 "cluster.address": json.dumps(cluster.address), "cluster.replicas": "4",
-                 "cluster.placement_timeout_s": "10", "pipeline.generator_threads": "1"}
+    overrides = {
+        "run_dir": json.dumps(str(tmp_path / "run")),
+        "cluster.placement": '"ray"',
+        "cluster.address": json.dumps(cluster.address),
+        "cluster.replicas": "4",
+        "cluster.placement_timeout_s": "10",
+        "pipeline.generator_threads": "1",
+    }
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", RESERVE, CONFIG, json.dumps(overrides)], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", RESERVE, CONFIG, json.dumps(overrides)], capture_output=True, text=True, timeout=120
+    )
     outcome = json.loads(done.stdout.strip().splitlines()[-1])
     assert outcome["error"] is not None, done.stderr[-2000:]  # 4 replicas + the environment on 4 CPUs
     assert outcome["elapsed_s"] < 15 and time.monotonic() - start < 60
@@ -150,8 +188,24 @@ def _faulted_run(tmp_path: Path, warm_cache: Path, cluster, fault: str, *extra: 
     Returns the actors' nodes (placement.json), the ledger and staleness.json."""
     steps, budget = 6, 1
     run = tmp_path / "run"
-    outcome = train(_args(run, warm_cache, steps, budget, "--cluster.placement", "ray", "--cluster.address", cluster.address,
-                          "--cluster.op_timeout_s", "30", *extra), tmp_path / "err.txt", fault, timeout_s=900)
+    outcome = train(
+        _args(
+            run,
+            warm_cache,
+            steps,
+            budget,
+            "--cluster.placement",
+            "ray",
+            "--cluster.address",
+            cluster.address,
+            "--cluster.op_timeout_s",
+            "30",
+            *extra,
+        ),
+        tmp_path / "err.txt",
+        fault,
+        timeout_s=900,
+    )
     assert outcome.fault_time is not None, outcome.stderr[-2000:]
     assert outcome.rc == 0, outcome.stderr[-3000:]
     assert outcome.survivors == [], outcome.survivors
@@ -166,14 +220,23 @@ def _faulted_run(tmp_path: Path, warm_cache: Path, cluster, fault: str, *extra: 
     return nodes, events, json.loads((run / "staleness.json").read_text())
 
 
-def test_headline_replicas_environment_and_trainer_ranks_across_nodes_survive_a_killed_replica(tmp_path, warm_cache,
-                                                                                               cluster):
+def test_headline_replicas_environment_and_trainer_ranks_across_nodes_survive_a_killed_replica(
+    tmp_path, warm_cache, cluster
+):
     """2 generator replicas, the environment and trainer rank 1 each on its own virtual node (rank 0
     is the driver, on the head), budget 1; replica 1 is SIGKILLed while it loads its third weight
     version (step 3). The run completes, every admitted group ends exactly once, every trained
     staleness is within the budget, and nothing of the run is left on the cluster."""
-    nodes, events, summary = _faulted_run(tmp_path, warm_cache, cluster, "generator-1:fetch:3:kill",
-                                          "--cluster.replicas", "2", "--cluster.trainer_world_size", "2")
+    nodes, events, summary = _faulted_run(
+        tmp_path,
+        warm_cache,
+        cluster,
+        "generator-1:fetch:3:kill",
+        "--cluster.replicas",
+        "2",
+        "--cluster.trainer_world_size",
+        "2",
+    )
     assert sorted(nodes) == ["environment", "generator-0", "generator-1", "trainer-rank1"] and len(nodes) == NODES
     assert [e["replica"] for e in summary["evictions"]] == ["generator-1"], summary["evictions"]
     assert sum(1 for e in events if e.get("reason") == "replica_lost") == summary["drops"].get("replica_lost", 0)
@@ -183,8 +246,16 @@ def test_environment_actors_on_other_nodes_survive_a_killed_one(tmp_path, warm_c
     """Two environment actors, each on its own virtual node, budget 1; environment actor 1 is
     SIGKILLed at its second scored group: it is evicted, the groups routed to it end as
     `env_lost`, a fresh actor takes its bundle, and the run completes exactly once."""
-    nodes, events, summary = _faulted_run(tmp_path, warm_cache, cluster, "environment-1:score:2:kill",
-                                          "--cluster.env_actors", "2", "--pipeline.env_workers", "2")
+    nodes, events, summary = _faulted_run(
+        tmp_path,
+        warm_cache,
+        cluster,
+        "environment-1:score:2:kill",
+        "--cluster.env_actors",
+        "2",
+        "--pipeline.env_workers",
+        "2",
+    )
     assert sorted(nodes) == ["environment-0", "environment-1", "generator"]
     assert [e["environment"] for e in summary["env_evictions"]] == ["environment-1"], summary
     lost = sum(1 for e in events if e.get("reason") == "env_lost")
@@ -194,9 +265,23 @@ def test_environment_actors_on_other_nodes_survive_a_killed_one(tmp_path, warm_c
 def test_gapless_train_on_a_private_ray_instance_survives_a_killed_replica(tmp_path, warm_cache):
     steps, budget = 6, 1
     run = tmp_path / "run"
-    outcome = train(_args(run, warm_cache, steps, budget, "--cluster.placement", "ray", "--cluster.replicas", "2",
-                          "--cluster.op_timeout_s", "5"),
-                    tmp_path / "err.txt", "generator-1:decode:3:kill", timeout_s=900)
+    outcome = train(
+        _args(
+            run,
+            warm_cache,
+            steps,
+            budget,
+            "--cluster.placement",
+            "ray",
+            "--cluster.replicas",
+            "2",
+            "--cluster.op_timeout_s",
+            "5",
+        ),
+        tmp_path / "err.txt",
+        "generator-1:decode:3:kill",
+        timeout_s=900,
+    )
     assert outcome.fault_time is not None, outcome.stderr[-2000:]
     assert outcome.rc == 0, outcome.stderr[-3000:]
     assert outcome.survivors == [], outcome.survivors  # the private instance is gone with the run
@@ -216,15 +301,30 @@ def test_gapless_train_with_the_broadcast_weight_transport(tmp_path, warm_cache)
     both hold is the trainer's final state (the checkpoint's weights, packed the same way)."""
     import torch
 
-    from gapless.models import load_local
     from gapless.cluster.ray.broadcast import checksum
     from gapless.cluster.ray.weights import Layout
+    from gapless.models import load_local
 
     steps, budget = 3, 1
     run = tmp_path / "run"
-    outcome = train(_args(run, warm_cache, steps, budget, "--cluster.placement", "ray", "--cluster.replicas", "2",
-                          "--cluster.weight_transport", "broadcast", "--cluster.op_timeout_s", "20"),
-                    tmp_path / "err.txt", timeout_s=900)
+    outcome = train(
+        _args(
+            run,
+            warm_cache,
+            steps,
+            budget,
+            "--cluster.placement",
+            "ray",
+            "--cluster.replicas",
+            "2",
+            "--cluster.weight_transport",
+            "broadcast",
+            "--cluster.op_timeout_s",
+            "20",
+        ),
+        tmp_path / "err.txt",
+        timeout_s=900,
+    )
     assert outcome.rc == 0, outcome.stderr[-3000:]
     assert outcome.survivors == [], outcome.survivors  # no Ray or torch process outlives the run
     check_ledger(read_events(run / "groups.jsonl"), steps, 2)
@@ -248,9 +348,25 @@ def test_the_broadcast_group_is_rebuilt_when_a_replica_is_killed(tmp_path, warm_
     increase."""
     steps, budget = 6, 1
     run = tmp_path / "run"
-    outcome = train(_args(run, warm_cache, steps, budget, "--cluster.placement", "ray", "--cluster.replicas", "2",
-                          "--cluster.weight_transport", "broadcast", "--cluster.op_timeout_s", "5"),
-                    tmp_path / "err.txt", "generator-1:decode:3:kill", timeout_s=900)
+    outcome = train(
+        _args(
+            run,
+            warm_cache,
+            steps,
+            budget,
+            "--cluster.placement",
+            "ray",
+            "--cluster.replicas",
+            "2",
+            "--cluster.weight_transport",
+            "broadcast",
+            "--cluster.op_timeout_s",
+            "5",
+        ),
+        tmp_path / "err.txt",
+        "generator-1:decode:3:kill",
+        timeout_s=900,
+    )
     assert outcome.fault_time is not None, outcome.stderr[-2000:]
     assert outcome.rc == 0, outcome.stderr[-3000:]
     assert outcome.survivors == [], outcome.survivors
@@ -288,18 +404,35 @@ def test_a_killed_trainer_rank_on_another_node_ends_the_run_and_resume_finishes(
     from gapless.trainer.checkpoint import latest_checkpoint
 
     run = tmp_path / "run"
-    ray_args = ["--cluster.placement", "ray", "--cluster.address", cluster.address, "--cluster.trainer_world_size", "2",
-                "--cluster.op_timeout_s", "30"]
-    command = [sys.executable, "-m", "gapless.cli", "train", *_args(run, warm_cache, 40, 1, *ray_args),
-               "--loop.checkpoint_every", "1"]
+    ray_args = [
+        "--cluster.placement",
+        "ray",
+        "--cluster.address",
+        cluster.address,
+        "--cluster.trainer_world_size",
+        "2",
+        "--cluster.op_timeout_s",
+        "30",
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "gapless.cli",
+        "train",
+        *_args(run, warm_cache, 40, 1, *ray_args),
+        "--loop.checkpoint_every",
+        "1",
+    ]
     env = dict(os.environ, PYTHONPATH=str(SRC))
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
-        while (latest_checkpoint(run) is None or latest_checkpoint(run).name in ("step_1",)):
+        while latest_checkpoint(run) is None or latest_checkpoint(run).name in ("step_1",):
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended or never checkpointed"
             time.sleep(0.2)
-        ranks = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _comm(int(p.name)) == "gapless-rank1"]
+        ranks = [
+            int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _comm(int(p.name)) == "gapless-rank1"
+        ]
         assert len(ranks) == 1, ranks
         killed_at = time.time()
         os.kill(ranks[0], signal.SIGKILL)
@@ -313,8 +446,9 @@ def test_a_killed_trainer_rank_on_another_node_ends_the_run_and_resume_finishes(
     assert _actor_hosts_gone()
 
     step = json.loads((latest_checkpoint(run) / "trainer_state.json").read_text())["step"]
-    done = subprocess.run([*command[:-2], "--loop.steps", str(step + 1), "--resume"], env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [*command[:-2], "--loop.steps", str(step + 1), "--resume"], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((latest_checkpoint(run) / "trainer_state.json").read_text())["step"] == step + 1
     assert _actor_hosts_gone()

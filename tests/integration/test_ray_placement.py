@@ -24,13 +24,13 @@ import torch
 
 pytest.importorskip("ray")
 
-from gapless.config import load_config  # noqa: E402
+from ray_echo import EchoSpec, echo_main  # noqa: E402
+
 from gapless.cluster import make_placement  # noqa: E402
 from gapless.cluster.placement import Placement  # noqa: E402
 from gapless.cluster.ray.deaths import MONITOR_ENV  # noqa: E402
 from gapless.cluster.ray.mail import MailboxLost  # noqa: E402
-
-from ray_echo import EchoSpec, echo_main  # noqa: E402
+from gapless.config import load_config  # noqa: E402
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 HERE = Path(__file__).parent
@@ -60,9 +60,10 @@ def _next(channel, placement, timeout_s: float = 60.0):
         try:
             return channel.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
         except queue.Empty:
-            if (gone := placement.exited()):
-                raise AssertionError("; ".join(f"gapless-{g.name} {g.why or f'exited with code {g.exitcode}'}"
-                                               for g in gone)) from None
+            if gone := placement.exited():
+                raise AssertionError(
+                    "; ".join(f"gapless-{g.name} {g.why or f'exited with code {g.exitcode}'}" for g in gone)
+                ) from None
             if time.monotonic() >= deadline:
                 raise AssertionError(f"no message within {timeout_s} s and no actor gone") from None
 
@@ -78,8 +79,10 @@ def _get(channel, placement, kind: str, timeout_s: float = 60.0):
 
 def test_a_placed_actor_gets_fifo_messages_and_untorn_weights_and_leaves_nothing(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    cfg = load_config(CONFIGS / "smoke.toml", {"cluster.placement": '"ray"', "pipeline.generator_threads": "1",
-                                               "cluster.object_store_mb": "100"})
+    cfg = load_config(
+        CONFIGS / "smoke.toml",
+        {"cluster.placement": '"ray"', "pipeline.generator_threads": "1", "cluster.object_store_mb": "100"},
+    )
     placement = make_placement(cfg)
     temp_dir = placement.temp_dir
     try:
@@ -88,7 +91,11 @@ def test_a_placed_actor_gets_fifo_messages_and_untorn_weights_and_leaves_nothing
             assert _raylet_env(temp_dir).get("RAY_memory_usage_threshold") == MONITOR_ENV["RAY_memory_usage_threshold"]
             assert "RAY_memory_usage_threshold" not in os.environ  # the driver's own environment is left as it was
         placement.reserve({"generator": 1})
-        state = {"w": torch.zeros(3000), "b": torch.zeros(7, 5, dtype=torch.bfloat16), "i": torch.zeros(4, dtype=torch.int64)}
+        state = {
+            "w": torch.zeros(3000),
+            "b": torch.zeros(7, 5, dtype=torch.bfloat16),
+            "i": torch.zeros(4, dtype=torch.int64),
+        }
         stop, beats = placement.stop_flag(), placement.heartbeats(("trainer", "generator"))
         inbox, outbox = placement.channel(), placement.channel(8)
         spec = EchoSpec("generator", os.getpid(), inbox, outbox, stop, beats, placement.weights(state, 0))
@@ -151,14 +158,18 @@ def test_an_actor_killed_by_rays_memory_monitor_is_named_with_the_memory_figures
     threshold = (used + (HEADROOM_MB << 20)) / total
     monkeypatch.setenv("RAY_memory_usage_threshold", f"{threshold:.4f}")  # left as set: the run's default is 0.98
     monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "100")
-    cfg = load_config(CONFIGS / "smoke.toml", {"cluster.placement": '"ray"', "pipeline.generator_threads": "1",
-                                               "cluster.object_store_mb": "100"})
+    cfg = load_config(
+        CONFIGS / "smoke.toml",
+        {"cluster.placement": '"ray"', "pipeline.generator_threads": "1", "cluster.object_store_mb": "100"},
+    )
     placement = make_placement(cfg)
     try:
         placement.reserve({"generator": 1})
         stop, beats = placement.stop_flag(), placement.heartbeats(("trainer", "generator"))
         inbox, outbox = placement.channel(), placement.channel(8)
-        spec = EchoSpec("generator", os.getpid(), inbox, outbox, stop, beats, placement.weights({"w": torch.zeros(4)}, 0))
+        spec = EchoSpec(
+            "generator", os.getpid(), inbox, outbox, stop, beats, placement.weights({"w": torch.zeros(4)}, 0)
+        )
         placement.start("generator", echo_main, spec)
         # Ray chooses whom to kill: the growing actor, or the mailbox (its calls are the newest tasks),
         # and other programs on the machine may pass the threshold first; whichever and whenever, the

@@ -13,11 +13,12 @@ figures, docs/agentic.md). Slow: about 15 minutes on a loaded 2-core machine, wa
 import shutil
 
 import pytest
-
 from benches import load_bench
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed"),
+]
 
 
 def test_repo_held_out_pass_at_1_rises(tmp_path):

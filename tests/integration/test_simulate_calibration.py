@@ -16,21 +16,60 @@ from gapless.simulate.costs import Costs
 
 ROOT = Path(__file__).parents[2]
 SMOKE = ROOT / "configs" / "smoke.toml"
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed"),
+]
 
 
 def test_calibrate_on_tiny_real_runs(tmp_path, warm_cache):
     runs = []
     for budget in (0, 1):
         run = tmp_path / f"b{budget}"
-        subprocess.run([sys.executable, "-m", "gapless.cli", "train", str(SMOKE), "--run-dir", str(run),
-                        "--warmstart.cache_dir", str(warm_cache), "--loop.steps", "6", "--loop.eval_every", "100",
-                        "--loop.checkpoint_every", "100", "--metrics.tensorboard", "false",
-                        "--pipeline.max_staleness", str(budget)], check=True, cwd=ROOT, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gapless.cli",
+                "train",
+                str(SMOKE),
+                "--run-dir",
+                str(run),
+                "--warmstart.cache_dir",
+                str(warm_cache),
+                "--loop.steps",
+                "6",
+                "--loop.eval_every",
+                "100",
+                "--loop.checkpoint_every",
+                "100",
+                "--metrics.tensorboard",
+                "false",
+                "--pipeline.max_staleness",
+                str(budget),
+            ],
+            check=True,
+            cwd=ROOT,
+            capture_output=True,
+        )
         runs.append(str(run))
     costs_path = tmp_path / "costs.json"
-    done = subprocess.run([sys.executable, "-m", "gapless.cli", "simulate", "--calibrate", *runs,
-                           "--simulate.costs_path", str(costs_path)], check=True, cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gapless.cli",
+            "simulate",
+            "--calibrate",
+            *runs,
+            "--simulate.costs_path",
+            str(costs_path),
+        ],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     out = json.loads(done.stdout.strip().splitlines()[-1])
     costs = Costs.load(costs_path)  # valid: finite, non-negative
     assert costs.source.startswith("calibrated on")
@@ -41,7 +80,23 @@ def test_calibrate_on_tiny_real_runs(tmp_path, warm_cache):
         assert 1 / 3 < row["predicted_ms_per_sample"] / row["measured_ms_per_sample"] < 3, row
         assert 0.0 <= row["predicted_trainer_idle"] <= 1.0 and 0.0 <= row["predicted_generator_idle"] <= 1.0, row
     # the fitted costs drive a simulation of the same job
-    sim = subprocess.run([sys.executable, "-m", "gapless.cli", "simulate", str(SMOKE), "--run-dir", str(tmp_path / "sim"),
-                          "--simulate.costs_path", str(costs_path), "--pipeline.max_staleness", "1"],
-                         check=True, cwd=ROOT, capture_output=True, text=True)
+    sim = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gapless.cli",
+            "simulate",
+            str(SMOKE),
+            "--run-dir",
+            str(tmp_path / "sim"),
+            "--simulate.costs_path",
+            str(costs_path),
+            "--pipeline.max_staleness",
+            "1",
+        ],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert json.loads(sim.stdout.strip().splitlines()[-1])["summary"]["staleness_max"] <= 1

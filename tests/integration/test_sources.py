@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from gapless.cluster.placement import LocalPlacement, Placement
 from gapless.config import load_config
 from gapless.orchestrate.loop import RunLoop
-from gapless.cluster.placement import LocalPlacement, Placement
 from gapless.orchestrate.source import RolloutSource
 from gapless.trainer.targets import step_batch
 
@@ -37,8 +37,10 @@ def _loop(tmp_path, warm_cache, kind: str, budget: int, placement: str = "local"
         "run_dir": json.dumps(str(tmp_path / f"{kind}-{placement}-{budget}")),
         "cluster.placement": json.dumps(placement),
         "warmstart.cache_dir": json.dumps(str(warm_cache)),
-        "loop.steps": str(STEPS), "trainer.threads": "1",
-        "pipeline.generator_threads": "1", "pipeline.trainer_threads": "1",
+        "loop.steps": str(STEPS),
+        "trainer.threads": "1",
+        "pipeline.generator_threads": "1",
+        "pipeline.trainer_threads": "1",
         "pipeline.max_staleness": str(budget),
     }
     return RunLoop(load_config(CONFIGS / "smoke.toml", overrides), log=lambda *_: None, source=kind)
@@ -59,8 +61,9 @@ def _drive(loop: RunLoop, budget: int) -> list[list[list[int]]]:
             assert versions and all(step - budget <= v <= step for v in versions), (step, sorted(set(versions)))
             if budget == 0:  # synchronous: the weights published after step t - 1 sampled all of step t
                 assert set(versions) == {step}
-            batch, _ = step_batch(taken.groups, cfg.trainer, cfg.generator.max_new_tokens,
-                                  loop.policy.pad_id, loop.trainer.reference_kl)
+            batch, _ = step_batch(
+                taken.groups, cfg.trainer, cfg.generator.max_new_tokens, loop.policy.pad_id, loop.trainer.reference_kl
+            )
             with source.training():
                 loop.trainer.step(batch)
             assert isinstance(source.publish(loop.trainer.state_for_push(), loop.trainer.version), dict)
@@ -95,7 +98,9 @@ def test_budget_zero_sources_agree_bitwise_with_lora(tmp_path, warm_cache):
 
 def test_the_process_source_keeps_the_contract_with_a_budget(tmp_path, warm_cache):
     _drive(_loop(tmp_path, warm_cache, "process", 1), 1)
-    assert not [p.name for p in multiprocessing.active_children() if p.name.startswith("gapless-")]  # close stopped the actors
+    assert not [
+        p.name for p in multiprocessing.active_children() if p.name.startswith("gapless-")
+    ]  # close stopped the actors
 
 
 def test_the_environment_actor_counts_the_groups_it_scores_for_the_trainers_lending(tmp_path, warm_cache):
@@ -183,10 +188,33 @@ print(json.dumps({"rc": rc, "ray": sorted(m for m in sys.modules if m == "ray" o
 def test_a_local_run_never_imports_ray(tmp_path, warm_cache):
     """The default placement runs the whole pipeline (generator and environment processes) without
     Ray in the trainer's process (the actors import only what the trainer sends them)."""
-    args = [str(CONFIGS / "smoke.toml"), "--run-dir", str(tmp_path / "run"), "--warmstart.cache_dir", str(warm_cache),
-            "--loop.steps", "1", "--loop.eval_every", "100", "--pipeline.max_staleness", "1", "--trainer.threads", "1",
-            "--pipeline.generator_threads", "1", "--pipeline.trainer_threads", "1", "--metrics.tensorboard", "false"]
-    done = subprocess.run([sys.executable, "-c", RUN_AND_LIST_MODULES, "train", *args], capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2] / "src")))
+    args = [
+        str(CONFIGS / "smoke.toml"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--warmstart.cache_dir",
+        str(warm_cache),
+        "--loop.steps",
+        "1",
+        "--loop.eval_every",
+        "100",
+        "--pipeline.max_staleness",
+        "1",
+        "--trainer.threads",
+        "1",
+        "--pipeline.generator_threads",
+        "1",
+        "--pipeline.trainer_threads",
+        "1",
+        "--metrics.tensorboard",
+        "false",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", RUN_AND_LIST_MODULES, "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2] / "src")),
+    )
     outcome = json.loads(done.stdout.strip().splitlines()[-1])
     assert outcome == {"rc": 0, "ray": []}, done.stderr[-2000:]

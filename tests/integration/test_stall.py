@@ -17,7 +17,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from crash import train
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "smoke.toml")
@@ -28,16 +27,44 @@ pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewra
 
 
 def _args(run: Path, warm_cache: Path) -> list[str]:
-    return [CONFIG, "--run-dir", str(run), "--warmstart.cache_dir", str(warm_cache), "--loop.steps", "1",
-            "--loop.prompts_per_step", "1", "--loop.eval_every", "100", "--loop.checkpoint_every", "100",
-            "--generator.max_new_tokens", str(LONG_TOKENS), "--generator.force_long_every", "1",
-            "--pipeline.max_staleness", "0", "--pipeline.stall_timeout_s", str(STALL_S),
-            "--trainer.threads", "1", "--pipeline.generator_threads", "1", "--metrics.tensorboard", "false"]
+    return [
+        CONFIG,
+        "--run-dir",
+        str(run),
+        "--warmstart.cache_dir",
+        str(warm_cache),
+        "--loop.steps",
+        "1",
+        "--loop.prompts_per_step",
+        "1",
+        "--loop.eval_every",
+        "100",
+        "--loop.checkpoint_every",
+        "100",
+        "--generator.max_new_tokens",
+        str(LONG_TOKENS),
+        "--generator.force_long_every",
+        "1",
+        "--pipeline.max_staleness",
+        "0",
+        "--pipeline.stall_timeout_s",
+        str(STALL_S),
+        "--trainer.threads",
+        "1",
+        "--pipeline.generator_threads",
+        "1",
+        "--metrics.tensorboard",
+        "false",
+    ]
 
 
 def _wait_s(run: Path) -> float:
     """The trainer's wait for step 1's rollouts, from its timeline."""
-    spans = [json.loads(line) for path in (run / "timeline").glob("trainer-*.jsonl") for line in path.read_text().splitlines()]
+    spans = [
+        json.loads(line)
+        for path in (run / "timeline").glob("trainer-*.jsonl")
+        for line in path.read_text().splitlines()
+    ]
     wait = next(s for s in spans if s.get("name") == "wait_rollouts" and s["args"]["step"] == 0)
     return wait["end"] - wait["start"]
 
@@ -68,7 +95,9 @@ def test_a_live_generator_without_progress_is_a_stall_named_by_its_last_progress
     assert line, record
     heartbeat_s, state, progress = float(line.group(1)), line.group(2), line.group(3)
     assert heartbeat_s < STALL_S and state != "T", record  # alive and beating: not a silent or stopped process
-    last = re.search(r"progress mark \d+, the last ([\d.]+) s ago \(at \d\d:\d\d:\d\d\): a decode step of \d+ tokens", progress)
+    last = re.search(
+        r"progress mark \d+, the last ([\d.]+) s ago \(at \d\d:\d\d:\d\d\): a decode step of \d+ tokens", progress
+    )
     assert last, record
     assert float(last.group(1)) >= STALL_S - 0.05, record  # rounded to 0.1 s in the record
     assert re.search(r"  environment: pid \d+, .*set up: environment ready", record), record

@@ -40,10 +40,16 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def math_service(tmp_path_factory, warm_cache):
     torch.set_num_threads(1)
-    overrides = {"warmstart.cache_dir": json.dumps(str(warm_cache)), "task.name": '"math"', "task.levels": "[3]",
-                 "task.num_train_prompts": "4",
-                 "service.checkpoint_dir": json.dumps(str(tmp_path_factory.mktemp("service"))),
-                 "service.max_batch": "32", "service.max_seq_len": "128", "service.poll_hold_s": "5"}
+    overrides = {
+        "warmstart.cache_dir": json.dumps(str(warm_cache)),
+        "task.name": '"math"',
+        "task.levels": "[3]",
+        "task.num_train_prompts": "4",
+        "service.checkpoint_dir": json.dumps(str(tmp_path_factory.mktemp("service"))),
+        "service.max_batch": "32",
+        "service.max_seq_len": "128",
+        "service.poll_hold_s": "5",
+    }
     cfg = load_config(CONFIGS / "smoke.toml", overrides)
     server = ServiceThread(build_service(cfg, KEY, log=lambda *a, **k: None))
     env = make_environment(cfg)
@@ -65,14 +71,26 @@ def test_rl_loop_recipe_raises_math_reward(math_service, loss_fn):
         sampling_client = training_client.save_weights_and_get_sampling_client().result()
         sampling_params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=step)  # reproducible
         prompts = [types.ModelInput.from_ints(tokenizer.encode(t.prompt, add_special_tokens=False)) for t in tasks]
-        futures = [sampling_client.sample(prompt=p, num_samples=group_size, sampling_params=sampling_params)
-                   for p in prompts]
+        futures = [
+            sampling_client.sample(prompt=p, num_samples=group_size, sampling_params=sampling_params) for p in prompts
+        ]
         datums, rewards = [], []
         for task, prompt, future in zip(tasks, prompts, futures):
             sequences = future.result().sequences
-            completions = [Completion(prompt.to_ints(), list(s.tokens), list(s.logprobs), [0] * len(s.tokens),
-                                      s.stop_reason, tokenizer.decode(s.tokens, skip_special_tokens=True), "", j, 0)
-                           for j, s in enumerate(sequences)]
+            completions = [
+                Completion(
+                    prompt.to_ints(),
+                    list(s.tokens),
+                    list(s.logprobs),
+                    [0] * len(s.tokens),
+                    s.stop_reason,
+                    tokenizer.decode(s.tokens, skip_special_tokens=True),
+                    "",
+                    j,
+                    0,
+                )
+                for j, s in enumerate(sequences)
+            ]
             rewards_g = [r.reward for r in env.score_groups([task], [completions])[0]]
             mean = sum(rewards_g) / len(rewards_g)
             rewards.append(mean)
@@ -87,7 +105,8 @@ def test_rl_loop_recipe_raises_math_reward(math_service, loss_fn):
                 loss_fn_inputs = {
                     "target_tokens": types.TensorData.from_torch(torch.tensor(target_tokens)),
                     "logprobs": types.TensorData.from_torch(torch.tensor(padded_logprobs)),
-                    "advantages": types.TensorData.from_torch(torch.tensor(padded_advantages))}
+                    "advantages": types.TensorData.from_torch(torch.tensor(padded_advantages)),
+                }
                 if loss_fn == "gspo":  # the sequence ratio over the sampled tokens
                     ratio_mask = [0.0] * ob_len + [1.0] * len(seq.tokens)
                     loss_fn_inputs["sequence_ratio_mask"] = types.TensorData.from_torch(torch.tensor(ratio_mask))
@@ -124,14 +143,20 @@ def test_cookbook_rl_train_runs_unchanged(math_service, tmp_path, monkeypatch):
             self.task = task
 
         async def initial_observation(self):
-            return types.ModelInput.from_ints(tokenizer.encode(self.task.prompt, add_special_tokens=False)), [tokenizer.eos_token_id]
+            return types.ModelInput.from_ints(tokenizer.encode(self.task.prompt, add_special_tokens=False)), [
+                tokenizer.eos_token_id
+            ]
 
         async def step(self, action, *, extra=None):
             text = tokenizer.decode(action, skip_special_tokens=True)
             completion = Completion([], list(action), [], [], "stop", text, "", 0, 0)
             reward = env.score_groups([self.task], [[completion]])[0][0].reward
-            return StepResult(reward=reward, episode_done=True, next_observation=types.ModelInput.from_ints([]),
-                              next_stop_condition=[])
+            return StepResult(
+                reward=reward,
+                episode_done=True,
+                next_observation=types.ModelInput.from_ints([]),
+                next_stop_condition=[],
+            )
 
     class Builder(EnvGroupBuilder):
         def __init__(self, task):
@@ -155,9 +180,18 @@ def test_cookbook_rl_train_runs_unchanged(math_service, tmp_path, monkeypatch):
         async def __call__(self):
             return Dataset(), None
 
-    cfg = train.Config(learning_rate=1e-3, dataset_builder=DatasetBuilder(), model_name="gapless-tiny",
-                       recipe_name="gapless-test", max_tokens=4, log_path=str(tmp_path / "log"), base_url=server.base_url,
-                       lora_rank=4, eval_every=0, save_every=2)
+    cfg = train.Config(
+        learning_rate=1e-3,
+        dataset_builder=DatasetBuilder(),
+        model_name="gapless-tiny",
+        recipe_name="gapless-test",
+        max_tokens=4,
+        log_path=str(tmp_path / "log"),
+        base_url=server.base_url,
+        lora_rank=4,
+        eval_every=0,
+        save_every=2,
+    )
     asyncio.run(train.main(cfg))
     metrics = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) >= 3 and all("env/all/reward/total" in m for m in metrics[:3])

@@ -16,13 +16,12 @@ import math
 import shutil
 
 import pytest
+from benches import load_bench
 
 from gapless.config import load_config
 from gapless.envs.registry import make_environment
 from gapless.orchestrate.loop import RunLoop
 from gapless.types import SamplingParams
-
-from benches import load_bench
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
 SAMPLES = 64

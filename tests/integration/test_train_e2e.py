@@ -16,8 +16,14 @@ pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewra
 
 
 def smoke(tmp_path: Path, cache: Path | None = None, **overrides: str):
-    return load_config(CONFIGS / "smoke.toml", {"run_dir": json.dumps(str(tmp_path / "run")),
-                                                "warmstart.cache_dir": json.dumps(str(cache or tmp_path / "cache")), **overrides})
+    return load_config(
+        CONFIGS / "smoke.toml",
+        {
+            "run_dir": json.dumps(str(tmp_path / "run")),
+            "warmstart.cache_dir": json.dumps(str(cache or tmp_path / "cache")),
+            **overrides,
+        },
+    )
 
 
 def test_default_toml_is_the_embedded_default():
@@ -64,7 +70,11 @@ def test_checkpoint_is_loadable_and_resume_continues(tmp_path, warm_cache):
     assert torch.equal(next(iter(loop.policy.model.state_dict().values())), next(iter(model.state_dict().values())))
     summary = loop.run()
     assert summary["trained_samples"] == 4 * 2 * 4
-    steps = [json.loads(line)["step"] for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines() if "train/loss" in line]
+    steps = [
+        json.loads(line)["step"]
+        for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()
+        if "train/loss" in line
+    ]
     assert steps == [1, 2, 3, 4]
 
 
@@ -87,8 +97,21 @@ def test_killed_run_leaves_a_loadable_checkpoint_and_resumes(tmp_path, warm_cach
     from gapless.trainer.checkpoint import latest_checkpoint
 
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "gapless.cli", "train", str(CONFIGS / "smoke.toml"), "--run-dir", str(run),
-            "--warmstart.cache_dir", json.dumps(str(warm_cache)), "--loop.steps", "200", "--loop.checkpoint_every", "1"]
+    args = [
+        sys.executable,
+        "-m",
+        "gapless.cli",
+        "train",
+        str(CONFIGS / "smoke.toml"),
+        "--run-dir",
+        str(run),
+        "--warmstart.cache_dir",
+        json.dumps(str(warm_cache)),
+        "--loop.steps",
+        "200",
+        "--loop.checkpoint_every",
+        "1",
+    ]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
@@ -108,7 +131,12 @@ def test_killed_run_leaves_a_loadable_checkpoint_and_resumes(tmp_path, warm_cach
     checkpoint = latest_checkpoint(run)
     AutoModelForCausalLM.from_pretrained(checkpoint)
     step = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
-    resumed = RunLoop(smoke(tmp_path, warm_cache, **{"run_dir": json.dumps(str(run)), "loop.steps": str(step + 1)}), resume=True, log=lambda *_: None, source="inline")
+    resumed = RunLoop(
+        smoke(tmp_path, warm_cache, **{"run_dir": json.dumps(str(run)), "loop.steps": str(step + 1)}),
+        resume=True,
+        log=lambda *_: None,
+        source="inline",
+    )
     assert resumed.start_step == step
     assert resumed.run()["trained_samples"] == (step + 1) * 2 * 4
 
@@ -123,17 +151,35 @@ def _children(pid: int) -> list[int]:
 def test_non_default_algorithm_runs_end_to_end(tmp_path, warm_cache):
     """The wiring of the option families at once: estimator, loss, correction, KL in the reward,
     entropy, overlong shaping and two epochs (no warm start: only the plumbing is under test)."""
-    cfg = smoke(tmp_path, warm_cache, **{
-        "loop.steps": "2", "warmstart.steps": "0", "trainer.advantage": "rloo", "trainer.loss": "gspo", "trainer.old_logprobs": "'trainer'",
-        "trainer.correction": "mis", "trainer.correction_level": "sequence", "trainer.kl_coef": "0.05",
-        "trainer.kl_placement": "reward", "trainer.entropy_coef": "0.01", "trainer.overlong": "penalty",
-        "trainer.epochs": "2",
-    })
+    cfg = smoke(
+        tmp_path,
+        warm_cache,
+        **{
+            "loop.steps": "2",
+            "warmstart.steps": "0",
+            "trainer.advantage": "rloo",
+            "trainer.loss": "gspo",
+            "trainer.old_logprobs": "'trainer'",
+            "trainer.correction": "mis",
+            "trainer.correction_level": "sequence",
+            "trainer.kl_coef": "0.05",
+            "trainer.kl_placement": "reward",
+            "trainer.entropy_coef": "0.01",
+            "trainer.overlong": "penalty",
+            "trainer.epochs": "2",
+        },
+    )
     train(cfg, log=lambda *_: None)
     lines = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
     steps = [line for line in lines if "train/loss" in line]
     assert len(steps) == 2
-    for key in ("offpolicy/ratio_mean", "offpolicy/masked_frac", "offpolicy/behaviour_kl", "train/entropy",
-                "rollout/kl_ref_mean", "rollout/shaped_reward_mean"):
+    for key in (
+        "offpolicy/ratio_mean",
+        "offpolicy/masked_frac",
+        "offpolicy/behaviour_kl",
+        "train/entropy",
+        "rollout/kl_ref_mean",
+        "rollout/shaped_reward_mean",
+    ):
         assert all(key in line for line in steps), key
     assert all(abs(line["offpolicy/ratio_mean"] - 1.0) < 1e-4 for line in steps)  # staleness 0

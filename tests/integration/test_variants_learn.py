@@ -53,8 +53,10 @@ def test_variant_raises_a_toy_reward(tiny_policy, problems, variant):
         completions = sampler.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW_TOKENS, seed=step))
         rollouts = [Rollout("toy", c, even_token_reward(c.token_ids), "ok") for c in completions]
         curve.append(sum(r.reward for r in rollouts) / len(rollouts))
-        step_groups = [Group(index=i, task_index=i, born=step, rollouts=tuple(rollouts[i * GROUP : (i + 1) * GROUP]))
-                       for i in range(len(rollouts) // GROUP)]
+        step_groups = [
+            Group(index=i, task_index=i, born=step, rollouts=tuple(rollouts[i * GROUP : (i + 1) * GROUP]))
+            for i in range(len(rollouts) // GROUP)
+        ]
         targets = step_targets(step_groups, cfg, MAX_NEW_TOKENS)
         batch = build_batch(completions, targets.advantages, targets.is_trainable, tiny_policy.pad_id, group_ids)
         trainer.step(batch.select(targets.keep))

@@ -35,9 +35,7 @@ def host_state() -> dict[str, object]:
     with open("/proc/self/mountinfo") as mountinfo:
         mounts = sorted(line.split()[4] for line in mountinfo)
     cgroups = sorted(
-        str(path)
-        for path in Path("/sys/fs/cgroup").glob("*/**/gapless-sandbox/uid-*")
-        if int(path.name[4:]) in uids
+        str(path) for path in Path("/sys/fs/cgroup").glob("*/**/gapless-sandbox/uid-*") if int(path.name[4:]) in uids
     )
     return {
         "processes": [pid for pid, uid, _ in procs.scan_processes() if uid in uids],

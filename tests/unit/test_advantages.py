@@ -47,7 +47,9 @@ def test_drgrpo_is_mean_centred_without_std():
     out = group_advantages([1.0, 0.0, 0.0, 1.0], estimator="drgrpo")
     assert out.advantages == [0.5, -0.5, -0.5, 0.5]
     # rewards 0.2, 0.4, 0.9: mean 0.5 -> -0.3, -0.1, 0.4
-    assert group_advantages([0.2, 0.4, 0.9], estimator="drgrpo").advantages == pytest.approx([-0.3, -0.1, 0.4], abs=1e-12)
+    assert group_advantages([0.2, 0.4, 0.9], estimator="drgrpo").advantages == pytest.approx(
+        [-0.3, -0.1, 0.4], abs=1e-12
+    )
 
 
 def test_rloo_leave_one_out_baseline():
@@ -56,15 +58,20 @@ def test_rloo_leave_one_out_baseline():
     out = group_advantages([1.0, 0.0, 0.0], estimator="rloo")
     assert out.advantages == pytest.approx([1.0, -0.5, -0.5], abs=1e-12)
     # rewards 0.2, 0.4, 0.9: baselines 0.65, 0.55, 0.3 -> -0.45, -0.15, 0.6
-    assert group_advantages([0.2, 0.4, 0.9], estimator="rloo").advantages == pytest.approx([-0.45, -0.15, 0.6], abs=1e-12)
+    assert group_advantages([0.2, 0.4, 0.9], estimator="rloo").advantages == pytest.approx(
+        [-0.45, -0.15, 0.6], abs=1e-12
+    )
 
 
-@pytest.mark.parametrize("estimator, expected", [
-    # valid rewards [1, 0, 1] (the third rollout failed to run and is left out):
-    ("grpo", [0.57735, -1.154701, 0.0, 0.57735]),  # mean 2/3, std sqrt((1/9 + 4/9 + 1/9) / 2) = 0.57735
-    ("drgrpo", [1 / 3, -2 / 3, 0.0, 1 / 3]),  # r - 2/3
-    ("rloo", [0.5, -1.0, 0.0, 0.5]),  # 1 - mean(0, 1), 0 - mean(1, 1), 1 - mean(1, 0)
-])
+@pytest.mark.parametrize(
+    "estimator, expected",
+    [
+        # valid rewards [1, 0, 1] (the third rollout failed to run and is left out):
+        ("grpo", [0.57735, -1.154701, 0.0, 0.57735]),  # mean 2/3, std sqrt((1/9 + 4/9 + 1/9) / 2) = 0.57735
+        ("drgrpo", [1 / 3, -2 / 3, 0.0, 1 / 3]),  # r - 2/3
+        ("rloo", [0.5, -1.0, 0.0, 0.5]),  # 1 - mean(0, 1), 0 - mean(1, 1), 1 - mean(1, 0)
+    ],
+)
 def test_every_estimator_excludes_infra_failures(estimator, expected):
     out = group_advantages([1.0, 0.0, 0.0, 1.0], valid=[True, True, False, True], eps=0.0, estimator=estimator)
     assert out.advantages == pytest.approx(expected, abs=1e-6)

@@ -34,19 +34,28 @@ def _same_tokenizer(ours, path) -> None:
     assert len(theirs) == len(ours) and theirs.eos_token == ours.eos_token == EOS and theirs.pad_token == PAD
     for text in TRICKY:
         for special in (False, True):
-            assert theirs.encode(text, add_special_tokens=special) == ours.encode(text, add_special_tokens=special), text
+            assert theirs.encode(text, add_special_tokens=special) == ours.encode(text, add_special_tokens=special), (
+                text
+            )
         ids = ours.encode(text, add_special_tokens=False)
         assert theirs.decode(ids) == ours.decode(ids)
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi  there"}]
     rendered = theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert rendered == ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert theirs.convert_tokens_to_ids([IM_START, IM_END]) == ours.convert_tokens_to_ids([IM_START, IM_END])
-    assert rendered[: 1] == [theirs.convert_tokens_to_ids(IM_START)]  # the turn tokens are special, one id each
+    assert rendered[:1] == [theirs.convert_tokens_to_ids(IM_START)]  # the turn tokens are special, one id each
 
 
 def _cfg(architecture: str) -> ModelConfig:
-    return ModelConfig(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=300,
-                       architecture=architecture)
+    return ModelConfig(
+        hidden_size=32,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        vocab_size=300,
+        architecture=architecture,
+    )
 
 
 @pytest.mark.parametrize("architecture", ["qwen2", "llama", "phi3", "gemma3"])
@@ -73,9 +82,14 @@ def test_the_embedded_format_stays_raw_and_chat_uses_chatml(tmp_path):
     chat = build_tiny(_cfg("qwen2").model_copy(update={"prompt_format": "chat"}), TEXTS, seed=0)
     tok = chat.tokenizer
     assert chat.stop_ids == (tok.convert_tokens_to_ids(IM_END),)
-    want = [tok.convert_tokens_to_ids(IM_START)] + tok.encode("user\nadd 2", add_special_tokens=False) \
-        + [tok.convert_tokens_to_ids(IM_END)] + tok.encode("\n", add_special_tokens=False) \
-        + [tok.convert_tokens_to_ids(IM_START)] + tok.encode("assistant\n", add_special_tokens=False)
+    want = (
+        [tok.convert_tokens_to_ids(IM_START)]
+        + tok.encode("user\nadd 2", add_special_tokens=False)
+        + [tok.convert_tokens_to_ids(IM_END)]
+        + tok.encode("\n", add_special_tokens=False)
+        + [tok.convert_tokens_to_ids(IM_START)]
+        + tok.encode("assistant\n", add_special_tokens=False)
+    )
     assert chat.encode("add 2") == want
     chat.save(tmp_path)
     assert load_local(tmp_path).encode.format == "chat"

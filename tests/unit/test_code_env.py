@@ -22,7 +22,9 @@ def env():
 
 @pytest.fixture(scope="module")
 def int_problem():
-    return next(p for p in generate_problems(0, "train", 50, [2]) if p.solution.startswith("x * ") and "+" in p.solution)
+    return next(
+        p for p in generate_problems(0, "train", 50, [2]) if p.solution.startswith("x * ") and "+" in p.solution
+    )
 
 
 @pytest.mark.parametrize(
@@ -36,8 +38,12 @@ def int_problem():
         ("exit(0)", "wrong_answer", 0.0),  # SystemExit in a call: that call's failure, in its own process
         ("__import__('os')._exit(0)", "harness_incomplete", 0.0),
         ("0\nimport sys; sys.exit(0)", "harness_incomplete", 0.0),  # module-level exit before the tests run
-        ("0\nprint('{{\"i\": 0, \"out\": 1}}')", "wrong_answer", 0.0),  # fake results on stdout count for nothing
-        ("0\nimport os; os.write(3, b'{{\"i\": 0, \"out\": 123456}}\\n')", "harness_incomplete", 0.0),  # fd 3 is the channel to the judge: not ready
+        ('0\nprint(\'{{"i": 0, "out": 1}}\')', "wrong_answer", 0.0),  # fake results on stdout count for nothing
+        (
+            '0\nimport os; os.write(3, b\'{{"i": 0, "out": 123456}}\\n\')',
+            "harness_incomplete",
+            0.0,
+        ),  # fd 3 is the channel to the judge: not ready
         ("0\nbomb = [0] * 10**10", "memory_limit", 0.0),  # allocated at import: the program dies of it
         ("__import__('time').sleep(60)", "timeout", 0.0),
     ],
@@ -106,7 +112,9 @@ def test_literal_asserts_are_compared_on_the_host_with_the_asserts_meaning(env):
         "    return (a, b)": ("ok", 1.0),  # `(0, 0.0) == (0, 0)` holds, as in the assert
         "    return [a, b]": ("wrong_answer", 0.0),  # a list is not a tuple
         "    class Any(tuple):\n        def __eq__(self, other):\n            return True\n    return Any((9,))": (
-            "wrong_answer", 0.0),  # a tuple subclass crosses as the plain tuple it holds
+            "wrong_answer",
+            0.0,
+        ),  # a tuple subclass crosses as the plain tuple it holds
         "    return a +": ("compile_error", 0.0),
         "    import os\n    os._exit(0)": ("harness_incomplete", 0.0),
     }

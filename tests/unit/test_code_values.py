@@ -14,7 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gapless.envs.code.environment import parse_report
-from gapless.envs.code.values import MAX_DEPTH, MAX_INT_DIGITS, Malformed, Unrepresentable, decode, encode, loads_bounded
+from gapless.envs.code.values import (
+    MAX_DEPTH,
+    MAX_INT_DIGITS,
+    Malformed,
+    Unrepresentable,
+    decode,
+    encode,
+    loads_bounded,
+)
 
 EXPECTED = ("1", "[1, 2]", '{"a": true}')
 ADVERSARIAL = [
@@ -64,12 +72,17 @@ json_values = st.recursive(
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.one_of(
-    json_values.map(lambda v: json.dumps({"i": 0, "out": v}).encode()),
-    st.integers(0, 6000).map(lambda n: b'{"i": 1, "out": ' + b"7" * n + b"}"),
-    st.integers(0, 3000).map(lambda n: b"[" * n + b"]" * n),
-    st.binary(max_size=64),
-), max_size=8))
+@given(
+    st.lists(
+        st.one_of(
+            json_values.map(lambda v: json.dumps({"i": 0, "out": v}).encode()),
+            st.integers(0, 6000).map(lambda n: b'{"i": 1, "out": ' + b"7" * n + b"}"),
+            st.integers(0, 3000).map(lambda n: b"[" * n + b"]" * n),
+            st.binary(max_size=64),
+        ),
+        max_size=8,
+    )
+)
 def test_mixed_record_streams_never_raise(lines):
     parse_report(b"\n".join(lines), EXPECTED)
 
@@ -84,11 +97,19 @@ def test_decode_never_raises_but_malformed(data):
 
 
 plain_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10)
-    | st.binary(max_size=10) | st.complex_numbers(allow_nan=False),
-    lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner)
-    | st.frozensets(st.integers() | st.text(max_size=5), max_size=4)
-    | st.dictionaries(st.integers() | st.text(max_size=5) | st.tuples(st.integers()), inner, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False)
+    | st.text(max_size=10)
+    | st.binary(max_size=10)
+    | st.complex_numbers(allow_nan=False),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.frozensets(st.integers() | st.text(max_size=5), max_size=4)
+        | st.dictionaries(st.integers() | st.text(max_size=5) | st.tuples(st.integers()), inner, max_size=4)
+    ),
     max_leaves=30,
 )
 
@@ -119,11 +140,16 @@ def test_bounds_are_enforced_on_both_sides():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.one_of(
-    st.binary(max_size=64),
-    plain_values.map(lambda v: json.dumps({"i": 0, "value": encode(v)}).encode()),
-    st.text(max_size=64).map(lambda t: json.dumps({"i": 1, "value": t}).encode()),
-    st.integers(0, 6000).map(lambda n: json.dumps({"i": 2, "value": "7" * n}).encode()),
-), max_size=6))
+@given(
+    st.lists(
+        st.one_of(
+            st.binary(max_size=64),
+            plain_values.map(lambda v: json.dumps({"i": 0, "value": encode(v)}).encode()),
+            st.text(max_size=64).map(lambda t: json.dumps({"i": 1, "value": t}).encode()),
+            st.integers(0, 6000).map(lambda n: json.dumps({"i": 2, "value": "7" * n}).encode()),
+        ),
+        max_size=6,
+    )
+)
 def test_typed_reports_never_raise(lines):
     parse_report(b"\n".join(lines), EXPECTED, typed_expected=((1, 2), {"a": {3}}, 7))

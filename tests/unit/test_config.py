@@ -29,11 +29,19 @@ def test_precedence_defaults_file_cli(tmp_path):
         ({"trainer.loss": "ppo"}, "trainer.loss: Input should be 'grpo', 'dapo', 'drgrpo', 'gspo' or 'cispo'"),
         ({"trainer.advantage": "gae"}, "trainer.advantage"),
         ({"trainer.correction": "tis"}, "it needs trainer.old_logprobs = 'trainer'"),
-        ({"trainer.overlong": "penalty", "trainer.overlong_buffer": "30"},
-         "trainer.overlong_buffer (30) must not exceed generator.max_new_tokens (24)"),
+        (
+            {"trainer.overlong": "penalty", "trainer.overlong_buffer": "30"},
+            "trainer.overlong_buffer (30) must not exceed generator.max_new_tokens (24)",
+        ),
         ({"trainer.tis_cap": "0.5"}, "trainer.tis_cap"),
-        ({"pipeline.partial_rollout_s": "2", "generator.engine": "reference"}, "pipeline.partial_rollout_s cuts running sequences"),
-        ({"generator.kernels": "native", "generator.engine": "reference"}, "generator.kernels = 'native' applies to generator.engine = 'torch' only"),
+        (
+            {"pipeline.partial_rollout_s": "2", "generator.engine": "reference"},
+            "pipeline.partial_rollout_s cuts running sequences",
+        ),
+        (
+            {"generator.kernels": "native", "generator.engine": "reference"},
+            "generator.kernels = 'native' applies to generator.engine = 'torch' only",
+        ),
         ({"generator.kernels": "cuda"}, "generator.kernels: Input should be 'auto', 'native' or 'torch'"),
     ],
 )
@@ -59,7 +67,14 @@ def test_every_field_is_documented():
 
 def test_default_algorithm_is_token_level_grpo():
     t = Config().trainer
-    assert (t.advantage, t.loss, t.clip_eps, t.clip_high, t.old_logprobs, t.correction) == ("grpo", "dapo", 0.2, 0.2, "behaviour", "none")
+    assert (t.advantage, t.loss, t.clip_eps, t.clip_high, t.old_logprobs, t.correction) == (
+        "grpo",
+        "dapo",
+        0.2,
+        0.2,
+        "behaviour",
+        "none",
+    )
     assert (t.kl_coef, t.entropy_coef, t.overlong, t.drop_zero_variance) == (0.0, 0.0, "keep", False)
     assert load_config(None, {"trainer.clip_eps_high": "0.28"}).trainer.clip_high == 0.28
 
@@ -104,12 +119,19 @@ def test_tool_use_rejects_the_per_completion_overlong_penalty():
         load_config(overrides={"task.name": "tool_use", "trainer.overlong": "penalty"})
 
 
-@pytest.mark.parametrize("placement, transport, fix", [("local", "broadcast", "cluster.placement = 'ray'"),
-                                                      ("local", "object_store", "cluster.placement = 'ray'"),
-                                                      ("ray", "shm", "'broadcast'")])
+@pytest.mark.parametrize(
+    "placement, transport, fix",
+    [
+        ("local", "broadcast", "cluster.placement = 'ray'"),
+        ("local", "object_store", "cluster.placement = 'ray'"),
+        ("ray", "shm", "'broadcast'"),
+    ],
+)
 def test_a_weight_transport_the_placement_cannot_use_names_the_field_and_the_fix(placement, transport, fix):
     with pytest.raises(ConfigError) as err:
-        load_config(None, {"cluster.placement": json.dumps(placement), "cluster.weight_transport": json.dumps(transport)})
+        load_config(
+            None, {"cluster.placement": json.dumps(placement), "cluster.weight_transport": json.dumps(transport)}
+        )
     assert f"cluster.weight_transport = '{transport}'" in str(err.value) and fix in str(err.value), str(err.value)
 
 

@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
+from gapless.cluster.watchdog import process_state
 from gapless.config import ClusterConfig, ConfigError, TrainerConfig, load_config
 from gapless.generate.sampler import TorchSampler
-from gapless.cluster.watchdog import process_state
 from gapless.trainer.batch import build_batch
 from gapless.trainer.distributed import DataParallelTrainer, TrainerRankFailed, deal_rows, make_trainer
 from gapless.trainer.trainer import GRPOTrainer, StepStats, Trainer
@@ -35,7 +35,9 @@ def sampled(tiny_policy, problems):
     prompts = [tiny_policy.encode(p.prompt) for p in problems[:3] for _ in range(3)]
     completions = sampler.generate(prompts, SamplingParams(temperature=0.7, max_new_tokens=MAX_NEW_TOKENS, seed=5))
     advantages = torch.randn(len(completions), generator=torch.Generator().manual_seed(0)).tolist()
-    batch = build_batch(completions, advantages, [i != 4 for i in range(9)], tiny_policy.pad_id, [i // 3 for i in range(9)])
+    batch = build_batch(
+        completions, advantages, [i != 4 for i in range(9)], tiny_policy.pad_id, [i // 3 for i in range(9)]
+    )
     return model, batch
 
 
@@ -93,8 +95,9 @@ def test_ddp_world_2_equals_world_1_and_a_killed_rank_is_named(sampled):
     model, batch = sampled
     cfg = TrainerConfig(micro_batch_size=2, epochs=2, kl_coef=0.05, entropy_coef=0.01)
     world_1 = GRPOTrainer(copy.deepcopy(model), cfg, 0.7, MAX_NEW_TOKENS)
-    world_2 = DataParallelTrainer(copy.deepcopy(model), cfg, ClusterConfig(trainer_world_size=2, op_timeout_s=30), 0.7,
-                                  MAX_NEW_TOKENS)
+    world_2 = DataParallelTrainer(
+        copy.deepcopy(model), cfg, ClusterConfig(trainer_world_size=2, op_timeout_s=30), 0.7, MAX_NEW_TOKENS
+    )
     pids = list(world_2.hosts.pids().values())
     try:
         assert_same_step(world_1, world_2, batch)
@@ -137,7 +140,10 @@ def test_cluster_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="cluster.trainer_world_size"):
         load_config(None, {"cluster.trainer_world_size": "0"})
     with pytest.raises(ConfigError, match="cluster.op_timeout_s .* cluster.rendezvous_timeout_s"):
-        load_config(None, {"cluster.trainer_world_size": "2", "cluster.op_timeout_s": "600", "cluster.rendezvous_timeout_s": "60"})
+        load_config(
+            None,
+            {"cluster.trainer_world_size": "2", "cluster.op_timeout_s": "600", "cluster.rendezvous_timeout_s": "60"},
+        )
     with pytest.raises(ConfigError, match="cluster.data_parallel"):
         load_config(None, {"cluster.data_parallel": "'zero3'"})
     cores = os.cpu_count()
@@ -145,13 +151,16 @@ def test_cluster_config_errors_name_the_field():
         assert load_config(None, {"cluster.trainer_world_size": str(cores + 1)}).cluster.trainer_world_size == cores + 1
 
 
-@pytest.mark.parametrize("placement", ["world_1", pytest.param("ddp", marks=pytest.mark.slow),
-                                       pytest.param("fsdp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "placement", ["world_1", pytest.param("ddp", marks=pytest.mark.slow), pytest.param("fsdp2", marks=pytest.mark.slow)]
+)
 def test_trainer_contract(sampled, placement):
     """What the run loop touches, on every implementation of the Trainer protocol."""
     model, batch = sampled
     cfg = TrainerConfig(micro_batch_size=4, kl_coef=0.05, lr=1e-2)
-    cluster = ClusterConfig() if placement == "world_1" else ClusterConfig(trainer_world_size=2, data_parallel=placement)
+    cluster = (
+        ClusterConfig() if placement == "world_1" else ClusterConfig(trainer_world_size=2, data_parallel=placement)
+    )
     trainer = make_trainer(cfg, copy.deepcopy(model), cluster, 0.7, MAX_NEW_TOKENS)
     try:
         assert isinstance(trainer, Trainer)
@@ -193,9 +202,18 @@ def test_ranks_placed_on_ray_equal_local_ranks_bitwise_and_a_killed_rank_is_name
 
     model, batch = sampled
     trainer_cfg = TrainerConfig(micro_batch_size=2, epochs=2, kl_coef=0.05, entropy_coef=0.01)
-    cfg = load_config(None, {"cluster.placement": '"ray"', "cluster.trainer_world_size": "2", "cluster.op_timeout_s": "30",
-                             "pipeline.generator_threads": "1", "trainer.threads": "1", "cluster.object_store_mb": "100",
-                             "run_dir": repr(str(tmp_path))})
+    cfg = load_config(
+        None,
+        {
+            "cluster.placement": '"ray"',
+            "cluster.trainer_world_size": "2",
+            "cluster.op_timeout_s": "30",
+            "pipeline.generator_threads": "1",
+            "trainer.threads": "1",
+            "cluster.object_store_mb": "100",
+            "run_dir": repr(str(tmp_path)),
+        },
+    )
     with DataParallelTrainer(copy.deepcopy(model), trainer_cfg, cfg.cluster, 0.7, MAX_NEW_TOKENS) as local:
         local_stats = local.step(batch)
         local_weights, local_optimizer = local.state_for_push(), local.optimizer.state_dict()

@@ -19,7 +19,7 @@ def relative_links(text: str) -> list[str]:
 
 
 def test_the_link_finder_sees_relative_links_and_skips_urls_anchors_and_code():
-    text = "[a](docs/x.md#part) [b](https://e.org) [c](#top) [d](../y.md \"t\")\n```\n[e](z.md)\n```\n"
+    text = '[a](docs/x.md#part) [b](https://e.org) [c](#top) [d](../y.md "t")\n```\n[e](z.md)\n```\n'
     assert relative_links(text) == ["docs/x.md#part", "../y.md"]
 
 

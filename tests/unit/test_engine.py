@@ -29,8 +29,15 @@ def _peaked(model, seed: int, std: float = 0.15):
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
 def policy(request, problems):
-    cfg = ModelConfig(architecture=request.param, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                      intermediate_size=64, vocab_size=300)
+    cfg = ModelConfig(
+        architecture=request.param,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        vocab_size=300,
+    )
     pol = build_tiny(cfg, [p.prompt + p.solution for p in problems], seed=0)
     pol.model = _peaked(pol.model, seed=1)
     return pol
@@ -63,17 +70,29 @@ def test_greedy_equals_transformers_generate(policy, problems, kernels):
     width = max(map(len, prompts))
     ids = torch.tensor([[policy.pad_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    ref = policy.model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
-                                pad_token_id=policy.pad_id, eos_token_id=policy.eos_id)[:, width:]
+    ref = policy.model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=12,
+        pad_token_id=policy.pad_id,
+        eos_token_id=policy.eos_id,
+    )[:, width:]
     for c, row in zip(got, ref.tolist()):
         assert c.token_ids == row[: len(c.token_ids)]
         assert len(c.token_ids) == 12 or c.token_ids[-1] == policy.eos_id
     assert len({tuple(c.token_ids) for c in got}) > 1
 
 
-@pytest.mark.parametrize(("starts", "ranges"), [([6, 9, 4, 7, 5], None), ([40, 3, 4, 3, 5, 4, 3, 6], [(0, 1), (1, 8)]),
-                                               ([3, 40, 4, 30, 5, 4, 3, 6], [(0, 1), (1, 4), (4, 5), (5, 8)])],
-                         ids=["mixed", "one-long", "split"])
+@pytest.mark.parametrize(
+    ("starts", "ranges"),
+    [
+        ([6, 9, 4, 7, 5], None),
+        ([40, 3, 4, 3, 5, 4, 3, 6], [(0, 1), (1, 8)]),
+        ([3, 40, 4, 30, 5, 4, 3, 6], [(0, 1), (1, 4), (4, 5), (5, 8)]),
+    ],
+    ids=["mixed", "one-long", "split"],
+)
 def test_cached_decode_logits_equal_full_recomputation(policy, problems, starts, ranges, kernels):
     """Runner level: prefill of prefixes of different lengths, then batched decode steps with
     every row at its own position, attending in one range or in several (each its own length)."""
@@ -157,7 +176,9 @@ def test_in_flight_swap_keeps_cache_and_versions(policy, problems, kernels):
             _hf_forward(policy.model, c.prompt_ids + before[:-1], cache)  # cache built by the old weights
             token, want = before[-1], []
             for _ in after:
-                token = int(new_model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1].argmax())
+                token = int(
+                    new_model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1].argmax()
+                )
                 want.append(token)
         assert after == want
 
@@ -234,7 +255,9 @@ def test_stop_tokens_end_a_completion(policy, problems, kernels):
     engine = _engine(policy, kernels)
     free = engine.generate([prompt], SamplingParams(greedy=True, max_new_tokens=8, ignore_eos=True))[0]
     stop = free.token_ids[3]
-    cut = engine.generate([prompt], SamplingParams(greedy=True, max_new_tokens=8, stop_token_ids=(stop,), ignore_eos=True))[0]
+    cut = engine.generate(
+        [prompt], SamplingParams(greedy=True, max_new_tokens=8, stop_token_ids=(stop,), ignore_eos=True)
+    )[0]
     first = free.token_ids.index(stop)
     assert cut.token_ids == free.token_ids[: first + 1] and cut.finish_reason == "stop"
 
@@ -281,7 +304,9 @@ def test_partial_rollouts_resume_under_new_weights_with_versions(policy, problem
     for i in ("0", "1"):
         c = done[i]
         assert c.versions == [0, 0, 0, 1, 1, 1]
-        cont = reference.generate([c.prompt_ids + c.token_ids[:3]], SamplingParams(greedy=True, max_new_tokens=3, ignore_eos=True))[0]
+        cont = reference.generate(
+            [c.prompt_ids + c.token_ids[:3]], SamplingParams(greedy=True, max_new_tokens=3, ignore_eos=True)
+        )[0]
         assert c.token_ids[3:] == cont.token_ids
     assert done["2"].versions == [1] * 6  # started after the swap
 

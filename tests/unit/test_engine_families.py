@@ -36,8 +36,15 @@ def _randomise(model, seed: int):
 
 @pytest.fixture(scope="module", params=LEAN + GENERIC)
 def policy(request, problems):
-    cfg = ModelConfig(architecture=request.param, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                      intermediate_size=64, vocab_size=300)
+    cfg = ModelConfig(
+        architecture=request.param,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        vocab_size=300,
+    )
     pol = build_tiny(cfg, [p.prompt + p.solution for p in problems], seed=0)
     _randomise(pol.model, seed=1)
     return pol
@@ -57,7 +64,9 @@ def test_path_is_logged_and_as_claimed(policy, caplog):
         engine = TorchEngine(policy.model, policy.eos_id)
     want = "lean" if family in LEAN else "generic"
     assert engine.path == want
-    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine: ")] == [engine_path(policy.model.config)[1]]
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine: ")] == [
+        engine_path(policy.model.config)[1]
+    ]
     assert f"engine: {'lean runner' if want == 'lean' else 'generic path'} for {family}" in caplog.text
 
 
@@ -67,11 +76,19 @@ def test_greedy_equals_transformers_generate(policy, problems):
     refs = []
     for p in prompts:
         with torch.no_grad():
-            out = policy.model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), do_sample=False,
-                                        max_new_tokens=12, pad_token_id=policy.pad_id, eos_token_id=policy.eos_id)
-        refs.append(out[0, len(p):].tolist())
+            out = policy.model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=12,
+                pad_token_id=policy.pad_id,
+                eos_token_id=policy.eos_id,
+            )
+        refs.append(out[0, len(p) :].tolist())
     for kernels in _kernels(policy):
-        got = TorchEngine(policy.model, policy.eos_id, max_batch=2, kernels=kernels).generate(prompts, SamplingParams(greedy=True, max_new_tokens=12))
+        got = TorchEngine(policy.model, policy.eos_id, max_batch=2, kernels=kernels).generate(
+            prompts, SamplingParams(greedy=True, max_new_tokens=12)
+        )
         for c, ref in zip(got, refs):
             assert c.token_ids == ref[: len(c.token_ids)], kernels
         assert len({tuple(c.token_ids) for c in got}) > 1
@@ -80,13 +97,18 @@ def test_greedy_equals_transformers_generate(policy, problems):
 def test_cached_decoding_equals_full_recomputation(policy, problems):
     for kernels in _kernels(policy):
         engine = TorchEngine(policy.model, policy.eos_id, max_batch=2, kernels=kernels)
-        for c in engine.generate(_prompts(policy, problems), SamplingParams(greedy=True, max_new_tokens=10, ignore_eos=True)):
+        for c in engine.generate(
+            _prompts(policy, problems), SamplingParams(greedy=True, max_new_tokens=10, ignore_eos=True)
+        ):
             with torch.no_grad():
                 logits = policy.model(input_ids=torch.tensor([c.prompt_ids + c.token_ids])).logits[0]
             steps = logits[len(c.prompt_ids) - 1 : -1]
             full = torch.log_softmax(steps, -1).gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
             assert steps.argmax(-1).tolist() == c.token_ids, kernels
-            assert torch.allclose(full, torch.tensor(c.logprobs), atol=1e-5), (kernels, (full - torch.tensor(c.logprobs)).abs().max())
+            assert torch.allclose(full, torch.tensor(c.logprobs), atol=1e-5), (
+                kernels,
+                (full - torch.tensor(c.logprobs)).abs().max(),
+            )
 
 
 def test_sampling_logprobs_equal_trainer_logprobs(policy, problems):

@@ -16,8 +16,8 @@ import pytest
 from sandbox_host import SLOT_UID_BASE, needs_bwrap
 
 from gapless.config import ModelConfig
-from gapless.envs.tools.tasks import ToolTask
 from gapless.envs.tools.environment import ToolUseEnvironment
+from gapless.envs.tools.tasks import ToolTask
 from gapless.envs.turns import TurnRequest
 from gapless.models import build_tiny
 from gapless.orchestrate.episode_runner import EpisodeRunner
@@ -26,11 +26,19 @@ from gapless.sandbox import BwrapSandbox, SandboxLimits
 from gapless.types import Completion, SamplingParams
 
 pytestmark = needs_bwrap
-LIMITS = SandboxLimits(timeout_s=10.0, memory_mb=256, max_processes=16)  # no test here times a call out: a busy machine must not either
-TASKS = [ToolTask("a", "Q: 37*48+5\n", "37*48+5", "1781"), ToolTask("b", "Q: 12*13\n", "12*13", "156"),
-         ToolTask("c", "Q: 21*22-3\n", "21*22-3", "459")]
-SCRIPTS = {"a": ["<py>37*48+5</py>", "Answer: 1781"], "b": ["Answer: 150"],
-           "c": ["<py>x = 21*22</py>", "<py>x - 3</py>", "Answer: 459"]}
+LIMITS = SandboxLimits(
+    timeout_s=10.0, memory_mb=256, max_processes=16
+)  # no test here times a call out: a busy machine must not either
+TASKS = [
+    ToolTask("a", "Q: 37*48+5\n", "37*48+5", "1781"),
+    ToolTask("b", "Q: 12*13\n", "12*13", "156"),
+    ToolTask("c", "Q: 21*22-3\n", "21*22-3", "459"),
+]
+SCRIPTS = {
+    "a": ["<py>37*48+5</py>", "Answer: 1781"],
+    "b": ["Answer: 150"],
+    "c": ["<py>x = 21*22</py>", "<py>x - 3</py>", "Answer: 459"],
+}
 N = 2
 
 
@@ -60,9 +68,11 @@ class Scripted:
 
     def turn(self, context, request_id: str = "", index: int = 0) -> Completion:
         prompt = next(p for p in self.prompts if tuple(context[: len(p)]) == p)
-        text = self.prompts[prompt][list(context[len(prompt):]).count(self.policy.eos_id)]
+        text = self.prompts[prompt][list(context[len(prompt) :]).count(self.policy.eos_id)]
         ids = self.policy.encode(text) + [self.policy.eos_id]
-        return Completion(list(context), ids, [-0.5] * len(ids), [self.version] * len(ids), "stop", text, request_id, index)
+        return Completion(
+            list(context), ids, [-0.5] * len(ids), [self.version] * len(ids), "stop", text, request_id, index
+        )
 
     def generate(self, prompts, params: SamplingParams) -> list[Completion]:
         return [self.turn(c) for c in prompts]
@@ -74,8 +84,16 @@ def _run(env, policy, schedule: str, cut: int | None = None, bump_at_c: int | No
     sent: list[tuple[TurnRequest, ...]] = []
     sent_log: list[tuple[TurnRequest, ...]] = []
     scored = []
-    runner = EpisodeRunner(env, TASKS, policy.encode, N, schedule,
-                           lambda replica, turns: (sent.append(turns), sent_log.append(turns)), scored.append, **state_options)
+    runner = EpisodeRunner(
+        env,
+        TASKS,
+        policy.encode,
+        N,
+        schedule,
+        lambda replica, turns: (sent.append(turns), sent_log.append(turns)),
+        scored.append,
+        **state_options,
+    )
     runner.handle(StartEpisodes(0, tuple((g, g, 0) for g in range(len(TASKS)))))
     scripted, rng, pending, deadline = Scripted(policy), random.Random(0), [], time.monotonic() + 60
     while len(scored) < len(TASKS) - (cut is not None) and time.monotonic() < deadline:
@@ -113,12 +131,23 @@ def test_runner_scores_every_group_once_as_the_reference_loop(env, policy, sched
     assert sorted(m for m in marks if m.startswith("graded")) == ["graded group 0", "graded group 1", "graded group 2"]
     for group in scored:
         assert _rows(group.rollouts) == _rows(reference[group.index])
-    assert [r.reward for g in sorted(scored, key=lambda g: g.index) for r in g.rollouts] == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+    assert [r.reward for g in sorted(scored, key=lambda g: g.index) for r in g.rollouts] == [
+        1.0,
+        1.0,
+        0.0,
+        0.0,
+        1.0,
+        1.0,
+    ]
     assert not runner.groups and not runner.turning
     if schedule == "waves":  # one batch per wave turn, of the wave's unfinished episodes, in order
         assert [tuple((t.group, t.sample, t.turn) for t in b) for b in sent] == [
-            ((0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)), ((0, 0, 1), (0, 1, 1)),  # wave 1: a calls, b answers
-            ((2, 0, 0), (2, 1, 0)), ((2, 0, 1), (2, 1, 1)), ((2, 0, 2), (2, 1, 2))]  # wave 2: c, three turns
+            ((0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)),
+            ((0, 0, 1), (0, 1, 1)),  # wave 1: a calls, b answers
+            ((2, 0, 0), (2, 1, 0)),
+            ((2, 0, 1), (2, 1, 1)),
+            ((2, 0, 2), (2, 1, 2)),
+        ]  # wave 2: c, three turns
     else:  # an episode's next turn goes out alone, when its own tool returned
         assert all(len(b) == 1 for b in sent if b[0].turn > 0)
 
@@ -126,7 +155,9 @@ def test_runner_scores_every_group_once_as_the_reference_loop(env, policy, sched
 def test_waves_send_each_wave_turn_as_one_batch_and_turns_one_episode_each(env, policy):
     for schedule in ("waves", "turns"):
         batches: list[tuple[TurnRequest, ...]] = []
-        runner = EpisodeRunner(env, TASKS, policy.encode, N, schedule, lambda replica, turns: batches.append(turns), lambda g: None)
+        runner = EpisodeRunner(
+            env, TASKS, policy.encode, N, schedule, lambda replica, turns: batches.append(turns), lambda g: None
+        )
         runner.handle(StartEpisodes(0, tuple((g, g, 0) for g in range(len(TASKS)))))
         first = [tuple((t.group, t.sample) for t in batch) for batch in batches]
         if schedule == "waves":  # sessions = 4: episodes (0,0) (0,1) (1,0) (1,1), then (2,0) (2,1)
@@ -179,8 +210,11 @@ def test_a_resume_past_the_state_bound_drops_the_group_with_a_reason(env, policy
     buffer = StalenessBuffer(2, 0, False, ledger)
     assert buffer.arrived(c) == "env_state_stale"
     ledger.close()
-    (event,) = [json.loads(line) for line in (tmp_path / "groups.jsonl").read_text().splitlines()
-                if json.loads(line)["event"] == "dropped"]
+    (event,) = [
+        json.loads(line)
+        for line in (tmp_path / "groups.jsonl").read_text().splitlines()
+        if json.loads(line)["event"] == "dropped"
+    ]
     assert event["reason"] == "env_state_stale" and [0, 3] in event["env_state"]
 
 

@@ -98,7 +98,9 @@ def test_chat_transcript_skips_the_sampled_stop_token(policy):
     full = first + tokenizer.encode("yo", add_special_tokens=False) + [stop] + ids
     assert tokenizer.decode(full) == tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "ok"}],
-        tokenize=False, add_generation_prompt=True)
+        tokenize=False,
+        add_generation_prompt=True,
+    )
 
 
 def _chat_tokenizer(policy, start: str, end: str):
@@ -106,8 +108,10 @@ def _chat_tokenizer(policy, start: str, end: str):
 
     tokenizer = copy.deepcopy(policy.tokenizer)
     tokenizer.add_special_tokens({"additional_special_tokens": [start, end]})
-    tokenizer.chat_template = ("{% for m in messages %}" + start + "{{ m['role'] }}\n{{ m['content'] }}" + end + "\n"
-                               "{% endfor %}{% if add_generation_prompt %}" + start + "assistant\n{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}" + start + "{{ m['role'] }}\n{{ m['content'] }}" + end + "\n"
+        "{% endfor %}{% if add_generation_prompt %}" + start + "assistant\n{% endif %}"
+    )
     return tokenizer
 
 
@@ -118,8 +122,11 @@ def test_gateway_serves_one_call_at_a_time_to_the_openai_client():
         channel, base_url = gateway.open()
         client = OpenAI(base_url=base_url, api_key="gapless", max_retries=0, timeout=30)
         out = {}
-        thread = threading.Thread(target=lambda: out.update(
-            r=client.chat.completions.create(model="m", messages=[{"role": "user", "content": "2+2?"}])))
+        thread = threading.Thread(
+            target=lambda: out.update(
+                r=client.chat.completions.create(model="m", messages=[{"role": "user", "content": "2+2?"}])
+            )
+        )
         thread.start()
         call = channel.next(10)
         assert call.messages == [("user", "2+2?")]
@@ -163,8 +170,9 @@ def test_agent_episodes_train_exactly_the_sampled_tokens(policy, tmp_path, monke
     env = _env(command, sessions=4, max_context_tokens=256)
     engine = TorchEngine(policy.model, policy.eos_id, policy.decode, max_batch=8, max_seq_len=256)
     try:
-        groups = env.rollout_groups(engine, TASKS[:2], 2, SamplingParams(temperature=1.0, max_new_tokens=8, seed=3),
-                                    policy.encode)
+        groups = env.rollout_groups(
+            engine, TASKS[:2], 2, SamplingParams(temperature=1.0, max_new_tokens=8, seed=3), policy.encode
+        )
     finally:
         env.close()
     assert env.live_agents == 0
@@ -197,13 +205,17 @@ def _model_turns(c) -> list[list[int]]:
 
 BROKEN = {
     "crash_before_calling": ("import sys; sys.exit(3)", "infra_error"),
-    "crash_after_calling": ("""
+    "crash_after_calling": (
+        """
         import os, sys
         from openai import OpenAI
         OpenAI(max_retries=0).chat.completions.create(model="m", messages=[{"role": "user", "content": os.environ["GAPLESS_PROMPT"]}])
         sys.exit(2)
-    """, "agent_error"),
-    "rewrites_history": ("""
+    """,
+        "agent_error",
+    ),
+    "rewrites_history": (
+        """
         import os
         from openai import OpenAI, BadRequestError
         client = OpenAI(max_retries=0)
@@ -215,14 +227,20 @@ BROKEN = {
                                                                    {"role": "user", "content": "?"}])
         except BadRequestError as exc:
             print("refused", exc.code)
-    """, "no_answer"),
-    "never_answers": ("""
+    """,
+        "no_answer",
+    ),
+    "never_answers": (
+        """
         import os, time
         from openai import OpenAI
         OpenAI(max_retries=0).chat.completions.create(model="m", messages=[{"role": "user", "content": os.environ["GAPLESS_PROMPT"]}])
         time.sleep(600)
-    """, "timeout"),
-    "loops_forever": ("""
+    """,
+        "timeout",
+    ),
+    "loops_forever": (
+        """
         import os
         from openai import OpenAI
         client = OpenAI(max_retries=0)
@@ -230,7 +248,9 @@ BROKEN = {
         while True:
             text = client.chat.completions.create(model="m", messages=messages).choices[0].message.content
             messages += [{"role": "assistant", "content": text}, {"role": "user", "content": " more "}]
-    """, "call_limit"),
+    """,
+        "call_limit",
+    ),
 }
 
 
@@ -243,8 +263,9 @@ def test_a_broken_or_hostile_agent_is_a_status_and_leaves_no_process(policy, tmp
     env = _env(_agent(tmp_path, body), sessions=2, timeout_s=timeout_s, max_calls=3, max_context_tokens=256)
     engine = TorchEngine(policy.model, policy.eos_id, policy.decode, max_batch=4, max_seq_len=256)
     try:
-        [[rollout]] = env.rollout_groups(engine, TASKS[:1], 1, SamplingParams(temperature=1.0, max_new_tokens=4, seed=1),
-                                         policy.encode)
+        [[rollout]] = env.rollout_groups(
+            engine, TASKS[:1], 1, SamplingParams(temperature=1.0, max_new_tokens=4, seed=1), policy.encode
+        )
     finally:
         env.close()
     assert rollout.status == status, rollout.info

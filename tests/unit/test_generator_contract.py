@@ -74,7 +74,9 @@ def test_stepped_surface(stepped, stepped_policy, problems):
     assert stepped.num_running == 4 and stepped.num_waiting == 2
     running = list(stepped.running)
     assert len(running) == 4 and all(s.request_id in ids and len(s.tokens) == 1 for s in running)
-    assert [(r.request_id, r.index, list(r.token_ids)) for r in stepped.running_samples()] == [(s.request_id, s.index, s.tokens) for s in running]
+    assert [(r.request_id, r.index, list(r.token_ids)) for r in stepped.running_samples()] == [
+        (s.request_id, s.index, s.tokens) for s in running
+    ]
     version = stepped.version
     stepped.update_weights(tiny_policy.model.state_dict(), version=version + 1)  # in flight
     partials = stepped.abort([ids[0]])

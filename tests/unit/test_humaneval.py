@@ -13,8 +13,8 @@ import time
 import pytest
 from sandbox_host import SLOT_UID_BASE
 
-from gapless.envs.code.environment import CodeEnvironment
 from gapless.envs.code.dataset import humaneval_tasks
+from gapless.envs.code.environment import CodeEnvironment
 from gapless.sandbox import BwrapSandbox, SandboxLimits
 from gapless.types import Completion
 
@@ -47,18 +47,27 @@ def check_humaneval(selected, expected: int) -> None:
                           splits=tasks, name="humaneval")  # fmt: skip
     try:
         started = time.perf_counter()
-        groups = env.score_groups(evalset, [[
-            _completion(t.solution),
-            _completion(""),  # empty body: the docstring alone makes the function return None
-            _completion(t.solution[: len(t.solution) // 2]),  # cut mid-way, as at max_new_tokens
-        ] for t in evalset])
+        groups = env.score_groups(
+            evalset,
+            [
+                [
+                    _completion(t.solution),
+                    _completion(""),  # empty body: the docstring alone makes the function return None
+                    _completion(t.solution[: len(t.solution) // 2]),  # cut mid-way, as at max_new_tokens
+                ]
+                for t in evalset
+            ],
+        )
         elapsed = time.perf_counter() - started
     finally:
         env.close()
     canonical = {g[0].prompt_uid: (g[0].reward, g[0].status) for g in groups}
     assert all(v == (1.0, "ok") for v in canonical.values()), {k: v for k, v in canonical.items() if v != (1.0, "ok")}
     for _, empty, truncated in groups:
-        assert empty.reward == 0.0 and empty.status in ("wrong_answer", "compile_error"), (empty.prompt_uid, empty.status)
+        assert empty.reward == 0.0 and empty.status in ("wrong_answer", "compile_error"), (
+            empty.prompt_uid,
+            empty.status,
+        )
         assert truncated.reward == 0.0 and truncated.status != "ok", (truncated.prompt_uid, truncated.status)
     print(f"HumanEval: {3 * len(evalset)} programs scored in {elapsed:.1f} s")
     assert elapsed < 120

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from gapless.config import ModelConfig
-from gapless.envs.judge.environment import JudgeEnvironment, embedded_judge_tasks
 from gapless.envs.judge.client import HttpJudgeClient, LocalJudgeClient
+from gapless.envs.judge.environment import JudgeEnvironment, embedded_judge_tasks
 from gapless.generate.sampler import TorchSampler
 from gapless.models import build_tiny
 from gapless.trainer.batch import token_logprobs
@@ -39,7 +39,9 @@ def judge_policy():
     with 'good') or ' 2': just enough to write a score some of the time."""
     tasks = embedded_judge_tasks(0, 4, 2)
     env = JudgeEnvironment(tasks, client=None, rubric=RUBRIC)
-    pairs = [(env.judge_prompt(t, r), " 8" if r.startswith("good") else " 2") for t in tasks["train"] for r in RESPONSES]
+    pairs = [
+        (env.judge_prompt(t, r), " 8" if r.startswith("good") else " 2") for t in tasks["train"] for r in RESPONSES
+    ]
     cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=300)
     policy = build_tiny(cfg, [p + t for p, t in pairs], seed=0)
     untrained = copy.deepcopy(policy.model)
@@ -62,13 +64,30 @@ def served(tmp_path_factory):
     policy, untrained, tasks = judge_policy()
     path = tmp_path_factory.mktemp("judge-model")
     policy.save(path)
-    proc = subprocess.Popen([sys.executable, "-m", "gapless.cli", "serve", "--model.path", str(path), "--port", "0",
-                             "--model-name", "tiny-judge"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gapless.cli",
+            "serve",
+            "--model.path",
+            str(path),
+            "--port",
+            "0",
+            "--model-name",
+            "tiny-judge",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"},
+    )
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 120)
         line = proc.stdout.readline() if ready else ""
-        assert " at http://" in line, f"server did not start: {line!r} {proc.stderr.read() if proc.poll() is not None else ''}"
+        assert " at http://" in line, (
+            f"server did not start: {line!r} {proc.stderr.read() if proc.poll() is not None else ''}"
+        )
         yield line.rsplit(" at ", 1)[1].strip(), policy, untrained, tasks
     finally:
         torch.set_num_threads(threads)
@@ -89,7 +108,13 @@ def test_openai_endpoints(served):
     url, policy, _, _ = served
     with urllib.request.urlopen(f"{url}/models", timeout=30) as response:
         assert json.loads(response.read())["data"][0]["id"] == "tiny-judge"
-    body = {"model": "tiny-judge", "prompt": ["Name 2 fruits.", "Score:"], "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    body = {
+        "model": "tiny-judge",
+        "prompt": ["Name 2 fruits.", "Score:"],
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": 1,
+    }
     code, first = post(f"{url}/completions", body)
     assert code == 200 and len(first["choices"]) == 2
     for choice in first["choices"]:
@@ -109,8 +134,9 @@ def test_openai_endpoints(served):
 
 def test_judge_environment_end_to_end_over_http(served):
     url, _, _, tasks = served
-    env = JudgeEnvironment(tasks, HttpJudgeClient(url, model="tiny-judge", max_tokens=4, timeout_s=60, concurrency=2),
-                           rubric=RUBRIC)
+    env = JudgeEnvironment(
+        tasks, HttpJudgeClient(url, model="tiny-judge", max_tokens=4, timeout_s=60, concurrency=2), rubric=RUBRIC
+    )
     chosen = list(env.tasks("train")[:4])
     groups = [[Completion([1], [2], [0.0], [0], "stop", r) for r in RESPONSES] for _ in chosen]
     rollouts = [r for g in env.score_groups(chosen, groups) for r in g]
@@ -123,7 +149,9 @@ def test_judge_environment_end_to_end_over_http(served):
 def test_a_random_local_judge_writes_garbage_and_nothing_breaks(served):
     _, policy, untrained, tasks = served
     sampler = TorchSampler(untrained, policy.eos_id, policy.pad_id, policy.decode)
-    env = JudgeEnvironment(tasks, LocalJudgeClient(sampler, policy.encode, max_new_tokens=8, temperature=1.0), rubric=RUBRIC)
+    env = JudgeEnvironment(
+        tasks, LocalJudgeClient(sampler, policy.encode, max_new_tokens=8, temperature=1.0), rubric=RUBRIC
+    )
     chosen = list(env.tasks("eval"))
     started = time.monotonic()
     groups = env.score_groups(chosen, [[Completion([1], [2], [0.0], [0], "stop", r) for r in RESPONSES]] * len(chosen))

@@ -14,7 +14,9 @@ def _write_segment(ledger: GroupLedger, trained: dict[int, int], open_groups: li
     """trained: group -> step; open_groups: admitted, never ended (the crash)."""
     for group, step in trained.items():
         ledger.write(GroupEvent(group, "admitted", uid=f"u{group}", born=step))
-        ledger.write(GroupEvent(group, "trained", uid=f"u{group}", born=step, step=step, oldest_version=step, staleness=0))
+        ledger.write(
+            GroupEvent(group, "trained", uid=f"u{group}", born=step, step=step, oldest_version=step, staleness=0)
+        )
     for group in open_groups:
         ledger.write(GroupEvent(group, "admitted", uid=f"u{group}", born=3))
 
@@ -65,5 +67,12 @@ def test_check_ledger_names_each_broken_rule(tmp_path):
 
 def test_event_lines_are_plain_json():
     line = GroupEvent(3, "dropped", 1, "u3", born=2, reason="straggler", step=4).to_json()
-    assert json.loads(line) == {"group": 3, "event": "dropped", "segment": 1, "uid": "u3", "born": 2, "step": 4,
-                                "reason": "straggler"}
+    assert json.loads(line) == {
+        "group": 3,
+        "event": "dropped",
+        "segment": 1,
+        "uid": "u3",
+        "born": 2,
+        "step": 4,
+        "reason": "straggler",
+    }

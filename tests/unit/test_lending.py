@@ -64,8 +64,11 @@ def test_the_generator_waits_for_its_threads_until_the_next_check_and_never_long
 
 
 def test_hooks_check_at_every_decoder_layer_forward_and_backward(problems):
-    policy = build_tiny(ModelConfig(hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=64,
-                                    vocab_size=300), [p.prompt for p in problems[:20]], seed=0)
+    policy = build_tiny(
+        ModelConfig(hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=300),
+        [p.prompt for p in problems[:20]],
+        seed=0,
+    )
     lending = _lending()
     assert lending.install(policy.model) == 3
     ids = torch.tensor([policy.encode(problems[0].prompt)])

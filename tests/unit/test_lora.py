@@ -8,10 +8,18 @@ import copy
 
 import pytest
 import torch
-
-from gapless.lora import (LoraSpec, activate, adapter_parameters, adapter_state, add_lora, attach_lora,
-                          load_adapter_state, merged_state)
 from serve_model import tiny_policy
+
+from gapless.lora import (
+    LoraSpec,
+    activate,
+    adapter_parameters,
+    adapter_state,
+    add_lora,
+    attach_lora,
+    load_adapter_state,
+    merged_state,
+)
 
 IDS = torch.tensor([[1, 5, 7, 9, 11, 13]])
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gapless.config import ConfigError, LoraConfig, TrainerConfig, load_config
-from gapless.generate.engine import TorchEngine
 from gapless.generate.adapters import AdapterMerge
+from gapless.generate.engine import TorchEngine
 from gapless.lora import LoraSpec, check_run_targets, run_spec
 from gapless.models import load_local
 from gapless.trainer.batch import build_batch, token_logprobs
@@ -42,8 +42,13 @@ def _batch(policy, problems, engine=None, seed=5):
     prompts = [policy.encode(p.prompt) for p in problems[:3] for _ in range(GROUP_SIZE)]
     completions = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=seed))
     advantages = torch.randn(len(completions), generator=torch.Generator().manual_seed(0)).tolist()
-    return build_batch(completions, advantages, [True] * len(completions), policy.pad_id,
-                       [i // GROUP_SIZE for i in range(len(completions))])
+    return build_batch(
+        completions,
+        advantages,
+        [True] * len(completions),
+        policy.pad_id,
+        [i // GROUP_SIZE for i in range(len(completions))],
+    )
 
 
 def _trainer(policy, cfg=None, spec=None) -> GRPOTrainer:
@@ -59,7 +64,9 @@ def test_the_optimizer_holds_only_the_adapters_and_the_base_is_shared_and_frozen
     trainer = _trainer(base)
     adapters = [p for n, p in trainer.model.named_parameters() if "lora_" in n]
     held = [p for group in trainer.optimizer.param_groups for p in group["params"]]
-    assert {id(p) for p in held} == {id(p) for p in adapters} and len(adapters) == 2 * 7 * 2  # A, B x 7 targets x 2 layers
+    assert {id(p) for p in held} == {id(p) for p in adapters} and len(
+        adapters
+    ) == 2 * 7 * 2  # A, B x 7 targets x 2 layers
     base_ptrs = {p.data_ptr() for p in base.model.parameters()}
     frozen = {p.data_ptr() for n, p in trainer.model.named_parameters() if "lora_" not in n}
     assert frozen == base_ptrs  # the trainer adapts the policy's own tensors: no second copy
@@ -88,7 +95,11 @@ def test_gradient_checkpointing_and_bfloat16_keep_working(base, problems, tiny_p
 
 def test_the_push_is_the_adapters_alone_in_proportion_to_the_rank(base):
     cfg = base.model.config
-    hidden, inter, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    hidden, inter, kv = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads),
+    )
     # per layer, r * (in + out) for each target: q, o (h, h); k, v (h -> kv); gate, up (h -> inter); down (inter -> h)
     per_rank = cfg.num_hidden_layers * (2 * 2 * hidden + 2 * (hidden + kv) + 3 * (hidden + inter))
     for rank in (2, 4, 8):
@@ -110,7 +121,9 @@ def test_the_engine_merges_each_push_and_samples_with_the_trainers_log_probs(bas
     mine = token_logprobs(trainer.model, batch.input_ids, batch.attention_mask)
     mask = batch.loss_mask.bool()
     assert (mine[mask] - batch.behaviour_logprobs[mask]).abs().max() < 1e-5
-    assert (token_logprobs(base.model, batch.input_ids, batch.attention_mask)[mask] - batch.behaviour_logprobs[mask]).abs().max() > 1e-3
+    assert (
+        token_logprobs(base.model, batch.input_ids, batch.attention_mask)[mask] - batch.behaviour_logprobs[mask]
+    ).abs().max() > 1e-3
     with pytest.raises(KeyError, match="not a LoRA push"):
         engine.update_weights({k: v for k, v in list(trainer.state_for_push().items())[1:]}, 9)
 
@@ -123,7 +136,9 @@ def test_the_checkpoint_is_a_peft_adapter_with_the_same_log_probs_and_resumes(ba
     batch = _batch(base, problems)
     trainer.step(batch)
     step = save_checkpoint(tmp_path, base, trainer.optimizer, 1, {}, adapted=trainer.model)
-    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / "base"), step).eval()
+    loaded = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / "base"), step
+    ).eval()
     ours = token_logprobs(trainer.model, batch.input_ids, batch.attention_mask)
     theirs = token_logprobs(loaded, batch.input_ids, batch.attention_mask)
     assert (ours - theirs).abs().max() < 1e-5
@@ -147,12 +162,16 @@ def test_the_kl_reference_is_the_base_with_adapters_disabled(base, problems):
     mb = list(batch.micro_batches(64))[0][1]
     reference = trainer._reference_logprobs(mb)
     assert torch.allclose(reference, token_logprobs(base.model, mb.input_ids, mb.attention_mask), atol=1e-6)
-    assert (reference - token_logprobs(trainer.model, mb.input_ids, mb.attention_mask)).abs().max() > 1e-4  # adapters on again
+    assert (
+        reference - token_logprobs(trainer.model, mb.input_ids, mb.attention_mask)
+    ).abs().max() > 1e-4  # adapters on again
     assert trainer.step(batch).kl_mean > 0
 
 
 def test_bad_lora_settings_are_config_errors_naming_the_field(base):
-    with pytest.raises(ConfigError, match=r"lora.target_modules: \['qkv'\] match no linear layer.*'down_proj'.*'q_proj'"):
+    with pytest.raises(
+        ConfigError, match=r"lora.target_modules: \['qkv'\] match no linear layer.*'down_proj'.*'q_proj'"
+    ):
         check_run_targets(LoraConfig(rank=4, target_modules=["q_proj", "qkv"]), base.model)
     with pytest.raises(ConfigError, match="lora.target_modules: 'lm_head' is tied"):
         check_run_targets(LoraConfig(rank=4, target_modules=["lm_head"]), base.model)

@@ -38,7 +38,7 @@ def test_binomial_tail_by_hand():
     # P[X >= 4], X ~ Bin(4, 0.1) = 0.1^4
     assert binomial_tail(4, 4, 0.1) == pytest.approx(1e-4)
     # P[X >= 1], X ~ Bin(10, 0.2) = 1 - 0.8^10
-    assert binomial_tail(10, 1, 0.2) == pytest.approx(1 - 0.8 ** 10)
+    assert binomial_tail(10, 1, 0.2) == pytest.approx(1 - 0.8**10)
     assert binomial_tail(5, 0, 0.3) == 1.0 and binomial_tail(5, 6, 0.3) == 0.0
     assert 0.0 < binomial_tail(4000, 900, 0.2) < 1.0  # large n: log space, no overflow
 

@@ -5,62 +5,76 @@ import threading
 
 import pytest
 
-from gapless.envs.math.environment import MathEnvironment, load_math_dataset
 from gapless.envs.math.answer import extract_answer, grade
+from gapless.envs.math.environment import MathEnvironment, load_math_dataset
 from gapless.envs.math.problems import generate_math_problems, left_to_right
 from gapless.envs.records import DatasetError
 from gapless.types import Completion
 
-
 LONG = "+".join(f"{i}x^{{{i}}}" for i in range(1, 40))  # a correct answer of 300+ characters
 
 
-@pytest.mark.parametrize("reference, completion, follows_prompt, reward, status", [
-    ("11", "11", True, 1.0, "ok"),
-    ("11", " 11.\nmore text", True, 1.0, "ok"),
-    ("11", "14", True, 0.0, "wrong_answer"),
-    ("11", "so the value is \\boxed{11}", False, 1.0, "ok"),
-    ("11", "\\boxed{3} then \\boxed{11}", False, 0.0, "wrong_answer"),  # several boxes: math-verify reads the set {3, 11}
-    ("\\{3, 11\\}", "\\boxed{3} and \\boxed{11}", False, 1.0, "ok"),
-    ("11", "Answer: 11", False, 1.0, "ok"),
-    ("11", "the sum is 11", False, 1.0, "ok"),  # math-verify reads the last expression without any anchor
-    ("7", "Answer: the value is 7", False, 1.0, "ok"),  # words are not a product of symbols
-    ("11", "", True, 0.0, "no_answer"),
-    ("11", "\\boxed{", False, 0.0, "no_answer"),  # unclosed box
-    ("11", "\\boxed{11", False, 0.0, "no_answer"),
-    ("11", "\\boxed{}", False, 0.0, "no_answer"),
-    ("\\frac{1}{2}", "\\boxed{0.5}", False, 1.0, "ok"),
-    ("0.5", "1/2", True, 1.0, "ok"),
-    ("-3", "-3", True, 1.0, "ok"),
-    ("-3", "3", True, 0.0, "wrong_answer"),
-    ("11", "abc", True, 0.0, "no_answer"),
-    ("11", "é中😀", True, 0.0, "no_answer"),
-    ("11", "\\boxed{é中😀}", False, 0.0, "parse_error"),
-    ("11", "9" * 100, True, 0.0, "wrong_answer"),  # a huge number is just wrong
-    ("11", "\\boxed{\\frac{1}{0}}", False, 0.0, "wrong_answer"),  # zoo is not 11
-    ("11", "x" * 10_000, True, 0.0, "no_answer"),
-    ("11", "\x00\x01\\\\}}{{", True, 0.0, "no_answer"),
-    (LONG, f"The expansion is \\boxed{{{LONG}}}", False, 1.0, "ok"),  # no character cap on a correct answer
-])
+@pytest.mark.parametrize(
+    "reference, completion, follows_prompt, reward, status",
+    [
+        ("11", "11", True, 1.0, "ok"),
+        ("11", " 11.\nmore text", True, 1.0, "ok"),
+        ("11", "14", True, 0.0, "wrong_answer"),
+        ("11", "so the value is \\boxed{11}", False, 1.0, "ok"),
+        (
+            "11",
+            "\\boxed{3} then \\boxed{11}",
+            False,
+            0.0,
+            "wrong_answer",
+        ),  # several boxes: math-verify reads the set {3, 11}
+        ("\\{3, 11\\}", "\\boxed{3} and \\boxed{11}", False, 1.0, "ok"),
+        ("11", "Answer: 11", False, 1.0, "ok"),
+        ("11", "the sum is 11", False, 1.0, "ok"),  # math-verify reads the last expression without any anchor
+        ("7", "Answer: the value is 7", False, 1.0, "ok"),  # words are not a product of symbols
+        ("11", "", True, 0.0, "no_answer"),
+        ("11", "\\boxed{", False, 0.0, "no_answer"),  # unclosed box
+        ("11", "\\boxed{11", False, 0.0, "no_answer"),
+        ("11", "\\boxed{}", False, 0.0, "no_answer"),
+        ("\\frac{1}{2}", "\\boxed{0.5}", False, 1.0, "ok"),
+        ("0.5", "1/2", True, 1.0, "ok"),
+        ("-3", "-3", True, 1.0, "ok"),
+        ("-3", "3", True, 0.0, "wrong_answer"),
+        ("11", "abc", True, 0.0, "no_answer"),
+        ("11", "é中😀", True, 0.0, "no_answer"),
+        ("11", "\\boxed{é中😀}", False, 0.0, "parse_error"),
+        ("11", "9" * 100, True, 0.0, "wrong_answer"),  # a huge number is just wrong
+        ("11", "\\boxed{\\frac{1}{0}}", False, 0.0, "wrong_answer"),  # zoo is not 11
+        ("11", "x" * 10_000, True, 0.0, "no_answer"),
+        ("11", "\x00\x01\\\\}}{{", True, 0.0, "no_answer"),
+        (LONG, f"The expansion is \\boxed{{{LONG}}}", False, 1.0, "ok"),  # no character cap on a correct answer
+    ],
+)
 def test_grade_table(reference, completion, follows_prompt, reward, status):
     assert grade(reference, completion, follows_prompt) == (reward, status)
 
 
-@pytest.mark.parametrize("reference, completion, peer_status", [
-    ("42", "ANSWER:42", "no_answer"),  # math-verify reads nothing without a space after the colon
-    ("90", "\\boxed{90°}", "parse_error"),  # math-verify cannot read the degree sign
-    ("11", "Answer:11", "no_answer"),
-])
+@pytest.mark.parametrize(
+    "reference, completion, peer_status",
+    [
+        ("42", "ANSWER:42", "no_answer"),  # math-verify reads nothing without a space after the colon
+        ("90", "\\boxed{90°}", "parse_error"),  # math-verify cannot read the degree sign
+        ("11", "Answer:11", "no_answer"),
+    ],
+)
 def test_the_named_additions_turn_what_math_verify_cannot_read_into_ok(reference, completion, peer_status):
     assert grade(reference, completion) == (0.0, peer_status)
     assert grade(reference, completion, lenient=True) == (1.0, "ok")
 
 
-@pytest.mark.parametrize("reference, completion, status", [
-    ("11", "\\boxed{3} then \\boxed{11}", "wrong_answer"),  # math-verify read the set {3, 11}: no rescue
-    ("11", "Answer: 12\n11", "wrong_answer"),
-    ("11", "Answer: the value is", "no_answer"),  # words are not rescued as a product of symbols
-])
+@pytest.mark.parametrize(
+    "reference, completion, status",
+    [
+        ("11", "\\boxed{3} then \\boxed{11}", "wrong_answer"),  # math-verify read the set {3, 11}: no rescue
+        ("11", "Answer: 12\n11", "wrong_answer"),
+        ("11", "Answer: the value is", "no_answer"),  # words are not rescued as a product of symbols
+    ],
+)
 def test_the_additions_never_override_what_math_verify_read(reference, completion, status):
     assert grade(reference, completion, lenient=True) == (0.0, status)
 
@@ -105,8 +119,10 @@ def test_procedural_problems_and_teacher_habit():
 
 def test_math_dataset_file(tmp_path):
     path = tmp_path / "m.jsonl"
-    path.write_text('{"prompt": "What is half of one? Put it in \\\\boxed{}.", "answer": "\\\\frac{1}{2}", "split": "eval"}\n'
-                    '{"prompt": "2+2?", "answer": 4, "split": "train"}\n')
+    path.write_text(
+        '{"prompt": "What is half of one? Put it in \\\\boxed{}.", "answer": "\\\\frac{1}{2}", "split": "eval"}\n'
+        '{"prompt": "2+2?", "answer": 4, "split": "train"}\n'
+    )
     splits = load_math_dataset(path)
     assert [t.answer for t in splits["eval"]] == ["\\frac{1}{2}"]
     path.write_text('{"prompt": "2+2?", "answer": 4}\n{"prompt": "x", "answer": null}\n{"answer": "3"}\n')
@@ -118,16 +134,51 @@ def _completion(text):
     return Completion([], [], [], [], "stop", text)
 
 
-REFERENCES = ["11", "-3", "0", "42", "1000000", "\\frac{1}{2}", "-\\frac{7}{3}", "0.25", "3.14", "\\sqrt{2}", "2\\sqrt{3}",
-              "\\pi", "x^2+1", "2x-5", "\\{1, 2\\}", "(1, 3)", "[0, 1]", "\\frac{\\pi}{4}", "10^6", "e^2"]
-EQUIVALENT = {"11": "11.0", "0": "-0", "42": "42.00", "1000000": "10^6", "\\frac{1}{2}": "0.5", "-\\frac{7}{3}": "-7/3",
-              "0.25": "\\frac{1}{4}", "\\sqrt{2}": "2^{1/2}", "x^2+1": "1+x^2", "2x-5": "-5+2x", "\\{1, 2\\}": "\\{2, 1\\}",
-              "10^6": "1000000", "\\frac{\\pi}{4}": "\\frac{1}{4}\\pi"}
+REFERENCES = [
+    "11",
+    "-3",
+    "0",
+    "42",
+    "1000000",
+    "\\frac{1}{2}",
+    "-\\frac{7}{3}",
+    "0.25",
+    "3.14",
+    "\\sqrt{2}",
+    "2\\sqrt{3}",
+    "\\pi",
+    "x^2+1",
+    "2x-5",
+    "\\{1, 2\\}",
+    "(1, 3)",
+    "[0, 1]",
+    "\\frac{\\pi}{4}",
+    "10^6",
+    "e^2",
+]
+EQUIVALENT = {
+    "11": "11.0",
+    "0": "-0",
+    "42": "42.00",
+    "1000000": "10^6",
+    "\\frac{1}{2}": "0.5",
+    "-\\frac{7}{3}": "-7/3",
+    "0.25": "\\frac{1}{4}",
+    "\\sqrt{2}": "2^{1/2}",
+    "x^2+1": "1+x^2",
+    "2x-5": "-5+2x",
+    "\\{1, 2\\}": "\\{2, 1\\}",
+    "10^6": "1000000",
+    "\\frac{\\pi}{4}": "\\frac{1}{4}\\pi",
+}
 
 
 def math_completions(answer: str, other: str, rng: random.Random) -> list[str]:
     """Correct, wrong, malformed, multi-line, tagged, huge and adversarial completions for one reference."""
-    steps = "\n".join(f"Step {i}: {rng.randint(2, 99)} + {rng.randint(2, 99)} = {rng.randint(2, 200)}" for i in range(rng.randint(1, 4)))
+    steps = "\n".join(
+        f"Step {i}: {rng.randint(2, 99)} + {rng.randint(2, 99)} = {rng.randint(2, 200)}"
+        for i in range(rng.randint(1, 4))
+    )
     same = EQUIVALENT.get(answer, answer)
     return [
         answer,

@@ -76,7 +76,11 @@ def test_linear_equals_the_torch_matmul(kernels, rows, k, n):
 def test_gated_linear_equals_silu_gate_times_up(kernels, rows, k, n):
     """gate | up stacked, n not a multiple of the 8 gate columns per panel, with and without bias."""
     gen = torch.Generator().manual_seed(rows + k + n)
-    x, weight, bias = torch.randn(rows, k, generator=gen), torch.randn(2 * n, k, generator=gen), torch.randn(2 * n, generator=gen)
+    x, weight, bias = (
+        torch.randn(rows, k, generator=gen),
+        torch.randn(2 * n, k, generator=gen),
+        torch.randn(2 * n, generator=gen),
+    )
     packed = kernels.pack_linear(weight, gated=True)
     for b in (None, bias):
         gate, up = F.linear(x, weight, b).chunk(2, dim=-1)
@@ -113,7 +117,11 @@ def test_linear_bits_do_not_depend_on_the_tile_shape(kernels):
         pytest.skip(str(err))
     gen = torch.Generator().manual_seed(11)
     for rows, k, n in ((16, 896, 48), (9, 1030, 160), (1, 64, 16), (53, 300, 37)):
-        x, weight, bias = torch.randn(rows, k, generator=gen), torch.randn(2 * n, k, generator=gen), torch.randn(2 * n, generator=gen)
+        x, weight, bias = (
+            torch.randn(rows, k, generator=gen),
+            torch.randn(2 * n, k, generator=gen),
+            torch.randn(2 * n, generator=gen),
+        )
         packed, gated = kernels.pack_linear(weight[:n]), kernels.pack_linear(weight, gated=True)
         assert torch.equal(kernels.linear(x, packed, n, bias[:n]), avx2.linear(x, packed, n, bias[:n]))
         assert torch.equal(kernels.linear(x, gated, n, bias, gated=True), avx2.linear(x, gated, n, bias, gated=True))
@@ -123,10 +131,20 @@ def test_head_norm_equals_per_head_rms_norm(kernels):
     """qwen3's q/k norms: every query and key head normalised with its weight, values untouched."""
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, hd, rows = 6, 2, 32, 300  # 300 x 8 heads x 32 runs the parallel branch
-    qkv, q_w, k_w = torch.randn(rows, (heads + 2 * kv_heads) * hd, generator=gen) * 3, torch.rand(hd, generator=gen), torch.rand(hd, generator=gen)
+    qkv, q_w, k_w = (
+        torch.randn(rows, (heads + 2 * kv_heads) * hd, generator=gen) * 3,
+        torch.rand(hd, generator=gen),
+        torch.rand(hd, generator=gen),
+    )
     q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
-    want = torch.cat([F.rms_norm(q.reshape(rows, heads, hd), (hd,), q_w, 1e-6).reshape(rows, -1),
-                      F.rms_norm(k.reshape(rows, kv_heads, hd), (hd,), k_w, 1e-6).reshape(rows, -1), v], dim=-1)
+    want = torch.cat(
+        [
+            F.rms_norm(q.reshape(rows, heads, hd), (hd,), q_w, 1e-6).reshape(rows, -1),
+            F.rms_norm(k.reshape(rows, kv_heads, hd), (hd,), k_w, 1e-6).reshape(rows, -1),
+            v,
+        ],
+        dim=-1,
+    )
     got = kernels.head_norm(qkv.clone(), q_w, k_w, heads, kv_heads, 1e-6)
     assert torch.allclose(got, want, atol=1e-5) and torch.equal(got[:, -kv_heads * hd :], v)
 
@@ -134,8 +152,17 @@ def test_head_norm_equals_per_head_rms_norm(kernels):
 def test_decode_attention_rejects_mismatched_shapes(kernels):
     keys = torch.zeros(2, 2, 16, 8)
     with pytest.raises(ValueError, match="do not match 4 heads"):
-        kernels.decode_attend(torch.zeros(2, 7 * 8), torch.zeros(16, 8), torch.zeros(16, 8), torch.zeros(2, dtype=torch.long),
-                              keys, keys.clone(), 4, 2, 1.0)
+        kernels.decode_attend(
+            torch.zeros(2, 7 * 8),
+            torch.zeros(16, 8),
+            torch.zeros(16, 8),
+            torch.zeros(2, dtype=torch.long),
+            keys,
+            keys.clone(),
+            4,
+            2,
+            1.0,
+        )
 
 
 def test_build_is_cached_per_source_and_compiler(tmp_path, monkeypatch):
@@ -196,8 +223,15 @@ def test_sampling_equals_the_torch_sampler(kernels):
     logits = torch.randn(rows, vocab, generator=gen) * 4
     temperature = torch.rand(rows, generator=gen) * 1.5 + 0.3
     u = torch.rand(rows, generator=gen)
-    settings = RowSettings(temperature, torch.ones(rows), torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.bool),
-                           any_truncation=False, any_greedy=False, all_greedy=False)
+    settings = RowSettings(
+        temperature,
+        torch.ones(rows),
+        torch.zeros(rows, dtype=torch.long),
+        torch.zeros(rows, dtype=torch.bool),
+        any_truncation=False,
+        any_greedy=False,
+        all_greedy=False,
+    )
     want_tokens, _ = sample_rows(logits, settings, u)
     tokens, logprobs = kernels.sample_rows(logits, temperature, u)
     assert torch.equal(tokens, want_tokens)

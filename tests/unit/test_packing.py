@@ -34,7 +34,9 @@ def test_pack_restarts_positions_per_row():
     ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     packed, positions, offsets = pack(ids, mask)
-    assert packed.tolist() == [[5, 6, 7, 8, 9]] and positions.tolist() == [[0, 1, 2, 0, 1]] and offsets.tolist() == [0, 3]
+    assert (
+        packed.tolist() == [[5, 6, 7, 8, 9]] and positions.tolist() == [[0, 1, 2, 0, 1]] and offsets.tolist() == [0, 3]
+    )
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -59,8 +61,15 @@ def test_chunked_head_equals_the_log_softmax_values_and_gradients(temperature):
 
 
 def tiny(architecture: str = "qwen2") -> torch.nn.Module:
-    cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=300,
-                      architecture=architecture)
+    cfg = ModelConfig(
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        vocab_size=300,
+        architecture=architecture,
+    )
     return build_tiny(cfg, ["12 + 34 = 46; 7 * 8 = 56"] * 8, seed=0).model
 
 
@@ -110,8 +119,11 @@ def step_gradients(model, batch: Batch, cfg: TrainerConfig) -> list[torch.Tensor
     return grads
 
 
-VARIANTS = [{"loss": "dapo"}, {"loss": "grpo", "entropy_coef": 0.01, "kl_coef": 0.05},
-            {"loss": "gspo", "old_logprobs": "trainer", "correction": "tis", "correction_level": "sequence"}]
+VARIANTS = [
+    {"loss": "dapo"},
+    {"loss": "grpo", "entropy_coef": 0.01, "kl_coef": 0.05},
+    {"loss": "gspo", "old_logprobs": "trainer", "correction": "tis", "correction_level": "sequence"},
+]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v["loss"])
@@ -120,7 +132,9 @@ def test_packed_chunked_step_gives_the_plain_step_gradient(variant, monkeypatch)
     batch = rows(model.config.vocab_size)
     monkeypatch.setattr("gapless.trainer.chunked_head.LOGITS_CHUNK_BYTES", 16 * 2 * 4 * 300)  # 16-position chunks
     plain = step_gradients(model, batch, TrainerConfig(micro_batch_size=len(batch), **variant))
-    packed = step_gradients(model, batch, TrainerConfig(max_tokens_per_micro_batch=40, **variant))  # rows 5+9+14 | 17+23 | 31
+    packed = step_gradients(
+        model, batch, TrainerConfig(max_tokens_per_micro_batch=40, **variant)
+    )  # rows 5+9+14 | 17+23 | 31
     assert len(batch.cut(1, 40)) == 3 and max(len(i) for i, _ in batch.cut(1, 40)) == 3
     for a, b in zip(plain, packed):
         assert torch.allclose(a, b, rtol=0, atol=1e-6 * max(1.0, float(a.abs().max())))

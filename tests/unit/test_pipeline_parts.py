@@ -13,18 +13,25 @@ import time
 import pytest
 import torch
 
+from gapless.cluster.watchdog import ACTORS, Heartbeats, PipelineStalled, StallWatch, process_state
+from gapless.cluster.weights import SharedWeights
 from gapless.orchestrate.admission import Admission, PromptSource, sample_step_tasks
 from gapless.orchestrate.buffer import StalenessBuffer
 from gapless.orchestrate.curriculum import PassRateCurriculum
 from gapless.orchestrate.ledger import GroupLedger
-from gapless.cluster.watchdog import ACTORS, Heartbeats, PipelineStalled, StallWatch, process_state
-from gapless.cluster.weights import SharedWeights
 from gapless.types import Admitted, Completion, Group, Rollout
 
 
 def _group(index: int, born: int, rewards: list[float], versions: list[int] | None = None) -> Group:
-    rollouts = [Rollout("t", Completion([1], [2, 3], [-0.1, -0.2], versions or [born, born], "stop", ""), r, "ok" if r == 1 else "wrong_answer")
-                for r in rewards]
+    rollouts = [
+        Rollout(
+            "t",
+            Completion([1], [2, 3], [-0.1, -0.2], versions or [born, born], "stop", ""),
+            r,
+            "ok" if r == 1 else "wrong_answer",
+        )
+        for r in rewards
+    ]
     return Group(index=index, task_index=0, born=born, rollouts=tuple(rollouts))
 
 
@@ -94,9 +101,18 @@ def test_take_never_trains_past_the_budget_of_the_oldest_token(tmp_path):
     ledger.close()
     events = _ledger_events(tmp_path / "g.jsonl")
     dropped = next(e for e in events if e["event"] == "dropped")
-    assert dropped == {"group": 0, "event": "dropped", "segment": 0, "uid": "t0", "born": 3, "step": 3,
-                       "oldest_version": 1, "reason": "over_budget", "rewards": [0, 1],
-                       "statuses": ["wrong_answer", "ok"]}
+    assert dropped == {
+        "group": 0,
+        "event": "dropped",
+        "segment": 0,
+        "uid": "t0",
+        "born": 3,
+        "step": 3,
+        "oldest_version": 1,
+        "reason": "over_budget",
+        "rewards": [0, 1],
+        "statuses": ["wrong_answer", "ok"],
+    }
     trained = next(e for e in events if e["event"] == "trained")
     assert (trained["born"], trained["oldest_version"], trained["staleness"], trained["step"]) == (3, 3, 0, 3)
 
@@ -115,7 +131,10 @@ def test_oversampling_cuts_due_stragglers_exactly_once(tmp_path):
     assert buf.arrived(_group(0, 0, [1, 0])) is None and not buf.ready  # a cut group arriving late is ignored
     ledger.close()
     events = _ledger_events(tmp_path / "g.jsonl")
-    assert sorted((e["group"], e.get("reason")) for e in events if e["event"] == "dropped") == [(0, "straggler"), (2, "straggler")]
+    assert sorted((e["group"], e.get("reason")) for e in events if e["event"] == "dropped") == [
+        (0, "straggler"),
+        (2, "straggler"),
+    ]
 
 
 def test_dynamic_sampling_drops_zero_variance_and_infra_groups(tmp_path):
@@ -170,7 +189,9 @@ def test_eval_leaves_infra_errors_out_of_pass_at_1():
         return Rollout("t", Completion([1], [2], [-0.1], [0], "stop", ""), 1.0 if status == "ok" else 0.0, status)
 
     # 2 ok, 1 wrong, 3 infra: pass@1 = 2 / 3 over what could be scored, 3 counted beside
-    score = EvalScore.of([rollout(s) for s in ("ok", "ok", "wrong_answer", "infra_error", "infra_error", "infra_error")])
+    score = EvalScore.of(
+        [rollout(s) for s in ("ok", "ok", "wrong_answer", "infra_error", "infra_error", "infra_error")]
+    )
     assert (score.pass_at_1, score.infra_errors, score.scored) == (pytest.approx(2 / 3), 3, 3)
     nothing = EvalScore.of([rollout("infra_error")] * 4)  # a total outage is no verdict: NaN, never 0
     assert nothing.pass_at_1 != nothing.pass_at_1 and nothing.infra_errors == 4
@@ -257,22 +278,33 @@ def test_the_group_that_empties_a_replica_carries_its_report(tmp_path, tiny_poli
     import queue
     import threading
 
+    from gapless.cluster.watchdog import StopFlag
     from gapless.config import load_config
     from gapless.orchestrate import actors
     from gapless.orchestrate.messages import Assign, GenStats, ToScore
-    from gapless.cluster.watchdog import StopFlag
 
     monkeypatch.setattr(actors, "STATS_EVERY_S", 1e9)  # no periodic report during the test
     ctx = mp.get_context("spawn")
-    cfg = load_config(None, {"run_dir": json.dumps(str(tmp_path)), "generator.group_size": "2",
-                             "generator.max_new_tokens": "4"})
+    cfg = load_config(
+        None, {"run_dir": json.dumps(str(tmp_path)), "generator.group_size": "2", "generator.max_new_tokens": "4"}
+    )
     tiny_policy.save(tmp_path / "policy")
     state = {k: v.detach().clone() for k, v in tiny_policy.model.state_dict().items()}
     to_env, inbox, outbox = queue.Queue(), queue.Queue(), queue.Queue()
-    spec = actors.ActorSpec(cfg, "generator", [(p.uid, p.prompt) for p in problems[:3]], tmp_path / "policy", 0,
-                            Heartbeats(ctx, ("generator",)), StopFlag(ctx), inbox, outbox,
-                            weights=SharedWeights(state, 0, ctx), to_env=(to_env,),
-                            max_seq_len=max(len(tiny_policy.encode(p.prompt)) for p in problems[:3]) + 4)
+    spec = actors.ActorSpec(
+        cfg,
+        "generator",
+        [(p.uid, p.prompt) for p in problems[:3]],
+        tmp_path / "policy",
+        0,
+        Heartbeats(ctx, ("generator",)),
+        StopFlag(ctx),
+        inbox,
+        outbox,
+        weights=SharedWeights(state, 0, ctx),
+        to_env=(to_env,),
+        max_seq_len=max(len(tiny_policy.encode(p.prompt)) for p in problems[:3]) + 4,
+    )
     actor = actors._GeneratorActor(spec)
     inbox.put(Assign((Admitted(0, 0, 0), Admitted(1, 1, 0), Admitted(2, 2, 0))))
     runner = threading.Thread(target=actor.run)

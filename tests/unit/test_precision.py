@@ -30,7 +30,9 @@ def _variant(policy, **fields):
 
 def _completions(policy, problems, n=4):
     prompts = [policy.encode(p.prompt) for p in problems[:n]]
-    return TorchEngine(policy.model, policy.eos_id).generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=1))
+    return TorchEngine(policy.model, policy.eos_id).generate(
+        prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=1)
+    )
 
 
 def test_bf16_engine_and_trainer_agree_up_to_bf16_rounding(fp32, problems):
@@ -75,7 +77,9 @@ def test_gradient_checkpointing_gives_the_same_update(fp32, problems):
 def test_precision_is_saved_with_the_checkpoint(fp32, tmp_path):
     _variant(fp32, dtype="bfloat16", fp32_lm_head=True).save(tmp_path)
     loaded = load_local(tmp_path)
-    assert next(loaded.model.parameters()).dtype == torch.bfloat16 and isinstance(loaded.model.get_output_embeddings(), FP32Head)
+    assert next(loaded.model.parameters()).dtype == torch.bfloat16 and isinstance(
+        loaded.model.get_output_embeddings(), FP32Head
+    )
     assert next(load_local(tmp_path, precision=ModelConfig()).model.parameters()).dtype == torch.float32
 
 

@@ -27,7 +27,9 @@ def chat_policy(problems):
     policy = build_tiny(cfg, [p.prompt + p.solution for p in problems], seed=0)
     tok = policy.tokenizer
     tok.add_special_tokens({"bos_token": BOS, "additional_special_tokens": [START, END]})
-    tok._tokenizer.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, tok.convert_tokens_to_ids(BOS))])
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", special_tokens=[(BOS, tok.convert_tokens_to_ids(BOS))]
+    )
     tok.chat_template = TEMPLATE
     policy.model.resize_token_embeddings(len(tok))
     policy.encode = PromptEncoder(tok, "auto")
@@ -37,7 +39,11 @@ def chat_policy(problems):
 def _ids(tok, *tokens_or_text):
     out = []
     for piece in tokens_or_text:
-        out += [tok.convert_tokens_to_ids(piece)] if piece in (BOS, START, END) else tok.encode(piece, add_special_tokens=False)
+        out += (
+            [tok.convert_tokens_to_ids(piece)]
+            if piece in (BOS, START, END)
+            else tok.encode(piece, add_special_tokens=False)
+        )
     return out
 
 
@@ -50,7 +56,9 @@ def test_auto_is_chat_and_prompt_tokens_are_exact(chat_policy):
     assert got == want  # ... the chat prompt has exactly the template's one
     assert got.count(tok.convert_tokens_to_ids(BOS)) == 1
     with_system = PromptEncoder(tok, "chat", system_prompt="Be brief.")("hi")
-    assert with_system == _ids(tok, BOS, START, "system\nBe brief.", END, "\n", START, "user\nhi", END, "\n", START, "assistant\n")
+    assert with_system == _ids(
+        tok, BOS, START, "system\nBe brief.", END, "\n", START, "user\nhi", END, "\n", START, "assistant\n"
+    )
     assert PromptEncoder(tok, "raw")("hi") == tok.encode("hi", add_special_tokens=False)
 
 
@@ -70,14 +78,19 @@ def test_engine_stops_on_the_templates_end_of_turn(chat_policy):
     model.config.tie_word_embeddings = False
     end = chat_policy.tokenizer.convert_tokens_to_ids(END)
     prompt = chat_policy.encode("add 2 and 3")
-    free = TorchEngine(model, chat_policy.eos_id, kernels="torch").generate([prompt], SamplingParams(greedy=True, max_new_tokens=6))[0]
+    free = TorchEngine(model, chat_policy.eos_id, kernels="torch").generate(
+        [prompt], SamplingParams(greedy=True, max_new_tokens=6)
+    )[0]
     assert end not in free.token_ids
     with torch.no_grad():  # a fresh untied head: <|im_end|>'s row copies the third token's, scaled up
         model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.clone())
         model.lm_head.weight[end] = model.lm_head.weight[free.token_ids[2]] * 1.5
-    plain = TorchEngine(model, chat_policy.eos_id, kernels="torch").generate([prompt], SamplingParams(greedy=True, max_new_tokens=6))[0]
+    plain = TorchEngine(model, chat_policy.eos_id, kernels="torch").generate(
+        [prompt], SamplingParams(greedy=True, max_new_tokens=6)
+    )[0]
     stopped = TorchEngine(model, chat_policy.eos_id, kernels="torch", stop_ids=chat_policy.stop_ids).generate(
-        [prompt], SamplingParams(greedy=True, max_new_tokens=6))[0]
+        [prompt], SamplingParams(greedy=True, max_new_tokens=6)
+    )[0]
     k = plain.token_ids.index(end)  # the head change makes <|im_end|> greedy somewhere
     assert stopped.token_ids == plain.token_ids[: k + 1] and stopped.finish_reason == "stop"
     assert plain.finish_reason == "length" and len(plain.token_ids) == 6

@@ -11,9 +11,11 @@ ray = pytest.importorskip("ray")
 from gapless.cluster.ray.deaths import death_reason, is_memory_kill  # noqa: E402
 
 # the head of the text Ray 2.60's raylet writes for a worker its memory monitor killed
-OOM_TEXT = ("1 worker(s) were killed due to the node running low on memory. Memory on the node (IP: 10.0.0.7, ID: "
-            "d235f0) was 22.91GB used / 23.59GB limit (0.971159)\nOOM kill reason: Memory usage 24600000000B exceeded "
-            "threshold of 24060000000B (95.0% of 25324953600B limit)\nObject store memory usage: [- objects spillable: 0\n")
+OOM_TEXT = (
+    "1 worker(s) were killed due to the node running low on memory. Memory on the node (IP: 10.0.0.7, ID: "
+    "d235f0) was 22.91GB used / 23.59GB limit (0.971159)\nOOM kill reason: Memory usage 24600000000B exceeded "
+    "threshold of 24060000000B (95.0% of 25324953600B limit)\nObject store memory usage: [- objects spillable: 0\n"
+)
 
 
 def test_a_memory_monitor_kill_names_the_figures_and_the_fix():

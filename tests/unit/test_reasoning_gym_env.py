@@ -10,8 +10,18 @@ from gapless.envs.reasoning_gym.environment import ReasoningGymEnvironment
 from gapless.types import Completion
 
 DATASETS = ["basic_arithmetic", "leg_counting", "spell_backward"]
-AGREEMENT_DATASETS = ["mini_sudoku", "basic_arithmetic", "leg_counting", "spell_backward", "chain_sum",
-                      "word_sorting", "number_sorting", "propositional_logic", "letter_counting", "simple_equations"]
+AGREEMENT_DATASETS = [
+    "mini_sudoku",
+    "basic_arithmetic",
+    "leg_counting",
+    "spell_backward",
+    "chain_sum",
+    "word_sorting",
+    "number_sorting",
+    "propositional_logic",
+    "letter_counting",
+    "simple_equations",
+]
 
 
 @pytest.fixture(scope="module", params=DATASETS)
@@ -23,20 +33,23 @@ def _answer(env):
     return str(env.tasks("train")[0].entry["answer"])
 
 
-@pytest.mark.parametrize("make_text, status, reward", [
-    (lambda a: f"<answer>{a}</answer>", "ok", 1.0),
-    (lambda a: f"<think>easy</think>\n<answer> {a}\n</answer> done", "ok", 1.0),
-    (lambda a: f"<answer>0</answer> no wait <answer>{a}</answer>", "ok", 1.0),  # the last answer counts
-    (lambda a: "<answer>#%&</answer>", "wrong_answer", 0.0),
-    (lambda a: a, "no_answer", 0.0),  # a bare answer is not in the data set's format
-    (lambda a: f"Answer: {a}", "no_answer", 0.0),
-    (lambda a: f"\\boxed{{{a}}}", "no_answer", 0.0),
-    (lambda a: "", "no_answer", 0.0),
-    (lambda a: f"<answer>{a}", "no_answer", 0.0),  # unclosed tag
-    (lambda a: "<answer>" + "9" * 10_000 + "</answer>", "wrong_answer", 0.0),
-    (lambda a: "<answer>é中😀\x00</answer>", "wrong_answer", 0.0),
-    (lambda a: "</answer>" + "<answer>" * 20_000, "no_answer", 0.0),  # hostile tail of unclosed tags: linear
-])
+@pytest.mark.parametrize(
+    "make_text, status, reward",
+    [
+        (lambda a: f"<answer>{a}</answer>", "ok", 1.0),
+        (lambda a: f"<think>easy</think>\n<answer> {a}\n</answer> done", "ok", 1.0),
+        (lambda a: f"<answer>0</answer> no wait <answer>{a}</answer>", "ok", 1.0),  # the last answer counts
+        (lambda a: "<answer>#%&</answer>", "wrong_answer", 0.0),
+        (lambda a: a, "no_answer", 0.0),  # a bare answer is not in the data set's format
+        (lambda a: f"Answer: {a}", "no_answer", 0.0),
+        (lambda a: f"\\boxed{{{a}}}", "no_answer", 0.0),
+        (lambda a: "", "no_answer", 0.0),
+        (lambda a: f"<answer>{a}", "no_answer", 0.0),  # unclosed tag
+        (lambda a: "<answer>" + "9" * 10_000 + "</answer>", "wrong_answer", 0.0),
+        (lambda a: "<answer>é中😀\x00</answer>", "wrong_answer", 0.0),
+        (lambda a: "</answer>" + "<answer>" * 20_000, "no_answer", 0.0),  # hostile tail of unclosed tags: linear
+    ],
+)
 def test_statuses_and_rewards(env, make_text, status, reward):
     task = env.tasks("train")[0]
     assert env.score(task, make_text(_answer(env))) == (reward, status)
@@ -59,7 +72,9 @@ def test_multi_line_answers_are_kept_whole_and_a_trailing_period_is_the_scorers_
     arithmetic = ReasoningGymEnvironment("basic_arithmetic", seed=0, num_train=3, num_eval=1)
     sum_task = arithmetic.tasks("train")[0]
     dotted = f"<answer>{sum_task.entry['answer']}.</answer>"
-    assert arithmetic.score(sum_task, dotted)[0] == arithmetic.dataset.score_answer(f"{sum_task.entry['answer']}.", sum_task.entry)
+    assert arithmetic.score(sum_task, dotted)[0] == arithmetic.dataset.score_answer(
+        f"{sum_task.entry['answer']}.", sum_task.entry
+    )
 
 
 def test_splits_are_disjoint_and_groups_keep_order(env):
@@ -84,7 +99,9 @@ def test_a_crashing_scorer_is_a_status(env, monkeypatch):
 def test_partial_credit_is_its_own_status():
     env = ReasoningGymEnvironment("spell_backward", seed=0, num_train=5, num_eval=2)
     task = env.tasks("train")[0]
-    reward, status = env.score(task, f"<answer>{task.entry['answer'][:-1]}#</answer>")  # the data set credits matching letters
+    reward, status = env.score(
+        task, f"<answer>{task.entry['answer'][:-1]}#</answer>"
+    )  # the data set credits matching letters
     assert status == "partial" and 0.0 < reward < 1.0
 
 

@@ -55,8 +55,9 @@ def policy():
 @pytest.fixture(scope="module")
 def env():
     sandbox = BwrapSandbox(LIMITS, slot_uid_base=SLOT_UID_BASE, max_concurrency=8)
-    environment = RepoEnvironment(sandbox, {"train": TASKS, "eval": TASKS[:2]}, LIMITS, max_turns=5, sessions=8,
-                                  skip_frac=0.3, typo_frac=0.3)
+    environment = RepoEnvironment(
+        sandbox, {"train": TASKS, "eval": TASKS[:2]}, LIMITS, max_turns=5, sessions=8, skip_frac=0.3, typo_frac=0.3
+    )
     yield environment
     try:
         assert sandbox.leftovers() == []  # every session's slot was emptied when its episode ended
@@ -72,43 +73,104 @@ def _cmd(body: str) -> str:
     return f"<cmd>{body}</cmd>"
 
 
-COUNT_SLEEPS = ("import os; print(sum(open(f'/proc/{p}/comm').read().strip() == 'sleep' "
-                "for p in os.listdir('/proc') if p.isdigit()))")
+COUNT_SLEEPS = (
+    "import os; print(sum(open(f'/proc/{p}/comm').read().strip() == 'sleep' "
+    "for p in os.listdir('/proc') if p.isdigit()))"
+)
 
 
 def _cases():
     t = TASKS
     fixed_module = t[2].fixed_files[t[2].path]
     forged_check = "print('ok')\n"
-    leak = t[7].fixed_files[t[7].path].replace(t[7].fixed_line, "    return len(open('/work/job/judge/tests.json').read())")
+    leak = (
+        t[7]
+        .fixed_files[t[7].path]
+        .replace(t[7].fixed_line, "    return len(open('/work/job/judge/tests.json').read())")
+    )
     return [
         # (task, model turns, reward, status, a fragment the transcript must hold)
         (t[0], _ideal(t[0]), 1.0, "ok", "<out>patched</out>"),
         (t[1], [_cmd("done")], 2 / 6, "tests_failed", ""),  # unfixed: only the pass-to-pass tests
-        (t[2], [_cmd(f"write {t[2].path}\n{fixed_module}"), _cmd("test"), _cmd("done")], 1.0, "ok", "<out>ok\n[exit 0]"),
+        (
+            t[2],
+            [_cmd(f"write {t[2].path}\n{fixed_module}"), _cmd("test"), _cmd("done")],
+            1.0,
+            "ok",
+            "<out>ok\n[exit 0]",
+        ),
         (t[3], ["I would fix it."], 2 / 6, "tests_failed", ""),  # no <cmd>: ended, graded as is
-        (t[4], [_cmd("fix it"), _cmd("cat"), f"<cmd>patch {t[4].path}\nno separator</cmd>", "<cmd>ls"] + _ideal(t[4])[:1],
-         2 / 6, "tests_failed", "unknown command 'fix'"),  # malformed commands are observations
+        (
+            t[4],
+            [_cmd("fix it"), _cmd("cat"), f"<cmd>patch {t[4].path}\nno separator</cmd>", "<cmd>ls"] + _ideal(t[4])[:1],
+            2 / 6,
+            "tests_failed",
+            "unknown command 'fix'",
+        ),  # malformed commands are observations
         (t[5], [_cmd("ls"), _cmd("run echo hi; exit 3")], 2 / 6, "tests_failed", "hi\n[exit 3]"),
         # hostile calls, one per row: each contained, the episode goes on
-        (t[6], [_cmd("cat ../../etc/passwd"), _cmd("cat /etc/passwd"), *_ideal(t[6])[1:]], 1.0, "ok",
-         "outside the repository: use a relative path"),  # paths refused before anything runs ...
+        (
+            t[6],
+            [_cmd("cat ../../etc/passwd"), _cmd("cat /etc/passwd"), *_ideal(t[6])[1:]],
+            1.0,
+            "ok",
+            "outside the repository: use a relative path",
+        ),  # paths refused before anything runs ...
         (t[7], [_cmd(f"write {t[7].path}\n{leak}"), _cmd("done")], 2 / 6, "tests_failed", "wrote"),  # the candidate
         # cannot read the hidden tests while graded (the judge's files are not in its mount namespace)
-        (t[8], [_cmd("run ln -s /etc/passwd leak.py; ln -s / up"), _cmd("cat leak.py"), _cmd("cat up/etc/hostname"),
-                _cmd("write leak.py\nx = 1")], 2 / 6, "tests_failed", "leak.py leads outside the repository"),
-        (t[9], [_cmd("write big.py\n" + "x" * 5000), _cmd("run python -c \"open('f', 'w').write('x' * 10**8)\""),
-                *_ideal(t[9])], 1.0, "ok", "refused: the file would be larger than 4096 bytes"),
-        (t[10], [_cmd("run python -c 'import os\nwhile True:\n    os.fork()'"), *_ideal(t[10])], 1.0, "ok",
-         "<out>ok\n[exit 0]"),  # a fork bomb meets the process cap and the deadline; its group is killed
+        (
+            t[8],
+            [
+                _cmd("run ln -s /etc/passwd leak.py; ln -s / up"),
+                _cmd("cat leak.py"),
+                _cmd("cat up/etc/hostname"),
+                _cmd("write leak.py\nx = 1"),
+            ],
+            2 / 6,
+            "tests_failed",
+            "leak.py leads outside the repository",
+        ),
+        (
+            t[9],
+            [
+                _cmd("write big.py\n" + "x" * 5000),
+                _cmd("run python -c \"open('f', 'w').write('x' * 10**8)\""),
+                *_ideal(t[9]),
+            ],
+            1.0,
+            "ok",
+            "refused: the file would be larger than 4096 bytes",
+        ),
+        (
+            t[10],
+            [_cmd("run python -c 'import os\nwhile True:\n    os.fork()'"), *_ideal(t[10])],
+            1.0,
+            "ok",
+            "<out>ok\n[exit 0]",
+        ),  # a fork bomb meets the process cap and the deadline; its group is killed
         (t[11], [_cmd("run yes"), *_ideal(t[11])], 1.0, "ok", "y\ny\ny"),  # a flood keeps 160 bytes
-        (t[12], [_cmd("run sleep 60 & echo started"), _cmd(f"run python -c \"{COUNT_SLEEPS}\""), _cmd("done")],
-         2 / 6, "tests_failed", "<out>0\n"),  # background children die with their call
+        (
+            t[12],
+            [_cmd("run sleep 60 & echo started"), _cmd(f'run python -c "{COUNT_SLEEPS}"'), _cmd("done")],
+            2 / 6,
+            "tests_failed",
+            "<out>0\n",
+        ),  # background children die with their call
         (t[13], [*_ideal(t[13])[:2], _cmd(f"write check.py\n{forged_check}"), _cmd("done")], 1.0, "ok", "wrote"),
-        (t[14], [_cmd(f"write check.py\n{forged_check}"), _cmd("test"), _cmd("done")], 2 / 6, "tests_failed",
-         "<out>ok\n"),  # editing the visible check changes nothing: the hidden tests grade
-        (t[15], [_cmd("run ls -aR /work /tmp 2>&1 | grep -c json; echo end")], 2 / 6,
-         "tests_failed", "<out>0\nend\n"),  # the hidden tests are nowhere in the session
+        (
+            t[14],
+            [_cmd(f"write check.py\n{forged_check}"), _cmd("test"), _cmd("done")],
+            2 / 6,
+            "tests_failed",
+            "<out>ok\n",
+        ),  # editing the visible check changes nothing: the hidden tests grade
+        (
+            t[15],
+            [_cmd("run ls -aR /work /tmp 2>&1 | grep -c json; echo end")],
+            2 / 6,
+            "tests_failed",
+            "<out>0\nend\n",
+        ),  # the hidden tests are nowhere in the session
     ]
 
 
@@ -118,8 +180,9 @@ CASES = _cases()
 @pytest.fixture(scope="module")
 def played(env, policy):
     scripts = {task.prompt: turns for task, turns, *_ in CASES}
-    groups = env.rollout_groups(ScriptedGenerator(policy, scripts), [c[0] for c in CASES], 1, SamplingParams(),
-                                policy.encode)
+    groups = env.rollout_groups(
+        ScriptedGenerator(policy, scripts), [c[0] for c in CASES], 1, SamplingParams(), policy.encode
+    )
     return [group[0] for group in groups]
 
 

@@ -19,10 +19,18 @@ def _write_run(path: Path, stale: bool) -> None:
     sink = JsonlSink(path / "metrics.jsonl")
     sink.log(0, {"eval/pass@1": 0.1})
     for step in range(1, 4):
-        metrics = {"rollout/reward_mean": 0.1 * step, "perf/trainer_idle_frac": 0.1 if stale else 0.7,
-                   "perf/generator_idle_frac": 0.05 if stale else 0.6, "staleness/max": 1.0 if stale else 0.0,
-                   "staleness/count_0": 4.0, "rollout/status_ok": 2.0, "rollout/status_timeout": 1.0,
-                   "sandbox/run_s_mean": 0.02, "sandbox/queue_s_p99": 0.001, "rollout/completion_len_mean": 7.0}
+        metrics = {
+            "rollout/reward_mean": 0.1 * step,
+            "perf/trainer_idle_frac": 0.1 if stale else 0.7,
+            "perf/generator_idle_frac": 0.05 if stale else 0.6,
+            "staleness/max": 1.0 if stale else 0.0,
+            "staleness/count_0": 4.0,
+            "rollout/status_ok": 2.0,
+            "rollout/status_timeout": 1.0,
+            "sandbox/run_s_mean": 0.02,
+            "sandbox/queue_s_p99": 0.001,
+            "rollout/completion_len_mean": 7.0,
+        }
         if stale:
             metrics["staleness/count_1"] = 4.0
         sink.log(step, metrics)

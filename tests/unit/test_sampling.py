@@ -9,8 +9,15 @@ from gapless.generate.sampling import RowSettings, sample_rows, sample_seed, uni
 
 def _rows(batch, temperature=1.0, top_p=1.0, top_k=0, greedy=False):
     greedy_t = torch.full((batch,), greedy)
-    return RowSettings(torch.full((batch,), temperature), torch.full((batch,), top_p), torch.full((batch,), top_k),
-                       greedy_t, any_truncation=top_p < 1 or top_k > 0, any_greedy=greedy, all_greedy=greedy)
+    return RowSettings(
+        torch.full((batch,), temperature),
+        torch.full((batch,), top_p),
+        torch.full((batch,), top_k),
+        greedy_t,
+        any_truncation=top_p < 1 or top_k > 0,
+        any_greedy=greedy,
+        all_greedy=greedy,
+    )
 
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -43,8 +50,15 @@ def test_temperature_scales_the_recorded_logprob():
 
 def test_greedy_rows_mix_with_sampled_rows():
     logits = PROBS.log().expand(2, 4)
-    rows = RowSettings(torch.tensor([1.0, 1.0]), torch.ones(2), torch.zeros(2, dtype=torch.long), torch.tensor([True, False]),
-                       any_truncation=False, any_greedy=True, all_greedy=False)
+    rows = RowSettings(
+        torch.tensor([1.0, 1.0]),
+        torch.ones(2),
+        torch.zeros(2, dtype=torch.long),
+        torch.tensor([True, False]),
+        any_truncation=False,
+        any_greedy=True,
+        all_greedy=False,
+    )
     tokens, _ = sample_rows(logits, rows, torch.tensor([0.99, 0.99]))
     assert tokens.tolist() == [0, 3]
 

@@ -32,8 +32,7 @@ def test_check_passes(sandbox):
 
 def test_trivial_program(sandbox):
     files = {
-        "main.py": "import os, sys\nfrom pkg import helper\n"
-        "print(helper.X, sys.argv[1:], os.getcwd(), os.getpid())\n",
+        "main.py": "import os, sys\nfrom pkg import helper\nprint(helper.X, sys.argv[1:], os.getcwd(), os.getpid())\n",
         "pkg/__init__.py": "",
         "pkg/helper.py": "X = 42\n",
     }
@@ -79,7 +78,9 @@ def test_faked_sandbox_error_is_the_programs_failure(sandbox):
 
 
 def test_threads_are_joined_and_atexit_runs(sandbox):
-    result = run(sandbox, """
+    result = run(
+        sandbox,
+        """
         import atexit, threading, time
         atexit.register(lambda: print("atexit"))
         def late():
@@ -87,7 +88,8 @@ def test_threads_are_joined_and_atexit_runs(sandbox):
             print("thread")
         threading.Thread(target=late).start()
         print("main")
-    """)
+    """,
+    )
     assert result.status is Status.OK and result.stdout == "main\nthread\natexit\n"
 
 

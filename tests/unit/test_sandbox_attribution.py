@@ -20,8 +20,8 @@ import time
 import pytest
 from sandbox_host import IS_ROOT, SLOT_UID_BASE, needs_bwrap
 
-from gapless.envs.code.environment import HARNESSES, JUDGE_FILES, CodeEnvironment
 from gapless.envs.code.dataset import humaneval_tasks
+from gapless.envs.code.environment import HARNESSES, JUDGE_FILES, CodeEnvironment
 from gapless.envs.code.problems import CodeProblem
 from gapless.sandbox import BwrapSandbox, Judged, SandboxLimits, Status, procs
 
@@ -43,7 +43,9 @@ LOWER_OWN_CPU_LIMIT = """    import resource
 
 @pytest.fixture(scope="module")
 def env():
-    environment = CodeEnvironment(BwrapSandbox(LIMITS, slot_uid_base=UID_BASE, max_concurrency=2), LIMITS, concurrency=2)
+    environment = CodeEnvironment(
+        BwrapSandbox(LIMITS, slot_uid_base=UID_BASE, max_concurrency=2), LIMITS, concurrency=2
+    )
     yield environment
     environment.close()
 
@@ -57,7 +59,11 @@ def _io(completion: str) -> str:
 def test_a_candidate_that_lowers_its_own_hard_cpu_limit_is_refused_not_masked(env, task):
     """The syscall filter refuses the new limit (EPERM: sandbox/seccomp.py), so the candidate's own
     code fails the test; deaths it could still arrange are covered by the kills below."""
-    problem = {"io": IO_PROBLEM, "asserts (HumanEval)": humaneval_tasks()["eval"][0], "host-compared asserts": HOST_COMPARED}[task]
+    problem = {
+        "io": IO_PROBLEM,
+        "asserts (HumanEval)": humaneval_tasks()["eval"][0],
+        "host-compared asserts": HOST_COMPARED,
+    }[task]
     completion = LOWER_OWN_CPU_LIMIT if task == "asserts (HumanEval)" else _io(LOWER_OWN_CPU_LIMIT)
     reward, status, info = env.score_text(problem, completion)
     assert reward == 0.0 and status != "infra_error" and info["sandbox_status"] != "infra_error", info
@@ -73,7 +79,10 @@ def test_a_candidate_that_lowers_its_own_hard_cpu_limit_is_refused_not_masked(en
                                    "        except OSError:\n            pass\n    return 0\n"),
 ])  # fmt: skip
 def test_a_candidate_cannot_borrow_the_sandbox_s_own_failure_signals(env, name, body):
-    for completion in (body, "    return 0\n" + body.replace("    ", "", 1).replace("\n    ", "\n")):  # in the call, at import
+    for completion in (
+        body,
+        "    return 0\n" + body.replace("    ", "", 1).replace("\n    ", "\n"),
+    ):  # in the call, at import
         reward, status, info = env.score_text(IO_PROBLEM, _io(completion))
         assert reward == 0.0 and status != "infra_error" and info["attempts"] == 1, (name, completion, status, info)
 
@@ -84,9 +93,9 @@ def test_completion_code_at_import_runs_only_after_the_judge_started(env, flood)
     import could stop init from starting the judge: no start line, `infra_error`."""
     grab = {
         "processes": "import os\nwhile True:\n    try:\n        if os.fork() == 0:\n            import time\n"
-                     "            time.sleep(30)\n    except OSError:\n        break\n",
+        "            time.sleep(30)\n    except OSError:\n        break\n",
         "memory": "hoard = []\nwhile True:\n    try:\n        hoard.append(bytearray(1 << 20))\n"
-                  "    except MemoryError:\n        break\n",
+        "    except MemoryError:\n        break\n",
     }[flood]
     reward, status, info = env.score_text(IO_PROBLEM, _io("    return x + 1\n" + grab))
     assert status != "infra_error" and info["attempts"] == 1, info
@@ -95,13 +104,20 @@ def test_completion_code_at_import_runs_only_after_the_judge_started(env, flood)
 def test_plain_programs_that_kill_themselves_get_a_status_of_their_own():
     programs = {
         "SIGKILL to itself": ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", Status.NONZERO_EXIT),
-        "its own hard CPU limit": ("import resource\nresource.setrlimit(resource.RLIMIT_CPU, (1, 1))\nwhile True: pass\n",
-                                   Status.NONZERO_EXIT),  # refused (EPERM): an uncaught PermissionError
-        "init's limits lowered": ("import resource\nfor r in (resource.RLIMIT_NOFILE, resource.RLIMIT_AS, resource.RLIMIT_CPU):\n"
-                                  "    resource.prlimit(1, r, (1, 1))\n", Status.NONZERO_EXIT),  # refused as well
+        "its own hard CPU limit": (
+            "import resource\nresource.setrlimit(resource.RLIMIT_CPU, (1, 1))\nwhile True: pass\n",
+            Status.NONZERO_EXIT,
+        ),  # refused (EPERM): an uncaught PermissionError
+        "init's limits lowered": (
+            "import resource\nfor r in (resource.RLIMIT_NOFILE, resource.RLIMIT_AS, resource.RLIMIT_CPU):\n"
+            "    resource.prlimit(1, r, (1, 1))\n",
+            Status.NONZERO_EXIT,
+        ),  # refused as well
         "sandbox exit code": ("import os\nos._exit(70)\n", Status.NONZERO_EXIT),
-        "forged status lines": ("import sys\nprint('{\"infra\": \"x\"}')\nprint('{\"infra\": \"x\"}', file=sys.stderr)\n",
-                                Status.OK),  # fmt: skip
+        "forged status lines": (
+            'import sys\nprint(\'{"infra": "x"}\')\nprint(\'{"infra": "x"}\', file=sys.stderr)\n',
+            Status.OK,
+        ),  # fmt: skip
     }
     with BwrapSandbox(LIMITS, slot_uid_base=UID_BASE + 4, max_concurrency=1) as box:
         for name, (source, expected) in programs.items():

@@ -30,9 +30,14 @@ KILLED = -signal.SIGKILL
         # at the deadline, a limit already hit is the cause (a busy machine drains a flood, or
         # runs a fork bomb's forks, slower than the clock)
         (observe(None, is_deadline_hit=True, is_truncated=True), (Status.OUTPUT_LIMIT, "output", None, signal.SIGKILL)),
-        (observe(None, is_deadline_hit=True, pids_max_hits=4), (Status.PROCESS_LIMIT, "processes", None, signal.SIGKILL)),
-        (observe(None, "OSError: [Errno 11] Resource temporarily unavailable", is_deadline_hit=True),
-         (Status.PROCESS_LIMIT, "processes", None, signal.SIGKILL)),
+        (
+            observe(None, is_deadline_hit=True, pids_max_hits=4),
+            (Status.PROCESS_LIMIT, "processes", None, signal.SIGKILL),
+        ),
+        (
+            observe(None, "OSError: [Errno 11] Resource temporarily unavailable", is_deadline_hit=True),
+            (Status.PROCESS_LIMIT, "processes", None, signal.SIGKILL),
+        ),
         (observe(-signal.SIGXCPU), (Status.TIMEOUT, "cpu", None, signal.SIGXCPU)),
         (observe(-signal.SIGXFSZ), (Status.DISK_LIMIT, "disk", None, signal.SIGXFSZ)),
         (observe(KILLED, oom_kills=1), (Status.MEMORY_LIMIT, "memory", None, signal.SIGKILL)),
@@ -45,17 +50,19 @@ KILLED = -signal.SIGKILL
         (observe(0, full_filesystem="inodes"), (Status.OK, None, 0, None)),  # it coped
         (observe(1, pids_max_hits=3), (Status.PROCESS_LIMIT, "processes", 1, None)),
         (observe(1, "x\nMemoryError\n"), (Status.MEMORY_LIMIT, "memory", 1, None)),
-        (observe(1, "BlockingIOError: [Errno 11] Resource temporarily unavailable"),
-         (Status.PROCESS_LIMIT, "processes", 1, None)),
-        (observe(1, "RuntimeError: can't start new thread"),
-         (Status.PROCESS_LIMIT, "processes", 1, None)),
+        (
+            observe(1, "BlockingIOError: [Errno 11] Resource temporarily unavailable"),
+            (Status.PROCESS_LIMIT, "processes", 1, None),
+        ),
+        (observe(1, "RuntimeError: can't start new thread"), (Status.PROCESS_LIMIT, "processes", 1, None)),
         (observe(1, "OSError: [Errno 27] File too large"), (Status.DISK_LIMIT, "disk", 1, None)),
         (observe(0, is_truncated=True), (Status.OUTPUT_LIMIT, "output", 0, None)),
         (observe(1, "MemoryError", is_truncated=True), (Status.OUTPUT_LIMIT, "output", 1, None)),
-        (observe(None, is_deadline_hit=True, oom_kills=2),
-         (Status.MEMORY_LIMIT, "memory", None, signal.SIGKILL)),  # the cause, not the clock
-        (observe(1, compile_error="SyntaxError: x", has_started=False),
-         (Status.COMPILE_ERROR, None, 1, None)),
+        (
+            observe(None, is_deadline_hit=True, oom_kills=2),
+            (Status.MEMORY_LIMIT, "memory", None, signal.SIGKILL),
+        ),  # the cause, not the clock
+        (observe(1, compile_error="SyntaxError: x", has_started=False), (Status.COMPILE_ERROR, None, 1, None)),
     ],
 )
 def test_classify(seen: Observation, expected: tuple) -> None:

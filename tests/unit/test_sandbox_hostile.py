@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 from sandbox_host import SLOT_UID_BASE, assert_host_clean, host_state, needs_bwrap
 
-from gapless.sandbox import BwrapSandbox
 from gapless.envs.code.probes import HARNESS_PROBES
+from gapless.sandbox import BwrapSandbox
 from gapless.sandbox.probes import PROBES, run_probe
 
 pytestmark = needs_bwrap

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 from sandbox_host import SLOT_UID_BASE, needs_bwrap
 
-from gapless.envs.code.environment import CodeEnvironment
 from gapless.envs.code.dataset import humaneval_tasks
+from gapless.envs.code.environment import CodeEnvironment
 from gapless.envs.code.problems import CodeProblem
 from gapless.sandbox import BwrapSandbox, SandboxLimits
 
@@ -59,37 +59,53 @@ FRAMES_AND_GC = f"""
     return True
 """
 FORGERIES = {  # name -> (completion continuing the prompt, status it must get)
-    "patch builtins": ("""    return None
+    "patch builtins": (
+        """    return None
 import builtins
 builtins.AssertionError = type("Quiet", (Exception,), {})
 builtins.__import__ = None
-""", "wrong_answer"),
-    "patch isinstance (breaks its own encoder)": ("""    return True
+""",
+        "wrong_answer",
+    ),
+    "patch isinstance (breaks its own encoder)": (
+        """    return True
 import builtins
 builtins.isinstance = lambda *args: True
-""", "harness_incomplete"),
-    "object with a forged __eq__": ("""    class Anything:
+""",
+        "harness_incomplete",
+    ),
+    "object with a forged __eq__": (
+        """    class Anything:
         def __eq__(self, other):
             return True
         __ne__ = lambda self, other: False
     return Anything()
-""", "wrong_answer"),
-    "int subclass with a forged __eq__": ("""    class Yes(int):
+""",
+        "wrong_answer",
+    ),
+    "int subclass with a forged __eq__": (
+        """    class Yes(int):
         def __eq__(self, other):
             return True
     return Yes(0)
-""", "wrong_answer"),
-    "results written to the report fd": ("""    return None
+""",
+        "wrong_answer",
+    ),
+    "results written to the report fd": (
+        """    return None
 import os
 for i in range(8):
     os.write(3, b'{"i": %d, "out": true}\\n' % i)
-""", "harness_incomplete"),
+""",
+        "harness_incomplete",
+    ),
     "frames and gc": (FRAMES_AND_GC, "wrong_answer"),
     "os._exit(0) during the call": ("    import os\n    os._exit(0)\n", "harness_incomplete"),
     "os._exit(0) at import": ("    return True\nimport os\nos._exit(0)\n", "harness_incomplete"),
     "SystemExit during the call": ("    raise SystemExit(0)\n", "wrong_answer"),  # that call's failure
     "AssertionError raised on purpose": ("    raise AssertionError\n", "wrong_answer"),
-    "signals to the parent and to every process": ("""    import os, signal
+    "signals to the parent and to every process": (
+        """    import os, signal
     for pid in (0, -1, 1, os.getppid()):
         for sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGTERM):
             try:
@@ -97,14 +113,19 @@ for i in range(8):
             except OSError:
                 pass
     return True
-""", "wrong_answer"),
+""",
+        "wrong_answer",
+    ),
     "read the tests from files and /proc": (READ_THE_TESTS, "wrong_answer"),
     "an integer past the int-str limit": ("    return 10 ** 5000\n", "wrong_answer"),
-    "nesting past the depth bound": ("""    value = []
+    "nesting past the depth bound": (
+        """    value = []
     for _ in range(100000):
         value = [value]
     return value
-""", "wrong_answer"),
+""",
+        "wrong_answer",
+    ),
 }
 
 

@@ -166,7 +166,7 @@ def test_syscall_filter_is_well_formed_and_names_every_channel(machine):
     from gapless.sandbox.seccomp import SECCOMP_RET_ALLOW, SECCOMP_RET_KILL_PROCESS, filter_program, syscall_numbers
 
     code = filter_program(machine)
-    instructions = [struct.unpack("=HBBI", code[i:i + 8]) for i in range(0, len(code), 8)]
+    instructions = [struct.unpack("=HBBI", code[i : i + 8]) for i in range(0, len(code), 8)]
     assert 0 < len(instructions) <= 4096
     for index, (op, jt, jf, _) in enumerate(instructions):
         if op & 0x07 == 0x05:  # a jump: both targets inside the program
@@ -175,9 +175,25 @@ def test_syscall_filter_is_well_formed_and_names_every_channel(machine):
     assert (0x06, 0, 0, SECCOMP_RET_KILL_PROCESS) in instructions  # a foreign architecture
     compared = {k for op, _, _, k in instructions if op == 0x15}
     numbers = syscall_numbers(machine)
-    for name in ("keyctl", "add_key", "request_key", "io_uring_setup", "inotify_init1", "fanotify_init",
-                 "ptrace", "bpf", "userfaultfd", "perf_event_open", "mount", "init_module", "kexec_load",
-                 "flock", "socket", "socketpair", "fcntl"):
+    for name in (
+        "keyctl",
+        "add_key",
+        "request_key",
+        "io_uring_setup",
+        "inotify_init1",
+        "fanotify_init",
+        "ptrace",
+        "bpf",
+        "userfaultfd",
+        "perf_event_open",
+        "mount",
+        "init_module",
+        "kexec_load",
+        "flock",
+        "socket",
+        "socketpair",
+        "fcntl",
+    ):
         assert numbers[name] in compared, name
 
 

@@ -20,9 +20,15 @@ def test_reduced_mode_warns_loudly_and_still_limits(clean_host, caplog, capsys):
         assert box.run_python({"m.py": "while True: pass"}, "m.py", limits=fast).status is Status.TIMEOUT
         bomb = box.run_python({"m.py": "x = bytearray(8 << 30)"}, "m.py")
         assert bomb.status is Status.MEMORY_LIMIT
-        daemon = box.run_python({"m.py": (
-            "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-            "        time.sleep(60)\n    os._exit(0)\nprint('done')")}, "m.py")
+        daemon = box.run_python(
+            {
+                "m.py": (
+                    "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+                    "        time.sleep(60)\n    os._exit(0)\nprint('done')"
+                )
+            },
+            "m.py",
+        )
         assert daemon.status is Status.OK and daemon.stdout == "done\n"
         assert box.leftovers() == []  # the subreaper took the daemon down with the run
     finally:

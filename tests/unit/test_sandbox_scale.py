@@ -63,11 +63,13 @@ def run_burst(warm: bool) -> None:
         assert box.leftovers() == []
         queue = [r.queue_s for r in results]
         run = [r.wall_s for r in results]
-        print(f"\n{box.path}: {SUBMISSIONS} submissions in {wall_s:.1f}s "
-              f"({SUBMISSIONS / wall_s:.0f}/s, admission {box.max_concurrency}); "
-              f"queue p50/p99 {percentile(queue, 50):.2f}/{percentile(queue, 99):.2f}s; "
-              f"run p50/p99 {percentile(run, 50) * 1000:.0f}/{percentile(run, 99) * 1000:.0f}ms; "
-              f"worst event-loop lag {worst_lag * 1000:.0f}ms")
+        print(
+            f"\n{box.path}: {SUBMISSIONS} submissions in {wall_s:.1f}s "
+            f"({SUBMISSIONS / wall_s:.0f}/s, admission {box.max_concurrency}); "
+            f"queue p50/p99 {percentile(queue, 50):.2f}/{percentile(queue, 99):.2f}s; "
+            f"run p50/p99 {percentile(run, 50) * 1000:.0f}/{percentile(run, 99) * 1000:.0f}ms; "
+            f"worst event-loop lag {worst_lag * 1000:.0f}ms"
+        )
         assert run_threads and loop_thread not in run_threads  # spawning never ran on the loop
 
 

@@ -110,8 +110,10 @@ def test_the_namespace_state_is_never_in_the_session_files(box):
 
 def test_a_snapshot_that_does_not_unpickle_fails_the_restore_not_the_session(box):
     with box.open_session(LIMITS) as session:
-        session.run("class Trap:\n    def __reduce__(self):\n        return (int, ('not a number',))\n"
-                    "trap = Trap()\nkept = 1\nopen('f.txt', 'w').write('v1')")
+        session.run(
+            "class Trap:\n    def __reduce__(self):\n        return (int, ('not a number',))\n"
+            "trap = Trap()\nkept = 1\nopen('f.txt', 'w').write('v1')"
+        )
         snapshot = session.snapshot()  # it pickles: int('not a number') runs only on load
     with box.open_session(LIMITS) as other:
         restored = other.restore(snapshot)
@@ -122,6 +124,7 @@ def test_a_snapshot_that_does_not_unpickle_fails_the_restore_not_the_session(box
 
 
 # -- replies the model's code forges on the reply channel (fd 3), and who a slot failure blames --
+
 
 def _frame(body: bytes) -> bytes:
     return len(body).to_bytes(8, "little") + body
@@ -140,8 +143,10 @@ FORGED = [
 
 @pytest.mark.parametrize("forged", FORGED, ids=[str(i) for i in range(len(FORGED))])
 def test_forged_frames_during_a_snapshot_and_a_restore_are_statuses(box, forged):
-    plant = ("import os\nclass Forger:\n    def __reduce__(self):\n"
-             f"        os.write(3, {forged!r})\n        return (int, ('1',))\nforger = Forger()")
+    plant = (
+        "import os\nclass Forger:\n    def __reduce__(self):\n"
+        f"        os.write(3, {forged!r})\n        return (int, ('1',))\nforger = Forger()"
+    )
     with box.open_session(LIMITS) as session:
         assert session.run(plant).status is Status.OK
         try:  # pickling the namespace runs the forger: its frames come before the real reply
@@ -152,8 +157,10 @@ def test_forged_frames_during_a_snapshot_and_a_restore_are_statuses(box, forged)
         assert after.status is Status.OK and after.stdout == "still serving\n"
     # a snapshot whose loading writes the forged frames first: early frames during a restore
     with box.open_session(LIMITS) as session:
-        session.run(f"import os\nclass Early:\n    def __reduce__(self):\n        return (os.write, (3, {forged!r}))\n"
-                    "early = Early()\nopen('f.txt', 'w').write('v1')")
+        session.run(
+            f"import os\nclass Early:\n    def __reduce__(self):\n        return (os.write, (3, {forged!r}))\n"
+            "early = Early()\nopen('f.txt', 'w').write('v1')"
+        )
         snapshot = session.snapshot()
     with box.open_session(LIMITS) as other:
         restored = other.restore(snapshot)
@@ -164,6 +171,7 @@ def test_forged_frames_during_a_snapshot_and_a_restore_are_statuses(box, forged)
 
 def _peak_growth_mb(call) -> float:
     """How far the host's resident memory peaks above where it was, in MiB, while `call` runs."""
+
     def status_kb(field: str) -> int:
         with open("/proc/self/status") as status:
             return next(int(line.split()[1]) for line in status if line.startswith(field))
@@ -184,12 +192,14 @@ def test_a_16_mib_reply_frame_costs_the_host_its_cap_not_its_size(box):
         assert growth_mb < 8  # refused from its length: not one byte of its body is kept
         assert session.run("print('back')").stdout == "back\n"
         # a forged snapshot reply of 16 MiB is within a snapshot's cap: held once, never decoded
-        session.run("import os\nclass Big:\n    def __reduce__(self):\n"
-                    "        head = b'{\"ok\": true, \"snapshot_bytes\": %d}' % (16 << 20)\n"
-                    "        os.write(3, len(head).to_bytes(8, 'little') + head)\n"
-                    "        os.write(3, (16 << 20).to_bytes(8, 'little') + b'\\0' * (16 << 20))\n"
-                    "        os._exit(0)  # before the real reply: the forged one is all there is\n"
-                    "big = Big()")
+        session.run(
+            "import os\nclass Big:\n    def __reduce__(self):\n"
+            '        head = b\'{"ok": true, "snapshot_bytes": %d}\' % (16 << 20)\n'
+            "        os.write(3, len(head).to_bytes(8, 'little') + head)\n"
+            "        os.write(3, (16 << 20).to_bytes(8, 'little') + b'\\0' * (16 << 20))\n"
+            "        os._exit(0)  # before the real reply: the forged one is all there is\n"
+            "big = Big()"
+        )
         blobs = []
         growth_mb = _peak_growth_mb(lambda: blobs.append(session.snapshot()))
         assert len(blobs[0]) == 16 << 20 and growth_mb < 3 * 16 + 8

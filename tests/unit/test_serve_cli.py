@@ -15,9 +15,24 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def _serve(path, port):
-    return subprocess.Popen([sys.executable, "-m", "gapless.cli", "serve", "--model.path", str(path), "--port", str(port),
-                             "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(SRC)})
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gapless.cli",
+            "serve",
+            "--model.path",
+            str(path),
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+    )
 
 
 def test_port_in_use_and_ctrl_c(tmp_path):

@@ -20,11 +20,11 @@ from typing import Annotated
 import pytest
 import torch
 from pydantic import BaseModel, Field
+from serve_model import tiny_policy
 
 from gapless.prompts import PromptEncoder
 from gapless.serve.gateway import Call, Gateway
 from gapless.serve.transcript import Transcript
-from serve_model import tiny_policy
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -35,9 +35,26 @@ def served(tmp_path_factory):
     torch.set_num_threads(1)
     path = tmp_path_factory.mktemp("ckpt")
     tiny_policy(max_positions=1024).save(path)
-    proc = subprocess.Popen([sys.executable, "-m", "gapless.cli", "serve", "--model.path", str(path), "--port", "0",
-                             "--model-name", "tiny", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(SRC)})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gapless.cli",
+            "serve",
+            "--model.path",
+            str(path),
+            "--port",
+            "0",
+            "--model-name",
+            "tiny",
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+    )
     ready, _, _ = select.select([proc.stdout], [], [], 120)
     line = proc.stdout.readline() if ready else ""
     assert " at http://" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
@@ -75,9 +92,14 @@ def test_openai_agents_calls_a_function_tool(served):
         return str(a + b)
 
     model = OpenAIChatCompletionsModel("tiny", AsyncOpenAI(base_url=served, api_key="unused", max_retries=0))
-    agent = Agent(name="adder", instructions="Use the tool.", tools=[add_numbers], model=model,
-                  model_settings=ModelSettings(tool_choice="add_numbers", max_tokens=200),
-                  tool_use_behavior="stop_on_first_tool")
+    agent = Agent(
+        name="adder",
+        instructions="Use the tool.",
+        tools=[add_numbers],
+        model=model,
+        model_settings=ModelSettings(tool_choice="add_numbers", max_tokens=200),
+        tool_use_behavior="stop_on_first_tool",
+    )
     result = asyncio.run(Runner.run(agent, "What is 2 + 3?", max_turns=3))
     assert len(seen) == 1 and all(isinstance(v, int) for v in seen[0])
     assert result.final_output == str(sum(seen[0]))
@@ -89,7 +111,9 @@ def test_langchain_bind_tools_and_structured_output(served):
     llm = ChatOpenAI(model="tiny", base_url=served, api_key="unused", max_tokens=200, max_retries=0, seed=1)
     message = llm.bind_tools([add], tool_choice="add").invoke("What is 2 + 3?")
     assert [c["name"] for c in message.tool_calls] == ["add"]
-    assert set(message.tool_calls[0]["args"]) == {"a", "b"} and all(isinstance(v, int) for v in message.tool_calls[0]["args"].values())
+    assert set(message.tool_calls[0]["args"]) == {"a", "b"} and all(
+        isinstance(v, int) for v in message.tool_calls[0]["args"].values()
+    )
     parsed = llm.with_structured_output(Sum, method="json_schema", strict=True).invoke("What is 2 + 3?")
     assert isinstance(parsed, Sum)
 
@@ -98,12 +122,28 @@ def test_litellm_tools(served, monkeypatch):
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its bundled price table: no fetch at import
     import litellm
 
-    tool = {"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer", "maximum": 99}, "b": {"type": "integer", "maximum": 99}},
-        "required": ["a", "b"]}}}
-    out = litellm.completion(model="openai/tiny", api_base=served, api_key="unused", max_tokens=200, seed=2,
-                             messages=[{"role": "user", "content": "What is 2 + 3?"}], tools=[tool], tool_choice="required",
-                             parallel_tool_calls=False)
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer", "maximum": 99}, "b": {"type": "integer", "maximum": 99}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+    out = litellm.completion(
+        model="openai/tiny",
+        api_base=served,
+        api_key="unused",
+        max_tokens=200,
+        seed=2,
+        messages=[{"role": "user", "content": "What is 2 + 3?"}],
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
     calls = out.choices[0].message.tool_calls
     assert out.choices[0].finish_reason == "tool_calls" and calls[0].function.name == "add"
     assert set(json.loads(calls[0].function.arguments)) == {"a", "b"}
@@ -130,8 +170,12 @@ def test_openai_agents_through_the_gateway_trains_the_sampled_tokens():
         return str(a + b)
 
     def agent_process() -> None:
-        model = OpenAIChatCompletionsModel("gapless-policy", AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0))
-        agent = Agent(name="adder", instructions="Add.", tools=[add_numbers], model=model, model_settings=ModelSettings())
+        model = OpenAIChatCompletionsModel(
+            "gapless-policy", AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        )
+        agent = Agent(
+            name="adder", instructions="Add.", tools=[add_numbers], model=model, model_settings=ModelSettings()
+        )
         result["out"] = asyncio.run(Runner.run(agent, "What is 2 + 3?", max_turns=4)).final_output
 
     thread = threading.Thread(target=agent_process, daemon=True)
@@ -151,11 +195,18 @@ def test_openai_agents_through_the_gateway_trains_the_sampled_tokens():
         assert "<tool_response>\n5\n</tool_response>" in tail_text
         final = "The sum is 5."
         final_ids = tok.encode(final, add_special_tokens=False) + [policy.eos_id]
-        channel.answer(second, final, final_ids, [-0.5] * len(final_ids), [0] * len(final_ids), "stop",
-                       len(context) + len(reply_ids) + len(tail_ids))
+        channel.answer(
+            second,
+            final,
+            final_ids,
+            [-0.5] * len(final_ids),
+            [0] * len(final_ids),
+            "stop",
+            len(context) + len(reply_ids) + len(tail_ids),
+        )
         thread.join(60)
         assert result["out"] == final
-        assert first.messages[0][1].count("<tools>") == 1 and second.messages[:len(first.messages)] == first.messages
+        assert first.messages[0][1].count("<tools>") == 1 and second.messages[: len(first.messages)] == first.messages
         assert second.messages[len(first.messages)] == ("assistant", reply)  # the sampled text, not a re-rendering
     finally:
         gateway.close()

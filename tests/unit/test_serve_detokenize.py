@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from serve_model import tiny_policy
 
 from gapless.serve.detokenize import SampleText
-from serve_model import tiny_policy
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,13 @@ from __future__ import annotations
 import openai
 import pytest
 import torch
+from serve_model import tiny_policy
 
 from gapless.config import load_config
-from gapless.envs.judge.environment import JudgeEnvironment, embedded_judge_tasks, make_judge_environment
 from gapless.envs.judge.client import HttpJudgeClient, SchedulerJudgeClient
+from gapless.envs.judge.environment import JudgeEnvironment, embedded_judge_tasks, make_judge_environment
 from gapless.serve.openai.server import ServerThread, build_app
 from gapless.types import Completion
-from serve_model import tiny_policy
 
 RUBRIC = "{prompt}\n<response>\n{response}\n</response>\nScore:"
 RESPONSES = ["Red, blue.", "banana", "good: oak, elm"]
@@ -36,11 +36,14 @@ def test_http_and_in_process_judges_share_one_engine_batch(served):
     scheduler = srv.app.scheduler
     tasks = embedded_judge_tasks(0, 4, 0)
     in_process = JudgeEnvironment(tasks, SchedulerJudgeClient(scheduler, policy.encode, max_tokens=6), rubric=RUBRIC)
-    over_http = JudgeEnvironment(tasks, HttpJudgeClient(srv.url, model="judge", max_tokens=6, concurrency=2), rubric=RUBRIC)
+    over_http = JudgeEnvironment(
+        tasks, HttpJudgeClient(srv.url, model="judge", max_tokens=6, concurrency=2), rubric=RUBRIC
+    )
     chosen = list(in_process.tasks("train"))
     client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0)
-    stream = client.completions.create(model="judge", prompt="Question 1: name", max_tokens=200, n=2, stream=True,
-                                       extra_body={"ignore_eos": True})  # runs for 200 engine steps
+    stream = client.completions.create(
+        model="judge", prompt="Question 1: name", max_tokens=200, n=2, stream=True, extra_body={"ignore_eos": True}
+    )  # runs for 200 engine steps
     next(iter(stream))  # the HTTP request is in the engine's batch now
     local = in_process.score_groups(chosen, _groups(chosen))
     stream.close()

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from serve_model import tiny_policy
 
 lm_eval = pytest.importorskip("lm_eval")
 SRC = Path(__file__).resolve().parents[2] / "src"
-DOCS = [{"question": f"Question {i}: name {i % 7} fruits.", "choices": [" apple", " red, cat", f" {i}."], "label": i % 3}
-        for i in range(6)]
+DOCS = [
+    {"question": f"Question {i}: name {i % 7} fruits.", "choices": [" apple", " red, cat", f" {i}."], "label": i % 3}
+    for i in range(6)
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +45,26 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from gapless.cli import main; sys.exit(main())", "serve", "--model.path", str(checkpoint), "--port", "0",
-                             "--threads", "1", "--model-name", "tiny"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "PYTHONPATH": str(SRC)})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from gapless.cli import main; sys.exit(main())",
+            "serve",
+            "--model.path",
+            str(checkpoint),
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            "--model-name",
+            "tiny",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+    )
     deadline, url = time.monotonic() + 120, None
     while url is None and time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -63,14 +81,18 @@ def _tasks(root: Path) -> Path:
     data = root / "docs.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
     common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
-    (root / "ll.yaml").write_text("task: gapless_ll\n" + common + "output_type: multiple_choice\n"
-                                  "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\n"
-                                  "target_delimiter: ''\nmetric_list:\n  - metric: acc\n")
+    (root / "ll.yaml").write_text(
+        "task: gapless_ll\n" + common + "output_type: multiple_choice\n"
+        "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\n"
+        "target_delimiter: ''\nmetric_list:\n  - metric: acc\n"
+    )
     # four stops of the task's own; lm-eval adds the tokenizer's EOS text as a fifth
-    (root / "gen.yaml").write_text("task: gapless_gen\n" + common + "output_type: generate_until\n"
-                                   "doc_to_text: '{{question}}'\ndoc_to_target: '{{choices[0]}}'\n"
-                                   "generation_kwargs:\n  until: ['\\n\\n', 'Question', 'zzz', '!!']\n  max_gen_toks: 12\n"
-                                   "metric_list:\n  - metric: exact_match\n")
+    (root / "gen.yaml").write_text(
+        "task: gapless_gen\n" + common + "output_type: generate_until\n"
+        "doc_to_text: '{{question}}'\ndoc_to_target: '{{choices[0]}}'\n"
+        "generation_kwargs:\n  until: ['\\n\\n', 'Question', 'zzz', '!!']\n  max_gen_toks: 12\n"
+        "metric_list:\n  - metric: exact_match\n"
+    )
     return root
 
 
@@ -79,11 +101,21 @@ def test_lm_eval_local_completions(server, checkpoint, tmp_path):
     from lm_eval.tasks import TaskManager
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = simple_evaluate(model="local-completions",
-                          model_args={"base_url": f"{server}/completions", "model": "tiny", "tokenizer": str(checkpoint),
-                                      "tokenizer_backend": "huggingface", "tokenized_requests": True, "max_retries": 1},
-                          tasks=["gapless_ll", "gapless_gen"], task_manager=TaskManager(include_path=str(_tasks(tmp_path))),
-                          log_samples=True, apply_chat_template=False)
+    out = simple_evaluate(
+        model="local-completions",
+        model_args={
+            "base_url": f"{server}/completions",
+            "model": "tiny",
+            "tokenizer": str(checkpoint),
+            "tokenizer_backend": "huggingface",
+            "tokenized_requests": True,
+            "max_retries": 1,
+        },
+        tasks=["gapless_ll", "gapless_gen"],
+        task_manager=TaskManager(include_path=str(_tasks(tmp_path))),
+        log_samples=True,
+        apply_chat_template=False,
+    )
     tok = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     ends_in_eos = 0

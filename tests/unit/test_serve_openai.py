@@ -14,13 +14,13 @@ import time
 import openai
 import pytest
 import torch
+from serve_model import tiny_policy
 
 from gapless.generate.engine import TorchEngine
 from gapless.serve.openai.app import OpenAIApp
 from gapless.serve.openai.server import ServerThread, build_app
 from gapless.serve.protocol import SampleRequest
 from gapless.types import SamplingParams
-from serve_model import tiny_policy
 
 PROMPT = "Question 3: name"
 
@@ -50,17 +50,26 @@ def _idle(scheduler, timeout_s: float = 30.0) -> bool:
 
 
 def test_completions_and_chat(server, client):
-    out = client.completions.create(model="tiny", prompt=[PROMPT, "Question 4:"], max_tokens=12, n=2, seed=3,
-                                    extra_body={"return_token_ids": True})
+    out = client.completions.create(
+        model="tiny", prompt=[PROMPT, "Question 4:"], max_tokens=12, n=2, seed=3, extra_body={"return_token_ids": True}
+    )
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     lengths = [len(c.model_extra["token_ids"]) for c in out.choices]
     prompt_lengths = {len(c.model_extra["prompt_token_ids"]) for c in out.choices}
     assert out.usage.completion_tokens == sum(lengths) and out.usage.prompt_tokens == sum(prompt_lengths)
     assert out.choices[0].text != out.choices[1].text  # sample j has its own stream
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi there"}], max_tokens=8, seed=1)
-    parts = client.chat.completions.create(model="tiny", max_tokens=8, seed=1, messages=[
-        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}])
-    joined = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi\nthere"}], max_tokens=8, seed=1)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi there"}], max_tokens=8, seed=1
+    )
+    parts = client.chat.completions.create(
+        model="tiny",
+        max_tokens=8,
+        seed=1,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}],
+    )
+    joined = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi\nthere"}], max_tokens=8, seed=1
+    )
     assert chat.choices[0].message.role == "assistant" and chat.object == "chat.completion"
     assert parts.choices[0].message.content == joined.choices[0].message.content
     assert [m.id for m in client.models.list().data] == ["tiny"] and client.models.retrieve("tiny").id == "tiny"
@@ -77,16 +86,27 @@ def test_streams_equal_the_plain_responses(server, client):
         assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason]
     messages = [{"role": "user", "content": "Name a fruit."}]
     plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, seed=2)
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, seed=2, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=16, seed=2, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices == []
     assert chunks[-1].usage == plain.usage and all(c.usage is None for c in chunks[:-1])
     assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == plain.choices[0].message.content
-    assert [c.choices[0].finish_reason for c in chunks[:-1] if c.choices[0].finish_reason] == [plain.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in chunks[:-1] if c.choices[0].finish_reason] == [
+        plain.choices[0].finish_reason
+    ]
 
 
 def test_stop_ends_decoding_with_exact_usage(server, client):
-    kw = dict(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    kw = dict(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=40,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     full = client.completions.create(**kw).choices[0]
     stop = full.text[6:9]
     assert stop and stop in full.text
@@ -107,7 +127,9 @@ def test_errors_are_the_clients_own_exceptions(server, client):
         client.completions.create(model="tiny", prompt=PROMPT, temperature="hot")
     assert bad.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError, match="tools"):  # OpenAI's built-in tools run on OpenAI's side
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], tools=[{"type": "web_search"}])
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], tools=[{"type": "web_search"}]
+        )
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         client.completions.create(model="tiny", prompt=PROMPT, presence_penalty=5)
     with pytest.raises(openai.NotFoundError):
@@ -143,7 +165,9 @@ def test_errors_are_the_clients_own_exceptions(server, client):
 
 def test_a_full_queue_answers_429(server, client):
     srv, policy = server
-    hog = srv.app.scheduler.submit(SampleRequest(tuple(policy.encode(PROMPT)), SamplingParams(max_new_tokens=240, ignore_eos=True), n=64))
+    hog = srv.app.scheduler.submit(
+        SampleRequest(tuple(policy.encode(PROMPT)), SamplingParams(max_new_tokens=240, ignore_eos=True), n=64)
+    )
     try:
         with pytest.raises(openai.RateLimitError) as full:
             client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
@@ -158,8 +182,9 @@ def test_disconnects_free_the_engine(server, client):
     srv, _ = server
     scheduler = srv.app.scheduler
     aborted = scheduler.stats.aborted_samples
-    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=240, n=8, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=240, n=8, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(stream))
     stream.close()  # the client goes away mid-stream
     assert _idle(scheduler) and scheduler.stats.aborted_samples > aborted
@@ -167,8 +192,10 @@ def test_disconnects_free_the_engine(server, client):
     host, port = srv.url.split("//")[1].split("/")[0].split(":")
     body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 240, "n": 32, "ignore_eos": True}).encode()
     with socket.create_connection((host, int(port))) as sock:  # a non-streaming client that hangs up
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         time.sleep(0.05)
     assert _idle(scheduler) and scheduler.stats.aborted_samples > aborted
     assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4).choices
@@ -178,9 +205,13 @@ def test_keep_alive_connection_survives_errors(server):
     srv, _ = server
     host, port = srv.url.split("//")[1].split("/")[0].split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    requests = [("POST", "/v1/nowhere", b'{"a": 1}', 404), ("POST", "/v1/completions", b"{not json", 400),
-                ("GET", "/v1/completions", b"", 405), ("POST", "/v1/completions", b'{"prompt": ""}', 400),
-                ("POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 3}).encode(), 200)]
+    requests = [
+        ("POST", "/v1/nowhere", b'{"a": 1}', 404),
+        ("POST", "/v1/completions", b"{not json", 400),
+        ("GET", "/v1/completions", b"", 405),
+        ("POST", "/v1/completions", b'{"prompt": ""}', 400),
+        ("POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 3}).encode(), 200),
+    ]
     conn.connect()
     first_socket = conn.sock
     for method, path, body, status in requests:
@@ -195,8 +226,9 @@ def test_keep_alive_connection_survives_errors(server):
 def test_token_in_token_out(server, client):
     srv, policy = server
     prompt = policy.encode(PROMPT)
-    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, n=2, seed=11, temperature=0.9,
-                                    extra_body={"return_token_ids": True})
+    out = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=20, n=2, seed=11, temperature=0.9, extra_body={"return_token_ids": True}
+    )
     engine = TorchEngine(policy.model, policy.eos_id, policy.decode, max_batch=8)
     engine.add_request(prompt, SamplingParams(temperature=0.9, max_new_tokens=20, seed=11), n=2)
     own = {}
@@ -219,13 +251,17 @@ def test_token_in_token_out(server, client):
 def test_chat_uses_the_tokenizers_template(server):
     srv, policy = server
     tokenizer = copy.deepcopy(policy.tokenizer)
-    tokenizer.chat_template = ("{% for m in messages %}<|pad|>{{ m['role'] }}\n{{ m['content'] }}{% endfor %}"
-                               "{% if add_generation_prompt %}<|pad|>assistant\n{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|pad|>{{ m['role'] }}\n{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<|pad|>assistant\n{% endif %}"
+    )
     templated = ServerThread(OpenAIApp(srv.app.scheduler, tokenizer, "tiny"))  # a second app over the same scheduler
     try:
         client = openai.OpenAI(base_url=templated.url, api_key="unused", max_retries=0)
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fruit."}]
-        out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, extra_body={"return_token_ids": True})
+        out = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=4, extra_body={"return_token_ids": True}
+        )
         expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         assert out.choices[0].model_extra["prompt_token_ids"] == list(expected)
         assert out.choices[0].model_extra["prompt_token_ids"].count(policy.pad_id) == 3  # the template's own, no more

@@ -8,12 +8,12 @@ import threading
 
 import pytest
 import torch
+from serve_model import tiny_policy
 
 from gapless.generate.engine import TorchEngine
 from gapless.serve.protocol import ContextLengthExceeded, InvalidRequest, QueueFull, SampleRequest, SchedulerClosed
 from gapless.serve.scheduler import EngineFailed, Scheduler
 from gapless.types import SamplingParams
-from serve_model import tiny_policy
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,9 @@ def policy():
 
 @pytest.fixture()
 def scheduler(policy):
-    sched = Scheduler(TorchEngine(policy.model, policy.eos_id, policy.decode, max_batch=16), policy.decode, max_samples=24)
+    sched = Scheduler(
+        TorchEngine(policy.model, policy.eos_id, policy.decode, max_batch=16), policy.decode, max_samples=24
+    )
     yield sched
     sched.close()
 
@@ -56,7 +58,9 @@ def test_requests_from_many_threads_share_engine_steps(policy, scheduler):
 
     def client(i):
         barrier.wait()
-        results[i] = scheduler.submit(SampleRequest(_prompt(policy, i), params, source=f"t{i % 2}")).result(timeout_s=60)
+        results[i] = scheduler.submit(SampleRequest(_prompt(policy, i), params, source=f"t{i % 2}")).result(
+            timeout_s=60
+        )
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
     [t.start() for t in threads]

@@ -10,11 +10,11 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from serve_model import tiny_policy
 
 from gapless.generate.logit_adjust import apply_adjustments
 from gapless.serve.openai.server import ServerThread, build_app
 from gapless.types import LogitAdjustment
-from serve_model import tiny_policy
 
 PROMPT = "Question 3: name"
 
@@ -50,23 +50,48 @@ def test_adjustments_by_hand():
 def test_eos_is_listed_in_log_probs(server, client):
     _, policy = server
     ban_all_but_eos = {str(t): -100 for t in range(len(policy.tokenizer)) if t != policy.eos_id}
-    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1, echo=True,
-                                    logit_bias=ban_all_but_eos)
+    out = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1, echo=True, logit_bias=ban_all_but_eos
+    )
     choice = out.choices[0]
     assert choice.finish_reason == "stop" and choice.text == PROMPT  # the EOS spells no text ...
     assert choice.logprobs.tokens[-1] == "<|eos|>" and len(choice.logprobs.token_logprobs) == out.usage.total_tokens
     assert choice.logprobs.top_logprobs[-1] is not None  # ... but is the last log-prob entry, as OpenAI/vLLM list it
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                          temperature=0, logprobs=True, top_logprobs=1, logit_bias=ban_all_but_eos)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=1,
+        logit_bias=ban_all_but_eos,
+    )
     assert [c.token for c in chat.choices[0].logprobs.content] == ["<|eos|>"] and chat.choices[0].message.content == ""
-    streamed = [c for c in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0,
-                                                     logit_bias=ban_all_but_eos, stream=True) if c.choices]
+    streamed = [
+        c
+        for c in client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=4,
+            temperature=0,
+            logprobs=0,
+            logit_bias=ban_all_but_eos,
+            stream=True,
+        )
+        if c.choices
+    ]
     assert [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == ["<|eos|>"]
 
 
 def test_bias_and_penalties_apply_per_request_inside_one_batch(server, client):
     srv, policy = server
-    greedy = dict(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    greedy = dict(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     plain = client.completions.create(**greedy).choices[0].model_extra["token_ids"]
     first = plain[0]
     banned = client.completions.create(**greedy, logit_bias={str(first): -100}).choices[0].model_extra["token_ids"]
@@ -75,7 +100,11 @@ def test_bias_and_penalties_apply_per_request_inside_one_batch(server, client):
     assert forced == [7] * 12
     repeated = max(set(plain), key=plain.count)
     assert plain.count(repeated) > 1  # the tiny model repeats itself: what penalties are for
-    penalised = client.completions.create(**greedy, frequency_penalty=2.0, presence_penalty=2.0).choices[0].model_extra["token_ids"]
+    penalised = (
+        client.completions.create(**greedy, frequency_penalty=2.0, presence_penalty=2.0)
+        .choices[0]
+        .model_extra["token_ids"]
+    )
     assert max(map(penalised.count, set(penalised))) < max(map(plain.count, set(plain)))
     rep = client.completions.create(**{**greedy, "extra_body": {**greedy["extra_body"], "repetition_penalty": 5.0}})
     assert rep.choices[0].model_extra["token_ids"] != plain
@@ -83,11 +112,21 @@ def test_bias_and_penalties_apply_per_request_inside_one_batch(server, client):
     steps = srv.app.scheduler.stats.steps
     with httpx.Client(timeout=60) as http:
         import concurrent.futures as cf
-        body = lambda **kw: {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,  # noqa: E731
-                             "return_token_ids": True, **kw}
+
+        def body(**kw):
+            return {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True, **kw}  # fmt: skip
+
         with cf.ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(http.post, f"{srv.url}/completions", json=b) for b in
-                       (body(), body(logit_bias={"7": 100}), body(), body(frequency_penalty=2.0, presence_penalty=2.0))]
+            futures = [
+                pool.submit(http.post, f"{srv.url}/completions", json=b)
+                for b in (
+                    body(),
+                    body(logit_bias={"7": 100}),
+                    body(),
+                    body(frequency_penalty=2.0, presence_penalty=2.0),
+                )
+            ]
             got = [f.result().json()["choices"][0]["token_ids"] for f in futures]
     assert got == [plain, [7] * 12, plain, penalised]
     assert srv.app.scheduler.stats.steps - steps < 4 * 12  # they shared engine steps
@@ -96,37 +135,68 @@ def test_bias_and_penalties_apply_per_request_inside_one_batch(server, client):
 
 
 def test_platform_fields_are_ignored_and_stop_lists_are_long(server, client):
-    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-                                         metadata={"run": "x"}, store=False, service_tier="auto", reasoning_effort="low",
-                                         stop=[f"zz{i}" for i in range(16)], extra_body={"some_other_servers_field": 1})
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        metadata={"run": "x"},
+        store=False,
+        service_tier="auto",
+        reasoning_effort="low",
+        stop=[f"zz{i}" for i in range(16)],
+        extra_body={"some_other_servers_field": 1},
+    )
     assert out.choices[0].finish_reason in ("stop", "length")
-    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
-                                    stop=["\n\n", "Question", "zzz", "!!", "<|eos|>"])  # lm-eval: 4 stops and the EOS text
+    out = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stop=["\n\n", "Question", "zzz", "!!", "<|eos|>"]
+    )  # lm-eval: 4 stops and the EOS text
     assert out.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.BadRequestError, match="unsupported parameter: functions"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                       extra_body={"functions": [{"name": "f"}]})
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], extra_body={"functions": [{"name": "f"}]}
+        )
 
 
 def test_image_parts_are_refused_by_name(server, client):
     with pytest.raises(openai.BadRequestError, match="'image_url' are not supported"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [
-            {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}])
+        client.chat.completions.create(
+            model="tiny",
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is this"},
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+                    ],
+                }
+            ],
+        )
     with pytest.raises(openai.BadRequestError, match="'input_image' are not supported"):
-        client.responses.create(model="tiny", input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
+        client.responses.create(
+            model="tiny", input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]
+        )
 
 
 def test_responses_api(server, client):
     _, policy = server
     seeded = dict(model="tiny", max_output_tokens=10, temperature=0)
     out = client.responses.create(input="Question 3: name", instructions="Answer briefly.", **seeded)
-    chat = client.chat.completions.create(model="tiny", max_tokens=10, temperature=0, messages=[
-        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Question 3: name"}])
+    chat = client.chat.completions.create(
+        model="tiny",
+        max_tokens=10,
+        temperature=0,
+        messages=[{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Question 3: name"}],
+    )
     assert out.output_text == chat.choices[0].message.content
-    assert out.usage.input_tokens == chat.usage.prompt_tokens and out.usage.output_tokens == chat.usage.completion_tokens
+    assert (
+        out.usage.input_tokens == chat.usage.prompt_tokens and out.usage.output_tokens == chat.usage.completion_tokens
+    )
     assert out.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
-    with client.responses.stream(input=[{"role": "user", "content": [{"type": "input_text", "text": "Question 3: name"}]}],
-                                 instructions="Answer briefly.", **seeded) as stream:
+    with client.responses.stream(
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Question 3: name"}]}],
+        instructions="Answer briefly.",
+        **seeded,
+    ) as stream:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
         final = stream.get_final_response()
     assert "".join(deltas) == final.output_text == out.output_text
@@ -146,7 +216,9 @@ def test_tokenize_detokenize_and_metrics(server, client):
         assert http.post("/detokenize", json={"tokens": got["tokens"]}).json() == {"prompt": "a  b\tc"}
         messages = [{"role": "user", "content": "hi"}]
         count = http.post("/tokenize", json={"messages": messages}).json()["count"]
-        assert count == client.chat.completions.create(model="tiny", messages=messages, max_tokens=1).usage.prompt_tokens
+        assert (
+            count == client.chat.completions.create(model="tiny", messages=messages, max_tokens=1).usage.prompt_tokens
+        )
         assert http.post("/detokenize", json={"tokens": [10**9]}).status_code == 400
         metrics = http.get("/metrics")
         assert metrics.headers["content-type"].startswith("text/plain")

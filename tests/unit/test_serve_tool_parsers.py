@@ -14,13 +14,24 @@ from gapless.serve.tools.parsers import HERMES, StreamParser, tool_call_format
 from gapless.serve.tools.render import plain_messages
 from gapless.serve.tools.reply import ToolStream, tool_message
 
-ADD = {"type": "function", "function": {"name": "add", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
 
 
 def test_hermes_calls_and_content():
-    text = ('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
-            '<tool_call>{"name": "add", "arguments": "{\\"a\\": 3, \\"b\\": 4}"}</tool_call>')
+    text = (
+        'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+        '<tool_call>{"name": "add", "arguments": "{\\"a\\": 3, \\"b\\": 4}"}</tool_call>'
+    )
     content, calls = HERMES.parse(text)
     assert content == "Let me add."
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
@@ -32,23 +43,37 @@ def test_hermes_calls_and_content():
 
 
 def test_broken_blocks_stay_content():
-    for text in ["<tool_call>\n{not json}\n</tool_call>", '<tool_call>["add"]</tool_call>', '<tool_call>{"name": "add"',
-                 '<tool_call>{"name": 3, "arguments": {}}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>']:
+    for text in [
+        "<tool_call>\n{not json}\n</tool_call>",
+        '<tool_call>["add"]</tool_call>',
+        '<tool_call>{"name": "add"',
+        '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+    ]:
         content, calls = HERMES.parse(text)
         assert calls == [] and content == text.strip()
         assert tool_message(text, "stop", HERMES) == ({"role": "assistant", "content": text.strip()}, "stop")
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.one_of(st.text(max_size=20), st.sampled_from(["<tool_call>", "</tool_call>", "<tool", "call>", "\n",
-                                                                  '{"name": "add", "arguments": {"a": 1}}'])), max_size=12),
-       st.lists(st.integers(1, 30), max_size=10))
+@given(
+    st.lists(
+        st.one_of(
+            st.text(max_size=20),
+            st.sampled_from(
+                ["<tool_call>", "</tool_call>", "<tool", "call>", "\n", '{"name": "add", "arguments": {"a": 1}}']
+            ),
+        ),
+        max_size=12,
+    ),
+    st.lists(st.integers(1, 30), max_size=10),
+)
 def test_streaming_equals_parsing_for_any_text_and_split(pieces, cuts):
     text = "".join(pieces)
     content, calls = HERMES.parse(text)
     stream, got, chunks, at = ToolStream(HERMES), [], [], 0
     for cut in cuts + [len(text)]:
-        chunks.append(text[at: at + cut])
+        chunks.append(text[at : at + cut])
         at += cut
     chunks.append(text[at:])
     streamed = ""
@@ -68,10 +93,19 @@ def test_stream_holds_back_a_marker_prefix_only():
 
 
 def test_history_renders_in_the_format():
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
-                {"role": "tool", "tool_call_id": "c1", "content": "5"}, {"role": "tool", "tool_call_id": "c2", "content": "6"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+3?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "5"},
+        {"role": "tool", "tool_call_id": "c2", "content": "6"},
+    ]
     plain = plain_messages(messages, [ADD], HERMES)
     assert [r for r, _ in plain] == ["system", "user", "assistant", "user"]
     assert plain[0][1].startswith("Be brief.\n\n") and json.dumps(ADD) in plain[0][1]
@@ -81,8 +115,10 @@ def test_history_renders_in_the_format():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.fixed_dictionaries({"a": st.integers(-10**6, 10**6), "b": st.integers()}), min_size=1, max_size=3),
-       st.text(max_size=30).filter(lambda t: "<tool_call>" not in t))
+@given(
+    st.lists(st.fixed_dictionaries({"a": st.integers(-(10**6), 10**6), "b": st.integers()}), min_size=1, max_size=3),
+    st.text(max_size=30).filter(lambda t: "<tool_call>" not in t),
+)
 def test_rendered_calls_round_trip(args, prefix):
     text = "\n".join([prefix] + [HERMES.render("add", a) for a in args])
     content, calls = HERMES.parse(text)

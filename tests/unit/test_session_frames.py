@@ -43,14 +43,31 @@ def pieces():
     """Frames a forger would try, and garbage: as bytes, concatenated in any order."""
     bodies = st.one_of(
         st.binary(max_size=64),
-        st.builds(lambda v: json.dumps(v).encode(), st.recursive(
-            st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
-                st.sampled_from(["ok", "error", "snapshot_bytes", "snapshot", "x"]), inner, max_size=3),
-            max_leaves=8)),
-        st.sampled_from([b'{"ok": true}', b'{"ok": false, "error": "\\ud800"}', b'{"ok": true, "snapshot": "@@"}',
-                         b'{"ok": true, "snapshot_bytes": 3}', b'{"ok": true, "snapshot_bytes": 99999999}',
-                         b"[" * 5000, b"\xff\xfe", b"abc"]),
+        st.builds(
+            lambda v: json.dumps(v).encode(),
+            st.recursive(
+                st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                lambda inner: (
+                    st.lists(inner, max_size=3)
+                    | st.dictionaries(
+                        st.sampled_from(["ok", "error", "snapshot_bytes", "snapshot", "x"]), inner, max_size=3
+                    )
+                ),
+                max_leaves=8,
+            ),
+        ),
+        st.sampled_from(
+            [
+                b'{"ok": true}',
+                b'{"ok": false, "error": "\\ud800"}',
+                b'{"ok": true, "snapshot": "@@"}',
+                b'{"ok": true, "snapshot_bytes": 3}',
+                b'{"ok": true, "snapshot_bytes": 99999999}',
+                b"[" * 5000,
+                b"\xff\xfe",
+                b"abc",
+            ]
+        ),
     )
     framed = st.builds(frame, bodies)
     lying = st.builds(lambda n, body: n.to_bytes(8, "little") + body, st.integers(0, 2**64 - 1), st.binary(max_size=32))
@@ -72,8 +89,12 @@ def test_any_bytes_give_a_reply_or_a_violation(data, cuts, expects_blob, end):
 
 
 @settings(max_examples=100, deadline=None)
-@given(ok=st.booleans(), error=st.one_of(st.none(), st.text(max_size=50)), blob=st.binary(max_size=BLOB_CAP),
-       cuts=st.lists(st.integers(0, BLOB_CAP), max_size=5))
+@given(
+    ok=st.booleans(),
+    error=st.one_of(st.none(), st.text(max_size=50)),
+    blob=st.binary(max_size=BLOB_CAP),
+    cuts=st.lists(st.integers(0, BLOB_CAP), max_size=5),
+)
 def test_well_formed_replies_read_back(ok, error, blob, cuts):
     fields = {"ok": ok, "error": error} | ({"snapshot_bytes": len(blob)} if ok else {})
     data = header(**fields) + (frame(blob) if ok else b"")
@@ -102,8 +123,13 @@ def test_several_replies_and_mismatched_sizes_are_violations():
     short = ReplyReader(expects_blob=True, blob_cap_bytes=BLOB_CAP)
     short.feed(header(ok=True, snapshot_bytes=10) + frame(b"12345"))
     assert short.violation is not None and not short.violation.too_large
-    for forged in ({"ok": True, "snapshot": "!!not base64!!"}, {"ok": 1}, {"ok": True, "error": 5},
-                   {"ok": True, "snapshot_bytes": True}, {"ok": True, "snapshot_bytes": -1}):
+    for forged in (
+        {"ok": True, "snapshot": "!!not base64!!"},
+        {"ok": 1},
+        {"ok": True, "error": 5},
+        {"ok": True, "snapshot_bytes": True},
+        {"ok": True, "snapshot_bytes": -1},
+    ):
         reader = ReplyReader(expects_blob=True, blob_cap_bytes=BLOB_CAP)
         reader.feed(header(**forged))
         assert reader.violation is not None, forged

@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 
 import pytest
+from sim_pipelines import G, P, config, constant_costs
 
 from gapless.config import load_config
 from gapless.orchestrate.admission import Admission
@@ -18,7 +19,6 @@ from gapless.simulate.calibrate import calibrate, compare, joint_error, read_run
 from gapless.simulate.costs import Costs, EnvCost, GenerationCost, LengthModel, RelayCost, TrainerCost
 from gapless.simulate.record import write_run
 from gapless.simulate.run import Simulation
-from sim_pipelines import G, P, config, constant_costs
 
 
 @pytest.mark.parametrize("micro_batch_size,positions", [(64, 8 * 40), (4, 4 * 18 + 4 * 40)])
@@ -123,12 +123,20 @@ def test_the_trainer_borrows_the_generators_core_only_while_nothing_is_scored_cl
     # for the scoring: steps of 0.2 s. Handing the core back while a group is scored
     # (orchestrate/lending.py), the first 0.2 s run on one thread and the rest of the work (0.1)
     # on two: 0.25 s, no wait. (Scoring that uses no CPU, as here, is where lending through it pays.)
-    costs = replace(constant_costs(1e-6, 0.3), parallel_efficiency=1.0,
-                    env=EnvCost(cpu_s=0.0, wait_p50_s=0.2, wait_p99_s=0.2))
+    costs = replace(
+        constant_costs(1e-6, 0.3), parallel_efficiency=1.0, env=EnvCost(cpu_s=0.0, wait_p50_s=0.2, wait_p99_s=0.2)
+    )
 
     def steps(lend_while_scoring: str):
-        cfg = config(1, **{"simulate.placement": '"shared"', "simulate.cores": "2",
-                           "pipeline.admit_while_training": '"on"', "pipeline.lend_while_scoring": lend_while_scoring})
+        cfg = config(
+            1,
+            **{
+                "simulate.placement": '"shared"',
+                "simulate.cores": "2",
+                "pipeline.admit_while_training": '"on"',
+                "pipeline.lend_while_scoring": lend_while_scoring,
+            },
+        )
         return Simulation(cfg, costs).run().steps[1:]
 
     through, handed_back = steps("true"), steps("false")
@@ -144,8 +152,9 @@ def test_a_continuous_inbox_changes_nothing_without_drops(decode_step_s, train_s
     # the published systems) also handles scored groups on arrival. Loaded is handled on arrival
     # either way and nothing is dropped here, so the two disciplines time every step alike.
     take = Simulation(config(1, steps=12), constant_costs(decode_step_s, train_s)).run()
-    continuous = Simulation(config(1, steps=12, **{"simulate.trainer_inbox": '"continuous"'}),
-                            constant_costs(decode_step_s, train_s)).run()
+    continuous = Simulation(
+        config(1, steps=12, **{"simulate.trainer_inbox": '"continuous"'}), constant_costs(decode_step_s, train_s)
+    ).run()
     assert [r.end_s for r in take.steps] == pytest.approx([r.end_s for r in continuous.steps])
 
 
@@ -183,8 +192,12 @@ def test_groups_scored_at_once_share_the_sandboxs_slots():
     # it scores. P = 4 groups of G = 2 finish together; 2 workers score 2 groups at a time, each
     # with 1 s of CPU, on 2 slots (cores to spare): each group gets 1 slot, so scoring takes
     # 2 rounds x 1 s (2 slots per group, the old model, would take 2 x 0.5 s).
-    shared = {"simulate.placement": '"shared"', "simulate.cores": "16", "sandbox.concurrency": "2",
-              "pipeline.env_workers": "2"}
+    shared = {
+        "simulate.placement": '"shared"',
+        "simulate.cores": "16",
+        "sandbox.concurrency": "2",
+        "pipeline.env_workers": "2",
+    }
     costs = replace(constant_costs(1e-4, 1e-4), env=EnvCost(cpu_s=1.0, cpu_sigma=0.0), parallel_efficiency=1.0)
     result = Simulation(config(0, steps=3, **shared), costs).run()
     ends = [r.end_s for r in result.steps]
@@ -197,10 +210,18 @@ def test_sandbox_programs_count_for_the_share_of_them_runnable(runnable, seconds
     # sandbox_runnable): the 2 slots count for 2 x runnable threads, so 1 s of CPU per group
     # takes 1 / runnable s, and the step's 2 rounds of 2 groups 2 / runnable s, even with cores
     # to spare.
-    shared = {"simulate.placement": '"shared"', "simulate.cores": "16", "sandbox.concurrency": "2",
-              "pipeline.env_workers": "2"}
-    costs = replace(constant_costs(1e-4, 1e-4), env=EnvCost(cpu_s=1.0, cpu_sigma=0.0), parallel_efficiency=1.0,
-                    sandbox_runnable=runnable)
+    shared = {
+        "simulate.placement": '"shared"',
+        "simulate.cores": "16",
+        "sandbox.concurrency": "2",
+        "pipeline.env_workers": "2",
+    }
+    costs = replace(
+        constant_costs(1e-4, 1e-4),
+        env=EnvCost(cpu_s=1.0, cpu_sigma=0.0),
+        parallel_efficiency=1.0,
+        sandbox_runnable=runnable,
+    )
     ends = [r.end_s for r in Simulation(config(0, steps=3, **shared), costs).run().steps]
     assert ends[2] - ends[1] == pytest.approx(seconds, abs=0.01)
 
@@ -222,8 +243,10 @@ def test_an_openmp_team_runs_at_one_threads_share_on_oversubscribed_cores(barrie
     assert (done["team"], done["programs"]) == pytest.approx(ends)
 
 
-@pytest.mark.parametrize("barrier,contention,ends", [(1.0, 1.0, (1.25, 1.0)), (0.5, 1.0, (1.375, 1.0)),
-                                                     (1.0, 0.8, (1.5, 1.25)), (0.5, 0.8, (1.625, 1.25))])
+@pytest.mark.parametrize(
+    "barrier,contention,ends",
+    [(1.0, 1.0, (1.25, 1.0)), (0.5, 1.0, (1.375, 1.0)), (1.0, 0.8, (1.5, 1.25)), (0.5, 0.8, (1.625, 1.25))],
+)
 def test_an_oversubscribed_pool_loses_what_its_efficiencies_say(barrier, contention, ends):
     # The team of the test above (a 2-thread decode, 1 s of work) beside 2 sandbox programs (1 s),
     # 2 cores. The team runs at one thread's share (0.5) x barrier, every job x contention while
@@ -243,7 +266,9 @@ def test_an_oversubscribed_pool_loses_what_its_efficiencies_say(barrier, content
     assert (done["team"], done["programs"]) == pytest.approx(ends)
 
 
-@pytest.mark.parametrize("decode_first,cap,ends", [(False, 1, (2.5, 2.5)), (True, 1, (1.0, 2.5)), (True, 2, (3.0, 3.0))])
+@pytest.mark.parametrize(
+    "decode_first,cap,ends", [(False, 1, (2.5, 2.5)), (True, 1, (1.0, 2.5)), (True, 2, (3.0, 3.0))]
+)
 def test_a_one_thread_decode_is_served_first_where_the_pool_says_so(decode_first, cap, ends):
     # 2 cores, perfect scaling: a decode (1 s of work at speed 1) beside the sandbox's programs
     # (cap 4, 4 s of work). Shared by thread count: 2 / 5 of a core each, the decode at 0.4 and the
@@ -285,24 +310,42 @@ def test_the_simulated_decode_and_training_are_teams(threads, barrier_teams, ste
     # fair sharing gives each actor 1 core: 0.3 s per step; as teams each runs at one thread's
     # share, 0.5: 0.6 s. With 1 thread each nothing is oversubscribed: 0.3 s either way.
     costs = replace(constant_costs(0.03, 0.3), parallel_efficiency=1.0, barrier_teams=barrier_teams)
-    cfg = config(1, steps=8, **{"simulate.placement": '"shared"', "simulate.cores": "2", "pipeline.lend_idle_cores": "false",
-                                "pipeline.generator_threads": str(threads), "pipeline.trainer_threads": str(threads),
-                                "simulate.trainer_inbox": '"continuous"'})
+    cfg = config(
+        1,
+        steps=8,
+        **{
+            "simulate.placement": '"shared"',
+            "simulate.cores": "2",
+            "pipeline.lend_idle_cores": "false",
+            "pipeline.generator_threads": str(threads),
+            "pipeline.trainer_threads": str(threads),
+            "simulate.trainer_inbox": '"continuous"',
+        },
+    )
     ends = [r.end_s for r in Simulation(cfg, costs).run().steps]
     assert ends[5] - ends[4] == pytest.approx(step_s)
 
 
 def heavy_costs() -> Costs:
-    return Costs(GenerationCost(1e-3, 1e-4, 1e-5), LengthModel(12, sigma=1.2, truncated_frac=0.1), TrainerCost(1e-5),
-                 EnvCost(cpu_s=0.002, wait_p50_s=0.01, wait_p99_s=0.05), RelayCost(latency_s=1e-3), prompt_tokens=8)
+    return Costs(
+        GenerationCost(1e-3, 1e-4, 1e-5),
+        LengthModel(12, sigma=1.2, truncated_frac=0.1),
+        TrainerCost(1e-5),
+        EnvCost(cpu_s=0.002, wait_p50_s=0.01, wait_p99_s=0.05),
+        RelayCost(latency_s=1e-3),
+        prompt_tokens=8,
+    )
 
 
-@pytest.mark.parametrize("budget,levers", [
-    (0, {}),
-    (2, {"pipeline.oversample": "0.5"}),
-    (1, {"pipeline.dynamic_sampling": "true", "pipeline.curriculum": '"pass_rate"'}),
-    (3, {"pipeline.partial_rollout_s": "0.02", "generator.max_batch": "8", "generator.force_long_every": "3"}),
-])
+@pytest.mark.parametrize(
+    "budget,levers",
+    [
+        (0, {}),
+        (2, {"pipeline.oversample": "0.5"}),
+        (1, {"pipeline.dynamic_sampling": "true", "pipeline.curriculum": '"pass_rate"'}),
+        (3, {"pipeline.partial_rollout_s": "0.02", "generator.max_batch": "8", "generator.force_long_every": "3"}),
+    ],
+)
 def test_real_buffer_ledger_rules_hold(tmp_path, budget, levers):
     # the simulator drives the real StalenessBuffer and the trainer's Dispatcher: the ledger it writes obeys
     # the same rules as a real run's, and no trained group is staler than the budget
@@ -339,7 +382,9 @@ def test_curriculum_is_fed_by_simulated_rewards(tmp_path):
         cfg = config(1, steps=10, **{"pipeline.curriculum": f'"{curriculum}"', "task.num_train_prompts": "6"})
         ledger = GroupLedger(tmp_path / f"{curriculum}.jsonl")
         Simulation(cfg, heavy_costs(), ledger).run()
-        picks[curriculum] = [e["uid"] for e in read_events(tmp_path / f"{curriculum}.jsonl") if e["event"] == "admitted"]
+        picks[curriculum] = [
+            e["uid"] for e in read_events(tmp_path / f"{curriculum}.jsonl") if e["event"] == "admitted"
+        ]
     assert picks["uniform"] != picks["pass_rate"]
 
 
@@ -353,8 +398,15 @@ def simulated_runs(tmp_path, truth: Costs, budgets) -> list:
     """The default job at each budget on 2 cores, simulated with `truth` and written as run directories."""
     runs = []
     for budget in budgets:
-        cfg = load_config(None, {"pipeline.max_staleness": str(budget), "loop.steps": "8", "simulate.cores": "2",
-                                 "simulate.timeline_steps": "8"})
+        cfg = load_config(
+            None,
+            {
+                "pipeline.max_staleness": str(budget),
+                "loop.steps": "8",
+                "simulate.cores": "2",
+                "simulate.timeline_steps": "8",
+            },
+        )
         run_dir = tmp_path / f"b{budget}"
         write_run(Simulation(cfg, truth).run(), run_dir, cfg.model_dump(mode="json"), truth)
         runs.append(run_dir)
@@ -365,8 +417,15 @@ def test_calibration_round_trip(tmp_path):
     # a run simulated with known costs, written as a run directory, calibrates back to costs
     # that predict it (the fit is by simulation, so it must recover its own model)
     # prompts of 24 tokens, read from the runs' rollout/prompt_len_mean (the config says 64)
-    truth = Costs(GenerationCost(1.2e-3, 1e-4), LengthModel(15, 0.5, 0.3), TrainerCost(1.5e-4),
-                  EnvCost(cpu_s=0.01), RelayCost(latency_s=2e-4), prompt_tokens=24, parallel_efficiency=0.7)
+    truth = Costs(
+        GenerationCost(1.2e-3, 1e-4),
+        LengthModel(15, 0.5, 0.3),
+        TrainerCost(1.5e-4),
+        EnvCost(cpu_s=0.01),
+        RelayCost(latency_s=2e-4),
+        prompt_tokens=24,
+        parallel_efficiency=0.7,
+    )
     costs, rows = calibrate(simulated_runs(tmp_path, truth, (0, 1)), cores=2)
     assert costs.prompt_tokens == 24
     for row in rows:
@@ -406,9 +465,19 @@ def test_the_joint_fit_lowers_the_error_the_scaling_fit_leaves(tmp_path):
     # runs of a crowded pool (barrier and contention losses, a sandbox counting for half its
     # threads): the scaling fit leaves those at 1.0; the joint fit of all eight parameters,
     # started from it, must predict the runs better by its own objective, and still every run
-    truth = Costs(GenerationCost(1.2e-3, 1e-4), LengthModel(15, 0.5, 0.0), TrainerCost(1.5e-4),
-                  EnvCost(cpu_s=0.04), RelayCost(latency_s=2e-4), prompt_tokens=64, parallel_efficiency=0.8,
-                  barrier_teams=True, barrier_efficiency=0.6, contention_efficiency=0.85, sandbox_runnable=0.5)
+    truth = Costs(
+        GenerationCost(1.2e-3, 1e-4),
+        LengthModel(15, 0.5, 0.0),
+        TrainerCost(1.5e-4),
+        EnvCost(cpu_s=0.04),
+        RelayCost(latency_s=2e-4),
+        prompt_tokens=64,
+        parallel_efficiency=0.8,
+        barrier_teams=True,
+        barrier_efficiency=0.6,
+        contention_efficiency=0.85,
+        sandbox_runnable=0.5,
+    )
     run_dirs = simulated_runs(tmp_path, truth, (0, 1, 2))
     runs = [read_run(run_dir, 2) for run_dir in run_dirs]
     scaled, _ = calibrate(run_dirs, cores=2)
@@ -442,9 +511,17 @@ def test_the_joint_fit_never_returns_worse_than_where_it_started(tmp_path):
 def test_calibration_recovers_how_the_decode_shares_the_cores(tmp_path, decode_first):
     # runs simulated on a machine whose one-thread decode is served first (or shares the cores
     # by threads): calibration fits both rules and keeps the one these runs came from
-    truth = Costs(GenerationCost(1.2e-3, 1e-4), LengthModel(15, 0.5, 0.0), TrainerCost(1.5e-4),
-                  EnvCost(cpu_s=0.04), RelayCost(latency_s=2e-4), prompt_tokens=64, parallel_efficiency=0.8,
-                  barrier_teams=True, decode_first=decode_first)
+    truth = Costs(
+        GenerationCost(1.2e-3, 1e-4),
+        LengthModel(15, 0.5, 0.0),
+        TrainerCost(1.5e-4),
+        EnvCost(cpu_s=0.04),
+        RelayCost(latency_s=2e-4),
+        prompt_tokens=64,
+        parallel_efficiency=0.8,
+        barrier_teams=True,
+        decode_first=decode_first,
+    )
     costs, rows = calibrate(simulated_runs(tmp_path, truth, (0, 1, 2)), cores=2)
     assert costs.decode_first is decode_first
     for row in rows:
@@ -452,8 +529,16 @@ def test_calibration_recovers_how_the_decode_shares_the_cores(tmp_path, decode_f
 
 
 def test_simulate_writes_a_run_the_report_draws(tmp_path):
-    cfg = load_config(None, {"run_dir": json.dumps(str(tmp_path / "sim")), "loop.steps": "4", "simulate.cores": "2",
-                             "pipeline.max_staleness": "1", "simulate.sweep_budgets": "[0, 1]"})
+    cfg = load_config(
+        None,
+        {
+            "run_dir": json.dumps(str(tmp_path / "sim")),
+            "loop.steps": "4",
+            "simulate.cores": "2",
+            "pipeline.max_staleness": "1",
+            "simulate.sweep_budgets": "[0, 1]",
+        },
+    )
     out = simulate(cfg, log=lambda *a: None)
     run_dir = tmp_path / "sim"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -478,7 +563,9 @@ def test_replica_finishes_groups_late_in_a_long_run():
     loop = EventLoop()
     loop.now = 5e4
     finished = []
-    replica = Replica(0, loop, DedicatedPool(), 1.0, GenerationCost(1e-4, 1e-7), 8, 64, finished.append, lambda *a: None)
+    replica = Replica(
+        0, loop, DedicatedPool(), 1.0, GenerationCost(1e-4, 1e-7), 8, 64, finished.append, lambda *a: None
+    )
     replica.k, replica.t_last = 5e7 + 0.123456789, loop.now
     for i in range(8):
         replica.add(SimGroup(i, 0, 0, [1000 + 37 * i] * 4))
@@ -492,13 +579,16 @@ def test_replica_finishes_groups_late_in_a_long_run():
     assert len(finished) == 8 and events[0] < 100
 
 
-@pytest.mark.parametrize("lengths,order,ends_ms", [
-    # the first two groups fill the batch; their short sequences end after one step and free the
-    # four slots the third group needs: it starts then and ends first, before their long sequences
-    ([[20, 1, 1, 1], [20, 1, 1, 1], [2, 2, 2, 2]], [2, 0, 1], [3.0, 20.0, 20.0]),
-    # sequences that all run equally long free no slot before their group ends
-    ([[5, 5, 5, 5], [5, 5, 5, 5], [5, 5, 5, 5]], [0, 1, 2], [5.0, 5.0, 10.0]),
-])
+@pytest.mark.parametrize(
+    "lengths,order,ends_ms",
+    [
+        # the first two groups fill the batch; their short sequences end after one step and free the
+        # four slots the third group needs: it starts then and ends first, before their long sequences
+        ([[20, 1, 1, 1], [20, 1, 1, 1], [2, 2, 2, 2]], [2, 0, 1], [3.0, 20.0, 20.0]),
+        # sequences that all run equally long free no slot before their group ends
+        ([[5, 5, 5, 5], [5, 5, 5, 5], [5, 5, 5, 5]], [0, 1, 2], [5.0, 5.0, 10.0]),
+    ],
+)
 def test_a_waiting_group_starts_when_enough_sequences_have_ended(lengths, order, ends_ms):
     from gapless.simulate.clock import EventLoop
     from gapless.simulate.engine import Replica, SimGroup
@@ -506,8 +596,17 @@ def test_a_waiting_group_starts_when_enough_sequences_have_ended(lengths, order,
 
     loop, finished = EventLoop(), []
     # 1 ms per decode step whatever the rows; max_batch 8 sequences = two groups of G = 4 at full occupancy
-    replica = Replica(0, loop, DedicatedPool(), 1.0, GenerationCost(1e-3, 0.0), 8, 8,
-                      lambda g: finished.append((g.index, loop.now)), lambda *a: None)
+    replica = Replica(
+        0,
+        loop,
+        DedicatedPool(),
+        1.0,
+        GenerationCost(1e-3, 0.0),
+        8,
+        8,
+        lambda g: finished.append((g.index, loop.now)),
+        lambda *a: None,
+    )
     for i, group_lengths in enumerate(lengths):
         replica.add(SimGroup(i, 0, 0, group_lengths))
     loop.run(until=lambda: len(finished) == len(lengths), max_time_s=1.0)
@@ -530,8 +629,13 @@ def test_roofline_decode_step_overhead_adds_to_every_step():
     """A decode step costs overhead + weight bytes / bandwidth + rows x per-row cost (closed form)."""
     from gapless.simulate import resolve_costs
 
-    base = {"simulate.placement": '"split"', "simulate.params": "1e9", "simulate.kv_bytes_per_token": "1000",
-            "simulate.device_flops": "1e15", "simulate.device_memory_bw": "2e12"}
+    base = {
+        "simulate.placement": '"split"',
+        "simulate.params": "1e9",
+        "simulate.kv_bytes_per_token": "1000",
+        "simulate.device_flops": "1e15",
+        "simulate.device_memory_bw": "2e12",
+    }
     plain = resolve_costs(load_config(None, base)).generation
     slow = resolve_costs(load_config(None, {**base, "simulate.decode_step_overhead_s": "0.004"})).generation
     assert plain.step_s == pytest.approx(1e9 * 2.0 / 2e12)  # bf16 weights read once per step

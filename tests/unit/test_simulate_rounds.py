@@ -9,13 +9,13 @@ import random
 import statistics
 
 import pytest
+from sim_pipelines import G, L, P, config, constant_costs
 
 from gapless.config import ConfigError, load_config
 from gapless.simulate import simulate
 from gapless.simulate.costs import Costs, EnvCost, GenerationCost, LengthModel, RelayCost, TrainerCost
 from gapless.simulate.rounds import jittered, round_costs, simulate_rounds
 from gapless.simulate.run import Simulation
-from sim_pipelines import G, L, P, config, constant_costs
 
 
 def test_one_round_without_jitter_is_the_plain_simulation():
@@ -26,8 +26,13 @@ def test_one_round_without_jitter_is_the_plain_simulation():
 
 
 def test_each_component_gets_its_own_factor():
-    c = Costs(GenerationCost(1e-3, 2e-4, 5e-5), LengthModel(L, sigma=0.0), TrainerCost(3e-5, 0.1),
-              EnvCost(cpu_s=0.04, wait_p50_s=0.01, wait_p99_s=0.05), RelayCost(latency_s=0.2, bytes=1e6))
+    c = Costs(
+        GenerationCost(1e-3, 2e-4, 5e-5),
+        LengthModel(L, sigma=0.0),
+        TrainerCost(3e-5, 0.1),
+        EnvCost(cpu_s=0.04, wait_p50_s=0.01, wait_p99_s=0.05),
+        RelayCost(latency_s=0.2, bytes=1e6),
+    )
     j = jittered(c, 0.3, random.Random(7))
     g = j.generation.row_s / c.generation.row_s
     assert j.generation.step_s / c.generation.step_s == pytest.approx(g)
@@ -75,9 +80,18 @@ def test_a_configuration_at_a_regime_boundary_is_flagged_sensitive():
 
 def test_simulate_command_reports_the_rounds(tmp_path):
     lines = []
-    cfg = load_config(None, {"run_dir": json.dumps(str(tmp_path / "sim")), "loop.steps": "6", "simulate.placement": '"shared"',
-                             "simulate.cores": "2", "pipeline.max_staleness": "1", "simulate.rounds": "5",
-                             "simulate.cost_jitter": "0.2"})
+    cfg = load_config(
+        None,
+        {
+            "run_dir": json.dumps(str(tmp_path / "sim")),
+            "loop.steps": "6",
+            "simulate.placement": '"shared"',
+            "simulate.cores": "2",
+            "pipeline.max_staleness": "1",
+            "simulate.rounds": "5",
+            "simulate.cost_jitter": "0.2",
+        },
+    )
     out = simulate(cfg, log=lines.append)
     assert out["summary"]["rounds"] == 5
     assert "median of 5 rounds" in lines[0]
@@ -86,8 +100,9 @@ def test_simulate_command_reports_the_rounds(tmp_path):
 
 @pytest.mark.parametrize("rounds, jitter", [("5", "0"), ("1", "0.2")])
 def test_rounds_and_jitter_come_together(tmp_path, rounds, jitter):
-    cfg = load_config(None, {"run_dir": json.dumps(str(tmp_path / "sim")), "simulate.rounds": rounds,
-                             "simulate.cost_jitter": jitter})
+    cfg = load_config(
+        None, {"run_dir": json.dumps(str(tmp_path / "sim")), "simulate.rounds": rounds, "simulate.cost_jitter": jitter}
+    )
     with pytest.raises(ConfigError, match="simulate.rounds .* simulate.cost_jitter"):
         simulate(cfg)
     assert not (tmp_path / "sim").exists()  # refused before anything is written

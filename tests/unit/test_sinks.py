@@ -9,9 +9,16 @@ from gapless.config import ConfigError, load_config
 from gapless.live import ProgressLine, RichLiveView, live_view
 from gapless.metrics import JsonlSink, TensorBoardSink, open_sinks
 
-STEP = {"rollout/reward_mean": 0.25, "perf/gen_tokens_per_s": 1234.0, "perf/trainer_idle_frac": 0.7,
-        "perf/generator_idle_frac": 0.3, "staleness/mean": 0.5, "staleness/max": 1.0, "sandbox/queue_s_p99": 0.012,
-        "perf/step_s": 1.5}
+STEP = {
+    "rollout/reward_mean": 0.25,
+    "perf/gen_tokens_per_s": 1234.0,
+    "perf/trainer_idle_frac": 0.7,
+    "perf/generator_idle_frac": 0.3,
+    "staleness/mean": 0.5,
+    "staleness/max": 1.0,
+    "sandbox/queue_s_p99": 0.012,
+    "perf/step_s": 1.5,
+}
 
 
 class _Tty(io.StringIO):
@@ -27,8 +34,17 @@ def test_plain_line_shows_every_field_once_logged():
     view.log(2, STEP)
     first, second, third = out.getvalue().splitlines()
     assert first.startswith("step 0/10") and "pass@1 0.125" in first and "reward" not in first
-    for fragment in ("step 2/10", "eta 0m", "reward 0.250", "pass@1 0.125", "tok/s 1234", "idle T/G 0.70/0.30",
-                     "stale 0.5/1", "queue p99 12.0ms", "step time 1.50s"):
+    for fragment in (
+        "step 2/10",
+        "eta 0m",
+        "reward 0.250",
+        "pass@1 0.125",
+        "tok/s 1234",
+        "idle T/G 0.70/0.30",
+        "stale 0.5/1",
+        "queue p99 12.0ms",
+        "step time 1.50s",
+    ):
         assert fragment in third, fragment
 
 
@@ -52,7 +68,9 @@ def test_auto_picks_rich_on_a_terminal_and_plain_otherwise():
 
 
 def test_open_sinks_follows_the_config(tmp_path):
-    cfg = load_config(None, {"run_dir": json.dumps(str(tmp_path)), "metrics.tensorboard": "false", "metrics.live": "plain"})
+    cfg = load_config(
+        None, {"run_dir": json.dumps(str(tmp_path)), "metrics.tensorboard": "false", "metrics.live": "plain"}
+    )
     out = io.StringIO()
     sinks = open_sinks(cfg, 3, stream=out)
     assert [type(s) for s in sinks.sinks] == [JsonlSink, ProgressLine]
@@ -81,8 +99,15 @@ def test_tensorboard_sink_writes_scalars_tensorboard_reads(tmp_path):
 def test_wandb_offline_run_is_written_without_network(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is optional and not installed")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = load_config(None, {"run_dir": json.dumps(str(tmp_path / "run")), "metrics.wandb_project": "'gapless-test'",
-                             "metrics.tensorboard": "false", "metrics.live": "plain"})
+    cfg = load_config(
+        None,
+        {
+            "run_dir": json.dumps(str(tmp_path / "run")),
+            "metrics.wandb_project": "'gapless-test'",
+            "metrics.tensorboard": "false",
+            "metrics.live": "plain",
+        },
+    )
     sinks = open_sinks(cfg, 2, stream=io.StringIO())
     sinks.log(1, {"train/loss": 0.5})
     sinks.close()
@@ -94,7 +119,14 @@ def test_wandb_configured_but_missing_is_a_config_error(tmp_path, monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
-    cfg = load_config(None, {"run_dir": json.dumps(str(tmp_path)), "metrics.wandb_project": "'p'", "metrics.live": "plain",
-                             "metrics.tensorboard": "false"})
+    cfg = load_config(
+        None,
+        {
+            "run_dir": json.dumps(str(tmp_path)),
+            "metrics.wandb_project": "'p'",
+            "metrics.live": "plain",
+            "metrics.tensorboard": "false",
+        },
+    )
     with pytest.raises(ConfigError, match="pip install wandb"):
         open_sinks(cfg, 2)

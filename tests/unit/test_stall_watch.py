@@ -60,8 +60,11 @@ def test_a_progressing_actor_is_no_stall_and_a_live_one_without_progress_is(tmp_
         assert time.monotonic() - stopped >= timeout_s - 0.1  # not before its progress had stopped for the timeout
         record = (tmp_path / "stall.txt").read_text()
         assert str(stall.value) == record.rstrip("\n")
-        line = re.search(r"generator: pid (\d+), last heartbeat ([\d.]+) s ago, state (\S+).*; progress mark (\d+), "
-                         r"the last ([\d.]+) s ago \(at [\d:]+\): decoded 4 tokens \(step (\d+)\)", record)
+        line = re.search(
+            r"generator: pid (\d+), last heartbeat ([\d.]+) s ago, state (\S+).*; progress mark (\d+), "
+            r"the last ([\d.]+) s ago \(at [\d:]+\): decoded 4 tokens \(step (\d+)\)",
+            record,
+        )
         assert line, record
         assert int(line.group(1)) == actor.pid and line.group(3) != "T"
         assert float(line.group(2)) < timeout_s  # alive and beating: found by its progress, not its silence
@@ -88,7 +91,9 @@ def test_the_wait_stalls_only_when_no_actor_it_waits_on_progressed(tmp_path):
         watch.check("step 2's rollouts")
     message = str(stall.value)
     assert "waiting on generator and environment, none of which made progress for 1.2 s" in message
-    assert re.search(r"generator: pid 0, .*; progress mark 1, the last 1\.2 s ago .*: decoded 8 tokens", message), message
+    assert re.search(r"generator: pid 0, .*; progress mark 1, the last 1\.2 s ago .*: decoded 8 tokens", message), (
+        message
+    )
     assert re.search(r"environment: pid 0, .*; no progress since it started 5\.0 s ago", message), message
 
 

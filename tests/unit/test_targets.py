@@ -14,8 +14,10 @@ def rollout(reward: float, length: int = 3, finish: str = "stop", status: str = 
 
 def groups(rollouts: list[Rollout], size: int) -> list[Group]:
     """Consecutive runs of `size` rollouts, as the sources hand them over."""
-    return [Group(index=i // size, task_index=0, born=0, rollouts=tuple(rollouts[i : i + size]))
-            for i in range(0, len(rollouts), size)]
+    return [
+        Group(index=i // size, task_index=0, born=0, rollouts=tuple(rollouts[i : i + size]))
+        for i in range(0, len(rollouts), size)
+    ]
 
 
 def test_overlong_penalty_is_linear_over_the_buffer():
@@ -55,13 +57,22 @@ def test_masked_truncations_keep_their_reward_in_the_baseline():
 def test_kl_folded_into_the_reward():
     # rewards 1, 0 minus 0.1 * KL (2.0, 0.0) -> 0.8, 0.0; Dr. GRPO: mean 0.4 -> 0.4, -0.4
     group = [rollout(1.0), rollout(0.0)]
-    out = step_targets(groups(group, 2), TrainerConfig(kl_coef=0.1, kl_placement="reward", advantage="drgrpo"), 8, ref_kl=[2.0, 0.0])
+    out = step_targets(
+        groups(group, 2), TrainerConfig(kl_coef=0.1, kl_placement="reward", advantage="drgrpo"), 8, ref_kl=[2.0, 0.0]
+    )
     assert out.advantages == pytest.approx([0.4, -0.4])
     assert out.metrics["rollout/kl_ref_mean"] == 1.0
 
 
 def test_zero_variance_groups_flagged_and_optionally_dropped():
-    rollouts = [rollout(1.0), rollout(1.0), rollout(0.0), rollout(1.0), rollout(0.5), rollout(0.0, status="infra_error")]
+    rollouts = [
+        rollout(1.0),
+        rollout(1.0),
+        rollout(0.0),
+        rollout(1.0),
+        rollout(0.5),
+        rollout(0.0, status="infra_error"),
+    ]
     kept = step_targets(groups(rollouts, 2), TrainerConfig(), max_new_tokens=8)
     assert kept.zero_variance_groups == 2  # [1, 1] and [0.5, infra failure]: one valid rollout is no signal
     assert kept.keep == [0, 1, 2, 3, 4, 5] and kept.advantages[:2] == [0.0, 0.0]

@@ -23,8 +23,10 @@ def _complete_events(trace: dict) -> list[dict]:
 
 def test_each_process_appends_to_its_own_file(tmp_path):
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter per actor, as the pipeline starts them
-    procs = [ctx.Process(target=_actor, args=(str(tmp_path), "generator", ["generate", "wait_weights"] * 2)),
-             ctx.Process(target=_actor, args=(str(tmp_path), "trainer", ["wait_rollouts", "train", "weight_push"]))]
+    procs = [
+        ctx.Process(target=_actor, args=(str(tmp_path), "generator", ["generate", "wait_weights"] * 2)),
+        ctx.Process(target=_actor, args=(str(tmp_path), "trainer", ["wait_rollouts", "train", "weight_push"])),
+    ]
     for p in procs:
         p.start()
     _actor(str(tmp_path), "trainer", ["eval"])  # this process too, under the same actor name
@@ -42,9 +44,14 @@ def test_each_process_appends_to_its_own_file(tmp_path):
 
 def test_chrome_trace_is_valid_and_spans_do_not_overlap_per_thread(tmp_path):
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_actor, args=(str(tmp_path), actor, names)) for actor, names in
-             (("generator", ["generate", "wait_weights", "generate"]), ("trainer", ["wait_rollouts", "train", "weight_push"]),
-              ("sandbox", ["score"] * 3))]
+    procs = [
+        ctx.Process(target=_actor, args=(str(tmp_path), actor, names))
+        for actor, names in (
+            ("generator", ["generate", "wait_weights", "generate"]),
+            ("trainer", ["wait_rollouts", "train", "weight_push"]),
+            ("sandbox", ["score"] * 3),
+        )
+    ]
     for p in procs:
         p.start()
     for p in procs:

@@ -13,12 +13,12 @@ import openai
 import pytest
 import tinker
 import torch
+from serve_model import tiny_policy
 from tinker import types
 
 from gapless.config import load_config
 from gapless.service.losses import LossInputError, cispo, cross_entropy, dro, gspo, importance_sampling, ppo
 from gapless.service.server import ServiceThread, build_service
-from serve_model import tiny_policy
 
 KEY = "tml-gapless-test"
 
@@ -29,9 +29,16 @@ def service(tmp_path_factory):
     root = tmp_path_factory.mktemp("tinker")
     policy = tiny_policy()
     policy.save(root / "base")
-    cfg = load_config(None, {"service.base_models": f'{{tiny = "{root / "base"}"}}',
-                             "service.checkpoint_dir": f'"{root / "ckpt"}"', "service.max_batch": "16",
-                             "service.max_seq_len": "128", "service.poll_hold_s": "5"})
+    cfg = load_config(
+        None,
+        {
+            "service.base_models": f'{{tiny = "{root / "base"}"}}',
+            "service.checkpoint_dir": f'"{root / "ckpt"}"',
+            "service.max_batch": "16",
+            "service.max_seq_len": "128",
+            "service.poll_hold_s": "5",
+        },
+    )
     server = ServiceThread(build_service(cfg, KEY, log=lambda *a, **k: None))
     yield server, policy
     server.close()
@@ -45,9 +52,13 @@ def client(service):
 
 def _datum(tokens: list[int]) -> types.Datum:
     """Next-token prediction on `tokens`, every target weighted 1."""
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64),
-                                       "weights": np.ones(len(tokens) - 1, dtype=np.float32)})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": np.array(tokens[1:], dtype=np.int64),
+            "weights": np.ones(len(tokens) - 1, dtype=np.float32),
+        },
+    )
 
 
 def _data(policy, n: int = 4) -> list[types.Datum]:
@@ -73,13 +84,16 @@ def test_sft_lowers_loss_and_sampler_logprobs_equal_trainer(service, client):
     # the weights trained so far, visible to a sampler without a restart
     sampler = trainer.save_weights_and_get_sampling_client().result()
     prompt = policy.encode("Question 3: name")
-    res = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=3,
-                         sampling_params=types.SamplingParams(max_tokens=12, temperature=1.0, seed=5)).result()
+    res = sampler.sample(
+        types.ModelInput.from_ints(prompt),
+        num_samples=3,
+        sampling_params=types.SamplingParams(max_tokens=12, temperature=1.0, seed=5),
+    ).result()
     assert len(res.sequences) == 3
     for seq in res.sequences:
         full = prompt + list(seq.tokens)
         fwd = trainer.forward([_datum(full)], "cross_entropy").result()
-        trainer_lp = fwd.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1:]
+        trainer_lp = fwd.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1 :]
         assert np.abs(np.array(seq.logprobs) - trainer_lp).max() < 1e-5
     # compute_logprobs: the prompt's own log-probs under the same weights
     scored = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
@@ -124,8 +138,10 @@ def test_bad_input_gets_sdk_errors_and_service_stays_healthy(service, client):
     vocab = policy.model.config.vocab_size
     with pytest.raises(tinker.RequestFailedError, match="outside the vocabulary"):
         trainer.forward_backward([_datum([1, 2, vocab + 5])], "cross_entropy").result()
-    short = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
-                        loss_fn_inputs={"target_tokens": np.array([2, 3], dtype=np.int64)})
+    short = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={"target_tokens": np.array([2, 3], dtype=np.int64)},
+    )
     with pytest.raises(tinker.RequestFailedError, match="target_tokens has shape"):
         trainer.forward_backward([short], "cross_entropy").result()
     with pytest.raises(tinker.RequestFailedError, match="not served here .*has not published"):
@@ -177,7 +193,6 @@ def test_losses_equal_hand_computation():
     assert lp_g.grad.tolist() == pytest.approx([-1.2, 0.8])
 
 
-
 def test_dro_and_gspo_equal_hand_computation():
     lp = torch.tensor([math.log(0.5), math.log(0.25)])
     q = torch.tensor([math.log(0.25), math.log(0.5)])  # log-ratios +log 2, -log 2
@@ -185,7 +200,7 @@ def test_dro_and_gspo_equal_hand_computation():
     inputs = {"logprobs": q, "advantages": adv}
     # dro, beta 0.5: -(log .5 * 1 - .25 (log 2)^2 + log .25 * -1 - .25 (log 2)^2) = -log 2 + 0.5 (log 2)^2
     L2 = math.log(2)
-    assert float(dro(lp, inputs, {"beta": 0.5})) == pytest.approx(-L2 + 0.5 * L2 ** 2)
+    assert float(dro(lp, inputs, {"beta": 0.5})) == pytest.approx(-L2 + 0.5 * L2**2)
     # its gradient: -(A_t - beta (logp_t - log q_t)) = -(1 - .5 log 2, -1 + .5 log 2)
     lp_g = lp.clone().requires_grad_(True)
     dro(lp_g, inputs, {"beta": 0.5}).backward()
@@ -229,17 +244,23 @@ def test_sdk_dro_and_gspo_equal_the_formula_on_the_trainers_logprobs(client):
     sampled = logp + torch.linspace(-0.3, 0.3, n)  # a sampler that disagrees a little
     adv = torch.tensor([0.0, 0.0] + [1.0] * (n - 2))
     mask = torch.tensor([0.0, 0.0] + [1.0] * (n - 2))
-    inputs = {"target_tokens": np.array(tokens[1:], dtype=np.int64), "logprobs": sampled.numpy(),
-              "advantages": adv.numpy()}
-    dro_out = trainer.forward([types.Datum(model_input=base.model_input, loss_fn_inputs=inputs)], "dro",
-                              loss_fn_config={"beta": 0.1}).result()
+    inputs = {
+        "target_tokens": np.array(tokens[1:], dtype=np.int64),
+        "logprobs": sampled.numpy(),
+        "advantages": adv.numpy(),
+    }
+    dro_out = trainer.forward(
+        [types.Datum(model_input=base.model_input, loss_fn_inputs=inputs)], "dro", loss_fn_config={"beta": 0.1}
+    ).result()
     expect = float(dro(logp, {"logprobs": sampled, "advantages": adv}, {"beta": 0.1}))
     assert dro_out.metrics["loss:sum"] == pytest.approx(expect, rel=1e-4, abs=1e-5)
     gspo_in = dict(inputs, sequence_ratio_mask=mask.numpy())
-    gspo_out = trainer.forward_backward([types.Datum(model_input=base.model_input, loss_fn_inputs=gspo_in)],
-                                        "gspo").result()
+    gspo_out = trainer.forward_backward(
+        [types.Datum(model_input=base.model_input, loss_fn_inputs=gspo_in)], "gspo"
+    ).result()
     expect = float(gspo(logp, {"logprobs": sampled, "advantages": adv, "sequence_ratio_mask": mask}, {}))
     assert gspo_out.metrics["loss:sum"] == pytest.approx(expect, rel=1e-4, abs=1e-5)
+
 
 def _idle(app, timeout_s: float = 30.0) -> bool:
     """Wait (bounded) until no sampling engine of the service holds anything."""
@@ -262,15 +283,24 @@ def test_stops_and_a_client_that_disconnects_mid_request(service, client):
     free = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=20, seed=1, stop=[])).result()
     assert [len(s.tokens) for s in free.sequences] == [20, 20] and {s.stop_reason for s in free.sequences} == {"length"}
     stop_id = free.sequences[0].tokens[3]  # a token the first sample draws at position 3: stopping on it ends it there
-    stopped = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=20, seed=1, stop=[stop_id])).result().sequences[0]
-    assert stopped.stop_reason == "stop" and list(stopped.tokens) == list(free.sequences[0].tokens[: stopped.tokens.index(stop_id) + 1])
+    stopped = (
+        sampler.sample(prompt, 2, types.SamplingParams(max_tokens=20, seed=1, stop=[stop_id])).result().sequences[0]
+    )
+    assert stopped.stop_reason == "stop" and list(stopped.tokens) == list(
+        free.sequences[0].tokens[: stopped.tokens.index(stop_id) + 1]
+    )
     # raw HTTP: ask for a long sample, then give up on its result mid-poll and on the connection
     headers = {"X-API-Key": KEY}
     # 256 samples of 100 tokens: 100 decode steps of 64 rows and a queue behind them, far longer than
     # the 50 ms poll on any machine (a short request could finish within the poll on a fast one)
-    body = {"sampling_session_id": None, "base_model": "tiny", "num_samples": 256, "seq_id": 0,
-            "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt.to_ints()}]},
-            "sampling_params": {"max_tokens": 100, "stop": []}}
+    body = {
+        "sampling_session_id": None,
+        "base_model": "tiny",
+        "num_samples": 256,
+        "seq_id": 0,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt.to_ints()}]},
+        "sampling_params": {"max_tokens": 100, "stop": []},
+    }
     with httpx.Client(base_url=server.base_url, headers=headers, timeout=30) as http:
         future = http.post("/api/v1/asample", json=body).json()
         assert len(future["sample_sequence_ids"]) == 256
@@ -313,15 +343,18 @@ def test_sdk_sample_request_translation():
     from gapless.service.params import scheduler_request
 
     def request(**params):
-        return types.SampleRequest(num_samples=2, prompt=types.ModelInput.from_ints([3, 4]),
-                                   sampling_params=types.SamplingParams(**params))
+        return types.SampleRequest(
+            num_samples=2, prompt=types.ModelInput.from_ints([3, 4]), sampling_params=types.SamplingParams(**params)
+        )
 
     greedy = scheduler_request(request(temperature=0, max_tokens=5, stop=[7, 8]), 10, 64, 256)
     assert greedy.params.greedy and greedy.params.stop_token_ids == (7, 8) and greedy.params.ignore_eos
     strings = scheduler_request(request(stop=["\n\n"], top_k=-1), 10, 64, 256)
     assert strings.stop == ("\n\n",) and not strings.params.ignore_eos and strings.params.top_k == 0
     assert strings.params.max_new_tokens == 62  # no max_tokens: the rest of the 64-token context
-    assert scheduler_request(request(), 10, 64, 256).params.seed != scheduler_request(request(), 10, 64, 256).params.seed
+    assert (
+        scheduler_request(request(), 10, 64, 256).params.seed != scheduler_request(request(), 10, 64, 256).params.seed
+    )
     assert scheduler_request(request(seed=3), 10, 64, 256).params.seed == 3
     with pytest.raises(UserError, match="stop token id 12 is outside the vocabulary"):
         scheduler_request(request(stop=[12]), 10, 64, 256)
@@ -354,9 +387,13 @@ def test_full_sampler_is_backpressure_the_sdk_retries(service, client):
     limit, rejected = scheduler.max_samples, scheduler.stats.rejected
     scheduler.max_samples = 4
     try:
-        body = {"base_model": "tiny", "num_samples": 4, "seq_id": 0,
-                "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt.to_ints()}]},
-                "sampling_params": {"max_tokens": 100, "stop": []}}
+        body = {
+            "base_model": "tiny",
+            "num_samples": 4,
+            "seq_id": 0,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt.to_ints()}]},
+            "sampling_params": {"max_tokens": 100, "stop": []},
+        }
         with httpx.Client(base_url=server.base_url, headers={"X-API-Key": KEY}, timeout=30) as http:
             assert http.post("/api/v1/asample", json=body).status_code == 200  # fills the scheduler
             out = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=3, seed=0, stop=[])).result()
@@ -376,9 +413,17 @@ def test_micro_batching_leaves_loss_and_gradient_unchanged(service):
     assert micro_batches([12, 1], 10) == [(0, 1), (1, 2)]  # a long datum alone
     _, policy = service
     texts = [f"Question {i}: name {i} fruits." * (1 + i % 3) for i in range(5)]
-    datums = [DatumIn(t[:-1], {"target_tokens": torch.tensor(t[1:]), "advantages": torch.full((len(t) - 1,), 0.5 - i / 4),
-                               "logprobs": torch.full((len(t) - 1,), -3.0)})
-              for i, t in enumerate(policy.encode(x) for x in texts)]
+    datums = [
+        DatumIn(
+            t[:-1],
+            {
+                "target_tokens": torch.tensor(t[1:]),
+                "advantages": torch.full((len(t) - 1,), 0.5 - i / 4),
+                "logprobs": torch.full((len(t) - 1,), -3.0),
+            },
+        )
+        for i, t in enumerate(policy.encode(x) for x in texts)
+    ]
     results = []
     for budget in (1 << 20, 16):  # one forward for all; one per datum or two
         run = TrainingRun("m", BaseModel("tiny", policy, ""), LoraSpec(rank=2, seed=0), micro_batch_tokens=budget)
@@ -405,8 +450,12 @@ def test_openai_and_tinker_requests_share_engine_steps(service, client):
     assert scheduler is server.app.pool.scheduler_for("tiny")
     mixed = frozenset({"http", "tinker"})
     for _ in range(5):  # both long enough to overlap; a few tries make a miss on a loaded box negligible
-        future = sampler.sample(types.ModelInput.from_ints(prompt), 4, types.SamplingParams(max_tokens=60, seed=2, stop=[]))
-        out = oa.completions.create(model="tiny", prompt=prompt, max_tokens=60, n=2, seed=2, extra_body={"ignore_eos": True})
+        future = sampler.sample(
+            types.ModelInput.from_ints(prompt), 4, types.SamplingParams(max_tokens=60, seed=2, stop=[])
+        )
+        out = oa.completions.create(
+            model="tiny", prompt=prompt, max_tokens=60, n=2, seed=2, extra_body={"ignore_eos": True}
+        )
         assert len(future.result().sequences) == 4 and len(out.choices) == 2
         if scheduler.stats.batch_sources[mixed] > 0:
             break

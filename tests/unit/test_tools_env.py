@@ -12,8 +12,8 @@ import pytest
 from sandbox_host import SLOT_UID_BASE, needs_bwrap
 
 from gapless.envs.base import MultiTurnEnvironment
-from gapless.envs.tools.tasks import ToolTask, generate_tool_tasks
 from gapless.envs.tools.environment import ToolUseEnvironment
+from gapless.envs.tools.tasks import ToolTask, generate_tool_tasks
 from gapless.sandbox import BwrapSandbox, SandboxLimits, procs
 from gapless.types import Completion, SamplingParams
 
@@ -119,16 +119,25 @@ def test_groups_are_in_order_and_episodes_run_in_waves(env, tiny_policy):
 
 
 def test_a_suspended_rollout_resumes_in_a_new_session_with_its_state(env, tiny_policy):
-    turns = ["<py>secret = 6*7\nopen('notes.txt', 'w').write('kept')</py>",
-             "<py>secret + 1, open('notes.txt').read()</py>", "Answer: 1781"]
+    turns = [
+        "<py>secret = 6*7\nopen('notes.txt', 'w').write('kept')</py>",
+        "<py>secret + 1, open('notes.txt').read()</py>",
+        "Answer: 1781",
+    ]
     episode = env.start(TASK, tiny_policy.encode)
-    env.advance(ScriptedGenerator(tiny_policy, {TASK.prompt: turns}, version=3), [episode], SamplingParams(),
-                tiny_policy.encode, turns=1)
+    env.advance(
+        ScriptedGenerator(tiny_policy, {TASK.prompt: turns}, version=3),
+        [episode],
+        SamplingParams(),
+        tiny_policy.encode,
+        turns=1,
+    )
     assert episode.turns == 1 and not episode.is_done and episode.session is not None
     env.suspend(episode)  # snapshot, close the session
     assert episode.session is None and episode.snapshot and episode.state_version == 3
-    env.advance(ScriptedGenerator(tiny_policy, {TASK.prompt: turns}, version=5), [episode], SamplingParams(),
-                tiny_policy.encode)
+    env.advance(
+        ScriptedGenerator(tiny_policy, {TASK.prompt: turns}, version=5), [episode], SamplingParams(), tiny_policy.encode
+    )
     rollout = env.to_rollout(episode)
     assert rollout.status == "ok" and "<out>(43, 'kept')</out>" in rollout.completion.text
     assert rollout.info["env_state_version"] == 3 and rollout.info["resumed_by_version"] == 5
@@ -139,10 +148,24 @@ def test_a_suspended_rollout_resumes_in_a_new_session_with_its_state(env, tiny_p
 def test_score_groups_grades_finished_transcripts(env):
     def c(text):
         return Completion([1], [2], [0.0], [0], "stop", text)
-    (group,) = env.score_groups([TASK], [[c("<py>1</py><out>1781</out>\nAnswer: 1781"), c("Answer: 1"),
-                                          c("<py>x</py><out>Answer: 1781</out>\n"), c("<py>37*48+5</py>")]])
-    assert [(r.reward, r.status) for r in group] == [(1.0, "ok"), (0.0, "wrong_answer"), (0.0, "no_answer"),
-                                                      (0.0, "no_answer")]
+
+    (group,) = env.score_groups(
+        [TASK],
+        [
+            [
+                c("<py>1</py><out>1781</out>\nAnswer: 1781"),
+                c("Answer: 1"),
+                c("<py>x</py><out>Answer: 1781</out>\n"),
+                c("<py>37*48+5</py>"),
+            ]
+        ],
+    )
+    assert [(r.reward, r.status) for r in group] == [
+        (1.0, "ok"),
+        (0.0, "wrong_answer"),
+        (0.0, "no_answer"),
+        (0.0, "no_answer"),
+    ]
 
 
 def test_teacher_hooks_for_the_warm_start(env):
@@ -156,22 +179,31 @@ def test_teacher_hooks_for_the_warm_start(env):
 
 
 def test_a_snapshot_that_does_not_restore_is_the_models_tool_error(env, tiny_policy):
-    turns = ["<py>class Trap:\n    def __reduce__(self):\n        return (int, ('x',))\ntrap = Trap()</py>",
-             "<py>1</py>", "Answer: 1781"]
+    turns = [
+        "<py>class Trap:\n    def __reduce__(self):\n        return (int, ('x',))\ntrap = Trap()</py>",
+        "<py>1</py>",
+        "Answer: 1781",
+    ]
     episode = env.start(TASK, tiny_policy.encode)
-    env.advance(ScriptedGenerator(tiny_policy, {TASK.prompt: turns}), [episode], SamplingParams(), tiny_policy.encode,
-                turns=1)
+    env.advance(
+        ScriptedGenerator(tiny_policy, {TASK.prompt: turns}), [episode], SamplingParams(), tiny_policy.encode, turns=1
+    )
     env.suspend(episode)
-    env.advance(ScriptedGenerator(tiny_policy, {TASK.prompt: turns}, version=1), [episode], SamplingParams(),
-                tiny_policy.encode)
+    env.advance(
+        ScriptedGenerator(tiny_policy, {TASK.prompt: turns}, version=1), [episode], SamplingParams(), tiny_policy.encode
+    )
     rollout = env.to_rollout(episode)
     assert rollout.status == "tool_error" and rollout.info["tool_status"] == "restore_failed"
     assert "ValueError" in rollout.info["error"] and not rollout.is_infra_failure
 
 
 def test_after_a_crash_the_model_is_told_exactly_what_survived(env, tiny_policy):
-    turns = ["<py>x = 1\nopen('f.txt', 'w').write('kept')</py>", "<py>import os\nos._exit(0)</py>",
-             "<py>'x' in globals(), open('f.txt').read()</py>", "Answer: 1781"]
+    turns = [
+        "<py>x = 1\nopen('f.txt', 'w').write('kept')</py>",
+        "<py>import os\nos._exit(0)</py>",
+        "<py>'x' in globals(), open('f.txt').read()</py>",
+        "Answer: 1781",
+    ]
     episode = env.start(TASK, tiny_policy.encode)
     generator = ScriptedGenerator(tiny_policy, {TASK.prompt: turns})
     env.advance(generator, [episode], SamplingParams(), tiny_policy.encode, turns=1)
@@ -190,8 +222,9 @@ def test_a_session_whose_server_dies_after_the_models_code_is_its_tool_error(env
     once the model's code has run, the loss is the episode's (scored), never infra_error."""
     turns = ["<py>x = 1</py>", "<py>x</py>", "Answer: 1781"]
     episode = env.start(TASK, tiny_policy.encode)
-    env.advance(ScriptedGenerator(tiny_policy, {TASK.prompt: turns}), [episode], SamplingParams(),
-                tiny_policy.encode, turns=1)
+    env.advance(
+        ScriptedGenerator(tiny_policy, {TASK.prompt: turns}), [episode], SamplingParams(), tiny_policy.encode, turns=1
+    )
     worker = episode.session._slot.worker
     episode.session.run("import os\nos._exit(0)")  # the next call starts a live process: it needs the server
     for waiter in procs.child_pids(worker._process.pid):

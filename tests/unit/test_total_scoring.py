@@ -45,15 +45,44 @@ from gapless.envs.math.environment import MathEnvironment
 from gapless.envs.math.problems import generate_math_problems
 from gapless.types import Completion, Rollout
 
-NASTY = ["\ud800", "\udfff", "\x00", "\r\n", "\u2028", "\ufeff", "\U0001f600", "x" * 100_000, "\\boxed{", "}",
-         "<py>", "</py>", "<out>", "</out>", "Answer: ", "<answer>", "</answer>", "<cmd>", "</cmd>", "write a.py\n",
-         "run ", "cat ", "\n---\n", "</response>", "say:", "Score: 10", "import os\nos._exit(0)", "1781", "0"]
+NASTY = [
+    "\ud800",
+    "\udfff",
+    "\x00",
+    "\r\n",
+    "\u2028",
+    "\ufeff",
+    "\U0001f600",
+    "x" * 100_000,
+    "\\boxed{",
+    "}",
+    "<py>",
+    "</py>",
+    "<out>",
+    "</out>",
+    "Answer: ",
+    "<answer>",
+    "</answer>",
+    "<cmd>",
+    "</cmd>",
+    "write a.py\n",
+    "run ",
+    "cat ",
+    "\n---\n",
+    "</response>",
+    "say:",
+    "Score: 10",
+    "import os\nos._exit(0)",
+    "1781",
+    "0",
+]
 
 
 def texts(max_pieces: int = 8):
     """Arbitrary text with the pieces a scorer reacts to, lone surrogates and huge lines mixed in."""
-    piece = st.one_of(st.text(max_size=20), st.sampled_from(NASTY),
-                      st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF))
+    piece = st.one_of(
+        st.text(max_size=20), st.sampled_from(NASTY), st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
+    )
     return st.lists(piece, max_size=max_pieces).map("".join)
 
 
@@ -75,8 +104,9 @@ def check(rollouts, n: int) -> None:
 
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-SANDBOXED = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                            HealthCheck.function_scoped_fixture])
+SANDBOXED = settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 MATH_TASK = generate_math_problems(0, "train", 1, [1])[0]
 
 
@@ -141,8 +171,8 @@ class EchoJudge(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def judge():
-    from gapless.envs.judge.environment import JudgeEnvironment, embedded_judge_tasks
     from gapless.envs.judge.client import HttpJudgeClient
+    from gapless.envs.judge.environment import JudgeEnvironment, embedded_judge_tasks
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), EchoJudge)
     httpd.daemon_threads = True
@@ -194,8 +224,8 @@ def test_verifiers_scores_any_text(verifiers_env, text):
 @FAST
 @given(batch=st.lists(texts(), min_size=1, max_size=3))
 def test_tool_use_grades_any_transcript(batch):
-    from gapless.envs.tools.tasks import ToolTask
     from gapless.envs.tools.environment import ToolUseEnvironment
+    from gapless.envs.tools.tasks import ToolTask
 
     task = ToolTask("t0", "Q: 1+1\n", "1+1", "2")
     env = ToolUseEnvironment(sandbox=None, tasks={"train": [task]}, limits=None)
@@ -204,6 +234,7 @@ def test_tool_use_grades_any_transcript(batch):
 
 
 # -- the environments that run a real sandbox per completion ------------------------------------
+
 
 @pytest.fixture(scope="module")
 def box():
@@ -233,8 +264,8 @@ def test_code_scores_any_text(box, problems, batch):
 @SANDBOXED
 @given(turns=st.lists(texts(4).map(lambda t: f"<py>{t}</py>") | texts(4), min_size=1, max_size=3))
 def test_tool_use_takes_any_turn(box, turns):
-    from gapless.envs.tools.tasks import ToolTask
     from gapless.envs.tools.environment import ToolUseEnvironment
+    from gapless.envs.tools.tasks import ToolTask
 
     sandbox, limits = box
     task = ToolTask("t0", "Q: 1+1\n", "1+1", "2")
@@ -257,8 +288,16 @@ def test_tool_use_takes_any_turn(box, turns):
 
 @needs_bwrap
 @SANDBOXED
-@given(turns=st.lists(st.tuples(st.sampled_from(["write a.py\n", "run ", "cat ", "patch a.py\n", "ls", ""]), texts(4))
-                      .map(lambda vt: f"<cmd>{vt[0]}{vt[1]}</cmd>") | texts(4), min_size=1, max_size=3))
+@given(
+    turns=st.lists(
+        st.tuples(st.sampled_from(["write a.py\n", "run ", "cat ", "patch a.py\n", "ls", ""]), texts(4)).map(
+            lambda vt: f"<cmd>{vt[0]}{vt[1]}</cmd>"
+        )
+        | texts(4),
+        min_size=1,
+        max_size=3,
+    )
+)
 def test_repo_takes_any_turn(box, turns):
     from gapless.envs.repo.environment import RepoEnvironment
     from gapless.envs.repo.tasks import generate_repo_tasks
@@ -278,9 +317,8 @@ def test_repo_takes_any_turn(box, turns):
         env.pool.shutdown()
 
 
-
 # -- the agent environment: a real agent process, the real gateway ------------------------------
-ECHO_AGENT = r'''
+ECHO_AGENT = r"""
 import json, os, sys, urllib.error, urllib.request
 
 def post(messages):
@@ -308,12 +346,14 @@ while True:
     if "run " in reply:  # a second tool message in a row: a template that wants turns to alternate refuses it
         messages.append(("user", "tool again"))
 print(answer.splitlines()[-1] if answer.strip() else "")
-'''
+"""
 
-ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-               "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
-               "<|s|>{{ m['role'] }}\n{{ m['content'] }}<|e|>\n{% endfor %}"
-               "{% if add_generation_prompt %}<|s|>assistant\n{% endif %}")
+ALTERNATING = (
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+    "<|s|>{{ m['role'] }}\n{{ m['content'] }}<|e|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|s|>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -334,8 +374,15 @@ def agents(tmp_path_factory):
     chat.chat_template = ALTERNATING
     encoders = {"raw": PromptEncoder(tokenizer, "raw"), "chat": PromptEncoder(chat, "chat")}
     math = ProceduralMathEnvironment({"train": [MATH_TASK], "eval": [MATH_TASK]}, teacher_error_frac=0.0)
-    env = AgentEnvironment(math, [sys.executable, str(script)], timeout_s=60.0, max_calls=4,
-                           max_context_tokens=4096, max_new_tokens=8, sessions=1)
+    env = AgentEnvironment(
+        math,
+        [sys.executable, str(script)],
+        timeout_s=60.0,
+        max_calls=4,
+        max_context_tokens=4096,
+        max_new_tokens=8,
+        sessions=1,
+    )
     yield env, encoders
     env.close()
     assert env.live_agents == 0

@@ -61,7 +61,9 @@ VARIANTS = [dict(loss=name) for name in sorted(LOSSES)] + [
     dict(loss="grpo", old_logprobs="trainer", correction="tis", correction_level="sequence", tis_cap=1.5),
     dict(loss="gspo", old_logprobs="trainer", correction="mis", mis_low=0.8, mis_high=1.25, kl_coef=0.1),
     dict(loss="cispo", clip_eps=0.9, clip_eps_high=1.0, old_logprobs="trainer", correction="tis", entropy_coef=0.02),
-    dict(loss="drgrpo", old_logprobs="trainer", correction="mis", correction_level="sequence", mis_low=0.2, mis_high=5.0),
+    dict(
+        loss="drgrpo", old_logprobs="trainer", correction="mis", correction_level="sequence", mis_low=0.2, mis_high=5.0
+    ),
 ]
 
 
@@ -78,7 +80,9 @@ def test_micro_batches_give_the_one_batch_gradient(sampled, variant):
     assert any(bool(g.abs().sum() > 0) for g in whole)
 
 
-@pytest.mark.parametrize("correction, level", [("tis", "token"), ("tis", "sequence"), ("mis", "token"), ("mis", "sequence")])
+@pytest.mark.parametrize(
+    "correction, level", [("tis", "token"), ("tis", "sequence"), ("mis", "token"), ("mis", "sequence")]
+)
 def test_zero_staleness_ratios_are_one_and_corrections_change_nothing(sampled, correction, level):
     """Invariant 5 through the trainer: the generator's log-probs are the trainer's (fp32 tolerance)."""
     model, batch = sampled
@@ -107,7 +111,9 @@ def test_zero_staleness_behaviour_and_trainer_old_logprobs_agree(sampled):
 def test_off_policy_corrections_act(sampled):
     model, batch = sampled
     stale = off_policy(batch)
-    _, stats = gradients(model, stale, TrainerConfig(old_logprobs="trainer", correction="mis", mis_low=0.8, mis_high=1.25))
+    _, stats = gradients(
+        model, stale, TrainerConfig(old_logprobs="trainer", correction="mis", mis_low=0.8, mis_high=1.25)
+    )
     assert 0.0 < stats.offpolicy["offpolicy/masked_frac"] < 1.0
     assert stats.offpolicy["offpolicy/behaviour_kl"] > 1e-3
 

@@ -42,8 +42,12 @@ class FromMessages(vf.Task[Data]):
     @vf.reward
     async def replied_to_the_question(self, task, trace) -> float:
         roles = [m.role for m in trace.messages]
-        return float(roles[-2:] == ["user", "assistant"] and trace.messages[-1].content.strip() == task.answer
-                     and "[assistant]" in trace.transcript and len(trace.assistant_messages) == 1)
+        return float(
+            roles[-2:] == ["user", "assistant"]
+            and trace.messages[-1].content.strip() == task.answer
+            and "[assistant]" in trace.transcript
+            and len(trace.assistant_messages) == 1
+        )
 
 
 class Counter(vf.State):
@@ -105,13 +109,16 @@ def env():
     environment.close()
 
 
-@pytest.mark.parametrize("text, reward, status", [
-    ("Paris", 1.0, "ok"),
-    ("It is paris.", 0.25, "partial"),
-    ("Lyon", 0.0, "wrong_answer"),
-    ("", 0.0, "wrong_answer"),
-    ("é中😀\x00" * 2000, 0.0, "wrong_answer"),
-])
+@pytest.mark.parametrize(
+    "text, reward, status",
+    [
+        ("Paris", 1.0, "ok"),
+        ("It is paris.", 0.25, "partial"),
+        ("Lyon", 0.0, "wrong_answer"),
+        ("", 0.0, "wrong_answer"),
+        ("é中😀\x00" * 2000, 0.0, "wrong_answer"),
+    ],
+)
 def test_statuses_and_rewards(env, text, reward, status):
     task = env.tasks("train")[0]
     got_reward, got_status, _ = env.score(task, text)
@@ -128,8 +135,13 @@ def test_groups_and_a_crashing_reward(env):
 
 
 def test_rewards_that_read_messages_state_and_finish_reason():
-    env = VerifiersEnvironment([FromMessages(Data(prompt="2+2?", answer="4", system_prompt="Be brief.")),
-                                WithState(Data(prompt="3+3?", answer="6"))], eval=[])
+    env = VerifiersEnvironment(
+        [
+            FromMessages(Data(prompt="2+2?", answer="4", system_prompt="Be brief.")),
+            WithState(Data(prompt="3+3?", answer="6")),
+        ],
+        eval=[],
+    )
     try:
         history, stateful = env.tasks("train")
         assert history.prompt == "Be brief.\n\n2+2?"
@@ -142,11 +154,14 @@ def test_rewards_that_read_messages_state_and_finish_reason():
         env.close()
 
 
-@pytest.mark.parametrize("task_type, message", [
-    (NeedsRuntime, r"verifiers task NeedsRuntime: reward 'tests_pass' needs a runtime"),
-    (Synchronous, r"verifiers task Synchronous: reward 'exact' is not async"),
-    (AsksForState, r"verifiers task AsksForState: reward 'exact' asks for 'state'"),
-])
+@pytest.mark.parametrize(
+    "task_type, message",
+    [
+        (NeedsRuntime, r"verifiers task NeedsRuntime: reward 'tests_pass' needs a runtime"),
+        (Synchronous, r"verifiers task Synchronous: reward 'exact' is not async"),
+        (AsksForState, r"verifiers task AsksForState: reward 'exact' asks for 'state'"),
+    ],
+)
 def test_rewards_the_adapter_cannot_run_are_refused_at_build_time(task_type, message):
     with pytest.raises(VerifiersUnsupported, match=message) as err:
         VerifiersEnvironment([task_type(Data(prompt="q", answer="a"))], eval=[])
@@ -183,10 +198,21 @@ class JudgeModel(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        verdict = "yes" if body["messages"][-1]["content"].count("Paris") >= 2 else "no"  # the reference, and the response
-        data = json.dumps({"id": "j", "object": "chat.completion", "created": 0, "model": body["model"],
-                           "choices": [{"index": 0, "message": {"role": "assistant", "content": verdict}, "finish_reason": "stop"}],
-                           "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+        verdict = (
+            "yes" if body["messages"][-1]["content"].count("Paris") >= 2 else "no"
+        )  # the reference, and the response
+        data = json.dumps(
+            {
+                "id": "j",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": verdict}, "finish_reason": "stop"}
+                ],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        ).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -202,7 +228,9 @@ class Judged(vf.Task[Data]):
 
 
 def _judged_env(base_url: str) -> VerifiersEnvironment:
-    config = vf.TaskConfig(judges=[{"id": "reference", "base_url": base_url, "api_key_var": "GAPLESS_TEST_JUDGE_KEY", "model": "m"}])
+    config = vf.TaskConfig(
+        judges=[{"id": "reference", "base_url": base_url, "api_key_var": "GAPLESS_TEST_JUDGE_KEY", "model": "m"}]
+    )
     return VerifiersEnvironment([Judged(Data(prompt="Capital of France?", answer="Paris"), config)], eval=[])
 
 
@@ -236,11 +264,17 @@ def _peer_reward(task, text: str, finish_reason: str) -> float:
     from verifiers.v1.trace import AgentInfo, ModelCall, Trace, TraceTask
     from verifiers.v1.types import AssistantMessage, Response, SystemMessage, UserMessage
 
-    trace = Trace(task=TraceTask(type=type(task).__name__, data=task.data), state=state_cls(type(task))(),
-                  agent=AgentInfo(config=AgentConfig()))
-    prompt = ([SystemMessage(content=task.data.system_prompt)] if task.data.system_prompt else []) + [UserMessage(content=task.data.prompt)]
+    trace = Trace(
+        task=TraceTask(type=type(task).__name__, data=task.data),
+        state=state_cls(type(task))(),
+        agent=AgentInfo(config=AgentConfig()),
+    )
+    prompt = ([SystemMessage(content=task.data.system_prompt)] if task.data.system_prompt else []) + [
+        UserMessage(content=task.data.prompt)
+    ]
     node = graph.prepare_turn(trace, prompt).commit(
-        Response(id="r", created=0, model="m", message=AssistantMessage(content=text), finish_reason=finish_reason))
+        Response(id="r", created=0, model="m", message=AssistantMessage(content=text), finish_reason=finish_reason)
+    )
     trace.calls.append(ModelCall(node=node, finish_reason=finish_reason))
     try:
         asyncio.run(task.score(trace))
@@ -255,18 +289,32 @@ def test_agreement_with_verifiers_own_scoring():
     (measured: 100%)."""
     rng = random.Random(21)
     words = ["Paris", "Lima", "4", "6", "N'Djamena", "Quito", "x", "é中😀"]
-    tasks = [Capital(Data(prompt="Capital of France?", answer="Paris")),
-             FromMessages(Data(prompt="2+2?", answer="4", system_prompt="Be brief.")),
-             WithState(Data(prompt="3+3?", answer="6")),
-             Broken(Data(prompt="q", answer="a"))]
+    tasks = [
+        Capital(Data(prompt="Capital of France?", answer="Paris")),
+        FromMessages(Data(prompt="2+2?", answer="4", system_prompt="Be brief.")),
+        WithState(Data(prompt="3+3?", answer="6")),
+        Broken(Data(prompt="q", answer="a")),
+    ]
     env = VerifiersEnvironment(tasks, eval=[])
     cases, agree = 0, 0
     try:
         for wrapped in env.tasks("train"):
             answer = wrapped.task.data.answer
-            texts = [answer, f" {answer} ", f"{answer}\n", f"It is {answer}.", answer.lower(), answer.upper(), "",
-                     f"{answer}\n{answer}", "\n".join(rng.sample(words, 3)), "z" * 20_000, f"{answer}" * 100,
-                     "\x00\\}{" * 50, *(rng.choice(words) + rng.choice(["", ".", "!", " ", "\n"]) for _ in range(30))]
+            texts = [
+                answer,
+                f" {answer} ",
+                f"{answer}\n",
+                f"It is {answer}.",
+                answer.lower(),
+                answer.upper(),
+                "",
+                f"{answer}\n{answer}",
+                "\n".join(rng.sample(words, 3)),
+                "z" * 20_000,
+                f"{answer}" * 100,
+                "\x00\\}{" * 50,
+                *(rng.choice(words) + rng.choice(["", ".", "!", " ", "\n"]) for _ in range(30)),
+            ]
             for text in texts:
                 for finish_reason in ("stop", "length"):
                     ours = env.score(wrapped, text, finish_reason)[0]
@@ -311,9 +359,16 @@ class BreaksOnLongText(BaseHTTPRequestHandler):
         self._answer(body)
 
     def _answer(self, body):
-        data = json.dumps({"id": "j", "object": "chat.completion", "created": 0, "model": body["model"],
-                           "choices": [{"index": 0, "message": {"role": "assistant", "content": "no"}, "finish_reason": "stop"}],
-                           "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+        data = json.dumps(
+            {
+                "id": "j",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "no"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        ).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -333,7 +388,9 @@ def test_a_completion_that_breaks_the_judge_is_scored_0_while_a_probe_is_judged(
     env = _judged_env(f"http://127.0.0.1:{server.server_port}/v1")
     try:
         task = env.tasks("train")[0]
-        (group,) = env.score_groups([task], [[Completion([], [], [], [], "stop", t) for t in ["Lyon", "Paris " * 1000]]])
+        (group,) = env.score_groups(
+            [task], [[Completion([], [], [], [], "stop", t) for t in ["Lyon", "Paris " * 1000]]]
+        )
         assert [(r.reward, r.status) for r in group] == [(0.0, "wrong_answer"), (0.0, "score_error")], group[1].info
         assert "a plain reply was scored" in group[1].info["error"]
     finally:

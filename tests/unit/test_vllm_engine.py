@@ -26,9 +26,15 @@ def _prompts(policy, problems, k=6):
 
 def _hf_greedy(model, policy, prompt, n):
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=n, pad_token_id=policy.pad_id, eos_token_id=policy.eos_id)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=n,
+            pad_token_id=policy.pad_id,
+            eos_token_id=policy.eos_id,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def _trainer_gap(model, policy, completions, temperature):
@@ -65,7 +71,9 @@ def test_greedy_equals_transformers_generate_before_and_after_a_push(engine, vll
 
 
 def test_sampled_logprobs_equal_the_trainers(engine, vllm_policy, problems):
-    completions = engine.generate(_prompts(vllm_policy, problems), SamplingParams(temperature=0.7, max_new_tokens=12, seed=3))
+    completions = engine.generate(
+        _prompts(vllm_policy, problems), SamplingParams(temperature=0.7, max_new_tokens=12, seed=3)
+    )
     assert sum(len(c.token_ids) for c in completions) > 12
     assert _trainer_gap(vllm_policy.model, vllm_policy, completions, 0.7) < 1e-4
 
@@ -81,7 +89,9 @@ def test_swap_mid_generation_then_abort_and_resume(engine, vllm_policy, problems
         engine.step()
     engine.update_weights(new.state_dict(), version=v0 + 1)
     partials = engine.abort([ids[0]])
-    assert [c.finish_reason for c in partials] == ["abort", "abort"] and all(0 < len(c.token_ids) < 12 for c in partials)
+    assert [c.finish_reason for c in partials] == ["abort", "abort"] and all(
+        0 < len(c.token_ids) < 12 for c in partials
+    )
     engine.resume(partials, params)
     done = []
     while engine.has_work:
@@ -97,7 +107,7 @@ def test_swap_mid_generation_then_abort_and_resume(engine, vllm_policy, problems
         with torch.no_grad():
             lp = token_logprobs(new, batch.input_ids, batch.attention_mask)[0]
         start = len(c.prompt_ids) - 1
-        assert (lp[start + cut: start + 12] - torch.tensor(c.logprobs[cut:])).abs().max() < 1e-4
+        assert (lp[start + cut : start + 12] - torch.tensor(c.logprobs[cut:])).abs().max() < 1e-4
 
 
 def test_a_push_from_another_thread_lands_between_steps(engine, vllm_policy, problems):
@@ -148,7 +158,9 @@ def test_seeded_prompts_longer_than_one_steps_token_budget(engine, vllm_policy, 
     long = vllm_policy.encode(text)[:100]
     assert len(long) == 100
     out = engine.generate([long[i:] for i in range(4)], SamplingParams(temperature=1.0, max_new_tokens=8, seed=9))
-    assert [len(c.token_ids) for c in out] == [8] * 4 or all(c.finish_reason == "stop" for c in out if len(c.token_ids) < 8)
+    assert [len(c.token_ids) for c in out] == [8] * 4 or all(
+        c.finish_reason == "stop" for c in out if len(c.token_ids) < 8
+    )
     assert _trainer_gap(vllm_policy.model, vllm_policy, out, 1.0) < 1e-4
 
 

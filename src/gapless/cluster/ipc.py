@@ -44,7 +44,7 @@ def leftover_ipc(run_dir: Path) -> list[Path]:
     prefix = f"sem.mp-gapless-{run_key(run_dir)}-"
     found = []
     for path in SHM.glob(prefix + "*") if SHM.is_dir() else []:
-        pid = path.name[len(prefix):].split("-", 1)[0]
+        pid = path.name[len(prefix) :].split("-", 1)[0]
         if pid.isdigit() and not _is_alive(int(pid)):
             found.append(path)
     return found

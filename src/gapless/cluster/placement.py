@@ -92,8 +92,10 @@ class LocalPlacement:
         cores = usable_cores()
         for name, n in threads.items():
             if n > max(cores, 2):
-                raise PlacementError(f"the {name} needs {n} threads but {cores} cores are available; lower its threads "
-                                     "(pipeline.generator_threads / pipeline.trainer_threads; 0 = split the cores)")
+                raise PlacementError(
+                    f"the {name} needs {n} threads but {cores} cores are available; lower its threads "
+                    "(pipeline.generator_threads / pipeline.trainer_threads; 0 = split the cores)"
+                )
         used = sum(threads.values())
         if used > max(cores, 2):
             detail = " + ".join(f"{n} ({name})" for name, n in threads.items())

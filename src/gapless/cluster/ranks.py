@@ -36,6 +36,7 @@ from gapless.cluster.watchdog import process_state
 class Rendezvous:
     """Where the ranks meet to build their group: a file store on this machine (`path`), or the
     TCP store rank 0 serves (`host`, `port`); picklable."""
+
     path: str = ""
     host: str = ""
     port: int = 0
@@ -55,8 +56,16 @@ class Rendezvous:
         sock.listen(128)
         port = sock.getsockname()[1]
         fd = sock.detach()  # the store owns the descriptor (Python must not close it under the store)
-        store = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
-                              master_listen_fd=fd, use_libuv=False)
+        store = dist.TCPStore(
+            host,
+            port,
+            None,
+            True,
+            timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=fd,
+            use_libuv=False,
+        )
         return Rendezvous(host=host, port=port), store
 
 

@@ -114,7 +114,9 @@ class Heartbeats:
         self._marks = ctx.Array("q", [0] * n, lock=False)
         self._progress_at = ctx.Array("d", [now] * n, lock=False)
         self._what = ctx.Array("c", WHAT_BYTES * n, lock=False)
-        self._written: dict[int, str] = {}  # the text this process last wrote per slot (unchanged text is not rewritten)
+        self._written: dict[
+            int, str
+        ] = {}  # the text this process last wrote per slot (unchanged text is not rewritten)
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k != "_written"}
@@ -135,8 +137,11 @@ class Heartbeats:
         scored, tool call answered, weights applied; never per token."""
         i = self.actors.index(actor)
         if self._written.get(i) != what:  # one memmove (a slice assignment copies byte by byte)
-            ctypes.memmove(ctypes.addressof(self._what) + i * WHAT_BYTES, what.encode()[:WHAT_BYTES].ljust(WHAT_BYTES, b"\0"),
-                           WHAT_BYTES)
+            ctypes.memmove(
+                ctypes.addressof(self._what) + i * WHAT_BYTES,
+                what.encode()[:WHAT_BYTES].ljust(WHAT_BYTES, b"\0"),
+                WHAT_BYTES,
+            )
             self._written[i] = what
         self._marks[i] += 1
         self._progress_at[i] = time.monotonic()
@@ -209,8 +214,14 @@ def process_state(pid: int) -> str:
     except OSError:
         return "gone"
     state = stat.rsplit(")", 1)[1].split()[0]
-    names = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped", "t": "stopped by a tracer",
-             "Z": "zombie"}
+    names = {
+        "R": "running",
+        "S": "sleeping",
+        "D": "in uninterruptible I/O",
+        "T": "stopped",
+        "t": "stopped by a tracer",
+        "Z": "zombie",
+    }
     return f"{state} ({names.get(state, 'other')})"
 
 
@@ -258,17 +269,24 @@ class StallWatch:
             why = f"waiting on {' and '.join(stale)}, whose heartbeat stopped"
         else:
             none = "which made no progress" if len(self.actors) == 1 else "none of which made progress"
-            why = (f"waiting on {' and '.join(self.actors) or 'no actor'}, {none} for {self.idle_s():.1f} s "
-                   f"(pipeline.stall_timeout_s = {self.timeout_s:g} s)")
-        lines = [f"pipeline stalled: the trainer has waited {waited:.1f} s for {waiting_for} "
-                 f"(since {_clock(waited)}); {why}"]
+            why = (
+                f"waiting on {' and '.join(self.actors) or 'no actor'}, {none} for {self.idle_s():.1f} s "
+                f"(pipeline.stall_timeout_s = {self.timeout_s:g} s)"
+            )
+        lines = [
+            f"pipeline stalled: the trainer has waited {waited:.1f} s for {waiting_for} (since {_clock(waited)}); {why}"
+        ]
         for actor in self.actors:
             pid, progress = self.heartbeats.pid(actor), self.heartbeats.last_progress(actor)
-            lines.append(f"  {actor}: pid {pid}, last heartbeat {self.heartbeats.age_s(actor):.1f} s ago, "
-                         f"state {process_state(pid) if pid else 'not started'}; {_progress_line(progress)}")
-        lines.append(f"  stacks: {self.run_dir / 'stacks'}. Slow work that progresses is never a stall: raise "
-                     f"pipeline.stall_timeout_s ({self.timeout_s:g} s) only if one decode step, tool call or "
-                     "group's scoring legitimately takes longer")
+            lines.append(
+                f"  {actor}: pid {pid}, last heartbeat {self.heartbeats.age_s(actor):.1f} s ago, "
+                f"state {process_state(pid) if pid else 'not started'}; {_progress_line(progress)}"
+            )
+        lines.append(
+            f"  stacks: {self.run_dir / 'stacks'}. Slow work that progresses is never a stall: raise "
+            f"pipeline.stall_timeout_s ({self.timeout_s:g} s) only if one decode step, tool call or "
+            "group's scoring legitimately takes longer"
+        )
         diagnosis = "\n".join(lines)
         self._dump_stacks()
         (self.run_dir / "stall.txt").write_text(diagnosis + "\n")
@@ -305,5 +323,7 @@ def _clock(ago_s: float) -> str:
 def _progress_line(progress: Progress) -> str:
     if not progress.marks:
         return f"no progress since it started {progress.age_s:.1f} s ago"
-    return (f"progress mark {progress.marks}, the last {progress.age_s:.1f} s ago (at {_clock(progress.age_s)}): "
-            f"{progress.what}")
+    return (
+        f"progress mark {progress.marks}, the last {progress.age_s:.1f} s ago (at {_clock(progress.age_s)}): "
+        f"{progress.what}"
+    )

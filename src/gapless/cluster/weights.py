@@ -46,8 +46,13 @@ class SharedWeights:
         with self._meta.get_lock():
             return int(self._meta[1])
 
-    def publish(self, state: dict[str, torch.Tensor], version: int, timeout_s: float | None = None,
-                while_waiting: Callable[[], None] | None = None) -> float:
+    def publish(
+        self,
+        state: dict[str, torch.Tensor],
+        version: int,
+        timeout_s: float | None = None,
+        while_waiting: Callable[[], None] | None = None,
+    ) -> float:
         """Make `state` the weights of `version`; returns seconds spent waiting for a reader.
         A reader holding the buffer longer than `timeout_s` raises TimeoutError (a stalled
         generator); `while_waiting` is called every 0.1 s of such a wait and may raise sooner."""
@@ -58,8 +63,10 @@ class SharedWeights:
                 raise ValueError(f"version {version} is not newer than the published {self._meta[1]}")
         while not self._locks[target].acquire(timeout=0.1):
             if timeout_s is not None and time.perf_counter() - start > timeout_s:
-                raise TimeoutError(f"weight publish of version {version} waited {timeout_s:g} s for the generator to "
-                                   "finish reading the weight buffer (pipeline.stall_timeout_s)")
+                raise TimeoutError(
+                    f"weight publish of version {version} waited {timeout_s:g} s for the generator to "
+                    "finish reading the weight buffer (pipeline.stall_timeout_s)"
+                )
             if while_waiting is not None:
                 while_waiting()
         try:

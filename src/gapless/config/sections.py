@@ -58,8 +58,9 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["procedural_code", "code_dataset", "humaneval", "math", "reasoning_gym", "tool_use", "judge",
-                  "repo", "agent"] = "procedural_code"
+    name: Literal[
+        "procedural_code", "code_dataset", "humaneval", "math", "reasoning_gym", "tool_use", "judge", "repo", "agent"
+    ] = "procedural_code"
     """Which environment scores the rollouts (docs/environments.md): 'procedural_code' (the
     embedded default: generated code problems with hidden unit tests), 'code_dataset' (code
     problems from the JSONL/Parquet file `path`), 'humaneval' (OpenAI HumanEval, an eval-only set
@@ -424,6 +425,8 @@ class JudgeConfig(_Section):
     tasks_path: str | None = None
     """JSONL file of tasks ({"prompt", "reference"?, "uid"?, "split"?}); None uses a small
     embedded task set."""
+
+
 class PipelineConfig(_Section):
     max_staleness: int = Field(0, ge=0, le=64)
     """Staleness budget: how many policy versions older than the trainer's a trained rollout's oldest

@@ -102,9 +102,14 @@ class Generator(Protocol):
 
 @runtime_checkable
 class MultiTurnEnvironment(Environment, Protocol):
-    def rollout_groups(self, generator: Generator, tasks: Sequence[Task], group_size: int,
-                       params: SamplingParams | Sequence[SamplingParams],
-                       encode: Callable[[str], list[int]]) -> list[list[Rollout]]:
+    def rollout_groups(
+        self,
+        generator: Generator,
+        tasks: Sequence[Task],
+        group_size: int,
+        params: SamplingParams | Sequence[SamplingParams],
+        encode: Callable[[str], list[int]],
+    ) -> list[list[Rollout]]:
         """`group_size` scored rollouts per task, in order (group g sampled with `params[g]`, or
         every group with one `params`). Each turn samples from the whole context so far; each
         rollout's completion holds every token after the prompt (the model's and the

@@ -73,5 +73,12 @@ class Episode:
         self.info.update(info)
 
     def to_completion(self) -> Completion:
-        return Completion(list(self.prompt_ids), list(self.token_ids), list(self.logprobs), list(self.versions),
-                          self.finish_reason, "".join(self.texts), loss_mask=list(self.loss_mask))
+        return Completion(
+            list(self.prompt_ids),
+            list(self.token_ids),
+            list(self.logprobs),
+            list(self.versions),
+            self.finish_reason,
+            "".join(self.texts),
+            loss_mask=list(self.loss_mask),
+        )

@@ -49,8 +49,10 @@ def iter_records(path: Path) -> Iterator[tuple[str, Any]]:
         try:
             rows = pq.read_table(path).to_pylist()
         except Exception as exc:  # noqa: BLE001 -- pyarrow's errors have no common base worth naming
-            raise DatasetError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {exc}); "
-                               "write it with pyarrow or pandas .to_parquet()") from None
+            raise DatasetError(
+                f"{path}: not a readable Parquet file ({type(exc).__name__}: {exc}); "
+                "write it with pyarrow or pandas .to_parquet()"
+            ) from None
         for row, record in enumerate(rows, start=1):
             yield f"{path}:row {row}", record
         return
@@ -63,15 +65,20 @@ def iter_records(path: Path) -> Iterator[tuple[str, Any]]:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
                 column = len(raw[: exc.start].decode("utf-8", errors="replace")) + 1
-                yield where, _BadRecord(f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {column}); "
-                                        "save the file as UTF-8")
+                yield (
+                    where,
+                    _BadRecord(f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {column}); save the file as UTF-8"),
+                )
                 continue
             if not line.strip():
                 continue
             try:
                 yield where, json.loads(line)
             except json.JSONDecodeError as exc:
-                yield where, _BadRecord(f"not JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object")
+                yield (
+                    where,
+                    _BadRecord(f"not JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object"),
+                )
 
 
 def load_records(path: str | Path, parse: Callable[[dict], T]) -> list[T]:
@@ -79,7 +86,9 @@ def load_records(path: str | Path, parse: Callable[[dict], T]) -> list[T]:
     parsed tasks must have a `uid`."""
     path = Path(path)
     if not path.is_file():
-        raise DatasetError(f"{path}: no such data file; check task.path (relative paths start at the working directory)")
+        raise DatasetError(
+            f"{path}: no such data file; check task.path (relative paths start at the working directory)"
+        )
     tasks: list[T] = []
     errors: list[str] = []
     first_seen: dict[str, tuple[str, Any]] = {}  # uid -> (place, record) of its first record
@@ -88,7 +97,9 @@ def load_records(path: str | Path, parse: Callable[[dict], T]) -> list[T]:
             if isinstance(record, Exception):
                 raise record
             if not isinstance(record, dict):
-                raise _BadRecord(f"expected a JSON object, got {type(record).__name__}; each record must be one {{...}}")
+                raise _BadRecord(
+                    f"expected a JSON object, got {type(record).__name__}; each record must be one {{...}}"
+                )
             task = parse(record)
         except KeyError as exc:
             errors.append(f"{where}: missing field {exc}; add it ({SCHEMA_HINT})")
@@ -116,8 +127,10 @@ def _duplicate(uid: str, record: dict, first_where: str, first_record: dict) -> 
         return f"the same record as {first_where}; remove one of them (a copy would count one problem twice)"
     if "uid" in record:
         return f"uid {uid!r} is already used by {first_where}; give each record its own uid"
-    return (f"gets the same default uid {uid!r} as {first_where} (no 'uid' field, so the uid is derived from the prompt); "
-            "add a distinct 'uid' to each")
+    return (
+        f"gets the same default uid {uid!r} as {first_where} (no 'uid' field, so the uid is derived from the prompt); "
+        "add a distinct 'uid' to each"
+    )
 
 
 def stable_uid(*parts: str) -> str:

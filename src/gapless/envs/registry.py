@@ -30,13 +30,19 @@ def _make(cfg: Config) -> Environment:
 
         if task.path is not None:
             return MathEnvironment(load_math_dataset(task.path), lenient=task.math_lenient)
-        splits = {split: generate_math_problems(cfg.seed, split, count, task.levels)
-                  for split, count in (("train", task.num_train_prompts), ("eval", task.num_eval_prompts))}
-        return ProceduralMathEnvironment(splits, teacher_error_frac=cfg.warmstart.overfit_frac, lenient=task.math_lenient)
+        splits = {
+            split: generate_math_problems(cfg.seed, split, count, task.levels)
+            for split, count in (("train", task.num_train_prompts), ("eval", task.num_eval_prompts))
+        }
+        return ProceduralMathEnvironment(
+            splits, teacher_error_frac=cfg.warmstart.overfit_frac, lenient=task.math_lenient
+        )
     if task.name == "reasoning_gym":
         from gapless.envs.reasoning_gym.environment import ReasoningGymEnvironment
 
-        return ReasoningGymEnvironment(task.reasoning_gym_dataset, cfg.seed, task.num_train_prompts, task.num_eval_prompts)
+        return ReasoningGymEnvironment(
+            task.reasoning_gym_dataset, cfg.seed, task.num_train_prompts, task.num_eval_prompts
+        )
     if task.name == "tool_use":
         from gapless.envs.tools.environment import make_tool_environment
 
@@ -72,7 +78,15 @@ def _code_environment(cfg: Config) -> Environment:
         from gapless.envs.code.procedural import ProceduralCodeEnvironment
 
         return ProceduralCodeEnvironment(
-            sandbox, limits, seed=cfg.seed, levels=task.levels, num_train=task.num_train_prompts,
-            num_eval=task.num_eval_prompts, num_hidden_tests=task.num_hidden_tests,
-            overfit_frac=cfg.warmstart.overfit_frac, concurrency=box.concurrency, reward=task.reward)
+            sandbox,
+            limits,
+            seed=cfg.seed,
+            levels=task.levels,
+            num_train=task.num_train_prompts,
+            num_eval=task.num_eval_prompts,
+            num_hidden_tests=task.num_hidden_tests,
+            overfit_frac=cfg.warmstart.overfit_frac,
+            concurrency=box.concurrency,
+            reward=task.reward,
+        )
     return CodeEnvironment(sandbox, limits, box.concurrency, splits=splits, name=task.name, reward=task.reward)

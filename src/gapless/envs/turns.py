@@ -105,8 +105,17 @@ def queue_turn(engine: SteppedGenerator, request: TurnRequest, params: SamplingP
     """Queue one turn in a stepped engine: sample `request.sample` of a request whose prompt is
     the episode's context, drawing from stream (turn seed, sample) like `add_request`'s samples."""
     p = turn_params(params, request.turn)
-    start = Completion(list(request.context), [], [], [], "abort", "", str(request.group), request.sample,
-                       sample_seed(p.seed, request.sample))
+    start = Completion(
+        list(request.context),
+        [],
+        [],
+        [],
+        "abort",
+        "",
+        str(request.group),
+        request.sample,
+        sample_seed(p.seed, request.sample),
+    )
     engine.resume([start], p, str(request.group))
 
 
@@ -132,22 +141,36 @@ def sample_turns(generator, requests: Sequence[TurnRequest], params: Sequence[Sa
     return done  # type: ignore[return-value]
 
 
-def run_waves(env: EpisodeSteps, generator, tasks: Sequence, group_size: int,
-              params: SamplingParams | Sequence[SamplingParams], encode: Callable[[str], list[int]],
-              pool: ThreadPoolExecutor) -> list[list[Rollout]]:
+def run_waves(
+    env: EpisodeSteps,
+    generator,
+    tasks: Sequence,
+    group_size: int,
+    params: SamplingParams | Sequence[SamplingParams],
+    encode: Callable[[str], list[int]],
+    pool: ThreadPoolExecutor,
+) -> list[list[Rollout]]:
     """The reference multi-turn loop: `group_size` episodes per task, in waves of `env.sessions`
     episodes; per turn one sampling call over the wave's unfinished episodes, then their tool
     calls at once on `pool`. Group g is sampled with `params[g]` (one value: every group)."""
     per_group = [params] * len(tasks) if isinstance(params, SamplingParams) else list(params)
-    episodes = [(g, j, env.start_episode(task, encode(task.prompt))) for g, task in enumerate(tasks) for j in range(group_size)]
+    episodes = [
+        (g, j, env.start_episode(task, encode(task.prompt))) for g, task in enumerate(tasks) for j in range(group_size)
+    ]
     for wave in range(0, len(episodes), env.sessions):
         run_wave(env, generator, episodes[wave : wave + env.sessions], per_group, encode, pool)
     rollouts = list(pool.map(lambda gje: env.to_rollout(gje[2]), episodes))
     return [rollouts[i : i + group_size] for i in range(0, len(rollouts), group_size)]
 
 
-def run_wave(env: EpisodeSteps, generator, wave: Sequence[tuple[int, int, Episode]], params: Sequence[SamplingParams],
-             encode: Callable[[str], list[int]], pool: ThreadPoolExecutor) -> None:
+def run_wave(
+    env: EpisodeSteps,
+    generator,
+    wave: Sequence[tuple[int, int, Episode]],
+    params: Sequence[SamplingParams],
+    encode: Callable[[str], list[int]],
+    pool: ThreadPoolExecutor,
+) -> None:
     """Run one wave's episodes (group, sample, episode) to their end in lock-step turns."""
     opener = getattr(env, "open_episode", None)
     if opener is not None:  # an agent's first call is its first context (envs/agent/environment.py)
@@ -155,4 +178,8 @@ def run_wave(env: EpisodeSteps, generator, wave: Sequence[tuple[int, int, Episod
     while active := [(g, j, e) for g, j, e in wave if not e.is_done]:
         requests = [TurnRequest(g, j, e.turns, tuple(e.context)) for g, j, e in active]
         completions = sample_turns(generator, requests, [params[g] for g, _, _ in active])
-        list(pool.map(lambda ec: env.take_turn(ec[0], ec[1], encode), [(e, c) for (_, _, e), c in zip(active, completions)]))
+        list(
+            pool.map(
+                lambda ec: env.take_turn(ec[0], ec[1], encode), [(e, c) for (_, _, e), c in zip(active, completions)]
+            )
+        )

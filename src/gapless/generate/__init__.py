@@ -19,8 +19,9 @@ from gapless.models import Policy
 __all__ = ["Generator", "SteppedGenerator", "TorchEngine", "TorchSampler", "make_generator"]
 
 
-def make_generator(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_dir: Path, log=print,
-                   lora: LoraSpec | None = None) -> Generator:
+def make_generator(
+    cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_dir: Path, log=print, lora: LoraSpec | None = None
+) -> Generator:
     """A generator holding its own copy of `policy`'s weights, for contexts up to `max_seq_len` tokens.
     The torch engine's path (lean runner or generic) is logged in one line and recorded in
     `work_dir/generator.json`. `lora`: weight pushes are that adapter's tensors, merged into
@@ -32,15 +33,25 @@ def make_generator(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_
     return generator
 
 
-def _make(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_dir: Path, log, lora: LoraSpec | None) -> Generator:
+def _make(
+    cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_dir: Path, log, lora: LoraSpec | None
+) -> Generator:
     if cfg.engine == "torch":
         path, notice = engine_path(policy.model.config)
         log(notice)
         Path(work_dir).mkdir(parents=True, exist_ok=True)
         record = {"engine": "torch", "path": path, "model_type": policy.model.config.model_type, "notice": notice}
         (Path(work_dir) / "generator.json").write_text(json.dumps(record) + "\n")
-        return TorchEngine(policy.model, policy.eos_id, policy.decode, max_batch=cfg.max_batch, max_seq_len=max_seq_len,
-                           kernels=cfg.kernels, stop_ids=policy.stop_ids, recompute_kv=cfg.recompute_kv)
+        return TorchEngine(
+            policy.model,
+            policy.eos_id,
+            policy.decode,
+            max_batch=cfg.max_batch,
+            max_seq_len=max_seq_len,
+            kernels=cfg.kernels,
+            stop_ids=policy.stop_ids,
+            recompute_kv=cfg.recompute_kv,
+        )
     if cfg.engine == "reference":
         return TorchSampler(copy.deepcopy(policy.model), policy.eos_id, policy.pad_id, policy.decode, policy.stop_ids)
     from gapless.generate.vllm.engine import VLLMEngine, check_model, on_cpu
@@ -52,12 +63,23 @@ def _make(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, work_dir: Path
     policy.save(path)
     # CPU: the policy's own dtype (fp32 keeps log-probs equal to the trainer's); GPU: model.dtype 'auto' is bf16
     dtype = str(policy.model.dtype).removeprefix("torch.") if on_cpu() else "bfloat16"
-    engine = VLLMEngine(str(path), policy.eos_id, policy.decode, max_batch=cfg.max_batch, max_seq_len=max_seq_len,
-                        stop_ids=policy.stop_ids, dtype=dtype, recompute_kv=cfg.recompute_kv,
-                        lora_rank=lora.rank if lora is not None else 0, lora_alpha=lora.alpha if lora is not None else 32.0,
-                        lora_dir=str(path) + "-lora")
-    log(f"generator: vLLM {engine.vllm_version} ({'CPU' if on_cpu() else 'GPU'}, {dtype}), weights by "
-        f"{'LoRA requests' if lora is not None else engine.weights.full.name}")
+    engine = VLLMEngine(
+        str(path),
+        policy.eos_id,
+        policy.decode,
+        max_batch=cfg.max_batch,
+        max_seq_len=max_seq_len,
+        stop_ids=policy.stop_ids,
+        dtype=dtype,
+        recompute_kv=cfg.recompute_kv,
+        lora_rank=lora.rank if lora is not None else 0,
+        lora_alpha=lora.alpha if lora is not None else 32.0,
+        lora_dir=str(path) + "-lora",
+    )
+    log(
+        f"generator: vLLM {engine.vllm_version} ({'CPU' if on_cpu() else 'GPU'}, {dtype}), weights by "
+        f"{'LoRA requests' if lora is not None else engine.weights.full.name}"
+    )
     return engine
 
 

@@ -48,11 +48,13 @@ class AdapterMerge:
 
     def layers(self, adapters: dict[str, torch.Tensor]) -> list[str]:
         """HF module names of the adapted layers in a push, after checking it is complete."""
-        names = [key[len(PREFIX):-len(A)] for key in adapters if key.endswith(A)]
+        names = [key[len(PREFIX) : -len(A)] for key in adapters if key.endswith(A)]
         expected = {PREFIX + n + suffix for n in names for suffix in (A, B)}
         if set(adapters) != expected or not names:
-            raise KeyError(f"not a LoRA push: unexpected {sorted(set(adapters) - expected)[:3]}, "
-                           f"missing {sorted(expected - set(adapters))[:3]}")
+            raise KeyError(
+                f"not a LoRA push: unexpected {sorted(set(adapters) - expected)[:3]}, "
+                f"missing {sorted(expected - set(adapters))[:3]}"
+            )
         unknown = [n for n in names if n + ".weight" not in self.base]
         if unknown:
             raise KeyError(f"adapters for layers the base model lacks: {unknown[:3]}")

@@ -48,9 +48,9 @@ from gapless.generate.adapters import AdapterMerge
 from gapless.generate.constraint import TokenConstraint, bitmask_words, mask_logits
 from gapless.generate.families import engine_path
 from gapless.generate.hf_runner import HFRunner
+from gapless.generate.logit_adjust import apply_adjustments
 from gapless.generate.protocol import RunningSample
 from gapless.generate.runner import DecoderRunner, attention_ranges
-from gapless.generate.logit_adjust import apply_adjustments
 from gapless.generate.sampling import RowSettings, sample_rows, sample_seed, uniform_stream
 from gapless.types import Completion, FinishReason, SamplingParams
 
@@ -106,7 +106,16 @@ class _Slots:
         self.top_k = torch.zeros(slots, dtype=torch.long, **like)
         self.greedy = torch.zeros(slots, dtype=torch.bool, **like)
         self.uniforms = torch.zeros(slots, width, **like)
-        self._all = [self.position, self.last_token, self.generated, self.temperature, self.top_p, self.top_k, self.greedy, self.uniforms]
+        self._all = [
+            self.position,
+            self.last_token,
+            self.generated,
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.greedy,
+            self.uniforms,
+        ]
 
     def assign(self, lo: int, seqs: list[_Sequence], last_tokens: list[int], positions: list[int]) -> None:
         """Set slots lo, lo+1, ... for `seqs` (one tensor write per field, not per sequence)."""
@@ -136,9 +145,13 @@ class _Slots:
         """Sampling settings of slots 0..len(seqs)-1, which `seqs` occupy."""
         greedy, n = [s.params.greedy for s in seqs], len(seqs)
         return RowSettings(
-            self.temperature[:n], self.top_p[:n], self.top_k[:n], self.greedy[:n],
+            self.temperature[:n],
+            self.top_p[:n],
+            self.top_k[:n],
+            self.greedy[:n],
             any_truncation=any(not s.params.greedy and (s.params.top_p < 1.0 or s.params.top_k > 0) for s in seqs),
-            any_greedy=any(greedy), all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            all_greedy=all(greedy),
         )
 
 
@@ -148,11 +161,23 @@ class TorchEngine:
     `path` says which runner serves it (`families.engine_path`, logged once at creation): 'lean'
     (`DecoderRunner`, the families it implements) or 'generic' (`HFRunner`, any other model)."""
 
-    def __init__(self, model: torch.nn.Module, eos_id: int, decode: Callable[[list[int]], str] | None = None,
-                 *, max_batch: int = 64, max_seq_len: int | None = None, recompute_kv: bool = False, kernels: str = "auto",
-                 stop_ids: Iterable[int] = (), path: str = "auto"):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        eos_id: int,
+        decode: Callable[[list[int]], str] | None = None,
+        *,
+        max_batch: int = 64,
+        max_seq_len: int | None = None,
+        recompute_kv: bool = False,
+        kernels: str = "auto",
+        stop_ids: Iterable[int] = (),
+        path: str = "auto",
+    ):
         """`path`: 'auto' (the family decides) or 'generic' (force the HF-module runner)."""
-        self.path, notice = engine_path(model.config) if path == "auto" else ("generic", "engine: generic path (requested)")
+        self.path, notice = (
+            engine_path(model.config) if path == "auto" else ("generic", "engine: generic path (requested)")
+        )
         logger.info(notice)
         runner_class = DecoderRunner if self.path == "lean" else HFRunner
         self.runner = runner_class(model, max_seq_len or model.config.max_position_embeddings, kernels)
@@ -194,29 +219,52 @@ class TorchEngine:
         """The running sequences' tokens so far, as views of the engine's own lists (StreamingGenerator)."""
         return (RunningSample(s.request_id, s.index, s.tokens, s.logprobs, s.versions) for s in self.running)
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None
+    ) -> str:
         """Queue `n` samples of one prompt (a group); sample j draws from stream (params.seed, j)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         for j in range(n):
-            self._enqueue(_Sequence(request_id, j, sample_seed(params.seed, j), list(prompt_ids), params, self._stops(params)))
+            self._enqueue(
+                _Sequence(request_id, j, sample_seed(params.seed, j), list(prompt_ids), params, self._stops(params))
+            )
         return request_id
 
     supports_constraints = True  # `resume(..., constraints=)`: grammar-constrained decoding
 
-    def resume(self, partials: Iterable[Completion], params: SamplingParams, request_id: str | None = None,
-               constraints: Sequence[TokenConstraint | None] | None = None) -> str:
+    def resume(
+        self,
+        partials: Iterable[Completion],
+        params: SamplingParams,
+        request_id: str | None = None,
+        constraints: Sequence[TokenConstraint | None] | None = None,
+    ) -> str:
         """Continue aborted completions (possibly under newer weights): each keeps its tokens,
         log-probs, versions and random stream; `params.max_new_tokens` counts all their tokens.
         `constraints[i]` (optional) constrains partial i's next tokens; it must already have
         accepted that partial's tokens."""
         partials = list(partials)
         constraints = list(constraints) if constraints is not None else [None] * len(partials)
-        request_id = request_id if request_id is not None else (partials[0].request_id if partials else f"req-{next(self._ids)}")
+        request_id = (
+            request_id if request_id is not None else (partials[0].request_id if partials else f"req-{next(self._ids)}")
+        )
         for c, constraint in zip(partials, constraints, strict=True):
-            seq = _Sequence(request_id, c.index, c.seed, list(c.prompt_ids), params, self._stops(params),
-                            list(c.token_ids), list(c.logprobs), list(c.versions), constraint)
+            seq = _Sequence(
+                request_id,
+                c.index,
+                c.seed,
+                list(c.prompt_ids),
+                params,
+                self._stops(params),
+                list(c.token_ids),
+                list(c.logprobs),
+                list(c.versions),
+                constraint,
+            )
             if (reason := seq.finish_reason()) is not None:
-                raise ValueError(f"completion {c.request_id}/{c.index} is already finished ({reason}); only partial ones resume")
+                raise ValueError(
+                    f"completion {c.request_id}/{c.index} is already finished ({reason}); only partial ones resume"
+                )
             self._enqueue(seq)
         return request_id
 
@@ -237,7 +285,9 @@ class TorchEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Run `prompts` to completion (sequence i draws from stream (params.seed, i)); returns in order."""
         if self.has_work:
-            raise RuntimeError("generate() needs an idle engine; with requests in flight drive add_request/step instead")
+            raise RuntimeError(
+                "generate() needs an idle engine; with requests in flight drive add_request/step instead"
+            )
         request_id = f"generate-{next(self._ids)}"
         stops = self._stops(params)
         for i, prompt in enumerate(prompts):
@@ -254,8 +304,10 @@ class TorchEngine:
         if not seq.prompt:
             raise ValueError("empty prompt: a completion needs at least one context token")
         if len(seq.prompt) + seq.params.max_new_tokens > self.max_seq_len:
-            raise ValueError(f"prompt ({len(seq.prompt)}) + max_new_tokens ({seq.params.max_new_tokens}) exceeds the "
-                             f"engine's max_seq_len ({self.max_seq_len}); shorten them or build the engine with a larger max_seq_len")
+            raise ValueError(
+                f"prompt ({len(seq.prompt)}) + max_new_tokens ({seq.params.max_new_tokens}) exceeds the "
+                f"engine's max_seq_len ({self.max_seq_len}); shorten them or build the engine with a larger max_seq_len"
+            )
         self.waiting.append(seq)
         self._waiting_prefixes[seq.context[:-1]] += 1
 
@@ -302,12 +354,18 @@ class TorchEngine:
         rows = decode_rows(batch, self.max_batch) if self.runner.pads_rows else batch
         if self._decode_rows is None:  # the batch changed
             self._decode_rows = slots.settings(self.running)
-            self._adjusted = [i for i, s in enumerate(self.running) if s.params.adjust and not s.params.adjust.is_identity]
+            self._adjusted = [
+                i for i, s in enumerate(self.running) if s.params.adjust and not s.params.adjust.is_identity
+            ]
             if self.runner.native is None:  # the native kernels read each slot's own length
                 self._attention_ranges = attention_ranges(slots.position[:rows].tolist())
-        logits = self.runner.decode(slots.last_token[:rows], slots.position[:rows], self.cache, self._attention_ranges)[:batch]  # (B, V)
+        logits = self.runner.decode(slots.last_token[:rows], slots.position[:rows], self.cache, self._attention_ranges)[
+            :batch
+        ]  # (B, V)
         if self._adjusted:  # per-request bias and penalties (served requests), row by row
-            logits = apply_adjustments(logits, [(i, (q := self.running[i]).params.adjust, q.prompt, q.tokens) for i in self._adjusted])
+            logits = apply_adjustments(
+                logits, [(i, (q := self.running[i]).params.adjust, q.prompt, q.tokens) for i in self._adjusted]
+            )
         u = slots.uniforms[:batch].gather(1, slots.generated[:batch, None]).squeeze(1)  # (B,)
         native = self.runner.native
         if constrained := [i for i, seq in enumerate(self.running) if seq.constraint is not None]:
@@ -413,8 +471,17 @@ class TorchEngine:
     def _completion(self, seq: _Sequence, reason: FinishReason) -> Completion:
         text_ids = seq.tokens[:-1] if reason == "stop" else seq.tokens
         text = self._decode_text(text_ids) if self._decode_text else ""
-        return Completion(list(seq.prompt), list(seq.tokens), list(seq.logprobs), list(seq.versions), reason, text,
-                          seq.request_id, seq.index, seq.seed)
+        return Completion(
+            list(seq.prompt),
+            list(seq.tokens),
+            list(seq.logprobs),
+            list(seq.versions),
+            reason,
+            text,
+            seq.request_id,
+            seq.index,
+            seq.seed,
+        )
 
 
 def decode_rows(batch: int, max_batch: int) -> int:

@@ -69,8 +69,10 @@ def require_engine(model) -> None:
         from gapless.config import ConfigError
 
         path, kind = getattr(model.config, "_name_or_path", ""), model.config.model_type
-        raise ConfigError(f"model.path {path}: the engine cannot run model type {kind!r} ({why}); "
-                          "docs/engine.md lists the families it serves")
+        raise ConfigError(
+            f"model.path {path}: the engine cannot run model type {kind!r} ({why}); "
+            "docs/engine.md lists the families it serves"
+        )
 
 
 def check_generic(model) -> str | None:
@@ -94,4 +96,7 @@ def engine_path(config) -> tuple[str, str]:
     layout, why = layout_of(config)
     if layout is not None:
         return "lean", f"engine: lean runner for {layout.family} (native kernels where they build)"
-    return "generic", f"engine: generic path for {config.model_type} ({why}): the HF module under continuous batching, slower decode"
+    return (
+        "generic",
+        f"engine: generic path for {config.model_type} ({why}): the HF module under continuous batching, slower decode",
+    )

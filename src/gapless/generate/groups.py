@@ -12,8 +12,9 @@ from gapless.generate.protocol import Generator, SteppedGenerator
 from gapless.types import Completion, SamplingParams
 
 
-def generate_groups(generator: Generator, prompts: list[list[int]], n: int,
-                    params: list[SamplingParams]) -> list[list[Completion]]:
+def generate_groups(
+    generator: Generator, prompts: list[list[int]], n: int, params: list[SamplingParams]
+) -> list[list[Completion]]:
     """`n` completions of each prompt, group i sampled with `params[i]`; groups in prompt order."""
     if not isinstance(generator, SteppedGenerator):
         return [generator.generate([prompt] * n, p) for prompt, p in zip(prompts, params)]

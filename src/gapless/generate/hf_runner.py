@@ -37,8 +37,11 @@ class SlotCaches:
         total = 0
         for cache in filter(None, self.rows):
             for layer in getattr(cache, "layers", []):
-                total += sum(t.numel() * t.element_size() for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-                             if isinstance(t, torch.Tensor))
+                total += sum(
+                    t.numel() * t.element_size()
+                    for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                    if isinstance(t, torch.Tensor)
+                )
         return total
 
     def reserve(self, slots: int) -> None:
@@ -87,14 +90,21 @@ class HFRunner:
         return [kv[row]]  # `place` copies, so the stash is never extended
 
     @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: SlotCaches,
-               ranges: list[tuple[int, int]] | None = None) -> torch.Tensor:
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: SlotCaches,
+        ranges: list[tuple[int, int]] | None = None,
+    ) -> torch.Tensor:
         """One token for each slot 0..B-1 at `positions` (B,), each on its own cache -> logits (B, V)."""
         logits = []
         for b, (token, position) in enumerate(zip(tokens.tolist(), positions.tolist())):
             past = cache.rows[b] if position > 0 else None  # position 0: a one-token prompt, nothing cached
             if past is not None and past.get_seq_length() != position:
-                raise RuntimeError(f"generic path: slot {b} caches {past.get_seq_length()} tokens but decodes position {position}")
+                raise RuntimeError(
+                    f"generic path: slot {b} caches {past.get_seq_length()} tokens but decodes position {position}"
+                )
             result = self.model(input_ids=torch.tensor([[token]], device=self.device), cache=past, use_cache=True)
             cache.rows[b] = result.cache
             logits.append(result.logits[0, -1])
@@ -107,7 +117,9 @@ class HFRunner:
         unknown = set(state) - self._names
         missing = set() if partial else self._names - set(state) - ({"lm_head.weight"} if self._tied else set())
         if unknown or missing:
-            raise KeyError(f"weights do not match the engine's model: unknown {sorted(unknown)[:5]}, missing {sorted(missing)[:5]}")
+            raise KeyError(
+                f"weights do not match the engine's model: unknown {sorted(unknown)[:5]}, missing {sorted(missing)[:5]}"
+            )
         own = self.model.state_dict()
         for name, tensor in state.items():
             own[name].copy_(tensor)

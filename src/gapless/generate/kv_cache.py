@@ -19,8 +19,16 @@ import torch
 
 
 class KVCache:
-    def __init__(self, num_layers: int, slots: int, kv_heads: int, max_seq_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        num_layers: int,
+        slots: int,
+        kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         shape = (slots, kv_heads, max_seq_len, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -42,7 +50,9 @@ class KVCache:
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
-    def write_prefix(self, layer: int, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    def write_prefix(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor
+    ) -> None:
         """Copy prefilled rows (R, kv_heads, P, head_dim) into `slots` (row `rows[i]` -> slot `slots[i]`)."""
         width = keys.shape[2]
         self.keys[layer][slots, :, :width] = keys[rows]

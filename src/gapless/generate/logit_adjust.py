@@ -20,8 +20,9 @@ import torch
 from gapless.types import LogitAdjustment
 
 
-def apply_adjustments(logits: torch.Tensor,
-                      rows: Sequence[tuple[int, LogitAdjustment, Sequence[int], Sequence[int]]]) -> torch.Tensor:
+def apply_adjustments(
+    logits: torch.Tensor, rows: Sequence[tuple[int, LogitAdjustment, Sequence[int], Sequence[int]]]
+) -> torch.Tensor:
     """logits (B, V); rows: (row, adjustment, prompt ids, generated ids). Returns a new tensor
     when any row is adjusted (the engine's logits buffer is left untouched)."""
     if not rows:

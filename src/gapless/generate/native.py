@@ -86,70 +86,141 @@ class NativeKernels:
         # (halves, panels, cols, k) -> (panels, k, halves, cols): panel p = k rows of [gate | up] columns
         return halves.view(halves.shape[0], -1, cols, k).permute(1, 3, 0, 2).reshape(-1, k, 16).contiguous()
 
-    def linear(self, x: torch.Tensor, packed: torch.Tensor, out_dim: int, bias: torch.Tensor | None = None,
-               residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    def linear(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        out_dim: int,
+        bias: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+        gated: bool = False,
+    ) -> torch.Tensor:
         """x (..., K) @ W.T (+ bias) (+ residual, shaped like the result) with W packed by
         `pack_linear`; `gated` (W packed with gated=True, bias the stacked gate | up bias):
         silu(x @ gate.T) * (x @ up.T), `out_dim` = n. fp32 on CPU."""
         k = packed.shape[1]
         if x.shape[-1] != k or packed.shape[0] * (8 if gated else 16) < out_dim or (gated and residual is not None):
-            raise ValueError(f"linear: input {tuple(x.shape)} does not match packed weights {tuple(packed.shape)} for {out_dim} outputs")
+            raise ValueError(
+                f"linear: input {tuple(x.shape)} does not match packed weights {tuple(packed.shape)} for {out_dim} outputs"
+            )
         x = x.contiguous()
         rows = x.numel() // k
         out = x.new_empty(*x.shape[:-1], out_dim)
         if residual is not None:
             residual = residual.contiguous()
             if residual.shape != out.shape:
-                raise ValueError(f"linear: residual {tuple(residual.shape)} does not match the output {tuple(out.shape)}")
+                raise ValueError(
+                    f"linear: residual {tuple(residual.shape)} does not match the output {tuple(out.shape)}"
+                )
         bias = None if bias is None else bias.contiguous()  # held while the kernel runs
-        self._linear(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                     0 if residual is None else residual.data_ptr(), out.data_ptr(), rows, k, out_dim, int(gated),
-                     torch.get_num_threads())
+        self._linear(
+            x.data_ptr(),
+            packed.data_ptr(),
+            0 if bias is None else bias.data_ptr(),
+            0 if residual is None else residual.data_ptr(),
+            out.data_ptr(),
+            rows,
+            k,
+            out_dim,
+            int(gated),
+            torch.get_num_threads(),
+        )
         return out
 
-    def head_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int, kv_heads: int,
-                  eps: float) -> torch.Tensor:
+    def head_norm(
+        self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int, kv_heads: int, eps: float
+    ) -> torch.Tensor:
         """In place: each query and key head of a contiguous (B, (heads + 2 kv_heads) * hd) tensor
         RMS-normalised over hd and scaled by q_weight / k_weight (hd,); values untouched."""
         hd = q_weight.shape[0]
         if not qkv.is_contiguous() or qkv.shape[-1] != (heads + 2 * kv_heads) * hd or k_weight.shape != q_weight.shape:
             raise ValueError(f"head_norm: qkv {tuple(qkv.shape)} does not match {heads} + 2 x {kv_heads} heads of {hd}")
         q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
-        self._head_norm(qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), qkv.numel() // qkv.shape[-1], heads, kv_heads,
-                        hd, eps, torch.get_num_threads())
+        self._head_norm(
+            qkv.data_ptr(),
+            q_weight.data_ptr(),
+            k_weight.data_ptr(),
+            qkv.numel() // qkv.shape[-1],
+            heads,
+            kv_heads,
+            hd,
+            eps,
+            torch.get_num_threads(),
+        )
         return qkv
 
     def rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         """x / sqrt(mean(x**2, -1) + eps) over the last dim of a contiguous fp32 tensor."""
         out = torch.empty_like(x)
-        self._rms_norm(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, torch.get_num_threads())
+        self._rms_norm(
+            x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, torch.get_num_threads()
+        )
         return out
 
-    def sample_rows(self, logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample_rows(
+        self, logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Inverse-CDF sampling without truncation: logits (B, V), temperature and u (B,) ->
         tokens (B,) int64 and their log-probs under softmax(logits / T) (B,)."""
         logits, temperature, u = logits.float().contiguous(), temperature.float().contiguous(), u.float().contiguous()
         rows, vocab = logits.shape
         tokens, logprobs = torch.empty(rows, dtype=torch.int64), torch.empty(rows)
         scratch = torch.empty_like(logits)
-        self._sample(logits.data_ptr(), temperature.data_ptr(), u.data_ptr(), scratch.data_ptr(), tokens.data_ptr(),
-                     logprobs.data_ptr(), rows, vocab, torch.get_num_threads())
+        self._sample(
+            logits.data_ptr(),
+            temperature.data_ptr(),
+            u.data_ptr(),
+            scratch.data_ptr(),
+            tokens.data_ptr(),
+            logprobs.data_ptr(),
+            rows,
+            vocab,
+            torch.get_num_threads(),
+        )
         return tokens, logprobs
 
-    def decode_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor,
-                      keys: torch.Tensor, values: torch.Tensor, heads: int, kv_heads: int, scale: float,
-                      window: int = 0) -> torch.Tensor:
+    def decode_attend(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        scale: float,
+        window: int = 0,
+    ) -> torch.Tensor:
         """qkv (B, (heads + 2 kv_heads) * hd); positions (B,) int64; keys/values one layer's cache
         (slots >= B, kv_heads, max_len, hd), written at each slot's position; `window` > 0 attends
         only to the last `window` positions (sliding window). Returns (B, heads * hd)."""
         batch, hd = qkv.shape[0], keys.shape[-1]
-        if qkv.shape != (batch, (heads + 2 * kv_heads) * hd) or not (qkv.is_contiguous() and keys.is_contiguous() and values.is_contiguous()):
-            raise ValueError(f"decode_attend: qkv {tuple(qkv.shape)} and cache {tuple(keys.shape)} do not match {heads} heads, "
-                             f"{kv_heads} KV heads (contiguous tensors needed)")
+        if qkv.shape != (batch, (heads + 2 * kv_heads) * hd) or not (
+            qkv.is_contiguous() and keys.is_contiguous() and values.is_contiguous()
+        ):
+            raise ValueError(
+                f"decode_attend: qkv {tuple(qkv.shape)} and cache {tuple(keys.shape)} do not match {heads} heads, "
+                f"{kv_heads} KV heads (contiguous tensors needed)"
+            )
         out = torch.empty(batch, heads * hd, dtype=qkv.dtype)
-        status = self._attend(qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), positions.data_ptr(),
-                              keys.data_ptr(), values.data_ptr(), out.data_ptr(),
-                              batch, heads, kv_heads, hd, keys.shape[2], scale, window, torch.get_num_threads())
+        status = self._attend(
+            qkv.data_ptr(),
+            cos.data_ptr(),
+            sin_signed.data_ptr(),
+            positions.data_ptr(),
+            keys.data_ptr(),
+            values.data_ptr(),
+            out.data_ptr(),
+            batch,
+            heads,
+            kv_heads,
+            hd,
+            keys.shape[2],
+            scale,
+            window,
+            torch.get_num_threads(),
+        )
         if status:
             raise MemoryError("native decode attention: out of memory for its per-slot scratch")
         return out
@@ -163,7 +234,9 @@ def kernels_for(mode: str, dtype: torch.dtype, device: torch.device) -> NativeKe
         return None
     if dtype != torch.float32 or torch.device(device).type != "cpu":
         if mode == "native":
-            raise NativeBuildError(f"generator.kernels = 'native' runs fp32 on CPU only, not {dtype} on {device}; use 'auto'")
+            raise NativeBuildError(
+                f"generator.kernels = 'native' runs fp32 on CPU only, not {dtype} on {device}; use 'auto'"
+            )
         return None
     try:
         return load()
@@ -188,8 +261,9 @@ def load(extra_flags: tuple[str, ...] = ()) -> NativeKernels:
     try:
         return NativeKernels(ctypes.CDLL(str(path)), path)
     except OSError as err:
-        raise NativeBuildError(f"native kernels: cannot load {path.name}: {err}; delete it to rebuild, "
-                               "or set generator.kernels = 'torch'") from err
+        raise NativeBuildError(
+            f"native kernels: cannot load {path.name}: {err}; delete it to rebuild, or set generator.kernels = 'torch'"
+        ) from err
 
 
 def _flags() -> list[str]:
@@ -203,8 +277,10 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as err:
-        raise NativeBuildError(f"native kernels: no C compiler ({compiler!r}: {err}); install one (apt-get install gcc) "
-                               "or set generator.kernels = 'torch'") from err
+        raise NativeBuildError(
+            f"native kernels: no C compiler ({compiler!r}: {err}); install one (apt-get install gcc) "
+            "or set generator.kernels = 'torch'"
+        ) from err
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_identity().encode()]))
     directory = _cache_dir()
@@ -216,8 +292,10 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     try:
         proc = subprocess.run([compiler, str(SOURCE), "-o", tmp, *flags], capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
-            raise NativeBuildError(f"native kernels: {compiler} failed ({proc.stderr.strip()[-400:]}); "
-                                   "set generator.kernels = 'torch' to run without them")
+            raise NativeBuildError(
+                f"native kernels: {compiler} failed ({proc.stderr.strip()[-400:]}); "
+                "set generator.kernels = 'torch' to run without them"
+            )
         os.replace(tmp, path)  # atomic: processes building at once each publish a complete file
     finally:
         if os.path.exists(tmp):
@@ -227,7 +305,10 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
 
 def _cache_dir() -> Path:
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gapless" / "kernels"
-    for directory in (Path(os.environ.get("GAPLESS_KERNEL_CACHE", default)), Path(tempfile.gettempdir()) / f"gapless-kernels-{os.getuid()}"):
+    for directory in (
+        Path(os.environ.get("GAPLESS_KERNEL_CACHE", default)),
+        Path(tempfile.gettempdir()) / f"gapless-kernels-{os.getuid()}",
+    ):
         try:
             directory.mkdir(parents=True, exist_ok=True)
             if os.access(directory, os.W_OK):

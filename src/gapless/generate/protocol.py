@@ -64,7 +64,9 @@ class SteppedGenerator(Generator, Protocol):
         """The running samples in slot order (partial-rollout cuts read their request ids and tokens)."""
         ...
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None
+    ) -> str:
         """Queue a group of `n` samples of one prompt; returns its request id."""
         ...
 

@@ -74,8 +74,15 @@ class _Linear:
     native kernels (`native`) the packed copy is their panel layout instead, and the matmul theirs
     (on this CPU about as fast as oneDNN or up to 1.9x faster from 1 to 496 rows, docs/engine.md)."""
 
-    def __init__(self, out_dim: int, in_dim: int, bias: bool, input_scale: torch.Tensor | None = None,
-                 native: NativeKernels | None = None, **like):
+    def __init__(
+        self,
+        out_dim: int,
+        in_dim: int,
+        bias: bool,
+        input_scale: torch.Tensor | None = None,
+        native: NativeKernels | None = None,
+        **like,
+    ):
         self.weight = torch.empty(out_dim, in_dim, **like)
         self.bias = torch.empty(out_dim, **like) if bias else None
         self.input_scale = input_scale
@@ -154,13 +161,28 @@ class _Layer:
     norm before attention into `qkv` and the one before the MLP into `gate_up`; olmo2 instead
     normalises each block's output (`attn_out_norm`, `mlp_out_norm`) before the residual add."""
 
-    def __init__(self, dim: int, q_dim: int, kv_dim: int, mlp_dim: int, head_dim: int, biases: dict[str, bool],
-                 layout: Layout, window: int | None, native: NativeKernels | None, **like):
+    def __init__(
+        self,
+        dim: int,
+        q_dim: int,
+        kv_dim: int,
+        mlp_dim: int,
+        head_dim: int,
+        biases: dict[str, bool],
+        layout: Layout,
+        window: int | None,
+        native: NativeKernels | None,
+        **like,
+    ):
         pre = not layout.post_norms
         self.input_norm = torch.empty(dim, **like) if pre else None
         self.qkv = _Linear(q_dim + 2 * kv_dim, dim, biases["qkv"], self.input_norm, native, **like)  # rows: q | k | v
         norm_dims = {"none": None, "head": (head_dim, head_dim), "full": (q_dim, kv_dim)}[layout.qk_norm]
-        self.q_norm, self.k_norm = (None, None) if norm_dims is None else (torch.empty(norm_dims[0], **like), torch.empty(norm_dims[1], **like))
+        self.q_norm, self.k_norm = (
+            (None, None)
+            if norm_dims is None
+            else (torch.empty(norm_dims[0], **like), torch.empty(norm_dims[1], **like))
+        )
         self.o = _Linear(dim, q_dim, biases["o"], None, native, **like)
         self.mlp_norm = torch.empty(dim, **like) if pre else None
         self.gate_up = _GatedLinear(2 * mlp_dim, dim, biases["mlp"], self.mlp_norm, native, **like)  # rows: gate | up
@@ -193,18 +215,27 @@ class DecoderRunner:
         self.max_seq_len = max_seq_len
         self.num_layers = cfg.num_hidden_layers
         self.vocab_size = cfg.vocab_size
-        dim, q_dim, kv_dim, mlp_dim = cfg.hidden_size, self.num_heads * self.head_dim, self.kv_heads * self.head_dim, cfg.intermediate_size
+        dim, q_dim, kv_dim, mlp_dim = (
+            cfg.hidden_size,
+            self.num_heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+            cfg.intermediate_size,
+        )
         names = set(model.state_dict())
         first = "model.layers.0."
-        biases = {"qkv": any(first + f"self_attn.{m}.bias" in names for m in ("q_proj", "qkv_proj")),
-                  "o": first + "self_attn.o_proj.bias" in names,
-                  "mlp": first + "mlp.down_proj.bias" in names}
+        biases = {
+            "qkv": any(first + f"self_attn.{m}.bias" in names for m in ("q_proj", "qkv_proj")),
+            "o": first + "self_attn.o_proj.bias" in names,
+            "mlp": first + "mlp.down_proj.bias" in names,
+        }
         like = dict(dtype=self.dtype, device=self.device)
         self.native = kernels_for(kernels, self.dtype, self.device)  # None: the torch path
         # a window at least as long as every context is full attention
         windows = [w if w is not None and w < max_seq_len else None for w in layout.windows]
-        self.layers = [_Layer(dim, q_dim, kv_dim, mlp_dim, self.head_dim, biases, layout, windows[i], self.native, **like)
-                       for i in range(self.num_layers)]
+        self.layers = [
+            _Layer(dim, q_dim, kv_dim, mlp_dim, self.head_dim, biases, layout, windows[i], self.native, **like)
+            for i in range(self.num_layers)
+        ]
         self.embed = torch.empty(cfg.vocab_size, dim, **like)
         self.final_norm = torch.empty(dim, **like)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -219,28 +250,45 @@ class DecoderRunner:
 
     def _name_map(self, q_dim: int, kv_dim: int, mlp_dim: int) -> dict[str, torch.Tensor]:
         """HF state-dict name -> the view of our tensors it fills."""
-        targets = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.final_norm, "lm_head.weight": self.lm_head.weight}
+        targets = {
+            "model.embed_tokens.weight": self.embed,
+            "model.norm.weight": self.final_norm,
+            "lm_head.weight": self.lm_head.weight,
+        }
         q, k, v = slice(0, q_dim), slice(q_dim, q_dim + kv_dim), slice(q_dim + kv_dim, q_dim + 2 * kv_dim)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             parts: dict[str, torch.Tensor | None] = {
-                "self_attn.o_proj.weight": layer.o.weight, "self_attn.o_proj.bias": layer.o.bias,
-                "mlp.down_proj.weight": layer.down.weight, "mlp.down_proj.bias": layer.down.bias,
-                "self_attn.q_norm.weight": layer.q_norm, "self_attn.k_norm.weight": layer.k_norm,
+                "self_attn.o_proj.weight": layer.o.weight,
+                "self_attn.o_proj.bias": layer.o.bias,
+                "mlp.down_proj.weight": layer.down.weight,
+                "mlp.down_proj.bias": layer.down.bias,
+                "self_attn.q_norm.weight": layer.q_norm,
+                "self_attn.k_norm.weight": layer.k_norm,
             }
             if self.layout.fused_names:  # phi3: the HF weights are already stacked as ours
-                parts |= {"self_attn.qkv_proj.weight": layer.qkv.weight, "self_attn.qkv_proj.bias": layer.qkv.bias,
-                          "mlp.gate_up_proj.weight": layer.gate_up.weight, "mlp.gate_up_proj.bias": layer.gate_up.bias}
+                parts |= {
+                    "self_attn.qkv_proj.weight": layer.qkv.weight,
+                    "self_attn.qkv_proj.bias": layer.qkv.bias,
+                    "mlp.gate_up_proj.weight": layer.gate_up.weight,
+                    "mlp.gate_up_proj.bias": layer.gate_up.bias,
+                }
             else:
                 for name, rows in (("q", q), ("k", k), ("v", v)):
                     parts[f"self_attn.{name}_proj.weight"] = layer.qkv.weight[rows]
                     parts[f"self_attn.{name}_proj.bias"] = None if layer.qkv.bias is None else layer.qkv.bias[rows]
                 gate_up_bias = layer.gate_up.bias
-                parts |= {"mlp.gate_proj.weight": layer.gate_up.weight[:mlp_dim], "mlp.up_proj.weight": layer.gate_up.weight[mlp_dim:],
-                          "mlp.gate_proj.bias": None if gate_up_bias is None else gate_up_bias[:mlp_dim],
-                          "mlp.up_proj.bias": None if gate_up_bias is None else gate_up_bias[mlp_dim:]}
+                parts |= {
+                    "mlp.gate_proj.weight": layer.gate_up.weight[:mlp_dim],
+                    "mlp.up_proj.weight": layer.gate_up.weight[mlp_dim:],
+                    "mlp.gate_proj.bias": None if gate_up_bias is None else gate_up_bias[:mlp_dim],
+                    "mlp.up_proj.bias": None if gate_up_bias is None else gate_up_bias[mlp_dim:],
+                }
             if self.layout.post_norms:  # olmo2's names: post_attention_layernorm normalises the attention output
-                parts |= {"post_attention_layernorm.weight": layer.attn_out_norm, "post_feedforward_layernorm.weight": layer.mlp_out_norm}
+                parts |= {
+                    "post_attention_layernorm.weight": layer.attn_out_norm,
+                    "post_feedforward_layernorm.weight": layer.mlp_out_norm,
+                }
             else:
                 parts |= {"input_layernorm.weight": layer.input_norm, "post_attention_layernorm.weight": layer.mlp_norm}
             targets |= {p + name: t for name, t in parts.items() if t is not None}
@@ -254,7 +302,9 @@ class DecoderRunner:
         unknown = set(state) - set(self._targets)
         missing = set() if partial else set(self._targets) - set(state) - ({"lm_head.weight"} if self.tied else set())
         if unknown or missing:
-            raise KeyError(f"weights do not match the engine's model: unknown {sorted(unknown)[:5]}, missing {sorted(missing)[:5]}")
+            raise KeyError(
+                f"weights do not match the engine's model: unknown {sorted(unknown)[:5]}, missing {sorted(missing)[:5]}"
+            )
         for name, tensor in state.items():
             self._targets[name].copy_(tensor)
         for linear in [self.lm_head] + [lin for layer in self.layers for lin in layer.linears()]:
@@ -276,13 +326,17 @@ class DecoderRunner:
     def new_cache(self, slots: int) -> KVCache:
         return KVCache(self.num_layers, slots, self.kv_heads, self.max_seq_len, self.head_dim, self.dtype, self.device)
 
-    def place(self, cache: KVCache, kv: list[tuple[torch.Tensor, torch.Tensor]], rows: list[int], slots: list[int]) -> None:
+    def place(
+        self, cache: KVCache, kv: list[tuple[torch.Tensor, torch.Tensor]], rows: list[int], slots: list[int]
+    ) -> None:
         """Write prefill row `rows[i]` into slot `slots[i]` of every layer's cache."""
         rows_t, slots_t = torch.tensor(rows), torch.tensor(slots)
         for layer, (k, v) in enumerate(kv):
             cache.write_prefix(layer, k, v, rows_t, slots_t)
 
-    def stash_row(self, kv: list[tuple[torch.Tensor, torch.Tensor]], row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def stash_row(
+        self, kv: list[tuple[torch.Tensor, torch.Tensor]], row: int, length: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A copy of one prefill row's first `length` positions, placeable later as row 0."""
         return [(k[row : row + 1, :, :length].clone(), v[row : row + 1, :, :length].clone()) for k, v in kv]
 
@@ -345,11 +399,16 @@ class DecoderRunner:
         width, count = max(lengths), len(rows)
         tokens = torch.tensor([t for r in rows for t in r], device=self.device)  # (T,)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])  # (T,)
-        padded = torch.cat([torch.arange(n, device=self.device) + i * width for i, n in enumerate(lengths)])  # (T,) into R * P
+        padded = torch.cat(
+            [torch.arange(n, device=self.device) + i * width for i, n in enumerate(lengths)]
+        )  # (T,) into R * P
         cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # (T, 1, hd)
         at = torch.arange(width, device=self.device)
-        window_masks = {w: (at[None] <= at[:, None]) & (at[None] > at[:, None] - w)  # (P, P): causal and within the window
-                        for w in {layer.window for layer in self.layers} if w is not None and w < width}
+        window_masks = {
+            w: (at[None] <= at[:, None]) & (at[None] > at[:, None] - w)  # (P, P): causal and within the window
+            for w in {layer.window for layer in self.layers}
+            if w is not None and w < width
+        }
 
         def pad(t: torch.Tensor) -> torch.Tensor:  # (T, heads, hd) -> (R, heads, P, hd)
             out = t.new_zeros(count * width, t.shape[1], self.head_dim).index_copy_(0, padded, t)
@@ -365,15 +424,17 @@ class DecoderRunner:
                 break  # the last layer's output feeds only logits, which prefill does not produce
             q = pad(self._rope(qkv[:, : self.num_heads], cos, sin))
             mask = window_masks.get(layer.window)
-            att = F.scaled_dot_product_attention(q, *kv[-1], attn_mask=mask, is_causal=mask is None,
-                                                 enable_gqa=self.group > 1)  # (R, H, P, hd)
+            att = F.scaled_dot_product_attention(
+                q, *kv[-1], attn_mask=mask, is_causal=mask is None, enable_gqa=self.group > 1
+            )  # (R, H, P, hd)
             att = att.transpose(1, 2).reshape(count * width, -1).index_select(0, padded)  # (T, H * hd)
             x = self._mlp_residual(self._attention_residual(x, att, layer), layer)
         return kv
 
     @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-               ranges: list[tuple[int, int]] | None = None) -> torch.Tensor:
+    def decode(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, ranges: list[tuple[int, int]] | None = None
+    ) -> torch.Tensor:
         """One token for each of the slots 0..B-1 at `positions` (B,); returns logits (B, V).
         `ranges`: contiguous slot ranges covering 0..B-1 that attend separately, each over its
         own longest length (default: `attention_ranges(positions)`); the native kernels ignore it,
@@ -384,12 +445,20 @@ class DecoderRunner:
         lengths = positions.tolist()
         ranges = ranges if ranges is not None else attention_ranges(lengths)
         spans = [max(lengths[lo:hi]) + 1 for lo, hi in ranges]
-        masks = {w: [self._mask(positions[lo:hi], span, w) for (lo, hi), span in zip(ranges, spans)]  # (rows * KV, group, span)
-                 for w in {layer.window for layer in self.layers}}
+        masks = {
+            w: [
+                self._mask(positions[lo:hi], span, w) for (lo, hi), span in zip(ranges, spans)
+            ]  # (rows * KV, group, span)
+            for w in {layer.window for layer in self.layers}
+        }
         x = F.embedding(tokens, self.embed)  # (B, D)
         cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # (B, 1, hd)
         # cache index of (slot b, kv head h, position of b), broadcast to (B, KV)
-        at = (torch.arange(batch, device=self.device)[:, None], torch.arange(kv_heads, device=self.device)[None], positions[:, None])
+        at = (
+            torch.arange(batch, device=self.device)[:, None],
+            torch.arange(kv_heads, device=self.device)[None],
+            positions[:, None],
+        )
         for i, layer in enumerate(self.layers):
             qkv = self._project_qkv(x, layer).view(batch, heads + 2 * kv_heads, hd)
             qk = self._rope(qkv[:, : heads + kv_heads], cos, sin)  # (B, H + KV, hd)
@@ -398,8 +467,10 @@ class DecoderRunner:
             values[at] = qkv[:, heads + kv_heads :]
             # the `group` query heads sharing a KV head are the query rows of one small attention
             q = qk[:, :heads].reshape(batch, kv_heads, self.group, hd)
-            parts = [self._attend(q[lo:hi], keys[lo:hi, :, :span], values[lo:hi, :, :span], mask)  # views, no copy
-                     for (lo, hi), span, mask in zip(ranges, spans, masks[layer.window])]
+            parts = [
+                self._attend(q[lo:hi], keys[lo:hi, :, :span], values[lo:hi, :, :span], mask)  # views, no copy
+                for (lo, hi), span, mask in zip(ranges, spans, masks[layer.window])
+            ]
             att = parts[0] if len(parts) == 1 else torch.cat(parts)  # (B, KV, group, hd)
             x = self._attention_residual(x, att.view(batch, heads * hd), layer)
             x = self._mlp_residual(x, layer)
@@ -411,13 +482,25 @@ class DecoderRunner:
         limit = min(cache.max_seq_len, self.cos.shape[0])
         positions = positions.to(torch.int64).contiguous()
         if tokens.shape[0] > cache.slots or int(positions.min()) < 0 or int(positions.max()) >= limit:
-            raise ValueError(f"decode: {tokens.shape[0]} rows at positions {int(positions.min())}..{int(positions.max())} "
-                             f"do not fit a cache of {cache.slots} slots x {limit} positions")
+            raise ValueError(
+                f"decode: {tokens.shape[0]} rows at positions {int(positions.min())}..{int(positions.max())} "
+                f"do not fit a cache of {cache.slots} slots x {limit} positions"
+            )
         x = F.embedding(tokens, self.embed)  # (B, D)
         for i, layer in enumerate(self.layers):
             qkv = self._project_qkv(x, layer)  # (B, (H + 2 KV) * hd), contiguous
-            att = self.native.decode_attend(qkv, self.cos, self.sin_signed, positions, cache.keys[i], cache.values[i],
-                                            self.num_heads, self.kv_heads, self.head_dim**-0.5, layer.window or 0)
+            att = self.native.decode_attend(
+                qkv,
+                self.cos,
+                self.sin_signed,
+                positions,
+                cache.keys[i],
+                cache.values[i],
+                self.num_heads,
+                self.kv_heads,
+                self.head_dim**-0.5,
+                layer.window or 0,
+            )
             x = self._mlp_residual(self._attention_residual(x, att, layer), layer)
         return self._logits(x)
 
@@ -434,7 +517,9 @@ class DecoderRunner:
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q (R, KV, group, hd) against keys/values (R, KV, L, hd) -> (R, KV, group, hd)."""
         rows, hd = q.shape[0], self.head_dim
-        scores = torch.baddbmm(mask, q.flatten(0, 1), keys.flatten(0, 1).transpose(1, 2), alpha=hd**-0.5)  # (R * KV, group, L)
+        scores = torch.baddbmm(
+            mask, q.flatten(0, 1), keys.flatten(0, 1).transpose(1, 2), alpha=hd**-0.5
+        )  # (R * KV, group, L)
         att = torch.bmm(torch.softmax(scores, dim=-1), values.flatten(0, 1))
         return att.view(rows, self.kv_heads, self.group, hd)
 

@@ -31,7 +31,9 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; return it and its log-prob under the sampling distribution."""
     if params.greedy:
         logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
@@ -65,9 +67,17 @@ class TorchSampler:
         # transformers >= 5.x names the cache argument `cache`; 4.x calls it `past_key_values`
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
-                         **{self._cache_arg: cache})
+    def _forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache
+    ) -> torch.Tensor:
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_arg: cache},
+        )
         return out.logits[:, -1]  # (B, V)
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
@@ -90,7 +100,10 @@ class TorchSampler:
         cache = DynamicCache()
         logits = self._forward(ids, mask, positions, cache)  # (B, V)
         batch = len(prompts)
-        stops = torch.tensor(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else {self.eos_id} | self.stop_ids)), dtype=torch.long)
+        stops = torch.tensor(
+            sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else {self.eos_id} | self.stop_ids)),
+            dtype=torch.long,
+        )
         tokens, logps = [], []
         done = torch.zeros(batch, dtype=torch.bool)
         for _ in range(params.max_new_tokens):
@@ -107,7 +120,9 @@ class TorchSampler:
         stop_set = set(stops.tolist())
         return [self._completion(prompts[i], tokens, logps, i, stop_set) for i in range(batch)]
 
-    def _completion(self, prompt: list[int], tokens: list[torch.Tensor], logps: list[torch.Tensor], row: int, stops: set[int]) -> Completion:
+    def _completion(
+        self, prompt: list[int], tokens: list[torch.Tensor], logps: list[torch.Tensor], row: int, stops: set[int]
+    ) -> Completion:
         ids, lps, reason = [], [], "length"
         for tok, lp in zip(tokens, logps):
             t = int(tok[row])

@@ -43,7 +43,9 @@ class RowSettings:
     all_greedy: bool
 
 
-def sample_rows(logits: torch.Tensor, rows: RowSettings, u: torch.Tensor, native=None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_rows(
+    logits: torch.Tensor, rows: RowSettings, u: torch.Tensor, native=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (B, V), u (B,) -> tokens (B,) and their sampling log-probs (B,). `native`: the
     engine's native kernels, which take the batches with no greedy and no truncated row."""
     if native is not None and not rows.any_greedy and not rows.any_truncation:

@@ -47,16 +47,27 @@ from typing import Any, Callable
 
 import torch
 
-from gapless.config import Config
-from gapless.orchestrate.admission import sampling_params
-from gapless.faults import fault_point, name_process
-from gapless.orchestrate.lending import LendingFlags
-from gapless.envs.turns import queue_turn
-from gapless.orchestrate.messages import (Abort, ActorError, Assign, GenStats, Loaded, Ready, Scored,
-                                            NextTurns, StartEpisodes, ToScore, TurnDone)
-from gapless.orchestrate.partial import PartialRollouts
 from gapless.cluster.watchdog import Heartbeats, StopFlag, install_stack_dump
 from gapless.cluster.weights import SharedWeights
+from gapless.config import Config
+from gapless.envs.turns import queue_turn
+from gapless.faults import fault_point, name_process
+from gapless.orchestrate.admission import sampling_params
+from gapless.orchestrate.lending import LendingFlags
+from gapless.orchestrate.messages import (
+    Abort,
+    ActorError,
+    Assign,
+    GenStats,
+    Loaded,
+    NextTurns,
+    Ready,
+    Scored,
+    StartEpisodes,
+    ToScore,
+    TurnDone,
+)
+from gapless.orchestrate.partial import PartialRollouts
 from gapless.timeline import MergedSpans, open_timeline
 from gapless.types import Completion, Group
 
@@ -83,10 +94,14 @@ class ActorSpec:
     weights: SharedWeights | None = None  # a replica's own weight buffer (the placement's: SharedWeights locally)
     to_env: tuple = ()  # a replica's queues of ToScore, one per environment slot (env_actors.py)
     from_generators: tuple = ()  # the environment's: every replica's queue (restarts' included)
-    lending: LendingFlags | None = None  # the trainer borrows the generator's threads while it idles and nothing is scored
+    lending: LendingFlags | None = (
+        None  # the trainer borrows the generator's threads while it idles and nothing is scored
+    )
     from_env: Any = None  # a replica's queue of NextTurns from the environment (multi-turn tasks only)
     to_generators: tuple = ()  # the environment's: every replica slot's NextTurns queue (multi-turn tasks)
-    max_seq_len: int = 0  # a replica's longest context to hold (the longest prompt's, or an episode's, + max_new_tokens)
+    max_seq_len: int = (
+        0  # a replica's longest context to hold (the longest prompt's, or an episode's, + max_new_tokens)
+    )
 
 
 def _put(q, item, stop, beat=None) -> float:
@@ -159,14 +174,25 @@ class _GeneratorActor:
         self.multi_turn = spec.from_env is not None  # sample turns the environment asks for (episode_runner.py)
         self.cut_groups: set[int] = set()  # multi-turn groups aborted: their late turns are ignored
         self.deferred: list[Assign] = []  # groups born at a version not loaded here yet, in arrival order
-        self.engine = make_generator(cfg.generator, self.policy, spec.max_seq_len, Path(cfg.run_dir),
-                                     lora=run_spec(cfg.lora, cfg.seed))  # LoRA: self.policy.model is the merge's base
+        self.engine = make_generator(
+            cfg.generator, self.policy, spec.max_seq_len, Path(cfg.run_dir), lora=run_spec(cfg.lora, cfg.seed)
+        )  # LoRA: self.policy.model is the merge's base
         spec.weights.fetch_into(self.engine.update_weights, -1)
         self.groups: dict[int, list[Completion]] = {}
         self.meta: dict[int, tuple[int, int, int]] = {}  # index -> (task index, birth version, environment slot)
         self.cut: set[int] = set()
         self.partial = PartialRollouts(cfg.pipeline.partial_rollout_tokens, cfg.pipeline.partial_rollout_s)
-        self.clock = {"busy_s": 0.0, "idle_s": 0.0, "stall_s": 0.0, "blocked_s": 0.0, "core_wait_s": 0.0, "tokens": 0, "groups": 0, "swaps": 0, "partial_cuts": 0}
+        self.clock = {
+            "busy_s": 0.0,
+            "idle_s": 0.0,
+            "stall_s": 0.0,
+            "blocked_s": 0.0,
+            "core_wait_s": 0.0,
+            "tokens": 0,
+            "groups": 0,
+            "swaps": 0,
+            "partial_cuts": 0,
+        }
         self.last_report = time.perf_counter()
         self.timeline = open_timeline(cfg.run_dir, spec.name, cfg.metrics.timeline)
         self.spans = MergedSpans(self.timeline)
@@ -247,8 +273,12 @@ class _GeneratorActor:
             _put(self.spec.to_env[0], StartEpisodes(self.spec.replica, message.groups), self.spec.stop, self._beat)
             return
         for i, (index, task, born) in enumerate(message.groups):
-            self.engine.add_request(self.prompts[task], sampling_params(self.cfg, index), self.cfg.generator.group_size,
-                                    request_id=str(index))
+            self.engine.add_request(
+                self.prompts[task],
+                sampling_params(self.cfg, index),
+                self.cfg.generator.group_size,
+                request_id=str(index),
+            )
             scorer = message.scorers[i] if message.scorers else 0
             self.groups[index], self.meta[index] = [], (task, born, scorer)
 
@@ -284,14 +314,19 @@ class _GeneratorActor:
     def _progressed(self, decoded: int) -> None:
         """One decode step's progress mark (microseconds against a step's milliseconds; the text
         changes only with the batch, and only a changed text is written)."""
-        self.spec.heartbeats.progress(self.spec.name, f"a decode step of {decoded} tokens ({self.engine.num_running} "
-                                      f"sequences running, {self.engine.num_waiting} waiting)")
+        self.spec.heartbeats.progress(
+            self.spec.name,
+            f"a decode step of {decoded} tokens ({self.engine.num_running} "
+            f"sequences running, {self.engine.num_waiting} waiting)",
+        )
 
     def _collect(self, finished: list[Completion]) -> None:
         if self.multi_turn:
             for completion in finished:
                 if int(completion.request_id) not in self.cut_groups:
-                    self.clock["blocked_s"] += self._to_env(self.spec.to_env[0], TurnDone(int(completion.request_id), completion))
+                    self.clock["blocked_s"] += self._to_env(
+                        self.spec.to_env[0], TurnDone(int(completion.request_id), completion)
+                    )
             return
         n = self.cfg.generator.group_size
         done = []
@@ -336,8 +371,13 @@ class _GeneratorActor:
     def _stats(self) -> GenStats:
         """The clock since the last report (then reset)."""
         now = time.perf_counter()
-        stats = dict(self.clock, wall_s=now - self.last_report, version=self.engine.version,
-                     running=self.engine.num_running, waiting=self.engine.num_waiting)
+        stats = dict(
+            self.clock,
+            wall_s=now - self.last_report,
+            version=self.engine.version,
+            running=self.engine.num_running,
+            waiting=self.engine.num_waiting,
+        )
         self.clock = dict.fromkeys(self.clock, 0.0)
         self.last_report = now
         return GenStats(stats)
@@ -392,8 +432,10 @@ def _environment_loop(spec: ActorSpec) -> None:
         env = make_environment(cfg)
     tasks = list(env.tasks("train"))
     if [t.uid for t in tasks] != [uid for uid, _ in spec.prompts]:
-        raise RuntimeError(f"environment {env.name!r} built different train tasks in the environment process; "
-                           "the pipeline needs env.tasks() to be deterministic in the config")
+        raise RuntimeError(
+            f"environment {env.name!r} built different train tasks in the environment process; "
+            "the pipeline needs env.tasks() to be deterministic in the config"
+        )
     if spec.to_generators:
         return _episode_loop(spec, env, tasks)
     timeline = open_timeline(cfg.run_dir, spec.name.replace("environment", "env"), cfg.metrics.timeline)
@@ -418,16 +460,22 @@ def _environment_loop(spec: ActorSpec) -> None:
                 for attempt in range(cfg.pipeline.infra_retries):  # an outage is retried, never trained on
                     if not all(r.is_infra_failure for r in rollouts) or item.index in cancelled or spec.stop.is_set():
                         break
-                    spec.stop.wait(min(2.0 ** attempt, INFRA_BACKOFF_MAX_S))
+                    spec.stop.wait(min(2.0**attempt, INFRA_BACKOFF_MAX_S))
                     rollouts = env.score_groups([tasks[item.task_index]], [item.completions])[0]
                     progress(f"scored group {item.index} again after an infrastructure failure (retry {attempt + 1})")
             fault_point("environment", "score")
             if item.index in cancelled:
                 _pass_on(item.gen_stats, spec.outbox, spec.stop, beat)
                 return
-            _put(spec.outbox, Scored(Group(index=item.index, task_index=item.task_index, born=item.born,
-                                              rollouts=tuple(rollouts)), item.gen_stats),
-                 spec.stop, beat)
+            _put(
+                spec.outbox,
+                Scored(
+                    Group(index=item.index, task_index=item.task_index, born=item.born, rollouts=tuple(rollouts)),
+                    item.gen_stats,
+                ),
+                spec.stop,
+                beat,
+            )
         except BaseException:
             failures.append(traceback.format_exc())
         finally:
@@ -473,12 +521,19 @@ def _episode_loop(spec: ActorSpec, env, tasks) -> None:
 
     cfg, beat = spec.cfg, (lambda: spec.heartbeats.beat(spec.name))
     runner = EpisodeRunner(
-        env, tasks, load_encoder(spec.policy_dir), cfg.generator.group_size, cfg.pipeline.turn_schedule,
+        env,
+        tasks,
+        load_encoder(spec.policy_dir),
+        cfg.generator.group_size,
+        cfg.pipeline.turn_schedule,
         send_turns=lambda replica, turns: _put(spec.to_generators[replica], NextTurns(turns), spec.stop, beat),
         send_scored=lambda group: _put(spec.outbox, Scored(group), spec.stop, beat),
-        suspend=cfg.pipeline.suspend_between_turns, max_state_staleness=cfg.pipeline.max_env_state_staleness,
-        on_stale=cfg.pipeline.env_state_stale, resume_after_s=cfg.pipeline.resume_after_s,
-        progress=lambda what: spec.heartbeats.progress(spec.name, what))
+        suspend=cfg.pipeline.suspend_between_turns,
+        max_state_staleness=cfg.pipeline.max_env_state_staleness,
+        on_stale=cfg.pipeline.env_state_stale,
+        resume_after_s=cfg.pipeline.resume_after_s,
+        progress=lambda what: spec.heartbeats.progress(spec.name, what),
+    )
     messages: queue.Queue = queue.Queue()
     for i, source in enumerate(spec.from_generators):
         threading.Thread(target=_read_into, args=(source, messages), name=f"read-replica-{i}", daemon=True).start()

@@ -74,8 +74,9 @@ def group_seed(seed: int, index: int) -> int:
 
 def sampling_params(cfg: Config, index: int) -> SamplingParams:
     """How group `index` of a run is sampled (its own seed; a synthetic straggler if configured)."""
-    params = SamplingParams(cfg.generator.temperature, cfg.generator.top_p, cfg.generator.max_new_tokens,
-                            seed=group_seed(cfg.seed, index))
+    params = SamplingParams(
+        cfg.generator.temperature, cfg.generator.top_p, cfg.generator.max_new_tokens, seed=group_seed(cfg.seed, index)
+    )
     every = cfg.generator.force_long_every
     if every and index % every == every - 1:
         params = replace(params, ignore_eos=True)  # a synthetic straggler: runs to max_new_tokens

@@ -35,8 +35,15 @@ ENV_STATE_STALE = DropReason.ENV_STATE_STALE.value  # also an episode's status (
 
 
 class StalenessBuffer:
-    def __init__(self, groups_per_step: int, max_staleness: int, cut_stragglers: bool, ledger: GroupLedger,
-                 dynamic_sampling: bool = False, uids: Sequence[str] = ()):
+    def __init__(
+        self,
+        groups_per_step: int,
+        max_staleness: int,
+        cut_stragglers: bool,
+        ledger: GroupLedger,
+        dynamic_sampling: bool = False,
+        uids: Sequence[str] = (),
+    ):
         self.per_step, self.max_staleness = groups_per_step, max_staleness
         self.cut_stragglers, self.dynamic_sampling = cut_stragglers, dynamic_sampling
         self.ledger = ledger
@@ -90,10 +97,19 @@ class StalenessBuffer:
         fields["born"] = group.born
         states = [[r.info.get("env_state_version"), r.info.get("resumed_by_version")] for r in group.rollouts]
         if any(v is not None for pair in states for v in pair):  # suspended and resumed episodes
-            fields["extra"] = {"env_state": states}  # per episode: [version that last wrote its state, version that resumed it]
-        return GroupEvent(index, kind, uid=self._uid(group.task_index), step=step, oldest_version=group.oldest_version,
-                          rewards=[None if r.is_infra_failure else r.reward for r in group.rollouts],
-                          statuses=[r.status for r in group.rollouts], **fields)
+            fields["extra"] = {
+                "env_state": states
+            }  # per episode: [version that last wrote its state, version that resumed it]
+        return GroupEvent(
+            index,
+            kind,
+            uid=self._uid(group.task_index),
+            step=step,
+            oldest_version=group.oldest_version,
+            rewards=[None if r.is_infra_failure else r.reward for r in group.rollouts],
+            statuses=[r.status for r in group.rollouts],
+            **fields,
+        )
 
     def due(self, step: int) -> list[int]:
         last_born = step - self.max_staleness

@@ -65,11 +65,21 @@ class _Group:
 
 
 class EpisodeRunner:
-    def __init__(self, env: EpisodeSteps, tasks: Sequence, encode: Callable[[str], list[int]], group_size: int,
-                 schedule: str, send_turns: Callable[[int, tuple[TurnRequest, ...]], None],
-                 send_scored: Callable[[Group], None], suspend: bool = False, max_state_staleness: int = -1,
-                 on_stale: str = "restart", resume_after_s: float = 0.0,
-                 progress: Callable[[str], None] = lambda what: None):
+    def __init__(
+        self,
+        env: EpisodeSteps,
+        tasks: Sequence,
+        encode: Callable[[str], list[int]],
+        group_size: int,
+        schedule: str,
+        send_turns: Callable[[int, tuple[TurnRequest, ...]], None],
+        send_scored: Callable[[Group], None],
+        suspend: bool = False,
+        max_state_staleness: int = -1,
+        on_stale: str = "restart",
+        resume_after_s: float = 0.0,
+        progress: Callable[[str], None] = lambda what: None,
+    ):
         """`send_turns(replica, turns)` and `send_scored(group)` are called from this runner's
         owner thread only (inside `handle` and `poll`). `suspend`: snapshot and close each
         episode's session after its turn (env.suspend); `max_state_staleness` (-1: off) and
@@ -121,8 +131,15 @@ class EpisodeRunner:
         if self.schedule == "turns" and hasattr(self.env, "open_episode"):
             for index, sample in keys:  # each first turn goes out once its episode has opened
                 self.turning.add((index, sample))
-                self.pool.submit(self._guarded, "turn", index, sample, self.env.open_episode,
-                                 self.groups[index].episodes[sample], self.encode)
+                self.pool.submit(
+                    self._guarded,
+                    "turn",
+                    index,
+                    sample,
+                    self.env.open_episode,
+                    self.groups[index].episodes[sample],
+                    self.encode,
+                )
         elif self.schedule == "turns":
             for index, task_index, _ in message.groups:
                 self._send(self.groups[index], range(self.group_size))
@@ -140,8 +157,12 @@ class EpisodeRunner:
         if episode.snapshot is not None and completion.versions:  # a suspended episode resumes: record both versions
             resumed_by, wrote = completion.versions[-1], episode.state_version or 0
             gap = resumed_by - wrote
-            episode.info.update(env_state_version=wrote, resumed_by_version=resumed_by, resumes=episode.info.get("resumes", 0) + 1,
-                                env_state_gap_max=max(gap, episode.info.get("env_state_gap_max", gap)))
+            episode.info.update(
+                env_state_version=wrote,
+                resumed_by_version=resumed_by,
+                resumes=episode.info.get("resumes", 0) + 1,
+                env_state_gap_max=max(gap, episode.info.get("env_state_gap_max", gap)),
+            )
         if self._is_state_stale(episode, completion):
             if self.on_stale == "restart":  # from the prompt, under the weights current now
                 restarts = episode.info.get("env_state_restarts", 0) + 1
@@ -149,8 +170,9 @@ class EpisodeRunner:
                 episode.info["env_state_restarts"] = restarts
                 self._sent_back(group, sample)
                 return
-            episode.finish("env_state_stale", env_state_version=episode.state_version,
-                           resumed_by_version=completion.versions[-1])
+            episode.finish(
+                "env_state_stale", env_state_version=episode.state_version, resumed_by_version=completion.versions[-1]
+            )
             episode.snapshot = None
             self.results.put(("turn", group.index, sample, None))
             self.turning.add((group.index, sample))
@@ -205,7 +227,9 @@ class EpisodeRunner:
                 continue
             if kind == "scored":
                 del self.groups[index]
-                self.send_scored(Group(index=index, task_index=group.task_index, born=group.born, rollouts=tuple(payload)))
+                self.send_scored(
+                    Group(index=index, task_index=group.task_index, born=group.born, rollouts=tuple(payload))
+                )
             elif kind == "turn":
                 self._after_turn(group, sample)
 
@@ -236,7 +260,9 @@ class EpisodeRunner:
 
     # ---- turns out ----------------------------------------------------------------------------
     def _send(self, group: _Group, samples) -> None:
-        turns = tuple(TurnRequest(group.index, s, group.episodes[s].turns, tuple(group.episodes[s].context)) for s in samples)
+        turns = tuple(
+            TurnRequest(group.index, s, group.episodes[s].turns, tuple(group.episodes[s].context)) for s in samples
+        )
         if turns:
             self.send_turns(group.replica, turns)
 
@@ -252,7 +278,8 @@ class EpisodeRunner:
                 for index, sample in active:
                     group, episode = self.groups[index], self.groups[index].episodes[sample]
                     by_replica.setdefault(group.replica, []).append(
-                        TurnRequest(index, sample, episode.turns, tuple(episode.context)))
+                        TurnRequest(index, sample, episode.turns, tuple(episode.context))
+                    )
                 for replica, turns in by_replica.items():
                     self.send_turns(replica, tuple(turns))
                 self.in_flight = set(active)
@@ -264,4 +291,3 @@ class EpisodeRunner:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-

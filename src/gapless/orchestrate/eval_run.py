@@ -34,11 +34,16 @@ def run_eval(cfg: Config, log=print) -> dict:
         if cfg.eval.max_tasks:
             tasks = tasks[: cfg.eval.max_tasks]
         # a checkpoint is evaluated as it is; without one, the embedded model as `gapless train` starts it
-        policy = load_local(cfg.model.path, cfg.model.prompt_format, cfg.model.system_prompt) if cfg.model.path else prepare_policy(cfg, env, log)[0]
+        policy = (
+            load_local(cfg.model.path, cfg.model.prompt_format, cfg.model.system_prompt)
+            if cfg.model.path
+            else prepare_policy(cfg, env, log)[0]
+        )
         sampler = TorchSampler(policy.model, policy.eos_id, policy.pad_id, policy.decode)
         k = cfg.eval.samples
-        params = SamplingParams(cfg.generator.temperature, cfg.generator.top_p, cfg.generator.max_new_tokens,
-                                greedy=k == 1, seed=cfg.seed)
+        params = SamplingParams(
+            cfg.generator.temperature, cfg.generator.top_p, cfg.generator.max_new_tokens, greedy=k == 1, seed=cfg.seed
+        )
         groups = []
         for start in range(0, len(tasks), 64):
             chunk = tasks[start : start + 64]
@@ -65,13 +70,17 @@ def run_eval(cfg: Config, log=print) -> dict:
         "scored_tasks": len(scored_tasks),
         "statuses": dict(Counter(r.status for g in groups for r in g)),
         "wall_s": time.perf_counter() - started,
-        "per_task": [{"uid": t.uid, "ok": c, "status": g[0].status, "completion": g[0].completion.text}
-                     for t, c, g in zip(tasks, ok_counts, groups)],
+        "per_task": [
+            {"uid": t.uid, "ok": c, "status": g[0].status, "completion": g[0].completion.text}
+            for t, c, g in zip(tasks, ok_counts, groups)
+        ],
     }
     out = Path(cfg.run_dir) / "eval.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     figure = "n/a (nothing could be scored)" if result["pass@1"] is None else f"{result['pass@1']:.3f}"
-    log(f"{cfg.task.name}: pass@1 {figure} over {len(scored_tasks)} of {len(tasks)} tasks ({k} sample(s) each; "
-        f"{infra_errors} infra errors left out); wrote {out}")
+    log(
+        f"{cfg.task.name}: pass@1 {figure} over {len(scored_tasks)} of {len(tasks)} tasks ({k} sample(s) each; "
+        f"{infra_errors} infra errors left out); wrote {out}"
+    )
     return result

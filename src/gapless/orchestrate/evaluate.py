@@ -17,8 +17,9 @@ from gapless.generate.protocol import Generator
 from gapless.types import Rollout, SamplingParams
 
 
-def greedy_rollouts(sampler: Generator, env: Environment, tasks: Sequence[Task], encode,
-                    max_new_tokens: int, batch_size: int = 256) -> list[Rollout]:
+def greedy_rollouts(
+    sampler: Generator, env: Environment, tasks: Sequence[Task], encode, max_new_tokens: int, batch_size: int = 256
+) -> list[Rollout]:
     """One greedy rollout per task, scored, in task order."""
     params = SamplingParams(greedy=True, max_new_tokens=max_new_tokens)
     rollouts: list[Rollout] = []
@@ -42,8 +43,9 @@ class EvalScore:
         return cls(ok / len(scored) if scored else math.nan, len(rollouts) - len(scored), len(scored))
 
 
-def greedy_pass_at_1(sampler: Generator, env: Environment, tasks: Sequence[Task], encode,
-                     max_new_tokens: int, batch_size: int = 256) -> EvalScore:
+def greedy_pass_at_1(
+    sampler: Generator, env: Environment, tasks: Sequence[Task], encode, max_new_tokens: int, batch_size: int = 256
+) -> EvalScore:
     return EvalScore.of(greedy_rollouts(sampler, env, tasks, encode, max_new_tokens, batch_size))
 
 

@@ -31,8 +31,16 @@ from gapless.types import Group
 class InlineSource:
     eval_actor = "generator"
 
-    def __init__(self, cfg: Config, env: Environment, train: list[Task], sampler, encode, timelines,
-                 masking: MaskingWatch | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        env: Environment,
+        train: list[Task],
+        sampler,
+        encode,
+        timelines,
+        masking: MaskingWatch | None = None,
+    ):
         """`masking`: the run's masking watch (masking.py); it sees every scored group."""
         self.cfg, self.env, self.train = cfg, env, train
         self.masking = masking or MaskingWatch(cfg.pipeline.max_infra_fraction, cfg.pipeline.on_infra_excess)
@@ -63,14 +71,25 @@ class InlineSource:
         rollouts = [r for group in groups for r in group]
         staleness = max(step - r.completion.oldest_version for r in rollouts)
         assert staleness == 0, f"the inline source sampled stale rollouts (staleness {staleness})"
-        gen_tokens = sum(len(r.completion.token_ids) if r.completion.loss_mask is None else sum(r.completion.loss_mask)
-                         for r in rollouts)
+        gen_tokens = sum(
+            len(r.completion.token_ids) if r.completion.loss_mask is None else sum(r.completion.loss_mask)
+            for r in rollouts
+        )
         self._started, self._generate_s = t0, t1 - t0
-        groups = [Group(index=first + g, task_index=picks[g], born=step, rollouts=tuple(scored))
-                  for g, scored in enumerate(groups)]
-        return StepRollouts(groups, t0, t2 - t0,
-                            {"perf/generate_s": t1 - t0, "perf/score_s": t2 - t1,
-                             "perf/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9)})
+        groups = [
+            Group(index=first + g, task_index=picks[g], born=step, rollouts=tuple(scored))
+            for g, scored in enumerate(groups)
+        ]
+        return StepRollouts(
+            groups,
+            t0,
+            t2 - t0,
+            {
+                "perf/generate_s": t1 - t0,
+                "perf/score_s": t2 - t1,
+                "perf/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
+            },
+        )
 
     def training(self):
         return contextlib.nullcontext()

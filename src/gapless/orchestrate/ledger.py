@@ -95,11 +95,29 @@ class GroupLedger:
             key = (e["segment"], e["group"])
             if e["event"] == "admitted" and key not in ended:
                 ended.add(key)
-                self.write(GroupEvent(e["group"], "dropped", e["segment"], e.get("uid"), e.get("born"),
-                                      reason=DropReason.RUN_LOST, resumed_at=resume_step))
+                self.write(
+                    GroupEvent(
+                        e["group"],
+                        "dropped",
+                        e["segment"],
+                        e.get("uid"),
+                        e.get("born"),
+                        reason=DropReason.RUN_LOST,
+                        resumed_at=resume_step,
+                    )
+                )
             elif e["event"] == "trained" and e["step"] >= resume_step and key not in rolled:
-                self.write(GroupEvent(e["group"], "rolled_back", e["segment"], e.get("uid"), e.get("born"),
-                                      step=e["step"], resumed_at=resume_step))
+                self.write(
+                    GroupEvent(
+                        e["group"],
+                        "rolled_back",
+                        e["segment"],
+                        e.get("uid"),
+                        e.get("born"),
+                        step=e["step"],
+                        resumed_at=resume_step,
+                    )
+                )
 
     def close(self) -> None:
         self._fh.close()
@@ -125,7 +143,9 @@ def check_ledger(events: list[dict], steps: int, groups_per_step: int) -> None:
         at_step = [e for e in kept if e["step"] == step]
         segments = {e["segment"] for e in at_step}
         if len(at_step) != groups_per_step or len(segments) != 1:
-            raise AssertionError(f"step {step}: {len(at_step)} kept trained groups from segments {sorted(segments)}, "
-                                 f"want {groups_per_step} from one")
+            raise AssertionError(
+                f"step {step}: {len(at_step)} kept trained groups from segments {sorted(segments)}, "
+                f"want {groups_per_step} from one"
+            )
     if any(e["step"] >= steps for e in kept):
         raise AssertionError("a kept trained group is past the last step")

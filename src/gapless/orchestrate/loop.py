@@ -44,6 +44,7 @@ from gapless.errors import RunStopped
 from gapless.faults import fault_point
 from gapless.generate import make_generator
 from gapless.generate.protocol import SteppedGenerator
+from gapless.lora import run_spec
 from gapless.metrics import open_sinks
 from gapless.models import load_local
 from gapless.orchestrate.evaluate import EvalScore, greedy_pass_at_1, multi_turn_pass_at_1
@@ -54,11 +55,15 @@ from gapless.orchestrate.policy_setup import prepare_policy
 from gapless.orchestrate.source import RolloutSource
 from gapless.orchestrate.step_metrics import rollout_metrics, staleness_metrics, train_metrics
 from gapless.timeline import export_chrome_trace, open_timeline
-from gapless.lora import run_spec
-from gapless.trainer.checkpoint import (checkpoint_model_dir, latest_checkpoint, load_checkpoint_adapter, load_trainer_state,
-                                        save_checkpoint)
-from gapless.trainer.targets import step_batch
+from gapless.trainer.checkpoint import (
+    checkpoint_model_dir,
+    latest_checkpoint,
+    load_checkpoint_adapter,
+    load_trainer_state,
+    save_checkpoint,
+)
 from gapless.trainer.distributed import make_trainer
+from gapless.trainer.targets import step_batch
 
 ACTORS = ("generator", "env", "trainer")  # timeline rows of this process
 SOURCES = ("inline", "process")
@@ -79,14 +84,17 @@ def source_kind(cfg: Config, env: Environment, custom_env: bool = False) -> str:
     if why is None:
         return "process"
     if cfg.pipeline.max_staleness > 0:
-        raise ConfigError(f"pipeline.max_staleness = {cfg.pipeline.max_staleness} needs the pipeline, which {why} "
-                          "does not run on; set pipeline.max_staleness = 0")
+        raise ConfigError(
+            f"pipeline.max_staleness = {cfg.pipeline.max_staleness} needs the pipeline, which {why} "
+            "does not run on; set pipeline.max_staleness = 0"
+        )
     return "inline"
 
 
 class RunLoop:
-    def __init__(self, cfg: Config, resume: bool = False, log=print, env: Environment | None = None,
-                 source: str | None = None):
+    def __init__(
+        self, cfg: Config, resume: bool = False, log=print, env: Environment | None = None, source: str | None = None
+    ):
         """`env`: an environment object to train on instead of the one `task.name` names (a
         custom environment, examples/reverse_env.py); the loop closes it at the end.
         `source`: 'inline' or 'process'; None chooses as `source_kind` does."""
@@ -106,12 +114,16 @@ class RunLoop:
                 torch.set_num_threads(cfg.trainer.threads)
             self.is_multi_turn = isinstance(self.env, MultiTurnEnvironment)
             if self.is_multi_turn and cfg.cluster.env_actors > 1:
-                raise ConfigError(f"cluster.env_actors = {cfg.cluster.env_actors}: the episodes of the multi-turn task "
-                                  f"{self.env.name!r} run in one environment actor; set cluster.env_actors = 1")
+                raise ConfigError(
+                    f"cluster.env_actors = {cfg.cluster.env_actors}: the episodes of the multi-turn task "
+                    f"{self.env.name!r} run in one environment actor; set cluster.env_actors = 1"
+                )
             self.train, self.eval = list(self.env.tasks("train")), list(self.env.tasks("eval"))
             if len(self.train) < cfg.loop.prompts_per_step and cfg.loop.steps > 0:
-                raise ConfigError(f"task {self.env.name!r} has {len(self.train)} train tasks, fewer than loop.prompts_per_step "
-                                  f"({cfg.loop.prompts_per_step}); an eval-only set (humaneval) is for `gapless eval`")
+                raise ConfigError(
+                    f"task {self.env.name!r} has {len(self.train)} train tasks, fewer than loop.prompts_per_step "
+                    f"({cfg.loop.prompts_per_step}); an eval-only set (humaneval) is for `gapless eval`"
+                )
             self._setup(cfg, resume, log, kind)
         except BaseException:
             self.env.close()
@@ -129,8 +141,15 @@ class RunLoop:
         placement = self._placement(cfg, log) if kind == "process" else None
         try:
             ranks = placement.trainer_ranks() if placement is not None and cfg.cluster.trainer_world_size > 1 else None
-            self.trainer = make_trainer(cfg.trainer, self.policy.model, cfg.cluster, cfg.generator.temperature,
-                                        cfg.generator.max_new_tokens, self.lora, ranks)
+            self.trainer = make_trainer(
+                cfg.trainer,
+                self.policy.model,
+                cfg.cluster,
+                cfg.generator.temperature,
+                cfg.generator.max_new_tokens,
+                self.lora,
+                ranks,
+            )
             self._build(cfg, resume, log, kind, checkpoint, placement)
         except BaseException:
             if placement is not None:
@@ -139,11 +158,11 @@ class RunLoop:
 
     @staticmethod
     def _placement(cfg: Config, log):
-        from gapless.orchestrate.pipeline import actor_threads
         from gapless.cluster import make_placement
+        from gapless.orchestrate.pipeline import actor_threads
 
         placement = make_placement(cfg, log)
-        if (warning := placement.reserve(actor_threads(cfg))):
+        if warning := placement.reserve(actor_threads(cfg)):
             log(f"warning: {warning}")
         return placement
 
@@ -163,18 +182,32 @@ class RunLoop:
         self.masking = MaskingWatch(cfg.pipeline.max_infra_fraction, cfg.pipeline.on_infra_excess)
         self.source: RolloutSource
         if kind == "inline":
-            self.source = InlineSource(cfg, self.env, self.train, self.sampler, self.policy.encode, self.timelines,
-                                       self.masking)
+            self.source = InlineSource(
+                cfg, self.env, self.train, self.sampler, self.policy.encode, self.timelines, self.masking
+            )
         else:
             if not isinstance(self.sampler, SteppedGenerator):
-                raise ConfigError(f"generator.engine = '{cfg.generator.engine}' cannot run the pipeline: use 'torch' or 'vllm'")
+                raise ConfigError(
+                    f"generator.engine = '{cfg.generator.engine}' cannot run the pipeline: use 'torch' or 'vllm'"
+                )
             from gapless.orchestrate.pipeline import ProcessSource
 
-            self.source = ProcessSource(cfg, self.train, self.policy, self.start_step, resume, self.env.name,
-                                        self.timelines, lambda: self.stop_requested, log,
-                                        trained_model=self.trainer.model if self.lora is not None else None,
-                                        multi_turn=self.is_multi_turn, max_seq_len=self.max_seq_len(),
-                                        placement=placement, masking=self.masking)
+            self.source = ProcessSource(
+                cfg,
+                self.train,
+                self.policy,
+                self.start_step,
+                resume,
+                self.env.name,
+                self.timelines,
+                lambda: self.stop_requested,
+                log,
+                trained_model=self.trainer.model if self.lora is not None else None,
+                multi_turn=self.is_multi_turn,
+                max_seq_len=self.max_seq_len(),
+                placement=placement,
+                masking=self.masking,
+            )
         self.sinks = open_sinks(cfg, cfg.loop.steps, append=checkpoint is not None)
 
     def max_seq_len(self) -> int:
@@ -190,9 +223,12 @@ class RunLoop:
             if self.sampler.version != self.trainer.version:
                 self.sampler.update_weights(self.trainer.state_for_push(), self.trainer.version)
             if self.is_multi_turn:
-                return multi_turn_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode,
-                                            self.cfg.generator.max_new_tokens)
-            return greedy_pass_at_1(self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens)
+                return multi_turn_pass_at_1(
+                    self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens
+                )
+            return greedy_pass_at_1(
+                self.sampler, self.env, self.eval, self.policy.encode, self.cfg.generator.max_new_tokens
+            )
 
     def run(self) -> dict:
         reason = "run_failed"
@@ -266,8 +302,9 @@ class RunLoop:
         infra_errors = check_infra(rollouts, hint=f" in environment {self.env.name!r}")
         t1 = time.perf_counter()
         with self.timelines["trainer"].span("train", step=step, version=self.trainer.version), self.source.training():
-            batch, targets = step_batch(taken.groups, cfg.trainer, cfg.generator.max_new_tokens,
-                                        self.policy.pad_id, self.trainer.reference_kl)
+            batch, targets = step_batch(
+                taken.groups, cfg.trainer, cfg.generator.max_new_tokens, self.policy.pad_id, self.trainer.reference_kl
+            )
             stats = self.trainer.step(batch)
         t2 = time.perf_counter()
         with self.timelines["trainer"].span("weight_push", version=self.trainer.version):
@@ -294,9 +331,14 @@ class RunLoop:
         }
 
     def checkpoint(self, step: int, pass_start: float, trained_samples: int) -> None:
-        save_checkpoint(self.run_dir, self.policy, self.trainer.optimizer, step,
-                        {"pass@1_start": pass_start, "trained_samples": trained_samples},
-                        adapted=self.trainer.model if self.lora is not None else None)
+        save_checkpoint(
+            self.run_dir,
+            self.policy,
+            self.trainer.optimizer,
+            step,
+            {"pass@1_start": pass_start, "trained_samples": trained_samples},
+            adapted=self.trainer.model if self.lora is not None else None,
+        )
 
 
 @contextlib.contextmanager
@@ -304,6 +346,7 @@ def _stop_on_signals(loop: RunLoop):
     """The first SIGTERM (a scheduler's time limit) or SIGINT lets the running step finish, then
     the run checkpoints and stops (`RunStopped`); a second one interrupts at once. The handlers
     before the run come back after it (a caller's own, e.g. a test runner's)."""
+
     def request_stop(signum, _frame):
         if loop.stop_requested:
             raise KeyboardInterrupt

@@ -85,9 +85,11 @@ class Flag:
     p_value: float  # P[Binomial(rollouts, base_rate) >= masked]
 
     def describe(self) -> str:
-        return (f"{self.kind} {self.key}: {self.masked} of {self.rollouts} rollouts masked "
-                f"({self.masked / self.rollouts:.0%}) against {self.base_rate:.1%} in the rest of the run "
-                f"(binomial tail {self.p_value:.1e})")
+        return (
+            f"{self.kind} {self.key}: {self.masked} of {self.rollouts} rollouts masked "
+            f"({self.masked / self.rollouts:.0%}) against {self.base_rate:.1%} in the rest of the run "
+            f"(binomial tail {self.p_value:.1e})"
+        )
 
 
 def binomial_tail(n: int, k: int, p: float) -> float:
@@ -99,8 +101,10 @@ def binomial_tail(n: int, k: int, p: float) -> float:
     if p >= 1.0:
         return 1.0
     log_p, log_q = math.log(p), math.log1p(-p)
-    terms = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q
-             for i in range(k, n + 1)]
+    terms = [
+        math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q
+        for i in range(k, n + 1)
+    ]
     top = max(terms)
     return min(1.0, math.exp(top) * sum(math.exp(t - top) for t in terms))
 
@@ -149,11 +153,14 @@ class MaskingWatch:
                 + f" (pipeline.max_infra_fraction = {self.max_fraction:g}). A policy must not be able to turn its "
                 "failures into masked rollouts: look at these rollouts' errors (groups.jsonl, the environment's "
                 "logs) and fix what the environment attributes to the infrastructure, or set "
-                "pipeline.on_infra_excess = 'fail' to score them as failures and go on")
+                "pipeline.on_infra_excess = 'fail' to score them as failures and go on"
+            )
         if not any(masked):
             return rollouts
-        return [self._failed(r) if m and (by_prompt or ("version", str(rollout_version(r))) in self.flags) else r
-                for r, m in zip(rollouts, masked)]
+        return [
+            self._failed(r) if m and (by_prompt or ("version", str(rollout_version(r))) in self.flags) else r
+            for r, m in zip(rollouts, masked)
+        ]
 
     def _count(self, kind: Kind, key: str, rollouts: int, masked: int) -> None:
         cell = self.cells[kind].setdefault(key, Cell())
@@ -198,14 +205,22 @@ class MaskingWatch:
     def summary(self) -> dict:
         """What `masking.json` holds: the rule's settings, the run's counts, every prompt with a
         masked rollout, every version, and the flags."""
+
         def table(kind: Kind, every: bool) -> dict:
-            return {key: {**asdict(cell), "flagged": (kind, key) in self.flags}
-                    for key, cell in self.cells[kind].items() if every or cell.masked}
+            return {
+                key: {**asdict(cell), "flagged": (kind, key) in self.flags}
+                for key, cell in self.cells[kind].items()
+                if every or cell.masked
+            }
 
         return {
-            "max_infra_fraction": self.max_fraction, "on_infra_excess": self.action,
-            "min_masked": MIN_MASKED, "alpha": ALPHA,
-            "rollouts": self.total.rollouts, "masked": self.total.masked, "scored_as_failures": self.scored_total,
+            "max_infra_fraction": self.max_fraction,
+            "on_infra_excess": self.action,
+            "min_masked": MIN_MASKED,
+            "alpha": ALPHA,
+            "rollouts": self.total.rollouts,
+            "masked": self.total.masked,
+            "scored_as_failures": self.scored_total,
             "prompts": table("prompt", every=False),
             "versions": table("version", every=True),
             "flags": [asdict(flag) for flag in self.flags.values()],

@@ -49,11 +49,16 @@ class ModelShape:
     def of(cls, model: torch.nn.Module) -> ModelShape:
         c = model.config
         heads = c.num_attention_heads
-        return cls(params=sum(p.numel() for p in model.parameters()), layers=c.num_hidden_layers, hidden=c.hidden_size,
-                   intermediate=getattr(c, "intermediate_size", 4 * c.hidden_size),
-                   kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab=c.vocab_size,
-                   bytes_per_value=next(model.parameters()).element_size())
+        return cls(
+            params=sum(p.numel() for p in model.parameters()),
+            layers=c.num_hidden_layers,
+            hidden=c.hidden_size,
+            intermediate=getattr(c, "intermediate_size", 4 * c.hidden_size),
+            kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            vocab=c.vocab_size,
+            bytes_per_value=next(model.parameters()).element_size(),
+        )
 
 
 @dataclass(frozen=True)
@@ -79,13 +84,17 @@ class MemoryEstimate:
         return self.trainer + self.engine
 
     def describe(self) -> str:
-        return (f"memory estimate {self.total / GB:.2f} GB: trainer {self.trainer / GB:.2f} GB (state "
-                f"{self.trainer_state / GB:.2f}, activations {self.activations / GB:.2f} for {self.micro_batch_tokens} "
-                f"tokens a micro-batch, logits {self.logits / GB:.2f}), engine {self.engine / GB:.2f} GB (weights "
-                f"{self.engine_weights / GB:.2f}, KV cache {self.kv_cache / GB:.2f} for {self.kv_slots} sequences)")
+        return (
+            f"memory estimate {self.total / GB:.2f} GB: trainer {self.trainer / GB:.2f} GB (state "
+            f"{self.trainer_state / GB:.2f}, activations {self.activations / GB:.2f} for {self.micro_batch_tokens} "
+            f"tokens a micro-batch, logits {self.logits / GB:.2f}), engine {self.engine / GB:.2f} GB (weights "
+            f"{self.engine_weights / GB:.2f}, KV cache {self.kv_cache / GB:.2f} for {self.kv_slots} sequences)"
+        )
 
 
-def estimate_memory(cfg: Config, shape: ModelShape, max_seq_len: int, trained_params: int | None = None) -> MemoryEstimate:
+def estimate_memory(
+    cfg: Config, shape: ModelShape, max_seq_len: int, trained_params: int | None = None
+) -> MemoryEstimate:
     """`max_seq_len`: the longest row (prompt + completion); `trained_params`: the optimizer's
     parameters when fewer than the model's (a LoRA run)."""
     t, b = cfg.trainer, shape.bytes_per_value
@@ -101,7 +110,11 @@ def estimate_memory(cfg: Config, shape: ModelShape, max_seq_len: int, trained_pa
     else:
         tokens = min(t.micro_batch_size, rows) * max_seq_len
         logits = 3 * tokens * shape.vocab * 4
-    per_token = shape.hidden if t.gradient_checkpointing else ACTIVATION_HIDDEN * shape.hidden + ACTIVATION_INTERMEDIATE * shape.intermediate
+    per_token = (
+        shape.hidden
+        if t.gradient_checkpointing
+        else ACTIVATION_HIDDEN * shape.hidden + ACTIVATION_INTERMEDIATE * shape.intermediate
+    )
     activations = int(tokens * shape.layers * per_token * b)
     slots = min(cfg.generator.max_batch, rows * (1 + cfg.pipeline.max_staleness))
     kv = slots * shape.layers * 2 * shape.kv_heads * shape.head_dim * max_seq_len * b
@@ -131,8 +144,9 @@ def _meminfo(key: str) -> int | None:
     return None
 
 
-def check_fits(cfg: Config, model: torch.nn.Module, max_seq_len: int, log=print,
-               available: int | None = None) -> MemoryEstimate:
+def check_fits(
+    cfg: Config, model: torch.nn.Module, max_seq_len: int, log=print, available: int | None = None
+) -> MemoryEstimate:
     """Print the estimate; raise a ConfigError naming the knob when it passes `available`."""
     shape = ModelShape.of(model)
     trained = None
@@ -142,22 +156,34 @@ def check_fits(cfg: Config, model: torch.nn.Module, max_seq_len: int, log=print,
     available = available_bytes() if available is None else available
     log(f"{est.describe()}; available {available / GB:.2f} GB")
     if available and est.total > available:
-        raise ConfigError(f"the run needs about {est.total / GB:.1f} GB but {available / GB:.1f} GB are available "
-                          f"({est.describe()}): {_knob(cfg, est)}")
+        raise ConfigError(
+            f"the run needs about {est.total / GB:.1f} GB but {available / GB:.1f} GB are available "
+            f"({est.describe()}): {_knob(cfg, est)}"
+        )
     return est
 
 
 def _knob(cfg: Config, est: MemoryEstimate) -> str:
     """The field that shrinks the largest term."""
-    terms = {"activations": est.activations + est.logits, "kv": est.kv_cache, "state": est.trainer_state + est.engine_weights}
+    terms = {
+        "activations": est.activations + est.logits,
+        "kv": est.kv_cache,
+        "state": est.trainer_state + est.engine_weights,
+    }
     largest = max(terms, key=terms.__getitem__)
     if largest == "kv":
-        return (f"lower generator.max_batch (now {cfg.generator.max_batch}; the KV cache holds {est.kv_slots} sequences) "
-                f"or generator.max_new_tokens (now {cfg.generator.max_new_tokens})")
+        return (
+            f"lower generator.max_batch (now {cfg.generator.max_batch}; the KV cache holds {est.kv_slots} sequences) "
+            f"or generator.max_new_tokens (now {cfg.generator.max_new_tokens})"
+        )
     if largest == "state":
         return "the model itself does not fit: train LoRA adapters (lora.rank > 0) or use model.dtype = 'bfloat16'"
     if cfg.trainer.max_tokens_per_micro_batch == 0:
-        return (f"set trainer.max_tokens_per_micro_batch (packed micro-batches with a chunked LM head; now "
-                f"{cfg.trainer.micro_batch_size} rows x the longest row a micro-batch) or lower trainer.micro_batch_size")
-    return (f"lower trainer.max_tokens_per_micro_batch (now {cfg.trainer.max_tokens_per_micro_batch}; a row longer "
-            f"than it trains alone), set trainer.gradient_checkpointing = true, or lower generator.max_new_tokens")
+        return (
+            f"set trainer.max_tokens_per_micro_batch (packed micro-batches with a chunked LM head; now "
+            f"{cfg.trainer.micro_batch_size} rows x the longest row a micro-batch) or lower trainer.micro_batch_size"
+        )
+    return (
+        f"lower trainer.max_tokens_per_micro_batch (now {cfg.trainer.max_tokens_per_micro_batch}; a row longer "
+        f"than it trains alone), set trainer.gradient_checkpointing = true, or lower generator.max_new_tokens"
+    )

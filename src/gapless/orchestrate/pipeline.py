@@ -48,6 +48,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from gapless.cluster.ipc import clean_leftover_ipc, name_ipc_objects
+from gapless.cluster.names import replica_name
+from gapless.cluster.placement import ActorExit, Placement
+from gapless.cluster.watchdog import StallWatch
 from gapless.config import Config, ConfigError
 from gapless.envs.base import InfraUnavailable, Task
 from gapless.errors import InfrastructureError, RunStopped
@@ -57,16 +61,12 @@ from gapless.orchestrate.buffer import StalenessBuffer
 from gapless.orchestrate.dispatch import Dispatcher
 from gapless.orchestrate.env_actors import EnvActors
 from gapless.orchestrate.inbox import Inbox
-from gapless.cluster.ipc import clean_leftover_ipc, name_ipc_objects
 from gapless.orchestrate.ledger import GroupLedger
-from gapless.orchestrate.masking import MaskingWatch
 from gapless.orchestrate.lending import LendingFlags, TrainerLending
+from gapless.orchestrate.masking import MaskingWatch
 from gapless.orchestrate.messages import Abort, ActorError, Assign, CancelScoring, GenStats, Loaded, Ready, Scored
-from gapless.cluster.names import replica_name
-from gapless.cluster.placement import ActorExit, Placement
 from gapless.orchestrate.source import StepRollouts
 from gapless.types import DropReason
-from gapless.cluster.watchdog import StallWatch
 
 SHUTDOWN_S = 10.0
 FAILED_SHUTDOWN_S = 1.0  # after a failure or stall the actors' work is lost anyway: stop the run promptly
@@ -84,8 +84,10 @@ class ResamplesExhausted(ConfigError):
 def actor_threads(cfg: Config) -> dict[str, int]:
     """Threads the actors use at once: with a budget the generators and the trainer run together;
     at budget 0 the trainer takes turns with the generators (they wait for each step's weights)."""
-    generators = {replica_name(r, cfg.cluster.replicas): cfg.pipeline.generator_threads_resolved
-                  for r in range(cfg.cluster.replicas)}
+    generators = {
+        replica_name(r, cfg.cluster.replicas): cfg.pipeline.generator_threads_resolved
+        for r in range(cfg.cluster.replicas)
+    }
     if cfg.pipeline.max_staleness == 0:
         return generators if cfg.cluster.replicas > 1 else {}
     return {**generators, "trainer": cfg.pipeline.trainer_threads_resolved}
@@ -106,9 +108,24 @@ class _Replica:
 class ProcessSource:
     eval_actor = "trainer"
 
-    def __init__(self, cfg: Config, train: list[Task], policy, start_step: int, resume: bool, env_name: str,
-                 timelines, stop_requested, log=print, *, placement: Placement, trained_model=None,
-                 multi_turn: bool = False, max_seq_len: int, masking: MaskingWatch | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        train: list[Task],
+        policy,
+        start_step: int,
+        resume: bool,
+        env_name: str,
+        timelines,
+        stop_requested,
+        log=print,
+        *,
+        placement: Placement,
+        trained_model=None,
+        multi_turn: bool = False,
+        max_seq_len: int,
+        masking: MaskingWatch | None = None,
+    ):
         """`policy`: the trainer's Policy (saved for the generators; its model may lend threads);
         `stop_requested()`: the name of a stop signal received, or None (checked in every wait);
         `trained_model`: the module the trainer runs when it is not `policy.model` (a LoRA run's
@@ -126,13 +143,14 @@ class ProcessSource:
         self.masking = masking or MaskingWatch(cfg.pipeline.max_infra_fraction, cfg.pipeline.on_infra_excess)
         self.placement = placement
         self.ctx = self.placement.ctx
-        if (removed := clean_leftover_ipc(self.run_dir)):
+        if removed := clean_leftover_ipc(self.run_dir):
             log(f"removed {removed} semaphores left in /dev/shm by a crashed run in {self.run_dir}")
         name_ipc_objects(self.run_dir)
         P, pl, R = cfg.loop.prompts_per_step, cfg.pipeline, cfg.cluster.replicas
         self.ledger = GroupLedger(self.run_dir / "groups.jsonl", resume_step=start_step if resume else None)
-        self.buffer = StalenessBuffer(P, pl.max_staleness, pl.oversample > 0, self.ledger, pl.dynamic_sampling,
-                                      [t.uid for t in train])
+        self.buffer = StalenessBuffer(
+            P, pl.max_staleness, pl.oversample > 0, self.ledger, pl.dynamic_sampling, [t.uid for t in train]
+        )
         self.prompts = PromptSource(cfg.seed, [t.uid for t in train], P, pl.curriculum)
         self.admission = Admission(P, pl.max_staleness, pl.oversample, start_step)
         self.dispatcher = Dispatcher(self.admission, self.prompts)
@@ -142,8 +160,9 @@ class ProcessSource:
         self.envs = EnvActors(cfg.cluster.env_actors, cfg.cluster.env_restarts)
         self.heartbeats = self.placement.heartbeats(("trainer", *self.envs.names, *self.names))
         self.heartbeats.register("trainer")
-        self.watch = StallWatch(self.heartbeats, pl.stall_timeout_s, self.run_dir,
-                                (*self.names[:R], *self.envs.names[:self.envs.count]))
+        self.watch = StallWatch(
+            self.heartbeats, pl.stall_timeout_s, self.run_dir, (*self.names[:R], *self.envs.names[: self.envs.count])
+        )
         self.max_resamples = pl.max_resamples or 8 * P
         self.step_resamples = 0  # zero-variance drops while assembling the current step
         self.drops_reported: dict[str, int] = {}  # buffer.drops at the last step's metrics
@@ -163,8 +182,12 @@ class ProcessSource:
         self._publishing: _Replica | None = None
         self.lending: TrainerLending | None = None
         if pl.max_staleness > 0 and pl.lend_idle_cores and R == 1 and self.placement.kind == "local":
-            self.lending = TrainerLending(LendingFlags(self.ctx), pl.trainer_threads_resolved, pl.generator_threads_resolved,
-                                          pl.lend_while_scoring)
+            self.lending = TrainerLending(
+                LendingFlags(self.ctx),
+                pl.trainer_threads_resolved,
+                pl.generator_threads_resolved,
+                pl.lend_while_scoring,
+            )
             trained = trained_model.get_base_model() if trained_model is not None else policy.model
             if not self.lending.install(trained):
                 self.lending = None  # no decoder layer list to hook: nothing to lend at
@@ -239,7 +262,9 @@ class ProcessSource:
             timeout_s = self.cfg.cluster.op_timeout_s if self.evictable else pl.stall_timeout_s
             self._publishing = replica
             try:
-                wait += replica.spec.weights.publish(state, version, timeout_s, lambda: self._check_waiting(waiting_for))
+                wait += replica.spec.weights.publish(
+                    state, version, timeout_s, lambda: self._check_waiting(waiting_for)
+                )
             except _Evicted:
                 continue
             except TimeoutError:  # the publish waited the whole timeout
@@ -263,23 +288,33 @@ class ProcessSource:
             metrics["cluster/replicas_live"] = float(sum(r.alive for r in self.replicas))
             metrics["cluster/evictions"] = float(len(self.evictions))
         if self.lending is not None:
-            metrics["perf/trainer_borrowed_frac"] = self.lending.borrowed_frac()  # layer checks holding the generator's threads
+            metrics["perf/trainer_borrowed_frac"] = (
+                self.lending.borrowed_frac()
+            )  # layer checks holding the generator's threads
         if gen_wall > 0:
             step_s = (self._last_step_end or time.perf_counter()) - self._step_started
-            metrics.update({
-                "perf/generator_idle_frac": sum(s["idle_s"] for s in gen) / gen_wall,
-                "perf/generator_blocked_frac": sum(s["blocked_s"] for s in gen) / gen_wall,
-                "perf/gen_tokens_per_s": sum(s["tokens"] for s in gen) / gen_wall,
-                "perf/generator_stall_s": sum(s["stall_s"] for s in gen) / max(swaps, 1),
-                "perf/generator_core_wait_frac": sum(s["core_wait_s"] for s in gen) / gen_wall,  # waiting for lent threads
-                "perf/production_consumption_ratio": sum(s["groups"] for s in gen) / gen_wall * step_s / self.cfg.loop.prompts_per_step,
-                "generator/running": float(gen[-1]["running"]),
-                "generator/waiting": float(gen[-1]["waiting"]),
-                "generator/partial_cuts": float(sum(s["partial_cuts"] for s in gen)),  # groups cut and requeued
-            })
+            metrics.update(
+                {
+                    "perf/generator_idle_frac": sum(s["idle_s"] for s in gen) / gen_wall,
+                    "perf/generator_blocked_frac": sum(s["blocked_s"] for s in gen) / gen_wall,
+                    "perf/gen_tokens_per_s": sum(s["tokens"] for s in gen) / gen_wall,
+                    "perf/generator_stall_s": sum(s["stall_s"] for s in gen) / max(swaps, 1),
+                    "perf/generator_core_wait_frac": sum(s["core_wait_s"] for s in gen)
+                    / gen_wall,  # waiting for lent threads
+                    "perf/production_consumption_ratio": sum(s["groups"] for s in gen)
+                    / gen_wall
+                    * step_s
+                    / self.cfg.loop.prompts_per_step,
+                    "generator/running": float(gen[-1]["running"]),
+                    "generator/waiting": float(gen[-1]["waiting"]),
+                    "generator/partial_cuts": float(sum(s["partial_cuts"] for s in gen)),  # groups cut and requeued
+                }
+            )
         for reason, count in self.buffer.drops.items():
             metrics[f"drops/{reason}_total"] = float(count)  # since the start of this run segment
-            metrics[f"drops/{reason}_step"] = float(count - self.drops_reported.get(reason, 0))  # since the previous step
+            metrics[f"drops/{reason}_step"] = float(
+                count - self.drops_reported.get(reason, 0)
+            )  # since the previous step
         self.drops_reported = dict(self.buffer.drops)
         return metrics
 
@@ -287,29 +322,55 @@ class ProcessSource:
         self.buffer.close(version, reason)
         self.ledger.close()
         # always: a Ray placement also stops its cluster connection when no actor started
-        self.placement.shutdown(getattr(self, "stop", None), SHUTDOWN_S if reason != "run_failed" else FAILED_SHUTDOWN_S)
-        (self.run_dir / "staleness.json").write_text(json.dumps(
-            {"counts": {str(k): v for k, v in sorted(self.staleness_counts.items())}, "drops": self.buffer.drops,
-             "evictions": self.evictions, "env_evictions": self.env_evictions}, indent=2))
+        self.placement.shutdown(
+            getattr(self, "stop", None), SHUTDOWN_S if reason != "run_failed" else FAILED_SHUTDOWN_S
+        )
+        (self.run_dir / "staleness.json").write_text(
+            json.dumps(
+                {
+                    "counts": {str(k): v for k, v in sorted(self.staleness_counts.items())},
+                    "drops": self.buffer.drops,
+                    "evictions": self.evictions,
+                    "env_evictions": self.env_evictions,
+                },
+                indent=2,
+            )
+        )
 
     # ---- actors ---------------------------------------------------------------------------------
     def _spec(self, name: str, **fields) -> ActorSpec:
         prompts = [(task.uid, task.prompt) for task in self.train]
-        return ActorSpec(self.cfg, name, prompts, self.policy_dir, os.getpid(), self.heartbeats, self.stop,
-                         outbox=self.placement.channel(INBOX_MESSAGES), **fields)
+        return ActorSpec(
+            self.cfg,
+            name,
+            prompts,
+            self.policy_dir,
+            os.getpid(),
+            self.heartbeats,
+            self.stop,
+            outbox=self.placement.channel(INBOX_MESSAGES),
+            **fields,
+        )
 
     def _start(self, spec: ActorSpec, main) -> None:
-        threading.Thread(target=_forward, args=(spec.name, spec.outbox, self.inbox), name=f"read-{spec.name}",
-                         daemon=True).start()
+        threading.Thread(
+            target=_forward, args=(spec.name, spec.outbox, self.inbox), name=f"read-{spec.name}", daemon=True
+        ).start()
         self.actors.add(spec.name)
         self.placement.start(spec.name, main, spec)
 
     def _start_replica(self, slot: int, state, version: int) -> None:
         name = self.names[slot]
-        spec = self._spec(name, inbox=self.placement.channel(), replica=slot,
-                          weights=self.placement.weights(state, version), to_env=tuple(q[slot] for q in self.to_env),
-                          lending=self.lending.flags if self.lending else None,
-                          from_env=self.to_replica[slot] if self.multi_turn else None, max_seq_len=self.max_seq_len)
+        spec = self._spec(
+            name,
+            inbox=self.placement.channel(),
+            replica=slot,
+            weights=self.placement.weights(state, version),
+            to_env=tuple(q[slot] for q in self.to_env),
+            lending=self.lending.flags if self.lending else None,
+            from_env=self.to_replica[slot] if self.multi_turn else None,
+            max_seq_len=self.max_seq_len,
+        )
         self.replicas.append(_Replica(slot, name, spec))
         self.heartbeats.starting(name)
         if name not in self.watch.actors:
@@ -320,8 +381,13 @@ class ProcessSource:
         """An environment actor in the next free slot, reading every replica slot's queue for it."""
         slot = self.envs.started
         name = self.envs.names[slot]
-        spec = self._spec(name, inbox=self.placement.channel(), from_generators=tuple(self.to_env[slot]),
-                          to_generators=tuple(self.to_replica), lending=self.lending.flags if self.lending else None)
+        spec = self._spec(
+            name,
+            inbox=self.placement.channel(),
+            from_generators=tuple(self.to_env[slot]),
+            to_generators=tuple(self.to_replica),
+            lending=self.lending.flags if self.lending else None,
+        )
         self.envs.start(spec)
         self.heartbeats.starting(name)
         if name not in self.watch.actors:
@@ -368,8 +434,10 @@ class ProcessSource:
             self.buffer.drop(index, DropReason.REPLICA_LOST, self.assembling)
         self.admission.freed(len(lost))
         restart = len(self.replicas) < self.slots
-        self.log(f"warning: evicted {replica.name}: {why}; {len(lost)} groups end as replica_lost"
-                 + (f"; starting {self.names[len(self.replicas)]}" if restart else ""))
+        self.log(
+            f"warning: evicted {replica.name}: {why}; {len(lost)} groups end as replica_lost"
+            + (f"; starting {self.names[len(self.replicas)]}" if restart else "")
+        )
         if restart:
             self._start_replica(len(self.replicas), self.state, self.version)
         self._assign()
@@ -391,8 +459,10 @@ class ProcessSource:
             self.buffer.drop(index, DropReason.ENV_LOST, self.assembling)
         self.admission.freed(len(lost))
         restart = self.envs.has_spare()
-        self.log(f"warning: evicted {name}: {why}; {len(lost)} groups end as env_lost"
-                 + (f"; starting {self.envs.names[self.envs.started]}" if restart else ""))
+        self.log(
+            f"warning: evicted {name}: {why}; {len(lost)} groups end as env_lost"
+            + (f"; starting {self.envs.names[self.envs.started]}" if restart else "")
+        )
         if restart:
             self._start_env()
         self._assign()
@@ -429,7 +499,7 @@ class ProcessSource:
         """Take one message from the actors (or time out); every wait of the trainer runs through
         here, so each is bounded by the liveness and stall checks."""
         self.heartbeats.beat("trainer")
-        if (signal_name := self.stop_requested()):
+        if signal_name := self.stop_requested():
             raise RunStopped(signal_name)
         self._check_evictable()
         try:
@@ -448,8 +518,9 @@ class ProcessSource:
             group = dataclasses.replace(group, rollouts=tuple(observed))  # a flagged prompt's masked ones scored
             self.dispatcher.scored(group.index)
             self.envs.scored(group.index)
-            self.prompts.feedback(self.train[group.task_index].uid,
-                                  [r.reward for r in group.rollouts if not r.is_infra_failure])
+            self.prompts.feedback(
+                self.train[group.task_index].uid, [r.reward for r in group.rollouts if not r.is_infra_failure]
+            )
             self._file(group)
             if message.gen_stats is not None:
                 self.gen_stats.append(message.gen_stats.stats)
@@ -485,17 +556,21 @@ class ProcessSource:
                 raise InfraUnavailable(
                     f"every group failed to be scored for {now - self.infra_since:.0f} s (pipeline.outage_s), each after "
                     f"{self.cfg.pipeline.infra_retries} retries, in environment {self.env_name!r}: {detail}; "
-                    "fix the environment's infrastructure (`gapless sandbox check` for the sandbox)")
+                    "fix the environment's infrastructure (`gapless sandbox check` for the sandbox)"
+                )
         if reason == "zero_variance":
             self.step_resamples += 1
             if self.step_resamples == self.max_resamples // 2:
-                self.log(f"warning: dynamic sampling dropped {self.step_resamples} zero-variance groups for step "
-                         f"{self.assembling + 1} (stops at pipeline.max_resamples = {self.max_resamples})")
+                self.log(
+                    f"warning: dynamic sampling dropped {self.step_resamples} zero-variance groups for step "
+                    f"{self.assembling + 1} (stops at pipeline.max_resamples = {self.max_resamples})"
+                )
             if self.step_resamples >= self.max_resamples:
                 raise ResamplesExhausted(
                     f"pipeline.dynamic_sampling dropped {self.step_resamples} groups for step {self.assembling + 1}, all with "
                     f"equal rewards (pipeline.max_resamples = {self.max_resamples}): the prompts are always or never solved; "
-                    "use pipeline.curriculum = 'pass_rate', other data, or set pipeline.dynamic_sampling = false")
+                    "use pipeline.curriculum = 'pass_rate', other data, or set pipeline.dynamic_sampling = false"
+                )
 
     def _check_waiting(self, waiting_for: str) -> None:
         self._check_alive()  # a reader killed while holding the buffer is dead, not stalled
@@ -506,15 +581,23 @@ class ProcessSource:
         for gone in self.placement.exited():
             if gone.why:
                 raise ActorFailed(f"gapless-{gone.name} {gone.why}; the last checkpoint is intact for --resume")
-            raise ActorFailed(f"gapless-{gone.name} exited with code {gone.exitcode} without reporting an error "
-                              "(killed by the OOM killer or a signal?); see the system log")
+            raise ActorFailed(
+                f"gapless-{gone.name} exited with code {gone.exitcode} without reporting an error "
+                "(killed by the OOM killer or a signal?); see the system log"
+            )
 
 
 def _forward(name: str, source, sink: Inbox) -> None:
     """The actor `name`'s outbox into the trainer's inbox (actors._read_into). A read that fails (a
     message this process cannot unpickle, a mailbox that died) arrives as that actor's ActorError: the
     run fails saying so, instead of waiting for the stall watch."""
-    _read_into(source, sink, lambda exc: ActorError(name, str(exc) if isinstance(exc, InfrastructureError) else
-                                                    f"the trainer could not read a message from {name}:\n"
-                                                    f"{traceback.format_exc()}"))
-
+    _read_into(
+        source,
+        sink,
+        lambda exc: ActorError(
+            name,
+            str(exc)
+            if isinstance(exc, InfrastructureError)
+            else f"the trainer could not read a message from {name}:\n{traceback.format_exc()}",
+        ),
+    )

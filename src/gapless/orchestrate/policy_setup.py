@@ -38,7 +38,10 @@ def warmstart_key(cfg: Config, env_name: str | None = None) -> str:
     if env_name is not None and env_name != cfg.task.name:  # a custom environment object
         material["environment"] = env_name
     if cfg.task.name == "tool_use":  # only here, so the code task's cache keys stay as they were
-        material["tools"] = {**cfg.tools.model_dump(mode="json", exclude={"latency_s", "latency_sigma"}), "teacher": 2}  # latency: not the teacher's  # bump when the teacher changes
+        material["tools"] = {
+            **cfg.tools.model_dump(mode="json", exclude={"latency_s", "latency_sigma"}),
+            "teacher": 2,
+        }  # latency: not the teacher's  # bump when the teacher changes
     if cfg.task.name == "repo":
         material["repo"] = {**cfg.repo.model_dump(mode="json", exclude={"latency_s", "latency_sigma"}), "teacher": 1}
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
@@ -48,7 +51,11 @@ def _default_new_fields(cfg: Config) -> set[str]:
     """Prompt-format and precision fields left at their defaults stay out of the key, so caches
     built before they existed are still found."""
     defaults = type(cfg.model).model_fields
-    return {name for name in ("prompt_format", "system_prompt", "dtype", "fp32_lm_head") if getattr(cfg.model, name) == defaults[name].default}
+    return {
+        name
+        for name in ("prompt_format", "system_prompt", "dtype", "fp32_lm_head")
+        if getattr(cfg.model, name) == defaults[name].default
+    }
 
 
 def prepare_policy(cfg: Config, env: Environment, log=print) -> tuple[Policy, dict]:
@@ -84,8 +91,9 @@ def prepare_policy(cfg: Config, env: Environment, log=print) -> tuple[Policy, di
     return policy, {"warmstart_s": elapsed, "warmstart_cached": False, "warmstart_final_loss": losses[-1]}
 
 
-def _warm_start(cfg: Config, policy: Policy, env: Environment, train: list[Task], teacher: Teacher,
-                report) -> list[float]:
+def _warm_start(
+    cfg: Config, policy: Policy, env: Environment, train: list[Task], teacher: Teacher, report
+) -> list[float]:
     demonstration_turns = getattr(env, "demonstration_turns", None)
     if callable(demonstration_turns):  # a multi-turn teacher: transcripts of (text, is_model) turns
 

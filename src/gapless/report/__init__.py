@@ -43,8 +43,11 @@ SUMMARY_ROWS = [
     ("generated tokens/s (mean)", lambda r: r.mean("perf/gen_tokens_per_s"), "{:.0f}"),
     ("timeline spans", lambda r: len(r.spans), "{:.0f}"),
     ("masked share (infra_error)", lambda r: _masked_share(r), "{:.3f}"),
-    ("masking flags (prompts, versions)", lambda r: len(r.masking["flags"]) if "flags" in r.masking else float("nan"),
-     "{:.0f}"),
+    (
+        "masking flags (prompts, versions)",
+        lambda r: len(r.masking["flags"]) if "flags" in r.masking else float("nan"),
+        "{:.0f}",
+    ),
 ]
 TOP_PROMPTS = 10  # most masked prompts listed per run
 
@@ -63,22 +66,34 @@ def masking_section(runs: list[Run]) -> str:
         if not m:
             parts.append(f"<p>{html.escape(run.name)}: no masking.json.</p>")
             continue
-        flags = "".join(f"<tr><td>{html.escape(f['kind'])} {html.escape(str(f['key']))}</td><td>{f['masked']} / "
-                        f"{f['rollouts']}</td><td>{f['base_rate']:.3f}</td><td>{f['p_value']:.1e}</td></tr>"
-                        for f in m.get("flags", []))
+        flags = "".join(
+            f"<tr><td>{html.escape(f['kind'])} {html.escape(str(f['key']))}</td><td>{f['masked']} / "
+            f"{f['rollouts']}</td><td>{f['base_rate']:.3f}</td><td>{f['p_value']:.1e}</td></tr>"
+            for f in m.get("flags", [])
+        )
         prompts = sorted(m.get("prompts", {}).items(), key=lambda kv: -kv[1]["masked"] / max(kv[1]["rollouts"], 1))
-        top = "".join(f"<tr><td>{html.escape(uid)}</td><td>{c['masked']} / {c['rollouts']}</td>"
-                      f"<td>{'flagged' if c.get('flagged') else ''}</td></tr>" for uid, c in prompts[:TOP_PROMPTS])
+        top = "".join(
+            f"<tr><td>{html.escape(uid)}</td><td>{c['masked']} / {c['rollouts']}</td>"
+            f"<td>{'flagged' if c.get('flagged') else ''}</td></tr>"
+            for uid, c in prompts[:TOP_PROMPTS]
+        )
         parts.append(
             f"<h3>{html.escape(run.name)}</h3><p>{m.get('masked', 0)} of {m.get('rollouts', 0)} rollouts masked; "
             f"{m.get('scored_as_failures', 0)} scored as failures (pipeline.on_infra_excess = "
             f"'{html.escape(str(m.get('on_infra_excess')))}', max_infra_fraction {m.get('max_infra_fraction')}).</p>"
-            + (f"<table><tr><th>flagged</th><th>masked / rollouts</th><th>rest of run's rate</th><th>binomial tail</th>"
-               f"</tr>{flags}</table>" if flags else "<p>No prompt or policy version flagged.</p>")
-            + (f"<table><tr><th>most masked prompts</th><th>masked / rollouts</th><th></th></tr>{top}</table>"
-               if top else ""))
+            + (
+                f"<table><tr><th>flagged</th><th>masked / rollouts</th><th>rest of run's rate</th><th>binomial tail</th>"
+                f"</tr>{flags}</table>"
+                if flags
+                else "<p>No prompt or policy version flagged.</p>"
+            )
+            + (
+                f"<table><tr><th>most masked prompts</th><th>masked / rollouts</th><th></th></tr>{top}</table>"
+                if top
+                else ""
+            )
+        )
     return '<h2 id="masking_flags">Masking: flagged prompts and versions</h2>' + "".join(parts)
-
 
 
 def _first(run: Run, key: str) -> float:
@@ -97,8 +112,10 @@ def _cell(fmt: str, value: float) -> str:
 
 def _summary_table(runs: list[Run]) -> str:
     head = "".join(f"<th>{html.escape(r.name)}</th>" for r in runs)
-    rows = "".join(f"<tr><td>{label}</td>" + "".join(f"<td>{_cell(fmt, get(r))}</td>" for r in runs) + "</tr>"
-                   for label, get, fmt in SUMMARY_ROWS)
+    rows = "".join(
+        f"<tr><td>{label}</td>" + "".join(f"<td>{_cell(fmt, get(r))}</td>" for r in runs) + "</tr>"
+        for label, get, fmt in SUMMARY_ROWS
+    )
     return f"<table><tr><th></th>{head}</tr>{rows}</table>"
 
 
@@ -117,7 +134,9 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     for run in runs:
         if run.spans:
             trace = export_chrome_trace(run.path)
-            traces.append(f"<li>{html.escape(run.name)}: <code>{html.escape(trace.name)}</code> in its run directory</li>")
+            traces.append(
+                f"<li>{html.escape(run.name)}: <code>{html.escape(trace.name)}</code> in its run directory</li>"
+            )
     sections = []
     for chart in CHARTS:
         fig = chart.draw(runs)
@@ -127,16 +146,26 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
         png = buf.getvalue()
         (out / f"{chart.slug}.png").write_bytes(png)
         data = base64.b64encode(png).decode()
-        sections.append(f'<h2 id="{chart.slug}">{html.escape(chart.title)}</h2><figure>'
-                        f'<img class="chart" alt="{html.escape(chart.title)}" src="data:image/png;base64,{data}">'
-                        f"<figcaption>{html.escape(chart.caption)}</figcaption></figure>")
+        sections.append(
+            f'<h2 id="{chart.slug}">{html.escape(chart.title)}</h2><figure>'
+            f'<img class="chart" alt="{html.escape(chart.title)}" src="data:image/png;base64,{data}">'
+            f"<figcaption>{html.escape(chart.caption)}</figcaption></figure>"
+        )
     names = ", ".join(html.escape(r.name) for r in runs)
-    trace_note = (f"<p>Chrome traces (open in <code>ui.perfetto.dev</code> or <code>chrome://tracing</code>):</p>"
-                  f"<ul>{''.join(traces)}</ul>") if traces else ""
-    page = (f"<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>gapless report: {names}</title>"
-            f"<style>{STYLE}</style></head><body><h1>gapless report: {names}</h1>"
-            f"<h2>Summary</h2>{_summary_table(runs)}{''.join(sections)}{masking_section(runs)}{trace_note}"
-            "</body></html>")
+    trace_note = (
+        (
+            f"<p>Chrome traces (open in <code>ui.perfetto.dev</code> or <code>chrome://tracing</code>):</p>"
+            f"<ul>{''.join(traces)}</ul>"
+        )
+        if traces
+        else ""
+    )
+    page = (
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>gapless report: {names}</title>'
+        f"<style>{STYLE}</style></head><body><h1>gapless report: {names}</h1>"
+        f"<h2>Summary</h2>{_summary_table(runs)}{''.join(sections)}{masking_section(runs)}{trace_note}"
+        "</body></html>"
+    )
     path = out / "report.html"
     path.write_text(page)
     return path

@@ -34,16 +34,31 @@ def no_data(ax: Axes, what: str = "no data") -> None:
     ax.set_yticks([])
 
 
-def _lines(ax: Axes, runs: list[Run], key: str, x: str, ylabel: str, scale: float = 1.0, style: str = "-",
-           label_suffix: str = "") -> bool:
+def _lines(
+    ax: Axes,
+    runs: list[Run],
+    key: str,
+    x: str,
+    ylabel: str,
+    scale: float = 1.0,
+    style: str = "-",
+    label_suffix: str = "",
+) -> bool:
     """One line per run of `key` against steps (x='step') or wall seconds (x='wall')."""
     drawn = False
     for i, run in enumerate(runs):
         steps, walls, values = run.series(key)
         if values:
             xs = steps if x == "step" else walls
-            ax.plot(xs, [v * scale for v in values], style, color=colour(i), marker="o" if len(xs) < 30 else None,
-                    markersize=3, label=run.name + label_suffix)
+            ax.plot(
+                xs,
+                [v * scale for v in values],
+                style,
+                color=colour(i),
+                marker="o" if len(xs) < 30 else None,
+                markersize=3,
+                label=run.name + label_suffix,
+            )
             drawn = True
     ax.set_xlabel("step" if x == "step" else "wall time (s)")
     ax.set_ylabel(ylabel)
@@ -74,8 +89,13 @@ def pass_chart(runs: list[Run]) -> Figure:
 
 
 def length_chart(runs: list[Run]) -> Figure:
-    return _two_panels(runs, (("rollout/completion_len_mean", "step", "completion length (tokens)"),
-                              ("rollout/truncated_frac", "step", "truncated fraction")))
+    return _two_panels(
+        runs,
+        (
+            ("rollout/completion_len_mean", "step", "completion length (tokens)"),
+            ("rollout/truncated_frac", "step", "truncated fraction"),
+        ),
+    )
 
 
 def idle_chart(runs: list[Run]) -> Figure:
@@ -86,8 +106,14 @@ def idle_chart(runs: list[Run]) -> Figure:
         for i, run in enumerate(runs):
             _, walls, values = run.series(key)
             if values:
-                ax.plot(walls, values, color=colour(i), marker="o" if len(values) < 30 else None, markersize=3,
-                        label=f"{run.name} (mean {sum(values) / len(values):.2f})")
+                ax.plot(
+                    walls,
+                    values,
+                    color=colour(i),
+                    marker="o" if len(values) < 30 else None,
+                    markersize=3,
+                    label=f"{run.name} (mean {sum(values) / len(values):.2f})",
+                )
                 drawn = True
         ax.set_title(f"{actor} idle fraction", fontsize=10)
         ax.set_xlabel("wall time (s)")
@@ -116,8 +142,13 @@ def staleness_chart(runs: list[Run]) -> Figure:
     for i, (run, counts) in enumerate(zip(runs, per_run)):
         total = sum(counts.values()) or 1
         ks = sorted(counts)
-        ax.bar([k + (i - (len(runs) - 1) / 2) * width for k in ks], [counts[k] / total for k in ks], width,
-               color=colour(i), label=run.name)
+        ax.bar(
+            [k + (i - (len(runs) - 1) / 2) * width for k in ks],
+            [counts[k] / total for k in ks],
+            width,
+            color=colour(i),
+            label=run.name,
+        )
     if any(per_run):
         ax.set_xlabel("staleness (trainer version - oldest sampling version)")
         ax.set_ylabel("fraction of rollouts")
@@ -164,8 +195,13 @@ def status_chart(runs: list[Run]) -> Figure:
 
 
 def masking_chart(runs: list[Run]) -> Figure:
-    return _two_panels(runs, (("rollout/infra_frac", "step", "masked share of the step's rollouts"),
-                              ("rollout/infra_frac_run", "step", "masked share of the run so far")))
+    return _two_panels(
+        runs,
+        (
+            ("rollout/infra_frac", "step", "masked share of the step's rollouts"),
+            ("rollout/infra_frac_run", "step", "masked share of the run so far"),
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -179,17 +215,36 @@ class Chart:
 CHARTS = [
     Chart("reward", "Reward", "Mean rollout reward per step, against steps and against wall time.", reward_chart),
     Chart("pass_at_1", "Held-out pass@1", "Greedy pass@1 on the held-out split whenever it was evaluated.", pass_chart),
-    Chart("idle", "Idle fractions", "Share of each step's wall time the trainer (left) and the generator (right) "
-          "spent not doing their own work. A synchronous loop keeps both high; a pipeline should push them to 0.",
-          idle_chart),
-    Chart("timeline", "Actor timeline", "Busy spans of each actor per run (hatched grey: waiting; white: idle "
-          "bubbles). Time from each run's first span.", gantt_figure),
-    Chart("staleness", "Staleness", "Rollouts by staleness at consume time (0 everywhere in a synchronous run).",
-          staleness_chart),
+    Chart(
+        "idle",
+        "Idle fractions",
+        "Share of each step's wall time the trainer (left) and the generator (right) "
+        "spent not doing their own work. A synchronous loop keeps both high; a pipeline should push them to 0.",
+        idle_chart,
+    ),
+    Chart(
+        "timeline",
+        "Actor timeline",
+        "Busy spans of each actor per run (hatched grey: waiting; white: idle "
+        "bubbles). Time from each run's first span.",
+        gantt_figure,
+    ),
+    Chart(
+        "staleness",
+        "Staleness",
+        "Rollouts by staleness at consume time (0 everywhere in a synchronous run).",
+        staleness_chart,
+    ),
     Chart("length", "Response length", "Mean completion length and the fraction cut at max_new_tokens.", length_chart),
-    Chart("sandbox_latency", "Sandbox latency", "Sandbox run time and queue wait per step (ms).", sandbox_latency_chart),
+    Chart(
+        "sandbox_latency", "Sandbox latency", "Sandbox run time and queue wait per step (ms).", sandbox_latency_chart
+    ),
     Chart("sandbox_status", "Rollout statuses", "Rollouts by status over the whole run.", status_chart),
-    Chart("masking", "Masked rollouts", "Share of rollouts that came back infra_error (masked from GRPO) per step and "
-          "over the run; the prompts and policy versions flagged as masked far above the run's rate are listed below.",
-          masking_chart),
+    Chart(
+        "masking",
+        "Masked rollouts",
+        "Share of rollouts that came back infra_error (masked from GRPO) per step and "
+        "over the run; the prompts and policy versions flagged as masked far above the run's rate are listed below.",
+        masking_chart,
+    ),
 ]

@@ -18,8 +18,13 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from gapless.report.runs import Run  # noqa: E402
 
-SPAN_COLOURS = {"generate": "#1f77b4", "score": "#ff7f0e", "train": "#2ca02c", "weight_push": "#d62728",
-                "eval": "#9467bd"}
+SPAN_COLOURS = {
+    "generate": "#1f77b4",
+    "score": "#ff7f0e",
+    "train": "#2ca02c",
+    "weight_push": "#d62728",
+    "eval": "#9467bd",
+}
 OTHER = "#8c564b"
 WAIT = "#d9d9d9"
 ACTOR_ORDER = {"generator": 0, "env": 1, "trainer": 2}
@@ -61,8 +66,14 @@ def draw_run(ax, run: Run) -> set[str]:
         by_lane_name.setdefault(key, []).append((s["start"] - origin, max(s["end"] - s["start"], 0.0)))
     for (i, name), bars in by_lane_name.items():
         is_wait = name.startswith("wait")
-        ax.broken_barh(bars, (i - 0.38, 0.76), facecolors=WAIT if is_wait else SPAN_COLOURS.get(name, OTHER),
-                       hatch="///" if is_wait else None, edgecolor="0.6" if is_wait else "none", linewidth=0)
+        ax.broken_barh(
+            bars,
+            (i - 0.38, 0.76),
+            facecolors=WAIT if is_wait else SPAN_COLOURS.get(name, OTHER),
+            hatch="///" if is_wait else None,
+            edgecolor="0.6" if is_wait else "none",
+            linewidth=0,
+        )
         names.add("wait_*" if is_wait else name)
     for s in run.spans:
         if s.get("instant") and (s["actor"], s["pid"], s["tid"]) in row:
@@ -78,16 +89,21 @@ def draw_run(ax, run: Run) -> set[str]:
 
 def gantt_figure(runs: list[Run]) -> Figure:
     heights = [max(len(_lanes([s for s in run.spans if not s.get("instant")])), 1) * 0.45 + 1.1 for run in runs]
-    fig, axes = plt.subplots(len(runs), 1, figsize=(11, sum(heights) + 0.6), squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
+    fig, axes = plt.subplots(
+        len(runs), 1, figsize=(11, sum(heights) + 0.6), squeeze=False, gridspec_kw={"height_ratios": heights}
+    )
     names: set[str] = set()
     for ax, run in zip(axes[:, 0], runs):
         names |= draw_run(ax, run)
         ax.set_title(run.name, fontsize=10, loc="left")
     if names:
         order = [n for n in (*SPAN_COLOURS, "wait_*") if n in names] + sorted(names - {*SPAN_COLOURS, "wait_*"})
-        handles = [Patch(facecolor=WAIT, hatch="///", edgecolor="0.6", label=n) if n == "wait_*"
-                   else Patch(color=SPAN_COLOURS.get(n, OTHER), label=n) for n in order]
+        handles = [
+            Patch(facecolor=WAIT, hatch="///", edgecolor="0.6", label=n)
+            if n == "wait_*"
+            else Patch(color=SPAN_COLOURS.get(n, OTHER), label=n)
+            for n in order
+        ]
         fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.97 if names else 1))
     return fig

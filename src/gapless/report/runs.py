@@ -77,8 +77,15 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     path = Path(path)
     if not path.is_dir():
         raise RunNotFound(f"run directory {str(path)!r} does not exist")
-    return Run(name or path.name, path, _jsonl(path / "metrics.jsonl"), _json(path / "summary.json"),
-               _json(path / "config.json"), read_records(path), _json(path / "masking.json"))
+    return Run(
+        name or path.name,
+        path,
+        _jsonl(path / "metrics.jsonl"),
+        _json(path / "summary.json"),
+        _json(path / "config.json"),
+        read_records(path),
+        _json(path / "masking.json"),
+    )
 
 
 def load_runs(paths: list[str | Path]) -> list[Run]:

@@ -77,13 +77,16 @@ def _check(result, what):
 
 
 def _mount(source, target, fstype, flags, options=None):
-    enc = (lambda s: s.encode() if s is not None else None)
+    def enc(s):
+        return s.encode() if s is not None else None
+
     _check(_libc.mount(enc(source), enc(target), enc(fstype), flags, enc(options)), f"mount {target}")
 
 
 def _line(fields):
     """One JSON line for the host, without the json module (its import costs a cold start
     milliseconds): values are None, bools, numbers and strings only."""
+
     def encode(value):
         if value is None or isinstance(value, bool):
             return {None: "null", True: "true", False: "false"}[value]
@@ -103,7 +106,7 @@ def _receive(control):
     for level, kind, data in ancillary:
         if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
             usable = len(data) - len(data) % 4
-            fds += [int.from_bytes(data[i:i + 4], sys.byteorder) for i in range(0, usable, 4)]
+            fds += [int.from_bytes(data[i : i + 4], sys.byteorder) for i in range(0, usable, 4)]
     return (marshal.loads(message) if message else None), fds
 
 
@@ -118,8 +121,9 @@ def serve(spec):
         _mount(None, "/", None, MS_REC | MS_PRIVATE)
         # The slot's own devpts instance (bwrap's /dev/ptmx links into it), capped: the kernel
         # counts every pty of the host against one kernel.pty.max.
-        _mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
-               f"newinstance,ptmxmode=0666,mode=0620,max={MAX_PTYS}")
+        _mount(
+            "devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, f"newinstance,ptmxmode=0666,mode=0620,max={MAX_PTYS}"
+        )
         if spec.get("session"):
             _mount_tmpfs("/work/session", spec["session"], mode="0700")
         for name in spec.get("preimport", ()):
@@ -375,8 +379,13 @@ def _run_candidate(request, fds, channel, go, spec):
         if spec["isolate"]:
             _check(_libc.unshare(CLONE_NEWNS), "unshare the candidate's mount namespace")
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # its own pids only
-            _mount("tmpfs", candidate["hide"], "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                   "size=4096,nr_inodes=2,mode=0555")
+            _mount(
+                "tmpfs",
+                candidate["hide"],
+                "tmpfs",
+                MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                "size=4096,nr_inodes=2,mode=0555",
+            )
         code, path = _become_program(request, candidate["main"])
     except BaseException:
         os._exit(EXIT_INFRA)
@@ -562,6 +571,7 @@ def _flush_and_exit(code):
         if "threading" in sys.modules:
             sys.modules["threading"]._shutdown()  # wait for non-daemon threads, as python does
         import atexit
+
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -117,7 +117,10 @@ def parse_header(body: bytes, expects_blob: bool, blob_cap_bytes: int) -> tuple[
     if wants_size != (size is not None):
         return Violation("a header whose 'snapshot_bytes' does not fit the request")
     if size is not None and (type(size) is not int or not 0 <= size <= blob_cap_bytes):
-        return Violation(f"a snapshot of {size!r} bytes (its cap: {blob_cap_bytes})", too_large=type(size) is int and size > blob_cap_bytes)
+        return Violation(
+            f"a snapshot of {size!r} bytes (its cap: {blob_cap_bytes})",
+            too_large=type(size) is int and size > blob_cap_bytes,
+        )
     return Reply(value["ok"], clean_text(error)), size or 0
 
 

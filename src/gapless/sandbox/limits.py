@@ -88,8 +88,7 @@ class SandboxLimits:
                 raise ValueError(f"SandboxLimits.{name} must be > 0, got {value!r}")
         if self.max_open_files < 16:
             raise ValueError(
-                f"SandboxLimits.max_open_files must be >= 16 (python needs a few), "
-                f"got {self.max_open_files}"
+                f"SandboxLimits.max_open_files must be >= 16 (python needs a few), got {self.max_open_files}"
             )
 
     @property

@@ -134,8 +134,14 @@ class SlotPool:
                 raise SlotFailure(f"slot {index} could not be emptied")
             if slot.worker is not None:
                 slot.worker.stop()  # a warm job server: the session brings its own
-            slot.worker = SlotWorker(uid=slot.uid, cgroup=slot.cgroup, python=self.python,
-                                     bwrap=self.bwrap, warm=True, session_limits=session_limits)
+            slot.worker = SlotWorker(
+                uid=slot.uid,
+                cgroup=slot.cgroup,
+                python=self.python,
+                bwrap=self.bwrap,
+                warm=True,
+                session_limits=session_limits,
+            )
             self._start_warm(slot.worker)
         except BaseException:
             self._allocator.release(index, is_clean=self._empty(self._slots.get(index)))

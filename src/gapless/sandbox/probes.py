@@ -114,13 +114,17 @@ def _cache_channel_closed(stdout: str) -> bool:
     return best / len(times) < 0.7
 
 
-SYSCALLS = ("import ctypes; libc = ctypes.CDLL(None, use_errno=True)\n"
-            f"nr = {syscall_numbers()!r}\n")  # the host's numbers, for raw syscall probes
+SYSCALLS = (
+    "import ctypes; libc = ctypes.CDLL(None, use_errno=True)\n"
+    f"nr = {syscall_numbers()!r}\n"
+)  # the host's numbers, for raw syscall probes
 # beside main: /work/job in bwrap mode, a host directory in reduced mode
 BAIT = "import json, os; bait = json.load(open(os.path.join(os.path.dirname(__file__), 'bait.json')))\n"
 PROBES: tuple[Probe, ...] = (
     _probe("infinite loop", "while True:\n    pass\n", "timeout", limits=SandboxLimits(timeout_s=1.0)),
-    _probe("busy threads", """
+    _probe(
+        "busy threads",
+        """
         import threading
         def spin():
             while True:
@@ -128,11 +132,15 @@ PROBES: tuple[Probe, ...] = (
         for _ in range(8):
             threading.Thread(target=spin, daemon=True).start()
         threading.Event().wait()
-    """, "timeout", limits=SandboxLimits(timeout_s=3.0, cpu_s=1)),
-    _probe("sleep past the deadline", "import time\ntime.sleep(60)\n", "timeout",
-           limits=SandboxLimits(timeout_s=1.0)),
+    """,
+        "timeout",
+        limits=SandboxLimits(timeout_s=3.0, cpu_s=1),
+    ),
+    _probe("sleep past the deadline", "import time\ntime.sleep(60)\n", "timeout", limits=SandboxLimits(timeout_s=1.0)),
     _probe("memory bomb", "block = bytearray(8 << 30)\n", "memory_limit"),
-    _probe("memory bomb over processes", """
+    _probe(
+        "memory bomb over processes",
+        """
         import os, time
         for _ in range(4):
             if os.fork() == 0:
@@ -141,26 +149,43 @@ PROBES: tuple[Probe, ...] = (
                 os._exit(0)
         for _ in range(4):
             os.wait()
-    """, "memory_limit", limits=SandboxLimits(timeout_s=5.0, memory_mb=128), needs_cgroup=True),
+    """,
+        "memory_limit",
+        limits=SandboxLimits(timeout_s=5.0, memory_mb=128),
+        needs_cgroup=True,
+    ),
     _probe("fork bomb", "import os\nwhile True:\n    os.fork()\n", "process_limit"),
-    _probe("a million small files", """
+    _probe(
+        "a million small files",
+        """
         for i in range(1_000_000):
             open(f"f{i}", "w").close()  # relative: cwd is /tmp (a scratch dir in reduced mode)
-    """, "inode_limit"),
-    _probe("a 10 GB file", """
+    """,
+        "inode_limit",
+    ),
+    _probe(
+        "a 10 GB file",
+        """
         chunk = b"x" * (1 << 20)
         with open("big", "wb") as big:
             for _ in range(10 << 10):
                 big.write(chunk)
-    """, "disk_limit"),
+    """,
+        "disk_limit",
+    ),
     _probe("a 10 GB sparse file", "open('sparse', 'wb').truncate(10 << 30)\n", "disk_limit"),
-    _probe("tmpfs filled with 1 MB files", """
+    _probe(
+        "tmpfs filled with 1 MB files",
+        """
         for i in range(1000):
             open(f"m{i}", "wb").write(b"x" * (1 << 20))
-    """, "disk_limit"),
-    _probe("output flood", "import sys\nfor _ in range(100):\n    sys.stdout.write('x' * (1 << 20))\n",
-           "output_limit"),
-    _probe("TCP to the host", """
+    """,
+        "disk_limit",
+    ),
+    _probe("output flood", "import sys\nfor _ in range(100):\n    sys.stdout.write('x' * (1 << 20))\n", "output_limit"),
+    _probe(
+        "TCP to the host",
+        """
         import socket
         for host in ("127.0.0.1", "10.0.2.2", "192.0.2.1"):
             try:
@@ -168,8 +193,14 @@ PROBES: tuple[Probe, ...] = (
                 print(host, "REACHED")
             except OSError as error:
                 print(host, type(error).__name__)
-    """, "ok", check=all_failed, uses_bait=True),
-    _probe("UDP to the host", """
+    """,
+        "ok",
+        check=all_failed,
+        uses_bait=True,
+    ),
+    _probe(
+        "UDP to the host",
+        """
         import socket
         udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
@@ -177,8 +208,13 @@ PROBES: tuple[Probe, ...] = (
             print("sent (into the sandbox's own loopback)")
         except OSError as error:
             print(type(error).__name__)
-    """, "ok", uses_bait=True),
-    _probe("unix sockets to the host", """
+    """,
+        "ok",
+        uses_bait=True,
+    ),
+    _probe(
+        "unix sockets to the host",
+        """
         import socket
         for address in (bait["unix_path"], "\\0" + bait["abstract_name"], "/run/systemd/private"):
             try:
@@ -186,8 +222,14 @@ PROBES: tuple[Probe, ...] = (
                 print(repr(address), "REACHED")
             except OSError as error:
                 print(repr(address), type(error).__name__)
-    """, "ok", check=all_failed, uses_bait=True),
-    _probe("read /etc/shadow and the host home", """
+    """,
+        "ok",
+        check=all_failed,
+        uses_bait=True,
+    ),
+    _probe(
+        "read /etc/shadow and the host home",
+        """
         import os
         for path in ("/etc/shadow", "/etc/passwd", bait["secret_path"], "/root", "/home"):
             try:
@@ -197,8 +239,14 @@ PROBES: tuple[Probe, ...] = (
                     print(path, "REACHED", open(path).read(20))
             except OSError as error:
                 print(path, type(error).__name__)
-    """, "ok", check=all_failed, uses_bait=True),
-    _probe("write outside the work dir", """
+    """,
+        "ok",
+        check=all_failed,
+        uses_bait=True,
+    ),
+    _probe(
+        "write outside the work dir",
+        """
         import os
         for path in ("/usr/x", "/work/job/x", "/work/job/main.py", "/x", "/dev/x", "/etc/x",
                      bait["outside_path"], "/proc/sys/kernel/hostname"):
@@ -208,8 +256,14 @@ PROBES: tuple[Probe, ...] = (
                 print(path, "REACHED")
             except OSError as error:
                 print(path, type(error).__name__)
-    """, "ok", check=all_failed, uses_bait=True),
-    _probe("remount and mount", """
+    """,
+        "ok",
+        check=all_failed,
+        uses_bait=True,
+    ),
+    _probe(
+        "remount and mount",
+        """
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
         MS_REMOUNT, MS_BIND = 32, 4096
@@ -217,8 +271,13 @@ PROBES: tuple[Probe, ...] = (
                                       (b"/tmp", b"tmpfs", 0), (b"/usr", None, MS_REMOUNT)):
             result = libc.mount(b"none", target, fstype, flags, None)
             print(target.decode(), "REACHED" if result == 0 else ctypes.get_errno())
-    """, "ok", check=all_failed),
-    _probe("daemon that outlives the program", """
+    """,
+        "ok",
+        check=all_failed,
+    ),
+    _probe(
+        "daemon that outlives the program",
+        """
         import os, time
         if os.fork() == 0:
             os.setsid()
@@ -229,15 +288,24 @@ PROBES: tuple[Probe, ...] = (
             os._exit(0)
         time.sleep(0.2)
         print("parent done")
-    """, "ok"),
-    _probe("user namespace", """
+    """,
+        "ok",
+    ),
+    _probe(
+        "user namespace",
+        """
         import ctypes, subprocess
         print("unshare:", "REACHED" if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) == 0
               else ctypes.get_errno())
         done = subprocess.run(["unshare", "-U", "true"], capture_output=True)
         print("unshare -U:", "REACHED" if done.returncode == 0 else done.returncode)
-    """, "ok", check=all_failed),
-    _probe("signal and trace the sandbox's own processes", """
+    """,
+        "ok",
+        check=all_failed,
+    ),
+    _probe(
+        "signal and trace the sandbox's own processes",
+        """
         import ctypes, os, signal
         for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
             os.kill(1, sig)  # init of the job: the kernel drops these, it must survive
@@ -250,8 +318,13 @@ PROBES: tuple[Probe, ...] = (
             except OSError as error:
                 print(path, type(error).__name__)
         print("alive")
-    """, "ok", check=lambda stdout: all_failed(stdout) and stdout.endswith("alive\n")),
-    _probe("keyrings of the host and of earlier jobs", """
+    """,
+        "ok",
+        check=lambda stdout: all_failed(stdout) and stdout.endswith("alive\n"),
+    ),
+    _probe(
+        "keyrings of the host and of earlier jobs",
+        """
         session = libc.syscall(nr["keyctl"], 0, -3, 0)  # KEYCTL_GET_KEYRING_ID, session keyring
         user = libc.syscall(nr["keyctl"], 0, -4, 0)  # ... the uid's user keyring
         added = libc.syscall(nr["add_key"], b"user", b"gapless-probe", b"x", 1, -4)
@@ -261,8 +334,15 @@ PROBES: tuple[Probe, ...] = (
         with open("/proc/keys") as keys:
             text = keys.read()
         print("/proc/keys", "REACHED" if bait["key_name"] in text or "gapless-probe" in text else "no bait")
-    """, "ok", check=all_failed, uses_bait=True, uses_syscalls=True),
-    _probe("socket families past the network namespace", """
+    """,
+        "ok",
+        check=all_failed,
+        uses_bait=True,
+        uses_syscalls=True,
+    ),
+    _probe(
+        "socket families past the network namespace",
+        """
         import socket
         for family in (40, 16, 17, 38, 15, 31):  # VSOCK, NETLINK, PACKET, ALG, KEY, BLUETOOTH
             try:
@@ -273,8 +353,13 @@ PROBES: tuple[Probe, ...] = (
         for family in (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6):
             socket.socket(family, socket.SOCK_STREAM).close()  # the three allowed ones work
         print("allowed families open")
-    """, "ok", check=lambda stdout: all_failed(stdout) and "allowed families open" in stdout),
-    _probe("io_uring, inotify, fanotify and dnotify", """
+    """,
+        "ok",
+        check=lambda stdout: all_failed(stdout) and "allowed families open" in stdout,
+    ),
+    _probe(
+        "io_uring, inotify, fanotify and dnotify",
+        """
         import fcntl, os
         params = ctypes.create_string_buffer(120)
         for name, args in (("io_uring_setup", (4, params)), ("inotify_init1", (0,)),
@@ -287,8 +372,14 @@ PROBES: tuple[Probe, ...] = (
             print("dnotify REACHED")
         except OSError as error:
             print("dnotify", error.errno)
-    """, "ok", check=all_failed, uses_syscalls=True),
-    _probe("file locks on files every job shares", """
+    """,
+        "ok",
+        check=all_failed,
+        uses_syscalls=True,
+    ),
+    _probe(
+        "file locks on files every job shares",
+        """
         import fcntl, os
         for path, mode in (("/usr/bin/python3", os.O_RDONLY), ("/dev/null", os.O_WRONLY)):
             fd = os.open(path, mode)
@@ -300,8 +391,13 @@ PROBES: tuple[Probe, ...] = (
                     print(path, name, "REACHED")
                 except OSError as error:
                     print(path, name, error.errno)
-    """, "ok", check=all_failed),
-    _probe("ptrace/bpf/perf/uffd/mount/module/kexec", """
+    """,
+        "ok",
+        check=all_failed,
+    ),
+    _probe(
+        "ptrace/bpf/perf/uffd/mount/module/kexec",
+        """
         calls = {"ptrace": (16, 1, 0, 0), "bpf": (0, None, 0), "perf_event_open": (None, 0, -1, -1, 0),
                  "userfaultfd": (0,), "mount": (b"none", b"/tmp", b"tmpfs", 0, None),
                  "umount2": (b"/tmp", 2), "fsopen": (b"tmpfs", 0), "open_tree": (-100, b"/tmp", 1),
@@ -312,19 +408,35 @@ PROBES: tuple[Probe, ...] = (
         for name, args in calls.items():
             result = libc.syscall(nr[name], *args)
             print(name, "REACHED" if result >= 0 else ctypes.get_errno())
-    """, "ok", check=lambda stdout: all_failed(stdout) and all(
-        line.split()[-1] == "1" for line in stdout.splitlines()), uses_syscalls=True),  # EPERM: the filter's
-    _probe("the host's cgroup path", """
+    """,
+        "ok",
+        check=lambda stdout: all_failed(stdout) and all(line.split()[-1] == "1" for line in stdout.splitlines()),
+        uses_syscalls=True,
+    ),  # EPERM: the filter's
+    _probe(
+        "the host's cgroup path",
+        """
         with open("/proc/self/cgroup") as cgroups:
             text = cgroups.read()
         print("REACHED" if "gapless-sandbox" in text or ".slice" in text else "hidden", text.count("\\n"))
-    """, "ok", check=all_failed),
-    _probe("legacy AIO contexts", """
+    """,
+        "ok",
+        check=all_failed,
+    ),
+    _probe(
+        "legacy AIO contexts",
+        """
         context = ctypes.c_ulong(0)
         result = libc.syscall(nr["io_setup"], 65536, ctypes.byref(context))  # fs.aio-max-nr: host-wide
         print("io_setup", "REACHED" if result >= 0 else ctypes.get_errno())
-    """, "ok", check=all_failed, uses_syscalls=True),
-    _probe("pseudo terminals past the slot's cap", """
+    """,
+        "ok",
+        check=all_failed,
+        uses_syscalls=True,
+    ),
+    _probe(
+        "pseudo terminals past the slot's cap",
+        """
         import pty
         terminals = []
         try:
@@ -333,8 +445,13 @@ PROBES: tuple[Probe, ...] = (
         except OSError as error:
             print("stopped", error.errno)
         print("ptys", len(terminals), "REACHED" if len(terminals) > 8 else "capped")
-    """, "ok", check=lambda stdout: all_failed(stdout) and "stopped" in stdout),
-    _probe("TCP buffers past the memory limit", """
+    """,
+        "ok",
+        check=lambda stdout: all_failed(stdout) and "stopped" in stdout,
+    ),
+    _probe(
+        "TCP buffers past the memory limit",
+        """
         import socket, time
         queued, sockets, deadline = 0, [], time.monotonic() + 3
         while time.monotonic() < deadline and len(sockets) < 150:
@@ -352,8 +469,15 @@ PROBES: tuple[Probe, ...] = (
             sockets += [listener, sender, receiver]
         # the run's memory cgroup is 256 MiB; its sockets may hold at most 64 MiB of it again
         print("queued MiB", queued >> 20, "REACHED" if queued > 128 << 20 else "capped")
-    """, "ok", check=all_failed, limits=SandboxLimits(timeout_s=6.0, memory_mb=128), needs_cgroup=True),
-    _probe("unix socket queues past the memory limit", """
+    """,
+        "ok",
+        check=all_failed,
+        limits=SandboxLimits(timeout_s=6.0, memory_mb=128),
+        needs_cgroup=True,
+    ),
+    _probe(
+        "unix socket queues past the memory limit",
+        """
         import socket
         queued, pairs = 0, []
         for _ in range(100):
@@ -367,9 +491,16 @@ PROBES: tuple[Probe, ...] = (
                     break
             pairs.append((sender, receiver))
         print("queued MiB", queued >> 20, "REACHED" if queued > 256 << 20 else "capped")
-    """, "ok", "memory_limit", check=lambda stdout: "REACHED" not in stdout,
-           limits=SandboxLimits(timeout_s=6.0, memory_mb=128), needs_cgroup=True),
-    _probe("slot server under the job's memory pressure", """
+    """,
+        "ok",
+        "memory_limit",
+        check=lambda stdout: "REACHED" not in stdout,
+        limits=SandboxLimits(timeout_s=6.0, memory_mb=128),
+        needs_cgroup=True,
+    ),
+    _probe(
+        "slot server under the job's memory pressure",
+        """
         import os, time
         for target in ("/proc/self/oom_score_adj", "/proc/1/oom_score_adj"):
             try:  # lowered, as far as the kernel lets it (to the floor)
@@ -389,9 +520,15 @@ PROBES: tuple[Probe, ...] = (
         for pid in children:
             os.waitpid(pid, 0)
         print("the whole bomb fitted: REACHED")
-    """, "memory_limit", limits=SandboxLimits(timeout_s=4.0, memory_mb=256, max_processes=64),
-           needs_cgroup=True, keeps_server=True),
-    _probe("page-cache residency calls", """
+    """,
+        "memory_limit",
+        limits=SandboxLimits(timeout_s=4.0, memory_mb=256, max_processes=64),
+        needs_cgroup=True,
+        keeps_server=True,
+    ),
+    _probe(
+        "page-cache residency calls",
+        """
         import mmap, os
         fd = os.open("/usr/bin/python3", os.O_RDONLY)
         view = mmap.mmap(fd, 4096, flags=mmap.MAP_PRIVATE)
@@ -406,15 +543,25 @@ PROBES: tuple[Probe, ...] = (
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # answered 0, and ignored
         view.madvise(21)  # MADV_PAGEOUT
         print("advice accepted")
-    """, "ok", check=lambda stdout: all_failed(stdout) and "advice accepted" in stdout,
-           uses_syscalls=True),
-    _probe("page cache between consecutive jobs", CACHE_LIST + f"BITS = {CACHE_BITS!r}\n" + textwrap.dedent("""
+    """,
+        "ok",
+        check=lambda stdout: all_failed(stdout) and "advice accepted" in stdout,
+        uses_syscalls=True,
+    ),
+    _probe(
+        "page cache between consecutive jobs",
+        CACHE_LIST
+        + f"BITS = {CACHE_BITS!r}\n"
+        + textwrap.dedent("""
         for path, bit in zip(FILES, BITS):  # a cold file read is a 1, left cold a 0
             if bit:
                 with open(path, "rb") as handle:
                     handle.read(4096)
         print("sent", len(FILES))
-    """), "ok", then=CACHE_LIST + textwrap.dedent("""
+    """),
+        "ok",
+        then=CACHE_LIST
+        + textwrap.dedent("""
         import time
         times = []
         for path in FILES:
@@ -423,8 +570,14 @@ PROBES: tuple[Probe, ...] = (
                 handle.read(4096)
                 times.append(time.perf_counter() - start)
         print(*times)
-    """), check=_cache_channel_closed, setup=_evict_cache_files, needs_cgroup=True),
-    _probe("lower the program's own limits", """
+    """),
+        check=_cache_channel_closed,
+        setup=_evict_cache_files,
+        needs_cgroup=True,
+    ),
+    _probe(
+        "lower the program's own limits",
+        """
         import resource
         for name in ("RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_NOFILE"):
             kind = getattr(resource, name)
@@ -434,8 +587,13 @@ PROBES: tuple[Probe, ...] = (
                 print(name, "REACHED")
             except (OSError, ValueError) as error:
                 print(name, type(error).__name__)
-    """, "ok", check=all_failed),
-    _probe("mlock, memfd_secret, real-time priority", """
+    """,
+        "ok",
+        check=all_failed,
+    ),
+    _probe(
+        "mlock, memfd_secret, real-time priority",
+        """
         import os
         buffer = ctypes.create_string_buffer(4096)
         print("mlock", "REACHED" if libc.mlock(buffer, 4096) == 0 else ctypes.get_errno())
@@ -452,7 +610,11 @@ PROBES: tuple[Probe, ...] = (
             print("nice -5", error.errno)
         os.sync()  # answered at once, flushing nothing
         print("sync returned")
-    """, "ok", check=lambda stdout: all_failed(stdout) and "sync returned" in stdout, uses_syscalls=True),
+    """,
+        "ok",
+        check=lambda stdout: all_failed(stdout) and "sync returned" in stdout,
+        uses_syscalls=True,
+    ),
 )
 
 

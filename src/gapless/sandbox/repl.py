@@ -89,13 +89,15 @@ def _restore(snapshot, namespace):
             if member.name == NAMESPACE_MEMBER:
                 state = tar.extractfile(member).read()
             elif member.name.startswith(FILES_PREFIX) and len(member.name) > len(FILES_PREFIX):
-                member.name = member.name[len(FILES_PREFIX):]
+                member.name = member.name[len(FILES_PREFIX) :]
                 tar.extract(member, ".", **EXTRACT_AS_IS)
     try:
         values = pickle.loads(state) if state else {}
     except Exception as error:  # pickled by the model's own objects: their load may fail
-        return {"ok": False, "error": f"the files were restored, the variables were not "
-                                      f"({type(error).__name__}: {error})"[:2000]}
+        return {
+            "ok": False,
+            "error": f"the files were restored, the variables were not ({type(error).__name__}: {error})"[:2000],
+        }
     namespace.update(values)
     return {"ok": True}
 

@@ -46,9 +46,12 @@ from enum import Enum
 
 from gapless.errors import InfrastructureError
 
-
-EXIT_CANDIDATE_GONE = 75  # a judge's exit when its candidate's process is gone (boot.py, envs/code/sandbox_scripts/judge.py)
-EXIT_CANDIDATE_NOT_STARTED = 76  # a judge's exit when its candidate died in trusted start-up (envs/code/sandbox_scripts/judge.py)
+EXIT_CANDIDATE_GONE = (
+    75  # a judge's exit when its candidate's process is gone (boot.py, envs/code/sandbox_scripts/judge.py)
+)
+EXIT_CANDIDATE_NOT_STARTED = (
+    76  # a judge's exit when its candidate died in trusted start-up (envs/code/sandbox_scripts/judge.py)
+)
 
 
 class Status(str, Enum):
@@ -146,7 +149,9 @@ def classify(seen: Observation) -> Verdict:
         if seen.returncode == EXIT_CANDIDATE_NOT_STARTED:  # the judge's word: trusted start-up failed
             return Status.INFRA_ERROR, None, None, None
         if seen.returncode == EXIT_CANDIDATE_GONE and seen.candidate_returncode is not None:
-            seen = replace(seen, returncode=seen.candidate_returncode, cpu_s=seen.candidate_cpu_s)  # its end is the run's
+            seen = replace(
+                seen, returncode=seen.candidate_returncode, cpu_s=seen.candidate_cpu_s
+            )  # its end is the run's
         if _is_unexplained_kill(seen):
             return Status.KILLED, None, None, int(signal.SIGKILL)
     exit_code, signum = (None, -seen.returncode) if seen.returncode < 0 else (seen.returncode, None)

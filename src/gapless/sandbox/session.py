@@ -185,8 +185,9 @@ class SandboxSession:
         assert pipes is not None and pipes.stdin is not None
         outputs = {pipes.stdout: CappedSink(self.limits.max_output_bytes),
                    pipes.stderr: CappedSink(self.limits.max_output_bytes)}  # fmt: skip
-        is_written = (_write_all(pipes.stdin, len(payload).to_bytes(8, "little"), deadline)
-                      and _write_all(pipes.stdin, payload, deadline))  # a restore's archive: no copy
+        is_written = _write_all(pipes.stdin, len(payload).to_bytes(8, "little"), deadline) and _write_all(
+            pipes.stdin, payload, deadline
+        )  # a restore's archive: no copy
         ended, heard = not is_written, False
         while not ended and not reader.is_done and time.monotonic() < deadline:
             ready, _, _ = select.select([*outputs, pipes.report, pipes.status], [], [],
@@ -292,7 +293,7 @@ def _write_all(fd: int, data: bytes, deadline: float) -> bool:
         if remaining_s <= 0 or not select.select([], [fd], [], remaining_s)[1]:
             return False
         try:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         except BlockingIOError:
             continue
         except BrokenPipeError:

@@ -39,9 +39,9 @@ from pathlib import Path
 from gapless.sandbox import launch, procs
 from gapless.sandbox.cgroups import CgroupCounters, SlotCgroup
 from gapless.sandbox.job import Job
-from gapless.sandbox.seccomp import filter_program
 from gapless.sandbox.limits import MIB, SandboxLimits
 from gapless.sandbox.result import Observation
+from gapless.sandbox.seccomp import filter_program
 from gapless.sandbox.streams import CappedSink, pump
 
 PREIMPORT = (

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-
 CONTEXT_TOKENS = 4  # tokens decoded before the settled point, so its first new token decodes in context
 
 
@@ -56,7 +55,9 @@ class SampleText:
         head, window = self._decode(list(tokens[p:r])), self._decode(list(tokens[p:]))
         if not window.startswith(head):  # a decoder that is not prefix-stable here: decode everything
             text = self._decode(list(tokens))
-            self._settled, self._settled_tokens = (text, len(tokens)) if not text.endswith("\ufffd") else (self._settled, r)
+            self._settled, self._settled_tokens = (
+                (text, len(tokens)) if not text.endswith("\ufffd") else (self._settled, r)
+            )
             return text
         text = self._settled + window[len(head) :]
         if not text.endswith("\ufffd"):

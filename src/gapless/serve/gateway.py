@@ -92,20 +92,35 @@ class Channel:
         except queue.Empty:
             return None
 
-    def answer(self, call: Call, text: str, token_ids: list[int], logprobs: list[float], versions: list[int],
-               finish_reason: str, prompt_tokens: int) -> None:
+    def answer(
+        self,
+        call: Call,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[float],
+        versions: list[int],
+        finish_reason: str,
+        prompt_tokens: int,
+    ) -> None:
         logprobs = [x if math.isfinite(x) else None for x in logprobs]
         text = unicode_text(text)
         message, finish = {"role": "assistant", "content": text}, "length" if finish_reason == "length" else "stop"
         if call.tools:
             message, finish = tool_message(text, finish, HERMES)
             self.sampled.update((c["id"], text) for c in message.get("tool_calls", []))
-        body = {"id": f"chatcmpl-{self.key[:12]}-{call.number}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids),
-                          "total_tokens": prompt_tokens + len(token_ids)},
-                "gapless": {"token_ids": token_ids, "logprobs": logprobs, "versions": versions}}
+        body = {
+            "id": f"chatcmpl-{self.key[:12]}-{call.number}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": len(token_ids),
+                "total_tokens": prompt_tokens + len(token_ids),
+            },
+            "gapless": {"token_ids": token_ids, "logprobs": logprobs, "versions": versions},
+        }
         self._settle(call, 200, body)
 
     def refuse(self, call: Call, message: str, code: str, status: int = 400) -> None:
@@ -122,9 +137,11 @@ class Channel:
         with self.lock:
             if self.open_call is call:
                 self.open_call = None
+
         def settle() -> None:
             if not call._future.done():
                 call._future.set_result((status, body))
+
         call._loop.call_soon_threadsafe(settle)
 
     # ---- the HTTP side -----------------------------------------------------------------------
@@ -158,8 +175,10 @@ class Gateway:
         self.model = model
         self.channels: dict[str, Channel] = {}
         self._lock = threading.Lock()
-        routes = [Route("/episodes/{key}/v1/chat/completions", self._chat, methods=["POST"]),
-                  Route("/episodes/{key}/v1/models", self._models, methods=["GET"])]
+        routes = [
+            Route("/episodes/{key}/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/episodes/{key}/v1/models", self._models, methods=["GET"]),
+        ]
         self.server = ServerThread(Starlette(routes=routes), host=host, port=0)
         self.root = self.server.url.removesuffix("/v1")
 
@@ -193,17 +212,30 @@ class Gateway:
         try:
             body = parse_body(ChatBody, json.loads(await request.body() or b"null"))
         except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested past the parser's depth
-            return JSONResponse(_error_body(f"the body is not JSON: {type(exc).__name__}: {str(exc)[:200]}", "invalid_json"),
-                                status_code=400)
+            return JSONResponse(
+                _error_body(f"the body is not JSON: {type(exc).__name__}: {str(exc)[:200]}", "invalid_json"),
+                status_code=400,
+            )
         except ServeError as exc:
             return JSONResponse(_error_body(str(exc), exc.code or "invalid_request", exc.param), status_code=exc.status)
         if body.n != 1 or body.stream:
-            return JSONResponse(_error_body("the training gateway answers one sample per call, without streaming "
-                                            "(n = 1, stream = false)", "unsupported"), status_code=400)
+            return JSONResponse(
+                _error_body(
+                    "the training gateway answers one sample per call, without streaming (n = 1, stream = false)",
+                    "unsupported",
+                ),
+                status_code=400,
+            )
         if body.forced_tools is not None or body.structure_spec() is not None:
-            return JSONResponse(_error_body("tool_choice required / named and structured outputs need constrained decoding; "
-                                            "the training gateway samples the policy unconstrained: use tool_choice auto "
-                                            "and no response_format", "unsupported"), status_code=400)
+            return JSONResponse(
+                _error_body(
+                    "tool_choice required / named and structured outputs need constrained decoding; "
+                    "the training gateway samples the policy unconstrained: use tool_choice auto "
+                    "and no response_format",
+                    "unsupported",
+                ),
+                status_code=400,
+            )
         messages = [(role, unicode_text(text)) for role, text in channel.plain(body)]
         status, payload = await channel.call(messages, body.tool_dicts)
         return JSONResponse(payload, status_code=status)

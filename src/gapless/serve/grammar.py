@@ -96,7 +96,7 @@ class Utf8Masks:
             bits = torch.zeros(self._words * 32, dtype=torch.bool)
             for t in range(len(self._bytes)):
                 bits[t] = self.after(state, t) is not None
-            weights = (1 << torch.arange(32, dtype=torch.int64))
+            weights = 1 << torch.arange(32, dtype=torch.int64)
             packed = (bits.view(self._words, 32).to(torch.int64) * weights).sum(1)  # (words,) in 0..2^32-1
             self._masks[state] = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
         return self._masks[state]
@@ -148,7 +148,9 @@ class Grammars:
         import xgrammar
 
         self._xgr = xgrammar
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(set(stop_ids)))
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(set(stop_ids))
+        )
         # one thread: the engine thread and the event loop share few cores; a grammar compiles once per spec
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         self._utf8 = Utf8Masks(info.decoded_vocab, -(-vocab_size // 32))
@@ -162,8 +164,9 @@ class Grammars:
                 if spec.kind == "json_object":
                     grammar = xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False)
                 elif spec.kind == "json_schema":
-                    grammar = xgr.Grammar.from_json_schema(json_safe(json.loads(spec.value)), any_whitespace=False,
-                                                           strict_mode=True)
+                    grammar = xgr.Grammar.from_json_schema(
+                        json_safe(json.loads(spec.value)), any_whitespace=False, strict_mode=True
+                    )
                 elif spec.kind == "regex":
                     grammar = xgr.Grammar.from_regex(spec.value)
                 elif spec.kind == "choice":
@@ -174,8 +177,9 @@ class Grammars:
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's ways of saying "not this grammar"
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             first = re.sub(r"^\[[^\]]*\] \S+:\d+: ", "", first)[:300]  # the C++ source location is noise here
-            raise InvalidRequest(f"{spec.param}: cannot build a {spec.kind.replace('_', ' ')} grammar from it ({first})",
-                                 spec.param) from None
+            raise InvalidRequest(
+                f"{spec.param}: cannot build a {spec.kind.replace('_', ' ')} grammar from it ({first})", spec.param
+            ) from None
 
 
 def json_schema_ebnf(schema: dict) -> str:
@@ -195,8 +199,12 @@ def json_safe(schema):
         return [json_safe(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: {name: json_safe(sub) for name, sub in v.items()} if k in _SCHEMA_MAPS and isinstance(v, dict) else json_safe(v)
-           for k, v in schema.items()}
+    out = {
+        k: {name: json_safe(sub) for name, sub in v.items()}
+        if k in _SCHEMA_MAPS and isinstance(v, dict)
+        else json_safe(v)
+        for k, v in schema.items()
+    }
     values = out.pop("enum") if "enum" in out else [out.pop("const")] if "const" in out else None
     if values is not None:  # xgrammar mis-encodes non-ASCII literals: those become patterns, which it matches right
         options = [_literal(v) for v in values]
@@ -204,7 +212,7 @@ def json_safe(schema):
     bounded = "minLength" in out or "maxLength" in out
     if bounded and out.get("type") == "string" and not {"pattern", "format", "enum", "const"} & set(out):
         lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)
-        out["pattern"] = "^[^\\x00-\\x1f\"\\\\]{%d,%s}$" % (lo, "" if hi is None else int(hi))
+        out["pattern"] = '^[^\\x00-\\x1f"\\\\]{%d,%s}$' % (lo, "" if hi is None else int(hi))
     return out
 
 

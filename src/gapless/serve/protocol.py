@@ -49,7 +49,9 @@ def merge_deltas(deltas: list[SampleDelta]) -> list[SampleDelta]:
     merged: dict[int, SampleDelta] = {}
     for d in deltas:
         if (m := merged.get(d.index)) is None:
-            merged[d.index] = SampleDelta(d.index, list(d.token_ids), list(d.logprobs), list(d.versions), d.text, d.finish_reason)
+            merged[d.index] = SampleDelta(
+                d.index, list(d.token_ids), list(d.logprobs), list(d.versions), d.text, d.finish_reason
+            )
         else:
             m.token_ids += d.token_ids
             m.logprobs += d.logprobs

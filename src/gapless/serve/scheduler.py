@@ -42,8 +42,16 @@ import torch
 from gapless.generate.protocol import StreamingGenerator
 from gapless.generate.sampling import sample_seed
 from gapless.serve.detokenize import SampleText
-from gapless.serve.protocol import (ContextLengthExceeded, InvalidRequest, QueueFull, SampleDelta, SampleRequest,
-                                    SampleResult, SchedulerClosed, ServeError)
+from gapless.serve.protocol import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    QueueFull,
+    SampleDelta,
+    SampleRequest,
+    SampleResult,
+    SchedulerClosed,
+    ServeError,
+)
 from gapless.types import Completion, FinishReason
 
 
@@ -202,8 +210,14 @@ class Scheduler:
     """Owns `engine` on its own thread. `max_samples`: samples in flight (running + waiting) beyond
     which `submit` answers `QueueFull` (HTTP 429); size it a few times the engine's batch."""
 
-    def __init__(self, engine: StreamingGenerator, decode: Callable[[list[int]], str], *, max_samples: int = 512,
-                 name: str = "gapless-scheduler"):
+    def __init__(
+        self,
+        engine: StreamingGenerator,
+        decode: Callable[[list[int]], str],
+        *,
+        max_samples: int = 512,
+        name: str = "gapless-scheduler",
+    ):
         self.engine, self.max_samples = engine, max_samples
         self.max_seq_len = engine.max_seq_len
         self.stats = SchedulerStats()
@@ -241,12 +255,17 @@ class Scheduler:
         if params.max_new_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1 (got {params.max_new_tokens})", "max_tokens")
         if request.constraint is not None and not getattr(self.engine, "supports_constraints", False):
-            raise InvalidRequest(f"this server's engine ({type(self.engine).__name__}) does not do constrained decoding: "
-                                 "drop response_format / tool_choice required", "response_format")
+            raise InvalidRequest(
+                f"this server's engine ({type(self.engine).__name__}) does not do constrained decoding: "
+                "drop response_format / tool_choice required",
+                "response_format",
+            )
         if len(prompt) + params.max_new_tokens > self.max_seq_len:
             raise ContextLengthExceeded(
                 f"this model's context is {self.max_seq_len} tokens; the prompt has {len(prompt)} and max_tokens is "
-                f"{params.max_new_tokens}: shorten the prompt or lower max_tokens", "prompt")
+                f"{params.max_new_tokens}: shorten the prompt or lower max_tokens",
+                "prompt",
+            )
         with self._lock:
             if self._closed:
                 raise SchedulerClosed("the server is shutting down")
@@ -314,7 +333,9 @@ class Scheduler:
             for j in range(req.n):
                 rid = f"{handle.id}/{j}"
                 self._live[rid] = _Live(handle, j, SampleText(self._decode, req.stop) if watch else None)
-                fresh = Completion(list(req.prompt_ids), [], [], [], "abort", "", rid, j, sample_seed(req.params.seed, j))
+                fresh = Completion(
+                    list(req.prompt_ids), [], [], [], "abort", "", rid, j, sample_seed(req.params.seed, j)
+                )
                 if req.constraint is None:
                     self.engine.resume([fresh], req.params, rid)
                 else:
@@ -350,8 +371,16 @@ class Scheduler:
         if sources:
             self.stats.batch_sources[frozenset(sources)] += 1
 
-    def _advance(self, live: _Live, tokens: list[int], logprobs: list[float], versions: list[int],
-                 finish: FinishReason | None, wakes: list, engine_text: str | None = None) -> bool:
+    def _advance(
+        self,
+        live: _Live,
+        tokens: list[int],
+        logprobs: list[float],
+        versions: list[int],
+        finish: FinishReason | None,
+        wakes: list,
+        engine_text: str | None = None,
+    ) -> bool:
         """Publish the tokens past `live.sent`; returns whether a stop string ended the sample."""
         new = slice(live.sent, len(tokens))
         live.sent = len(tokens)
@@ -369,8 +398,16 @@ class Scheduler:
             wakes.append(wake)
         return stopped
 
-    def _finish(self, rid: str, tokens: list[int], logprobs: list[float], versions: list[int], reason: FinishReason,
-                wakes: list, engine_text: str | None = None) -> None:
+    def _finish(
+        self,
+        rid: str,
+        tokens: list[int],
+        logprobs: list[float],
+        versions: list[int],
+        reason: FinishReason,
+        wakes: list,
+        engine_text: str | None = None,
+    ) -> None:
         live = self._live.pop(rid)
         if live.text is not None and live.text.stopped:
             reason = "stop"

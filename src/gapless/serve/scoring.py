@@ -20,8 +20,9 @@ class Scorer:
         self.model = model
 
     @torch.no_grad()
-    def score(self, ids: list[int], start: int, temperature: float = 1.0, top: int = 0
-              ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    def score(
+        self, ids: list[int], start: int, temperature: float = 1.0, top: int = 0
+    ) -> tuple[list[float], list[list[tuple[int, float]]]]:
         """For t in start..len(ids)-1: the log-prob of ids[t], and its `top` alternatives (id, log-prob)."""
         start = max(start, 1)
         if start >= len(ids):

@@ -74,16 +74,19 @@ class StructuredFields(_Strict):
         if (so := self.structured_outputs) is not None:
             given = {k: v for k, v in so.model_dump(by_alias=True).items() if v not in (None, False)}
             if len(given) != 1:
-                raise ValueError(f"structured_outputs takes exactly one of json, regex, choice, grammar, json_object "
-                                 f"(got {sorted(given) or 'none'})")
+                raise ValueError(
+                    f"structured_outputs takes exactly one of json, regex, choice, grammar, json_object "
+                    f"(got {sorted(given) or 'none'})"
+                )
             [(key, value)] = given.items()
             specs.append(_spec(key, value, f"structured_outputs.{key}"))
         for key in ("json", "regex", "choice", "grammar"):
             if (value := getattr(self, f"guided_{key}")) is not None:
                 specs.append(_spec(key, value, f"guided_{key}"))
         if len(specs) > 1:
-            raise ValueError(f"{specs[1].param}: a request takes one structured-output constraint; "
-                             f"{specs[0].param} already sets one")
+            raise ValueError(
+                f"{specs[1].param}: a request takes one structured-output constraint; {specs[0].param} already sets one"
+            )
         return specs[0] if specs else None
 
 

@@ -53,7 +53,9 @@ def render(encoder: PromptEncoder, messages: Sequence[tuple[str, str]], generati
     try:
         return encoder.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=generation_prompt)
     except Exception as exc:  # noqa: BLE001 -- a template may raise anything on content it did not expect
-        raise Unrenderable(f"the chat template refused these messages: {type(exc).__name__}: {str(exc)[:200]}") from None
+        raise Unrenderable(
+            f"the chat template refused these messages: {type(exc).__name__}: {str(exc)[:200]}"
+        ) from None
 
 
 def encode(encoder: PromptEncoder, text: str) -> list[int]:
@@ -99,13 +101,15 @@ class Transcript:
         content = messages[n][1]
         start = upto.find(content, len(before)) if upto.startswith(before) else -1
         if start < 0 or not full.startswith(upto):
-            raise NotAnExtension("the chat template renders this call differently from the previous one; "
-                                 "use model.prompt_format = 'raw' with this checkpoint")
-        tail = upto[start + len(content):] + full[len(upto):]  # what the template writes after the reply's content
+            raise NotAnExtension(
+                "the chat template renders this call differently from the previous one; "
+                "use model.prompt_format = 'raw' with this checkpoint"
+            )
+        tail = upto[start + len(content) :] + full[len(upto) :]  # what the template writes after the reply's content
         if self.encoder.format == "chat" and self.reply_ids and self.reply_ids[-1] in self.encoder.stop_ids:
             stop_text = self.encoder.tokenizer.decode([self.reply_ids[-1]])
             if tail.startswith(stop_text):
-                tail = tail[len(stop_text):]  # sampled already: the model's own stop token
+                tail = tail[len(stop_text) :]  # sampled already: the model's own stop token
         ids = encode(self.encoder, tail)
         self.messages, self.reply, self.reply_ids = messages, None, []
         return tail, ids

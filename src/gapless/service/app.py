@@ -59,8 +59,19 @@ PROTO = "application/x-protobuf"
 
 
 class TinkerApp:
-    def __init__(self, bases: BaseModels, pool: SamplerPool, *, api_key: str, checkpoint_dir: str | Path, openai=None,
-                 hold_s: float = 20.0, ttl_s: float = 600.0, default_max_tokens: int = 256, micro_batch_tokens: int = 4096):
+    def __init__(
+        self,
+        bases: BaseModels,
+        pool: SamplerPool,
+        *,
+        api_key: str,
+        checkpoint_dir: str | Path,
+        openai=None,
+        hold_s: float = 20.0,
+        ttl_s: float = 600.0,
+        default_max_tokens: int = 256,
+        micro_batch_tokens: int = 4096,
+    ):
         self.bases, self.pool, self.api_key, self.micro_batch_tokens = bases, pool, api_key, micro_batch_tokens
         self.checkpoint_dir, self.hold_s, self.default_max_tokens = Path(checkpoint_dir), hold_s, default_max_tokens
         self.futures = FutureStore(ttl_s)
@@ -71,19 +82,26 @@ class TinkerApp:
         self._trainer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-trainer")
         self._tasks: set[asyncio.Task] = set()
         post = lambda path, fn: Route(f"/api/v1/{path}", fn, methods=["POST"])  # noqa: E731
-        routes = [Route("/api/v1/healthz", lambda r: JSONResponse({"status": "ok"}), methods=["GET"]),
-                  Route("/api/v1/get_server_capabilities", self.capabilities, methods=["GET"]),
-                  Route("/api/v1/samplers/{sampler_id}", self.get_sampler, methods=["GET"]),
-                  post("client/config", self.client_config), post("create_session", self.create_session),
-                  post("session_heartbeat", lambda r: JSONResponse({"type": "session_heartbeat"})),
-                  post("telemetry", lambda r: JSONResponse({"status": "accepted"})),
-                  post("sessions/{session_id}/finish", self.finish_session),
-                  post("create_model", self.create_model), post("get_info", self.get_info),
-                  post("forward_backward", self.forward_backward), post("optim_step", self.optim_step),
-                  post("save_weights", self.save_weights), post("load_weights", self.load_weights),
-                  post("save_weights_for_sampler", self.save_for_sampler),
-                  post("create_sampling_session", self.create_sampling_session), post("asample", self.asample),
-                  post("retrieve_future", self.retrieve_future)]
+        routes = [
+            Route("/api/v1/healthz", lambda r: JSONResponse({"status": "ok"}), methods=["GET"]),
+            Route("/api/v1/get_server_capabilities", self.capabilities, methods=["GET"]),
+            Route("/api/v1/samplers/{sampler_id}", self.get_sampler, methods=["GET"]),
+            post("client/config", self.client_config),
+            post("create_session", self.create_session),
+            post("session_heartbeat", lambda r: JSONResponse({"type": "session_heartbeat"})),
+            post("telemetry", lambda r: JSONResponse({"status": "accepted"})),
+            post("sessions/{session_id}/finish", self.finish_session),
+            post("create_model", self.create_model),
+            post("get_info", self.get_info),
+            post("forward_backward", self.forward_backward),
+            post("optim_step", self.optim_step),
+            post("save_weights", self.save_weights),
+            post("load_weights", self.load_weights),
+            post("save_weights_for_sampler", self.save_for_sampler),
+            post("create_sampling_session", self.create_sampling_session),
+            post("asample", self.asample),
+            post("retrieve_future", self.retrieve_future),
+        ]
         self.app = Starlette(routes=routes, exception_handlers={Exception: _internal_error})
 
     async def __call__(self, scope, receive, send) -> None:
@@ -92,8 +110,13 @@ class TinkerApp:
         if scope["type"] == "http" and scope["path"] != "/api/v1/healthz":
             given = dict(scope["headers"]).get(b"x-api-key", b"").decode("latin-1")
             if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-                response = JSONResponse({"error": "invalid or missing API key: give the service's key as TINKER_API_KEY "
-                                                  "or ServiceClient(api_key=...)"}, status_code=401)
+                response = JSONResponse(
+                    {
+                        "error": "invalid or missing API key: give the service's key as TINKER_API_KEY "
+                        "or ServiceClient(api_key=...)"
+                    },
+                    status_code=401,
+                )
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -124,8 +147,10 @@ class TinkerApp:
         return JSONResponse({})
 
     async def capabilities(self, request: Request) -> Response:
-        models = [{"model_name": name, "max_context_length": self.pool.max_seq_len, "trainable": True,
-                   "sampleable": True} for name in self.bases.names]
+        models = [
+            {"model_name": name, "max_context_length": self.pool.max_seq_len, "trainable": True, "sampleable": True}
+            for name in self.bases.names
+        ]
         return JSONResponse({"supported_models": models})
 
     # ---- training -----------------------------------------------------------------------------
@@ -140,8 +165,13 @@ class TinkerApp:
             base = self.bases.get(body.base_model)
             spec = None
             if lora is not None:
-                spec = LoraSpec(rank=lora.rank, train_attn=lora.train_attn, train_mlp=lora.train_mlp,
-                                train_unembed=lora.train_unembed, seed=lora.seed if lora.seed is not None else 0)
+                spec = LoraSpec(
+                    rank=lora.rank,
+                    train_attn=lora.train_attn,
+                    train_mlp=lora.train_mlp,
+                    train_unembed=lora.train_unembed,
+                    seed=lora.seed if lora.seed is not None else 0,
+                )
             try:
                 self.runs[model_id] = TrainingRun(model_id, base, spec, self.micro_batch_tokens)
             except ValueError as exc:
@@ -158,10 +188,20 @@ class TinkerApp:
         if run is None:
             return JSONResponse({"error": f"unknown model_id {body.model_id!r}"}, status_code=404)
         config = run.base.policy.model.config
-        return JSONResponse({"type": "get_info", "model_id": run.model_id, "model_name": run.base.name,
-                             "is_lora": run.spec is not None, "lora_rank": run.spec.rank if run.spec else None,
-                             "model_data": {"arch": config.model_type, "model_name": run.base.name,
-                                            "tokenizer_id": run.base.tokenizer_dir}})
+        return JSONResponse(
+            {
+                "type": "get_info",
+                "model_id": run.model_id,
+                "model_name": run.base.name,
+                "is_lora": run.spec is not None,
+                "lora_rank": run.spec.rank if run.spec else None,
+                "model_data": {
+                    "arch": config.model_type,
+                    "model_name": run.base.name,
+                    "tokenizer_id": run.base.tokenizer_dir,
+                },
+            }
+        )
 
     async def forward_backward(self, request: Request) -> Response:
         raw = await request.body()
@@ -171,8 +211,9 @@ class TinkerApp:
             return JSONResponse({"error": str(exc)}, status_code=400)
 
         def run() -> Outcome:
-            logprobs, metrics = self._run(call.model_id).forward_backward(call.datums, call.loss_fn, call.config,
-                                                                          call.forward_only)
+            logprobs, metrics = self._run(call.model_id).forward_backward(
+                call.datums, call.loss_fn, call.config, call.forward_only
+            )
             return Outcome(proto=encode_forward_backward(logprobs, metrics))
 
         return self._train(run, call.model_id)
@@ -185,9 +226,12 @@ class TinkerApp:
 
         def step() -> dict:
             if not isinstance(params, tt.AdamParams):
-                raise UserError(f"only Adam is served (got optimizer {getattr(params, 'type', type(params).__name__)!r})")
-            adam = AdamParams(params.learning_rate, params.beta1, params.beta2, params.eps, params.weight_decay,
-                              params.grad_clip_norm)
+                raise UserError(
+                    f"only Adam is served (got optimizer {getattr(params, 'type', type(params).__name__)!r})"
+                )
+            adam = AdamParams(
+                params.learning_rate, params.beta1, params.beta2, params.eps, params.weight_decay, params.grad_clip_norm
+            )
             return {"type": "optim_step", "metrics": self._run(body.model_id).optim_step(adam)}
 
         return self._train(step, body.model_id)
@@ -252,7 +296,7 @@ class TinkerApp:
 
     def _read_checkpoint(self, tinker_path: str) -> dict:
         prefix = "tinker://"
-        parts = tinker_path[len(prefix):].split("/") if tinker_path.startswith(prefix) else []
+        parts = tinker_path[len(prefix) :].split("/") if tinker_path.startswith(prefix) else []
         if len(parts) != 3 or parts[1] != "weights":
             raise UserError(f"checkpoint path {tinker_path!r} is not tinker://MODEL_ID/weights/NAME (from save_state)")
         file = checkpoint_file(self.checkpoint_dir, parts[0], parts[2])
@@ -299,8 +343,13 @@ class TinkerApp:
         if sampler_id not in self.sampling_sessions:
             return JSONResponse({"error": f"unknown sampler {sampler_id!r}"}, status_code=404)
         key = self.sampling_sessions[sampler_id]
-        return JSONResponse({"sampler_id": sampler_id, "base_model": self.pool.base_of(key).name,
-                             "model_path": key if key.startswith("tinker://") else None})
+        return JSONResponse(
+            {
+                "sampler_id": sampler_id,
+                "base_model": self.pool.base_of(key).name,
+                "model_path": key if key.startswith("tinker://") else None,
+            }
+        )
 
     async def asample(self, request: Request) -> Response:
         """Submit before answering, so a full scheduler is a 429 the SDK backs off on and retries;
@@ -318,8 +367,9 @@ class TinkerApp:
         task = asyncio.create_task(self._finish_sample(request_id, key, handle, body))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return JSONResponse({"request_id": request_id,
-                             "sample_sequence_ids": [f"{request_id}/{j}" for j in range(body.num_samples)]})
+        return JSONResponse(
+            {"request_id": request_id, "sample_sequence_ids": [f"{request_id}/{j}" for j in range(body.num_samples)]}
+        )
 
     async def _submit(self, body: tt.SampleRequest) -> tuple[str, RequestHandle]:
         key = self.sampling_sessions.get(body.sampling_session_id or "") or body.model_path or body.base_model
@@ -330,8 +380,9 @@ class TinkerApp:
         # off the loop: the first request on new weights builds an engine (or swaps one's weights)
         return key, await asyncio.to_thread(self.pool.submit, key, request)
 
-    async def _finish_sample(self, request_id: str, key: str | None, handle: RequestHandle | str,
-                             body: tt.SampleRequest) -> None:
+    async def _finish_sample(
+        self, request_id: str, key: str | None, handle: RequestHandle | str, body: tt.SampleRequest
+    ) -> None:
         try:
             if isinstance(handle, str):  # refused at submit: the message
                 raise UserError(handle)

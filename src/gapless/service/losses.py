@@ -45,13 +45,16 @@ def _need(inputs: Inputs, name: str, length: int, loss: str) -> torch.Tensor:
         raise LossInputError(f"loss {loss!r} needs loss_fn_inputs[{name!r}] (one value per target token)")
     tensor = inputs[name]
     if tensor.shape != (length,):
-        raise LossInputError(f"loss_fn_inputs[{name!r}] has shape {tuple(tensor.shape)}; it must match "
-                             f"target_tokens, shape ({length},)")
+        raise LossInputError(
+            f"loss_fn_inputs[{name!r}] has shape {tuple(tensor.shape)}; it must match target_tokens, shape ({length},)"
+        )
     return tensor
 
 
 def cross_entropy(logprobs: torch.Tensor, inputs: Inputs, config: dict[str, float]) -> torch.Tensor:
-    weights = _need(inputs, "weights", len(logprobs), "cross_entropy") if "weights" in inputs else torch.ones_like(logprobs)
+    weights = (
+        _need(inputs, "weights", len(logprobs), "cross_entropy") if "weights" in inputs else torch.ones_like(logprobs)
+    )
     return -(weights * logprobs).sum()
 
 
@@ -64,8 +67,9 @@ def importance_sampling(logprobs: torch.Tensor, inputs: Inputs, config: dict[str
 def _clip_range(config: dict[str, float]) -> tuple[float, float]:
     lo, hi = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
     if not 0 <= lo <= 1 <= hi:
-        raise LossInputError(f"clip thresholds must satisfy 0 <= clip_low_threshold <= 1 <= clip_high_threshold "
-                             f"(got {lo}, {hi})")
+        raise LossInputError(
+            f"clip thresholds must satisfy 0 <= clip_low_threshold <= 1 <= clip_high_threshold (got {lo}, {hi})"
+        )
     return lo, hi
 
 
@@ -91,8 +95,10 @@ def cispo(logprobs: torch.Tensor, inputs: Inputs, config: dict[str, float]) -> t
 
 def dro(logprobs: torch.Tensor, inputs: Inputs, config: dict[str, float]) -> torch.Tensor:
     if "beta" not in config:
-        raise LossInputError("loss 'dro' needs loss_fn_config={'beta': ...}, the weight of its quadratic penalty "
-                             "(Tinker's docs give no default; they show 0.05)")
+        raise LossInputError(
+            "loss 'dro' needs loss_fn_config={'beta': ...}, the weight of its quadratic penalty "
+            "(Tinker's docs give no default; they show 0.05)"
+        )
     beta = config["beta"]
     if beta < 0:
         raise LossInputError(f"loss 'dro' needs loss_fn_config['beta'] >= 0 (got {beta})")
@@ -106,8 +112,10 @@ def gspo(logprobs: torch.Tensor, inputs: Inputs, config: dict[str, float]) -> to
     advantages = _need(inputs, "advantages", len(logprobs), "gspo")
     in_ratio = _need(inputs, "sequence_ratio_mask", len(logprobs), "gspo") != 0
     if not bool(in_ratio.any()):
-        raise LossInputError("loss_fn_inputs['sequence_ratio_mask'] marks no token; it must mark the sampled "
-                             "tokens the sequence ratio is taken over")
+        raise LossInputError(
+            "loss_fn_inputs['sequence_ratio_mask'] marks no token; it must mark the sampled "
+            "tokens the sequence ratio is taken over"
+        )
     seq_log_ratio = (logprobs.detach() - sampled)[in_ratio].mean()
     # value: the sequence ratio at every token; gradient: d logp_t of the token's own log-prob
     ratio = torch.exp(seq_log_ratio + logprobs - logprobs.detach())
@@ -115,13 +123,17 @@ def gspo(logprobs: torch.Tensor, inputs: Inputs, config: dict[str, float]) -> to
 
 
 LOSSES: dict[str, Callable[[torch.Tensor, Inputs, dict[str, float]], torch.Tensor]] = {
-    "cross_entropy": cross_entropy, "importance_sampling": importance_sampling, "ppo": ppo, "cispo": cispo,
-    "dro": dro, "gspo": gspo,
+    "cross_entropy": cross_entropy,
+    "importance_sampling": importance_sampling,
+    "ppo": ppo,
+    "cispo": cispo,
+    "dro": dro,
+    "gspo": gspo,
 }
 
 _WHY_NOT = {
     "stable_reinforce": "Tinker has not published StableReinforce's objective (its docs describe it only as a "
-                        "REINFORCE variant using information recorded at sampling), so it cannot be reproduced",
+    "REINFORCE variant using information recorded at sampling), so it cannot be reproduced",
     "custom": "server-side custom losses are uploaded code this service does not run",
 }
 
@@ -129,6 +141,8 @@ _WHY_NOT = {
 def loss_fn(name: str) -> Callable[[torch.Tensor, Inputs, dict[str, float]], torch.Tensor]:
     if name not in LOSSES:
         why = f" ({_WHY_NOT[name]})" if name in _WHY_NOT else ""
-        raise LossInputError(f"loss_fn {name!r} is not served here{why}; this service provides "
-                             f"{', '.join(LOSSES)} (use forward_backward_custom for anything else)")
+        raise LossInputError(
+            f"loss_fn {name!r} is not served here{why}; this service provides "
+            f"{', '.join(LOSSES)} (use forward_backward_custom for anything else)"
+        )
     return LOSSES[name]

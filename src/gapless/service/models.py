@@ -32,8 +32,17 @@ import numpy as np
 import torch
 
 from gapless.generate.families import require_engine
-from gapless.lora import (LoraSpec, activate, adapter_parameters, adapter_state, add_lora, attach_lora,
-                          load_adapter_state, merged_state, remove_lora)
+from gapless.lora import (
+    LoraSpec,
+    activate,
+    adapter_parameters,
+    adapter_state,
+    add_lora,
+    attach_lora,
+    load_adapter_state,
+    merged_state,
+    remove_lora,
+)
 from gapless.models import Policy, load_local, save_tokenizer
 from gapless.service.losses import LossInputError, loss_fn
 from gapless.service.wire import DatumIn
@@ -66,7 +75,9 @@ class BaseModels:
     tokenizer as the model family's class and tokenize differently; on the tokenizer alone it
     loads exactly the tokenizer the service uses."""
 
-    def __init__(self, directories: dict[str, str], default=None, tokenizer_root: str | Path = "runs/service/tokenizers"):
+    def __init__(
+        self, directories: dict[str, str], default=None, tokenizer_root: str | Path = "runs/service/tokenizers"
+    ):
         self._directories, self._default = dict(directories), default
         self._tokenizer_root = Path(tokenizer_root)
         self._loaded: dict[str, BaseModel] = {}
@@ -84,8 +95,10 @@ class BaseModels:
         elif name == "gapless-tiny" and self._default is not None and not self._directories:
             policy = self._default()
         else:
-            raise UserError(f"unknown base model {name!r}; this service serves {', '.join(self.names) or 'nothing'} "
-                            "(name more in the service config: [service] base_models = {NAME = \"DIR\"})")
+            raise UserError(
+                f"unknown base model {name!r}; this service serves {', '.join(self.names) or 'nothing'} "
+                '(name more in the service config: [service] base_models = {NAME = "DIR"})'
+            )
         tokenizer_dir = (self._tokenizer_root / _SAFE.sub("_", name)).resolve()
         save_tokenizer(policy.tokenizer, tokenizer_dir)
         policy.model.requires_grad_(False)
@@ -139,8 +152,9 @@ class TrainingRun:
         self.model, self.params, self.optimizer = None, [], None
 
     # ---- forward / backward -----------------------------------------------------------------
-    def forward_backward(self, datums: list[DatumIn], loss_name: str, config: dict[str, float], forward_only: bool
-                         ) -> tuple[list[np.ndarray], dict[str, float]]:
+    def forward_backward(
+        self, datums: list[DatumIn], loss_name: str, config: dict[str, float], forward_only: bool
+    ) -> tuple[list[np.ndarray], dict[str, float]]:
         """Per-datum target log-probs and {"loss:sum": ...}; gradients are added unless `forward_only`."""
         try:
             fn = loss_fn(loss_name)
@@ -191,17 +205,23 @@ class TrainingRun:
             raise UserError(f"datum {i}: loss_fn_inputs has no 'target_tokens'")
         target = d.inputs["target_tokens"].long()
         if target.shape != (len(d.tokens),):
-            raise UserError(f"datum {i}: target_tokens has shape {tuple(target.shape)}; it must have one token per "
-                            f"model_input position, shape ({len(d.tokens)},)")
+            raise UserError(
+                f"datum {i}: target_tokens has shape {tuple(target.shape)}; it must have one token per "
+                f"model_input position, shape ({len(d.tokens)},)"
+            )
         for what, ids in (("model_input", torch.tensor(d.tokens)), ("target_tokens", target)):
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
                 bad = int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())
-                raise UserError(f"datum {i}: {what} holds token id {bad}, outside the vocabulary of "
-                                f"{self.base.name!r} (0..{vocab - 1})")
+                raise UserError(
+                    f"datum {i}: {what} holds token id {bad}, outside the vocabulary of "
+                    f"{self.base.name!r} (0..{vocab - 1})"
+                )
         for name, tensor in d.inputs.items():
             if name != "target_tokens" and tensor.shape != target.shape:
-                raise UserError(f"datum {i}: loss_fn_inputs[{name!r}] has shape {tuple(tensor.shape)}, target_tokens "
-                                f"has {tuple(target.shape)}: they must match")
+                raise UserError(
+                    f"datum {i}: loss_fn_inputs[{name!r}] has shape {tuple(tensor.shape)}, target_tokens "
+                    f"has {tuple(target.shape)}: they must match"
+                )
         return target
 
     # ---- optimizer ------------------------------------------------------------------------
@@ -211,10 +231,13 @@ class TrainingRun:
         if self.optimizer is None:
             self.optimizer = torch.optim.AdamW(self.params, lr=adam.learning_rate)
         for group in self.optimizer.param_groups:
-            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
-                         weight_decay=adam.weight_decay)
+            group.update(
+                lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay
+            )
         grads = [p.grad for p in self.params if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        norm = (
+            float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        )
         if adam.grad_clip_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.params, adam.grad_clip_norm)
         self.optimizer.step()
@@ -230,8 +253,13 @@ class TrainingRun:
 
     def save(self, path: Path) -> None:
         weights = adapter_state(self.model, self.adapter) if self.spec is not None else self.sampler_state()
-        payload = {"base": self.base.name, "spec": self.spec, "weights": weights, "steps": self.steps,
-                   "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
+        payload = {
+            "base": self.base.name,
+            "spec": self.spec,
+            "weights": weights,
+            "steps": self.steps,
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+        }
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         torch.save(payload, tmp)
@@ -239,8 +267,10 @@ class TrainingRun:
 
     def load(self, payload: dict, with_optimizer: bool) -> None:
         if payload["base"] != self.base.name or _shape(payload["spec"]) != _shape(self.spec):
-            raise UserError(f"checkpoint is for base {payload['base']!r} with {payload['spec']}; this run is "
-                            f"{self.base.name!r} with {self.spec}")
+            raise UserError(
+                f"checkpoint is for base {payload['base']!r} with {payload['spec']}; this run is "
+                f"{self.base.name!r} with {self.spec}"
+            )
         if self.spec is not None:
             load_adapter_state(self.model, payload["weights"], self.adapter)
         else:

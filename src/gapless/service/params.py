@@ -39,9 +39,16 @@ def scheduler_request(body: tt.SampleRequest, vocab_size: int, context: int, def
     _check_ids("stop token", stop_ids, vocab_size)
     seed = sp.seed if sp.seed is not None else fresh_seed(body.sampling_session_id, body.seq_id)
     greedy = sp.temperature <= 0
-    params = SamplingParams(temperature=1.0 if greedy else sp.temperature, top_p=sp.top_p, top_k=max(sp.top_k, 0),
-                            max_new_tokens=max_tokens, greedy=greedy, seed=seed, stop_token_ids=stop_ids,
-                            ignore_eos=ignore_eos)
+    params = SamplingParams(
+        temperature=1.0 if greedy else sp.temperature,
+        top_p=sp.top_p,
+        top_k=max(sp.top_k, 0),
+        max_new_tokens=max_tokens,
+        greedy=greedy,
+        seed=seed,
+        stop_token_ids=stop_ids,
+        ignore_eos=ignore_eos,
+    )
     return SampleRequest(tuple(prompt), params, body.num_samples, stop_strings, source="tinker")
 
 

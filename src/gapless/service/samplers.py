@@ -37,11 +37,21 @@ from gapless.service.models import BaseModel, BaseModels, UserError
 
 
 class SamplerPool:
-    def __init__(self, bases: BaseModels, *, max_engines: int = 4, max_batch: int = 64, max_seq_len: int = 1024,
-                 max_samples: int = 1024, max_snapshots: int = 16):
+    def __init__(
+        self,
+        bases: BaseModels,
+        *,
+        max_engines: int = 4,
+        max_batch: int = 64,
+        max_seq_len: int = 1024,
+        max_samples: int = 1024,
+        max_snapshots: int = 16,
+    ):
         self.bases, self.max_engines, self.max_snapshots = bases, max_engines, max_snapshots
         self.max_batch, self.max_seq_len, self.max_samples = max_batch, max_seq_len, max_samples
-        self._snapshots: OrderedDict[str, tuple[str, dict[str, torch.Tensor]]] = OrderedDict()  # path -> (base, weights)
+        self._snapshots: OrderedDict[str, tuple[str, dict[str, torch.Tensor]]] = (
+            OrderedDict()
+        )  # path -> (base, weights)
         self._dropped: set[str] = set()
         self._engines: OrderedDict[str, Scheduler] = OrderedDict()  # key -> scheduler, least recent first
         self._bases_of: dict[int, str] = {}  # id(scheduler) -> base name it was built for
@@ -64,8 +74,10 @@ class SamplerPool:
         if (snapshot := self._snapshots.get(key)) is not None:
             return self.bases.get(snapshot[0])
         if key in self._dropped:
-            raise UserError(f"the sampler weights at {key!r} were dropped: the service keeps the {self.max_snapshots} "
-                            "most recently used snapshots (service.max_snapshots); save them again")
+            raise UserError(
+                f"the sampler weights at {key!r} were dropped: the service keeps the {self.max_snapshots} "
+                "most recently used snapshots (service.max_snapshots); save them again"
+            )
         if key.startswith("tinker://"):
             raise UserError(f"no sampler weights at {key!r}: save them first with save_weights_for_sampler")
         return self.bases.get(key)
@@ -94,18 +106,28 @@ class SamplerPool:
         state = self._snapshots[key][1] if key in self._snapshots else base.policy.model.state_dict()
         self._versions += 1
         if len(self._engines) >= self.max_engines:
-            for old_key, old in self._engines.items():  # base-model engines keep their weights (the OpenAI routes hold one)
-                if old_key.startswith("tinker://") and self._bases_of[id(old)] == base.name and old.samples_in_flight == 0:
+            for (
+                old_key,
+                old,
+            ) in self._engines.items():  # base-model engines keep their weights (the OpenAI routes hold one)
+                if (
+                    old_key.startswith("tinker://")
+                    and self._bases_of[id(old)] == base.name
+                    and old.samples_in_flight == 0
+                ):
                     del self._engines[old_key]
                     old.update_weights(state, self._versions)  # applied before any later submit
                     self._engines[key] = old
                     return old
         context = min(self.max_seq_len, base.policy.model.config.max_position_embeddings)
-        engine = TorchEngine(base.policy.model, base.policy.eos_id, base.policy.decode, max_batch=self.max_batch,
-                             max_seq_len=context)
+        engine = TorchEngine(
+            base.policy.model, base.policy.eos_id, base.policy.decode, max_batch=self.max_batch, max_seq_len=context
+        )
         if key in self._snapshots:
             engine.update_weights(state, self._versions)
-        scheduler = Scheduler(engine, base.policy.decode, max_samples=self.max_samples, name=f"tinker-sampler-{len(self._bases_of)}")
+        scheduler = Scheduler(
+            engine, base.policy.decode, max_samples=self.max_samples, name=f"tinker-sampler-{len(self._bases_of)}"
+        )
         self._bases_of[id(scheduler)] = base.name
         self._engines[key] = scheduler
         return scheduler

@@ -47,16 +47,31 @@ def default_model(cfg: Config, log=print) -> Policy:
 
 def build_service(cfg: Config, api_key: str, log=print) -> TinkerApp:
     s = cfg.service
-    bases = BaseModels(s.base_models, default=lambda: default_model(cfg, log),
-                       tokenizer_root=Path(s.checkpoint_dir) / "tokenizers")
-    pool = SamplerPool(bases, max_engines=s.max_engines, max_batch=s.max_batch, max_seq_len=s.max_seq_len,
-                       max_snapshots=s.max_snapshots)
+    bases = BaseModels(
+        s.base_models, default=lambda: default_model(cfg, log), tokenizer_root=Path(s.checkpoint_dir) / "tokenizers"
+    )
+    pool = SamplerPool(
+        bases,
+        max_engines=s.max_engines,
+        max_batch=s.max_batch,
+        max_seq_len=s.max_seq_len,
+        max_snapshots=s.max_snapshots,
+    )
     name = bases.names[0]  # the OpenAI routes serve the first base model, on its sampling scheduler
     base = bases.get(name)
-    openai = OpenAIApp(pool.scheduler_for(name), base.policy.tokenizer, name, scorer=Scorer(base.policy.model),
-                       api_key=api_key)
-    return TinkerApp(bases, pool, api_key=api_key, checkpoint_dir=s.checkpoint_dir, hold_s=s.poll_hold_s,
-                     ttl_s=s.result_ttl_s, micro_batch_tokens=s.micro_batch_tokens, openai=openai)
+    openai = OpenAIApp(
+        pool.scheduler_for(name), base.policy.tokenizer, name, scorer=Scorer(base.policy.model), api_key=api_key
+    )
+    return TinkerApp(
+        bases,
+        pool,
+        api_key=api_key,
+        checkpoint_dir=s.checkpoint_dir,
+        hold_s=s.poll_hold_s,
+        ttl_s=s.result_ttl_s,
+        micro_batch_tokens=s.micro_batch_tokens,
+        openai=openai,
+    )
 
 
 class ServiceThread(ServerThread):

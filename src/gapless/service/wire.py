@@ -52,8 +52,9 @@ def _tensor(msg: pb.Tensor, where: str) -> torch.Tensor:
         crow, col = np.frombuffer(csr.crow_indices, dtype=np.int64), np.frombuffer(csr.col_indices, dtype=np.int64)
         if len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values):
             raise WireError(f"{where}: sparse CSR tensor with inconsistent indices for shape {shape}")
-        return torch.sparse_csr_tensor(torch.from_numpy(crow.copy()), torch.from_numpy(col.copy()),
-                                       torch.from_numpy(values.copy()), size=shape).to_dense()
+        return torch.sparse_csr_tensor(
+            torch.from_numpy(crow.copy()), torch.from_numpy(col.copy()), torch.from_numpy(values.copy()), size=shape
+        ).to_dense()
     flat = np.frombuffer(msg.dense, dtype=dtype)
     if not shape:
         shape = (flat.size,)

@@ -29,18 +29,34 @@ import os
 from pathlib import Path
 
 from gapless.config import Config, ConfigError
-from gapless.simulate.costs import Costs, DeviceSpec, EnvCost, GenerationCost, LengthModel, RelayCost, TrainerCost, roofline_costs
+from gapless.simulate.costs import (
+    Costs,
+    DeviceSpec,
+    EnvCost,
+    GenerationCost,
+    LengthModel,
+    RelayCost,
+    TrainerCost,
+    roofline_costs,
+)
 
 # The default cost model of the shared placement: bench/simulator.py's fit (`--part error`, its
 # five calibration cells) to one bench/pipeline.py run on the project's 2-core machine (OpenMP
 # teams, a one-thread decode served first; the fit and its run are in docs/lab/). token_s is
 # 0.921 x the fitted 60.2e-6 because a step is priced by its padded positions (costs.py), not its
 # tokens as in the fit: the default task's step (prompts priced at 64 tokens) keeps its cost.
-MACHINE_COSTS = Costs(GenerationCost(1.022e-3, 85.2e-6), LengthModel(8.2, 0.5, 0.0), TrainerCost(55.4e-6),
-                      EnvCost(cpu_s=0.0449, wait_p50_s=0.0073, wait_p99_s=0.0073), RelayCost(latency_s=2e-4),
-                      prompt_tokens=64, parallel_efficiency=0.89,
-                      source="built in: fitted on the first 2-core machine of docs/simulator.md; calibrate on yours",
-                      barrier_teams=True, decode_first=True)
+MACHINE_COSTS = Costs(
+    GenerationCost(1.022e-3, 85.2e-6),
+    LengthModel(8.2, 0.5, 0.0),
+    TrainerCost(55.4e-6),
+    EnvCost(cpu_s=0.0449, wait_p50_s=0.0073, wait_p99_s=0.0073),
+    RelayCost(latency_s=2e-4),
+    prompt_tokens=64,
+    parallel_efficiency=0.89,
+    source="built in: fitted on the first 2-core machine of docs/simulator.md; calibrate on yours",
+    barrier_teams=True,
+    decode_first=True,
+)
 
 
 def model_size(cfg: Config) -> tuple[float, float]:
@@ -59,8 +75,10 @@ def resolve_costs(cfg: Config) -> Costs:
     if sim.costs_path:
         path = Path(sim.costs_path)
         if not path.is_file():
-            raise ConfigError(f"simulate.costs_path: {path} does not exist; write one with "
-                              "`gapless simulate --calibrate RUN_DIR --simulate.costs_path FILE`")
+            raise ConfigError(
+                f"simulate.costs_path: {path} does not exist; write one with "
+                "`gapless simulate --calibrate RUN_DIR --simulate.costs_path FILE`"
+            )
         return Costs.load(path)
     if sim.placement == "shared":
         return MACHINE_COSTS
@@ -70,22 +88,39 @@ def resolve_costs(cfg: Config) -> Costs:
     expected = sim.truncated_frac * cap + (1 - sim.truncated_frac) * mean
     params, kv = model_size(cfg)
     device = DeviceSpec(sim.device_flops, sim.device_memory_bw, sim.interconnect_bw)
-    return roofline_costs(device, params, 2.0, kv, sim.gpus_per_replica, sim.prompt_tokens + expected / 2, lengths,
-                          sim.gen_efficiency, sim.train_mfu, sim.prompt_tokens, sim.relay_latency_s,
-                          sim.decode_step_overhead_s)
+    return roofline_costs(
+        device,
+        params,
+        2.0,
+        kv,
+        sim.gpus_per_replica,
+        sim.prompt_tokens + expected / 2,
+        lengths,
+        sim.gen_efficiency,
+        sim.train_mfu,
+        sim.prompt_tokens,
+        sim.relay_latency_s,
+        sim.decode_step_overhead_s,
+    )
 
 
 def _check(cfg: Config) -> None:
     sim = cfg.simulate
     if cfg.pipeline.partial_rollout_tokens:
-        raise ConfigError("pipeline.partial_rollout_tokens is not simulated (the simulator does not track tokens "
-                          "between events); use pipeline.partial_rollout_s, or set it to 0")
+        raise ConfigError(
+            "pipeline.partial_rollout_tokens is not simulated (the simulator does not track tokens "
+            "between events); use pipeline.partial_rollout_s, or set it to 0"
+        )
     if (sim.rounds > 1) != (sim.cost_jitter > 0):
-        raise ConfigError(f"simulate.rounds = {sim.rounds} with simulate.cost_jitter = {sim.cost_jitter:g}: rounds differ "
-                          "only by their jittered costs; set both (e.g. --simulate.rounds 9 --simulate.cost_jitter 0.1) "
-                          "or neither")
+        raise ConfigError(
+            f"simulate.rounds = {sim.rounds} with simulate.cost_jitter = {sim.cost_jitter:g}: rounds differ "
+            "only by their jittered costs; set both (e.g. --simulate.rounds 9 --simulate.cost_jitter 0.1) "
+            "or neither"
+        )
     if sim.reference_loop and sim.placement == "split":
-        raise ConfigError("simulate.reference_loop runs every actor on the same cores: use simulate.placement = 'shared'")
+        raise ConfigError(
+            "simulate.reference_loop runs every actor on the same cores: use simulate.placement = 'shared'"
+        )
 
 
 def _check_not_real(run_dir: Path) -> None:
@@ -97,7 +132,9 @@ def _check_not_real(run_dir: Path) -> None:
     except (FileNotFoundError, json.JSONDecodeError):
         simulated = False
     if not simulated:
-        raise ConfigError(f"run_dir {str(run_dir)!r} holds a real run; give the simulation its own: --run-dir runs/simulated")
+        raise ConfigError(
+            f"run_dir {str(run_dir)!r} holds a real run; give the simulation its own: --run-dir runs/simulated"
+        )
 
 
 def simulate(cfg: Config, log=print) -> dict:
@@ -129,16 +166,23 @@ def simulate(cfg: Config, log=print) -> dict:
     if sim.sweep_replicas or sim.sweep_trainer_ranks or sim.sweep_budgets or sim.sweep_oversample:
         rows = sweep(cfg, resolve_costs)
         for row in rows:
-            log(_line(f"replicas {row['replicas']:>4} ranks {row['trainer_ranks']:>4} budget {row['max_staleness']} "
-                      f"oversample {row['oversample']:.2f}", row))
+            log(
+                _line(
+                    f"replicas {row['replicas']:>4} ranks {row['trainer_ranks']:>4} budget {row['max_staleness']} "
+                    f"oversample {row['oversample']:.2f}",
+                    row,
+                )
+            )
         best = recommend(rows, sim.device_budget)
         out.update(sweep=rows, recommended=best)
         if best is None:
             log(f"no swept configuration fits simulate.device_budget = {sim.device_budget} devices")
         else:
-            log(f"recommended for {sim.device_budget or 'any number of'} devices: {best['replicas']} replicas x "
+            log(
+                f"recommended for {sim.device_budget or 'any number of'} devices: {best['replicas']} replicas x "
                 f"{sim.gpus_per_replica} devices, {best['trainer_ranks']} trainer ranks, max_staleness "
-                f"{best['max_staleness']}, oversample {best['oversample']}")
+                f"{best['max_staleness']}, oversample {best['oversample']}"
+            )
     from gapless.report import build_report
 
     out["report"] = str(build_report([run_dir], run_dir / "report"))
@@ -147,14 +191,18 @@ def simulate(cfg: Config, log=print) -> dict:
 
 def _line(label: str, s: dict) -> str:
     drops = ", ".join(f"{k[6:]} {v:.0f}" for k, v in s.items() if k.startswith("drops/")) or "none"
-    line = (f"{label}: {s['s_per_sample'] * 1e3:.3f} ms/sample ({s['samples_per_s']:.1f} samples/s)  trainer idle "
-            f"{s['trainer_idle_frac']:.2f}  generator idle {s['generator_idle_frac']:.2f}  staleness "
-            f"{s['staleness_mean']:.2f} (max {s['staleness_max']:.0f})  drops: {drops}")
+    line = (
+        f"{label}: {s['s_per_sample'] * 1e3:.3f} ms/sample ({s['samples_per_s']:.1f} samples/s)  trainer idle "
+        f"{s['trainer_idle_frac']:.2f}  generator idle {s['generator_idle_frac']:.2f}  staleness "
+        f"{s['staleness_mean']:.2f} (max {s['staleness_max']:.0f})  drops: {drops}"
+    )
     if "rounds" in s:  # medians over jittered rounds (rounds.py), with their ranges
-        line += (f"  [median of {s['rounds']:.0f} rounds: ms {s['s_per_sample_min'] * 1e3:.2f}-"
-                 f"{s['s_per_sample_max'] * 1e3:.2f}, trainer idle {s['trainer_idle_frac_min']:.2f}-"
-                 f"{s['trainer_idle_frac_max']:.2f}, generator idle {s['generator_idle_frac_min']:.2f}-"
-                 f"{s['generator_idle_frac_max']:.2f}{'; idle moves > 0.10 within the jitter' if s['sensitive'] else ''}]")
+        line += (
+            f"  [median of {s['rounds']:.0f} rounds: ms {s['s_per_sample_min'] * 1e3:.2f}-"
+            f"{s['s_per_sample_max'] * 1e3:.2f}, trainer idle {s['trainer_idle_frac_min']:.2f}-"
+            f"{s['trainer_idle_frac_max']:.2f}, generator idle {s['generator_idle_frac_min']:.2f}-"
+            f"{s['generator_idle_frac_max']:.2f}{'; idle moves > 0.10 within the jitter' if s['sensitive'] else ''}]"
+        )
     return line
 
 
@@ -166,10 +214,12 @@ def calibrate_command(run_dirs: list[str], cfg: Config, log=print) -> dict:
     out = Path(cfg.simulate.costs_path or Path(run_dirs[0]) / "costs.json")
     out.write_text(costs.to_json())
     for row in rows:
-        log(f"{row['run']}: measured {row['measured_ms_per_sample']:.2f} ms/sample, predicted "
+        log(
+            f"{row['run']}: measured {row['measured_ms_per_sample']:.2f} ms/sample, predicted "
             f"{row['predicted_ms_per_sample']:.2f} ({row['error']:+.1%}); trainer idle {row['measured_trainer_idle']:.2f} / "
             f"{row['predicted_trainer_idle']:.2f}, generator idle {row['measured_generator_idle']:.2f} / "
-            f"{row['predicted_generator_idle']:.2f}")
+            f"{row['predicted_generator_idle']:.2f}"
+        )
     log(f"{costs.source}; costs written to {out}; use them with --simulate.costs_path {out}")
     return {"costs_path": str(out), "runs": rows}
 
@@ -179,13 +229,13 @@ def main(argv: list[str], load) -> int:
     if "--calibrate" in argv:
         i = argv.index("--calibrate")
         run_dirs = []
-        for arg in argv[i + 1:]:
+        for arg in argv[i + 1 :]:
             if arg.startswith("--"):
                 break
             run_dirs.append(arg)
         if not run_dirs:
             raise ConfigError("--calibrate needs at least one RUN_DIR (a `gapless train` run directory)")
-        cfg = load(argv[:i] + argv[i + 1 + len(run_dirs):])
+        cfg = load(argv[:i] + argv[i + 1 + len(run_dirs) :])
         print(json.dumps(calibrate_command(run_dirs, cfg)))
         return 0
     cfg = load(argv)

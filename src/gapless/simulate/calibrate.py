@@ -114,32 +114,50 @@ def read_run(path: str | Path, cores: int) -> Measured:
         raw = json.loads((path / "config.json").read_text())
         records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
     except FileNotFoundError as exc:
-        raise ConfigError(f"--calibrate {path}: not a run directory ({exc.filename} is missing); "
-                          "pass the RUN_DIR of a `gapless train` run") from None
+        raise ConfigError(
+            f"--calibrate {path}: not a run directory ({exc.filename} is missing); "
+            "pass the RUN_DIR of a `gapless train` run"
+        ) from None
     steps = [r for r in records if "perf/step_s" in r]
     if len(steps) < 2:
-        raise ConfigError(f"--calibrate {path}: {len(steps)} training steps in metrics.jsonl; calibration needs at least 2")
+        raise ConfigError(
+            f"--calibrate {path}: {len(steps)} training steps in metrics.jsonl; calibration needs at least 2"
+        )
     reference = "perf/generate_s" in steps[0]
     measured = steps[1:]
     raw.pop("simulate", None)
-    raw.setdefault("pipeline", {})["lend_while_scoring"] = lent_while_scoring(raw)  # the rule it ran, not today's default
+    raw.setdefault("pipeline", {})["lend_while_scoring"] = lent_while_scoring(
+        raw
+    )  # the rule it ran, not today's default
     cfg = Config.model_validate(raw)
-    sim = cfg.simulate.model_copy(update={"placement": "shared", "cores": cores, "steps": len(steps),
-                                          "reference_loop": reference, "timeline_steps": 0})
+    sim = cfg.simulate.model_copy(
+        update={
+            "placement": "shared",
+            "cores": cores,
+            "steps": len(steps),
+            "reference_loop": reference,
+            "timeline_steps": 0,
+        }
+    )
     cfg = cfg.model_copy(update={"simulate": sim})
     samples = cfg.loop.prompts_per_step * cfg.generator.group_size
     total = sum(m["perf/step_s"] for m in measured)
     # seconds of each step the generator did not decode: idle, or blocked on the environment's queue
-    not_decoding = [(m.get("perf/generator_idle_frac", 0) + m.get("perf/generator_blocked_frac", 0)) * m["perf/step_s"]
-                    for m in measured]
+    not_decoding = [
+        (m.get("perf/generator_idle_frac", 0) + m.get("perf/generator_blocked_frac", 0)) * m["perf/step_s"]
+        for m in measured
+    ]
     if reference:
         gen_busy = [m["perf/generate_s"] for m in measured]
         score = [m["perf/score_s"] for m in measured]
     else:
         gen_busy = [m["perf/step_s"] - idle for m, idle in zip(measured, not_decoding)]
         start = measured[0]["time"] - measured[0]["perf/step_s"]
-        score = [s["end"] - s["start"] for s in read_records(path)
-                 if s.get("actor") == "env" and s.get("name") == "score" and s["start"] >= start]
+        score = [
+            s["end"] - s["start"]
+            for s in read_records(path)
+            if s.get("actor") == "env" and s.get("name") == "score" and s["start"] >= start
+        ]
     return Measured(
         path.name, cfg, len(steps), total / (len(measured) * samples),
         sum(m["perf/trainer_idle_frac"] * m["perf/step_s"] for m in measured) / total, sum(not_decoding) / total,
@@ -171,8 +189,12 @@ def simulate_run(run: Measured, costs: Costs, lengths: LengthModel | None = None
     score = [r.score_s for r in steps if r.score_s > 0]
     if run.cfg.simulate.reference_loop:  # the scoring phase: what is neither generation nor training
         score = [r.step_s - r.gen_busy_s - r.train_s - r.push_s for r in steps]
-    return {**summary, "train_s": _mean([r.train_s for r in steps]), "gen_busy_s": _mean([r.gen_busy_s for r in steps]),
-            "score_s": _mean(score)}
+    return {
+        **summary,
+        "train_s": _mean([r.train_s for r in steps]),
+        "gen_busy_s": _mean([r.gen_busy_s for r in steps]),
+        "score_s": _mean(score),
+    }
 
 
 def _gmean(values: list[float]) -> float:
@@ -192,12 +214,23 @@ def initial_costs(runs: list[Measured], cores: int, efficiency: float, decode_fi
     tokens = samples * run.length_mean
     decode_steps = cfg.generator.max_new_tokens  # a step's batch fits the engine: it decodes to its longest
     row_s = run.gen_busy_s * pool.speed_of(gen_threads) / (STEP_ROWS * decode_steps + tokens)
-    train_speed = pool.speed_of(trainer_threads + run.borrowed_frac * (gen_threads if cfg.pipeline.max_staleness else 0))
+    train_speed = pool.speed_of(
+        trainer_threads + run.borrowed_frac * (gen_threads if cfg.pipeline.max_staleness else 0)
+    )
     token_s = run.train_s * train_speed / (samples * (prompt + run.length_mean))
     cpu_s = max(run.score_s, 1e-4) * 0.5  # refined by simulation
-    return Costs(GenerationCost(STEP_ROWS * row_s, row_s, 0.0), lengths, TrainerCost(token_s),
-                 EnvCost(cpu_s=cpu_s), RelayCost(latency_s=run.push_s), prompt, efficiency,
-                 source="calibrated", barrier_teams=True, decode_first=decode_first).check()  # runs on CPU cores
+    return Costs(
+        GenerationCost(STEP_ROWS * row_s, row_s, 0.0),
+        lengths,
+        TrainerCost(token_s),
+        EnvCost(cpu_s=cpu_s),
+        RelayCost(latency_s=run.push_s),
+        prompt,
+        efficiency,
+        source="calibrated",
+        barrier_teams=True,
+        decode_first=decode_first,
+    ).check()  # runs on CPU cores
 
 
 def fit(runs: list[Measured], cores: int, efficiency: float, decode_first: bool = True, rounds: int = 5) -> Costs:
@@ -207,21 +240,36 @@ def fit(runs: list[Measured], cores: int, efficiency: float, decode_first: bool 
         gen = _gmean([r.gen_busy_s / p["gen_busy_s"] for r, p in zip(runs, predicted) if p["gen_busy_s"] > 0])
         train = _gmean([r.train_s / p["train_s"] for r, p in zip(runs, predicted) if p["train_s"] > 0])
         delay = [r.cfg.task.score_delay_s for r in runs]
-        score = _gmean([max(r.score_s - (d if not r.cfg.simulate.reference_loop else 0), 1e-5) /
-                        max(p["score_s"] - (d if not r.cfg.simulate.reference_loop else 0), 1e-5)
-                        for r, p, d in zip(runs, predicted, delay) if p["score_s"] > 0])
+        score = _gmean(
+            [
+                max(r.score_s - (d if not r.cfg.simulate.reference_loop else 0), 1e-5)
+                / max(p["score_s"] - (d if not r.cfg.simulate.reference_loop else 0), 1e-5)
+                for r, p, d in zip(runs, predicted, delay)
+                if p["score_s"] > 0
+            ]
+        )
         g, t = costs.generation, costs.trainer
-        costs = replace(costs, generation=GenerationCost(g.step_s * gen, g.row_s * gen, g.prefill_token_s * gen),
-                        trainer=TrainerCost(t.token_s * train, t.step_s * train),
-                        env=replace(costs.env, cpu_s=costs.env.cpu_s * score))
+        costs = replace(
+            costs,
+            generation=GenerationCost(g.step_s * gen, g.row_s * gen, g.prefill_token_s * gen),
+            trainer=TrainerCost(t.token_s * train, t.step_s * train),
+            env=replace(costs.env, cpu_s=costs.env.cpu_s * score),
+        )
     return costs.check()
 
 
 def point_of(costs: Costs) -> list[float]:
     """The joint fit's coordinates of `costs` (a zero scoring wait starts at 1 ms: its log is a coordinate)."""
-    return [math.log(costs.generation.row_s), math.log(costs.trainer.token_s), math.log(costs.env.cpu_s),
-            costs.parallel_efficiency, math.log(max(costs.env.wait_p50_s, 1e-3)), costs.barrier_efficiency,
-            costs.contention_efficiency, costs.sandbox_runnable]
+    return [
+        math.log(costs.generation.row_s),
+        math.log(costs.trainer.token_s),
+        math.log(costs.env.cpu_s),
+        costs.parallel_efficiency,
+        math.log(max(costs.env.wait_p50_s, 1e-3)),
+        costs.barrier_efficiency,
+        costs.contention_efficiency,
+        costs.sandbox_runnable,
+    ]
 
 
 def with_point(costs: Costs, x: list[float]) -> Costs:
@@ -229,11 +277,16 @@ def with_point(costs: Costs, x: list[float]) -> Costs:
     x = [min(max(v, 0.2), 1.0) if i in UNITS else v for i, v in enumerate(x)]
     g, scale = costs.generation, math.exp(x[0]) / costs.generation.row_s
     wait = math.exp(x[4])
-    return replace(costs, generation=GenerationCost(g.step_s * scale, g.row_s * scale, g.prefill_token_s * scale),
-                   trainer=TrainerCost(math.exp(x[1]), costs.trainer.step_s),
-                   env=replace(costs.env, cpu_s=math.exp(x[2]), wait_p50_s=wait, wait_p99_s=wait),
-                   parallel_efficiency=x[3], barrier_efficiency=x[5], contention_efficiency=x[6],
-                   sandbox_runnable=x[7]).check()
+    return replace(
+        costs,
+        generation=GenerationCost(g.step_s * scale, g.row_s * scale, g.prefill_token_s * scale),
+        trainer=TrainerCost(math.exp(x[1]), costs.trainer.step_s),
+        env=replace(costs.env, cpu_s=math.exp(x[2]), wait_p50_s=wait, wait_p99_s=wait),
+        parallel_efficiency=x[3],
+        barrier_efficiency=x[5],
+        contention_efficiency=x[6],
+        sandbox_runnable=x[7],
+    ).check()
 
 
 def joint_error(runs: list[Measured], costs: Costs) -> float:
@@ -283,11 +336,15 @@ def calibrate(run_dirs: list[str | Path], cores: int = 0, iterations: int = 0) -
     costs = min(tried.values(), key=lambda pair: pair[0])[1]
     source = "calibrated on " + ", ".join(run.name for run in runs)
     if iterations > 0:  # from each decode rule's best scaling fit: the simplex is local, and the rules far apart
-        starts = [min((v for k, v in tried.items() if k[1] == rule), key=lambda pair: pair[0])[1] for rule in (True, False)]
+        starts = [
+            min((v for k, v in tried.items() if k[1] == rule), key=lambda pair: pair[0])[1] for rule in (True, False)
+        ]
         fits = [refine(runs, start, iterations) for start in starts]
         costs, after, before = min(fits, key=lambda fit: fit[1])
-        source += (f" (joint fit, {iterations} iterations from each decode rule: error {before:.4f} -> {after:.4f}, "
-                   f"decode first {costs.decode_first})")
+        source += (
+            f" (joint fit, {iterations} iterations from each decode rule: error {before:.4f} -> {after:.4f}, "
+            f"decode first {costs.decode_first})"
+        )
     costs = replace(costs, source=source)
     return costs, [compare(run, costs) for run in runs]
 
@@ -300,16 +357,23 @@ def run_error(run: Measured, costs: Costs) -> float:
 
 
 def _error(run: Measured, predicted: dict[str, float]) -> float:
-    return (math.log(predicted["s_per_sample"] / run.s_per_sample) ** 2
-            + (predicted["trainer_idle_frac"] - run.trainer_idle_frac) ** 2
-            + (predicted["generator_idle_frac"] - run.generator_idle_frac) ** 2)
+    return (
+        math.log(predicted["s_per_sample"] / run.s_per_sample) ** 2
+        + (predicted["trainer_idle_frac"] - run.trainer_idle_frac) ** 2
+        + (predicted["generator_idle_frac"] - run.generator_idle_frac) ** 2
+    )
 
 
 def compare(run: Measured, costs: Costs) -> dict:
     predicted = simulate_run(run, costs, lengths_of(run))
-    return {"run": run.name, "budget": "ref" if run.cfg.simulate.reference_loop else run.cfg.pipeline.max_staleness,
-            "measured_ms_per_sample": run.s_per_sample * 1e3, "predicted_ms_per_sample": predicted["s_per_sample"] * 1e3,
-            "error": predicted["s_per_sample"] / run.s_per_sample - 1,
-            "measured_trainer_idle": run.trainer_idle_frac, "predicted_trainer_idle": predicted["trainer_idle_frac"],
-            "measured_generator_idle": run.generator_idle_frac,
-            "predicted_generator_idle": predicted["generator_idle_frac"]}
+    return {
+        "run": run.name,
+        "budget": "ref" if run.cfg.simulate.reference_loop else run.cfg.pipeline.max_staleness,
+        "measured_ms_per_sample": run.s_per_sample * 1e3,
+        "predicted_ms_per_sample": predicted["s_per_sample"] * 1e3,
+        "error": predicted["s_per_sample"] / run.s_per_sample - 1,
+        "measured_trainer_idle": run.trainer_idle_frac,
+        "predicted_trainer_idle": predicted["trainer_idle_frac"],
+        "measured_generator_idle": run.generator_idle_frac,
+        "predicted_generator_idle": predicted["generator_idle_frac"],
+    }

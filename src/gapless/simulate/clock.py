@@ -49,7 +49,9 @@ class EventLoop:
                 cancelled.discard(seq)
                 continue
             if time_s > max_time_s:
-                raise RuntimeError(f"simulation passed {max_time_s:.0f} simulated seconds without finishing: "
-                                   "a stage never completes (check the cost model for zero rates)")
+                raise RuntimeError(
+                    f"simulation passed {max_time_s:.0f} simulated seconds without finishing: "
+                    "a stage never completes (check the cost model for zero rates)"
+                )
             self.now = time_s
             callback()

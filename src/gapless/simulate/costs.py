@@ -138,7 +138,9 @@ class Costs:
     barrier_teams: bool = False  # shared placement on CPU cores: decode and training are OpenMP teams (pool.py)
     decode_first: bool = False  # shared placement on CPU cores: a one-thread decode is served first (pool.py)
     barrier_efficiency: float = 1.0  # with barrier_teams: share of one thread's speed an oversubscribed team keeps
-    contention_efficiency: float = 1.0  # shared placement: share of its speed every job keeps while the pool is oversubscribed
+    contention_efficiency: float = (
+        1.0  # shared placement: share of its speed every job keeps while the pool is oversubscribed
+    )
     sandbox_runnable: float = 1.0  # shared placement: share of their threads the sandbox's programs count for (run.py)
 
     def check(self) -> "Costs":
@@ -160,12 +162,21 @@ class Costs:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Costs":
-        return cls(GenerationCost(**data["generation"]), LengthModel(**data["lengths"]), TrainerCost(**data["trainer"]),
-                   EnvCost(**data.get("env", {})), RelayCost(**data.get("relay", {})),
-                   data.get("prompt_tokens", 32), data.get("parallel_efficiency", 1.0), data.get("source", "given"),
-                   data.get("barrier_teams", False), data.get("decode_first", False),
-                   data.get("barrier_efficiency", 1.0), data.get("contention_efficiency", 1.0),
-                   data.get("sandbox_runnable", 1.0)).check()
+        return cls(
+            GenerationCost(**data["generation"]),
+            LengthModel(**data["lengths"]),
+            TrainerCost(**data["trainer"]),
+            EnvCost(**data.get("env", {})),
+            RelayCost(**data.get("relay", {})),
+            data.get("prompt_tokens", 32),
+            data.get("parallel_efficiency", 1.0),
+            data.get("source", "given"),
+            data.get("barrier_teams", False),
+            data.get("decode_first", False),
+            data.get("barrier_efficiency", 1.0),
+            data.get("contention_efficiency", 1.0),
+            data.get("sandbox_runnable", 1.0),
+        ).check()
 
     @classmethod
     def load(cls, path: str | Path) -> "Costs":
@@ -179,10 +190,20 @@ class DeviceSpec:
     interconnect_bw: float = 50e9  # bytes/s for the weight relay (trainer -> generators)
 
 
-def roofline_costs(device: DeviceSpec, params: float, bytes_per_param: float, kv_bytes_per_token: float,
-                   gpus_per_replica: int, mean_context: float, lengths: LengthModel,
-                   gen_efficiency: float, train_mfu: float, prompt_tokens: int, relay_latency_s: float = 0.0,
-                   decode_step_overhead_s: float = 0.0) -> Costs:
+def roofline_costs(
+    device: DeviceSpec,
+    params: float,
+    bytes_per_param: float,
+    kv_bytes_per_token: float,
+    gpus_per_replica: int,
+    mean_context: float,
+    lengths: LengthModel,
+    gen_efficiency: float,
+    train_mfu: float,
+    prompt_tokens: int,
+    relay_latency_s: float = 0.0,
+    decode_step_overhead_s: float = 0.0,
+) -> Costs:
     """Costs of a replica of `gpus_per_replica` devices (tensor parallel, perfect scaling assumed)
     and a trainer rank (data parallel: a step divides its tokens among the ranks), from the roofline:
     decode step = `decode_step_overhead_s` + weight bytes / bandwidth (once per step) + per row (2N
@@ -190,9 +211,17 @@ def roofline_costs(device: DeviceSpec, params: float, bytes_per_param: float, kv
     token = 6N FLOPs at train_mfu."""
     g = gpus_per_replica
     step_s = decode_step_overhead_s + params * bytes_per_param / (device.memory_bw * g)  # the weights read once
-    row_s = 2 * params / (device.flops * gen_efficiency * g) + kv_bytes_per_token * mean_context / (device.memory_bw * g)
+    row_s = 2 * params / (device.flops * gen_efficiency * g) + kv_bytes_per_token * mean_context / (
+        device.memory_bw * g
+    )
     prefill_s = 2 * params / (device.flops * gen_efficiency * g)
     token_s = 6 * params / (device.flops * train_mfu)  # on one rank; the step divides by the ranks
     relay = RelayCost(relay_latency_s, params * bytes_per_param, device.interconnect_bw)
-    return Costs(GenerationCost(step_s, row_s, prefill_s), lengths, TrainerCost(token_s), relay=relay,
-                 prompt_tokens=prompt_tokens, source="roofline").check()
+    return Costs(
+        GenerationCost(step_s, row_s, prefill_s),
+        lengths,
+        TrainerCost(token_s),
+        relay=relay,
+        prompt_tokens=prompt_tokens,
+        source="roofline",
+    ).check()

@@ -66,14 +66,26 @@ def _occupancy(remaining: list[int]) -> float:
 
 
 class Replica:
-    def __init__(self, rid: int, loop: EventLoop, pool, cap: float, cost: GenerationCost, prompt_tokens: int,
-                 max_batch: int, on_finished: Callable[[SimGroup], None], on_busy: Callable[[int, bool], None]):
+    def __init__(
+        self,
+        rid: int,
+        loop: EventLoop,
+        pool,
+        cap: float,
+        cost: GenerationCost,
+        prompt_tokens: int,
+        max_batch: int,
+        on_finished: Callable[[SimGroup], None],
+        on_busy: Callable[[int, bool], None],
+    ):
         self.rid, self.loop, self.pool, self.cap, self.cost = rid, loop, pool, cap, cost
         self.prompt_tokens, self.max_batch = prompt_tokens, max_batch
         self.on_finished, self.on_busy = on_finished, on_busy
         self.version = 0
         self.waiting: deque[SimGroup] = deque()
-        self.running: dict[int, tuple[SimGroup, float, float, int]] = {}  # index -> (group, start step, end step, serial)
+        self.running: dict[
+            int, tuple[SimGroup, float, float, int]
+        ] = {}  # index -> (group, start step, end step, serial)
         self.ends: list[tuple[float, int]] = []  # heap of (end step, index), lazily cleaned
         self.k = 0.0  # decode steps done (fractional between events)
         self.rows = 0.0  # mean occupancy of the running groups: the rows a decode step costs

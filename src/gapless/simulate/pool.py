@@ -48,8 +48,15 @@ if TYPE_CHECKING:
 
 
 class SharedPool:
-    def __init__(self, units: float, parallel_efficiency: float = 1.0, barrier_teams: bool = False,
-                 decode_first: bool = False, barrier_efficiency: float = 1.0, contention_efficiency: float = 1.0):
+    def __init__(
+        self,
+        units: float,
+        parallel_efficiency: float = 1.0,
+        barrier_teams: bool = False,
+        decode_first: bool = False,
+        barrier_efficiency: float = 1.0,
+        contention_efficiency: float = 1.0,
+    ):
         self.units, self.efficiency, self.barrier_teams = units, parallel_efficiency, barrier_teams
         self.decode_first, self.barrier_efficiency = decode_first, barrier_efficiency
         self.contention_efficiency = contention_efficiency
@@ -60,14 +67,21 @@ class SharedPool:
     @classmethod
     def for_costs(cls, units: float, costs: "Costs") -> "SharedPool":
         """The pool a cost model's sharing rules describe (its efficiencies, teams, decode first)."""
-        return cls(units, costs.parallel_efficiency, costs.barrier_teams, costs.decode_first, costs.barrier_efficiency,
-                   costs.contention_efficiency)
+        return cls(
+            units,
+            costs.parallel_efficiency,
+            costs.barrier_teams,
+            costs.decode_first,
+            costs.barrier_efficiency,
+            costs.contention_efficiency,
+        )
 
     def speed_of(self, allocation: float) -> float:
         return min(allocation, 1.0) + self.efficiency * max(allocation - 1.0, 0.0)
 
-    def start(self, key: object, cap: float, on_speed: Callable[[float], None], team: bool = False,
-              first: bool = False) -> None:
+    def start(
+        self, key: object, cap: float, on_speed: Callable[[float], None], team: bool = False, first: bool = False
+    ) -> None:
         """`first`: a one-thread decode, served before the others when the pool has `decode_first`."""
         self.jobs[key] = (cap, on_speed, team, first and cap <= 1.0)
         self._share()
@@ -93,7 +107,9 @@ class SharedPool:
             if key in first:
                 speed = self.speed_of(cap)
             elif team and self.barrier_teams and scale < 1.0 and cap > 1.0:
-                speed = scale * self.barrier_efficiency  # one thread's share at best: the others wait for it at the barrier
+                speed = (
+                    scale * self.barrier_efficiency
+                )  # one thread's share at best: the others wait for it at the barrier
             else:
                 speed = self.speed_of(cap * scale)
             if scale < 1.0:
@@ -106,8 +122,9 @@ class SharedPool:
 class DedicatedPool:
     """Every actor on its own devices: speed 1, no contention."""
 
-    def start(self, key: object, cap: float, on_speed: Callable[[float], None], team: bool = False,
-              first: bool = False) -> None:
+    def start(
+        self, key: object, cap: float, on_speed: Callable[[float], None], team: bool = False, first: bool = False
+    ) -> None:
         on_speed(1.0)
 
     def set_cap(self, key: object, cap: float) -> None:
@@ -122,8 +139,16 @@ class Work:
     tracking every speed change on the way. `team`: an OpenMP team (SharedPool.barrier_teams);
     `first`: a one-thread decode (SharedPool.decode_first)."""
 
-    def __init__(self, loop, pool, cap: float, amount_s: float, on_done: Callable[[], None], team: bool = False,
-                 first: bool = False):
+    def __init__(
+        self,
+        loop,
+        pool,
+        cap: float,
+        amount_s: float,
+        on_done: Callable[[], None],
+        team: bool = False,
+        first: bool = False,
+    ):
         self.loop, self.pool, self.on_done = loop, pool, on_done
         self.remaining, self.speed, self.t_last, self.token = amount_s, 0.0, loop.now, None
         self.finished = False

@@ -72,5 +72,17 @@ def write_timeline(result: SimResult, run_dir: Path) -> None:
         with open(folder / f"{actor}-{pid}.jsonl", "w") as fh:
             for name, start, end in spans:
                 if end > start:
-                    fh.write(json.dumps({"actor": actor, "name": name, "pid": pid, "tid": 0, "start": EPOCH + start,
-                                         "end": EPOCH + end, "args": {}}) + "\n")
+                    fh.write(
+                        json.dumps(
+                            {
+                                "actor": actor,
+                                "name": name,
+                                "pid": pid,
+                                "tid": 0,
+                                "start": EPOCH + start,
+                                "end": EPOCH + end,
+                                "args": {},
+                            }
+                        )
+                        + "\n"
+                    )

@@ -50,9 +50,14 @@ def jittered(costs: Costs, jitter: float, rng: random.Random) -> Costs:
         costs,
         generation=replace(gen, step_s=gen.step_s * g, row_s=gen.row_s * g, prefill_token_s=gen.prefill_token_s * g),
         trainer=replace(costs.trainer, token_s=costs.trainer.token_s * t, step_s=costs.trainer.step_s * t),
-        env=replace(costs.env, cpu_s=costs.env.cpu_s * e, wait_p50_s=costs.env.wait_p50_s * w,
-                    wait_p99_s=costs.env.wait_p99_s * w),
-        relay=replace(costs.relay, latency_s=costs.relay.latency_s * r, bytes=costs.relay.bytes * r))
+        env=replace(
+            costs.env,
+            cpu_s=costs.env.cpu_s * e,
+            wait_p50_s=costs.env.wait_p50_s * w,
+            wait_p99_s=costs.env.wait_p99_s * w,
+        ),
+        relay=replace(costs.relay, latency_s=costs.relay.latency_s * r, bytes=costs.relay.bytes * r),
+    )
 
 
 def round_costs(costs: Costs, jitter: float, seed: int, rounds: int) -> list[Costs]:
@@ -74,8 +79,12 @@ class Rounds:
             for key in SPREAD_KEYS:
                 values = [s[key] for s in self.summaries]
                 out[f"{key}_min"], out[f"{key}_max"] = min(values), max(values)
-            out["sensitive"] = float(any(
-                out[f"{k}_max"] - out[f"{k}_min"] > SENSITIVE_IDLE for k in ("trainer_idle_frac", "generator_idle_frac")))
+            out["sensitive"] = float(
+                any(
+                    out[f"{k}_max"] - out[f"{k}_min"] > SENSITIVE_IDLE
+                    for k in ("trainer_idle_frac", "generator_idle_frac")
+                )
+            )
         return out
 
     @property
@@ -85,8 +94,9 @@ class Rounds:
         return order[(len(order) - 1) // 2]
 
 
-def simulate_rounds(cfg: Config, costs: Costs, rounds: int | None = None, jitter: float | None = None,
-                    timeline_steps: int | None = 0) -> tuple[Rounds, list[Costs]]:
+def simulate_rounds(
+    cfg: Config, costs: Costs, rounds: int | None = None, jitter: float | None = None, timeline_steps: int | None = 0
+) -> tuple[Rounds, list[Costs]]:
     """Simulate `cfg` once per round (simulate.rounds, simulate.cost_jitter unless given)."""
     rounds = cfg.simulate.rounds if rounds is None else rounds
     jitter = cfg.simulate.cost_jitter if jitter is None else jitter

@@ -178,8 +178,20 @@ class Simulation:
         self.partial = PartialRollouts(0, pl.partial_rollout_s, clock=self.loop.clock)
         replicas = sim.replicas if not self.reference else 1
         cap = self.gen_threads / replicas  # shared: the generator's threads (or devices) split among its replicas
-        self.replicas = [Replica(r, self.loop, self.pool, cap, costs.generation, costs.prompt_tokens,
-                                 cfg.generator.max_batch, self._generated, self._replica_busy) for r in range(replicas)]
+        self.replicas = [
+            Replica(
+                r,
+                self.loop,
+                self.pool,
+                cap,
+                costs.generation,
+                costs.prompt_tokens,
+                cfg.generator.max_batch,
+                self._generated,
+                self._replica_busy,
+            )
+            for r in range(replicas)
+        ]
         self.views = [PartialView(r) for r in self.replicas]
         self.where: dict[int, Replica] = {}  # group index -> its replica
         self.gen_version = 0
@@ -247,8 +259,11 @@ class Simulation:
             self.cuts += len(self.partial.cut(view, lambda rid: sampling_params(self.cfg, int(rid))))
         self.loop.cancel(self.partial_token)
         self.partial_token = None
-        future = [since + self.partial.deadline_s for since in self.partial.running_since.values()
-                  if since + self.partial.deadline_s > self.loop.now]
+        future = [
+            since + self.partial.deadline_s
+            for since in self.partial.running_since.values()
+            if since + self.partial.deadline_s > self.loop.now
+        ]
         if future and self.version < self.steps:  # a deadline already past waits for a queue change
             self.partial_token = self.loop.at(min(future), self._partial_tick)
 
@@ -394,8 +409,9 @@ class Simulation:
         for index in [i for i in self.lengths_of if i in self.buffer.closed]:
             del self.lengths_of[index]  # dropped after scoring
         tokens = sum(self.costs.prompt_tokens * self.G + sum(n) for n in lengths)
-        padded = padded_tokens([self.costs.prompt_tokens + n for group in lengths for n in group],
-                               self.cfg.trainer.micro_batch_size)  # what the forward and backward passes compute
+        padded = padded_tokens(
+            [self.costs.prompt_tokens + n for group in lengths for n in group], self.cfg.trainer.micro_batch_size
+        )  # what the forward and backward passes compute
         cost = self.costs.trainer
         self.training = True
         train_start = now
@@ -408,8 +424,9 @@ class Simulation:
 
         self._span("trainer", "wait_rollouts", self.wait_start, now, step)
         ranks = 1 if self.shared else self.cfg.simulate.trainer_ranks  # split: data parallel over the ranks
-        self.work = Work(self.loop, self.pool, self._trainer_cap(), cost.step_s + cost.token_s * padded / ranks, trained,
-                         team=True)
+        self.work = Work(
+            self.loop, self.pool, self._trainer_cap(), cost.step_s + cost.token_s * padded / ranks, trained, team=True
+        )
 
     def _published(self, step, groups, lengths, waited, train_s, push_s, tokens) -> None:
         now = self.loop.now
@@ -424,15 +441,25 @@ class Simulation:
         gen_tokens = sum(r.tokens for r in self.replicas)
         step_s = now - self.last_end
         window = max(step_s, 1e-12) * len(self.replicas)
-        self.records.append(StepRecord(
-            step, now, step_s, waited, train_s, push_s,
-            (idle - self.idle_mark) / window,
-            (gen_tokens - self.tokens_mark) / max(step_s, 1e-12),
-            dict(Counter(step - g.oldest_version for g in groups for _ in g.rollouts)),
-            sum(r.reward for g in groups for r in g.rollouts) / (len(groups) * self.G),
-            sum(map(sum, lengths)) / (len(groups) * self.G),
-            sum(n >= self.cap_tokens for group in lengths for n in group) / (len(groups) * self.G), tokens,
-            dict(self.buffer.drops), self.cuts))
+        self.records.append(
+            StepRecord(
+                step,
+                now,
+                step_s,
+                waited,
+                train_s,
+                push_s,
+                (idle - self.idle_mark) / window,
+                (gen_tokens - self.tokens_mark) / max(step_s, 1e-12),
+                dict(Counter(step - g.oldest_version for g in groups for _ in g.rollouts)),
+                sum(r.reward for g in groups for r in g.rollouts) / (len(groups) * self.G),
+                sum(map(sum, lengths)) / (len(groups) * self.G),
+                sum(n >= self.cap_tokens for group in lengths for n in group) / (len(groups) * self.G),
+                tokens,
+                dict(self.buffer.drops),
+                self.cuts,
+            )
+        )
         record = self.records[-1]
         busy = sum(r.busy_s for r in self.replicas)
         record.gen_busy_s = (busy - self.busy_mark) / len(self.replicas)
@@ -470,8 +497,10 @@ class Simulation:
         horizon = 1e6 * max(self.steps, 1) * max(self.costs.trainer.step_s + 1.0, 1.0)
         self.loop.run(until=lambda: self.version >= self.steps, max_time_s=horizon)
         if self.version < self.steps:
-            raise RuntimeError(f"the simulation stopped at step {self.version} of {self.steps} with no event left: "
-                               "nothing was admitted or scored (check loop.prompts_per_step and the costs)")
+            raise RuntimeError(
+                f"the simulation stopped at step {self.version} of {self.steps} with no event left: "
+                "nothing was admitted or scored (check loop.prompts_per_step and the costs)"
+            )
         self.buffer.close(self.version)
         self.ledger.close()
         spans = dict(self.spans)

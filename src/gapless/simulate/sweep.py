@@ -35,14 +35,25 @@ def with_levers(cfg: Config, replicas: int, ranks: int, budget: int, oversample:
 
 def sweep(cfg: Config, resolve_costs) -> list[dict]:
     sim = cfg.simulate
-    grid = itertools.product(sim.sweep_replicas or [sim.replicas], sim.sweep_trainer_ranks or [sim.trainer_ranks],
-                             sim.sweep_budgets or [cfg.pipeline.max_staleness],
-                             sim.sweep_oversample or [cfg.pipeline.oversample])
+    grid = itertools.product(
+        sim.sweep_replicas or [sim.replicas],
+        sim.sweep_trainer_ranks or [sim.trainer_ranks],
+        sim.sweep_budgets or [cfg.pipeline.max_staleness],
+        sim.sweep_oversample or [cfg.pipeline.oversample],
+    )
     rows = []
     for replicas, ranks, budget, oversample in grid:
         point = with_levers(cfg, replicas, ranks, budget, oversample)
-        rows.append({"replicas": replicas, "trainer_ranks": ranks, "max_staleness": budget, "oversample": oversample,
-                     "devices": devices(point), **simulate_rounds(point, resolve_costs(point))[0].summary()})
+        rows.append(
+            {
+                "replicas": replicas,
+                "trainer_ranks": ranks,
+                "max_staleness": budget,
+                "oversample": oversample,
+                "devices": devices(point),
+                **simulate_rounds(point, resolve_costs(point))[0].summary(),
+            }
+        )
     return rows
 
 

@@ -48,8 +48,9 @@ def _rloo(kept: list[float], eps: float) -> list[float]:
 ESTIMATORS: dict[str, Estimator] = {"grpo": _grpo, "drgrpo": _drgrpo, "rloo": _rloo}
 
 
-def group_advantages(rewards: list[float], valid: list[bool] | None = None, eps: float = 1e-6,
-                     estimator: str = "grpo") -> GroupAdvantages:
+def group_advantages(
+    rewards: list[float], valid: list[bool] | None = None, eps: float = 1e-6, estimator: str = "grpo"
+) -> GroupAdvantages:
     valid = list(valid) if valid is not None else [True] * len(rewards)
     kept = [r for r, ok in zip(rewards, valid) if ok]
     if len(kept) < 2 or all(r == kept[0] for r in kept):

@@ -68,8 +68,13 @@ class Batch:
 
     def cut_to(self, width: int) -> "Batch":
         """The first `width` token positions of every row (`width` - 1 predicted positions)."""
-        return replace(self, input_ids=self.input_ids[:, :width], attention_mask=self.attention_mask[:, :width],
-                       loss_mask=self.loss_mask[:, : width - 1], behaviour_logprobs=self.behaviour_logprobs[:, : width - 1])
+        return replace(
+            self,
+            input_ids=self.input_ids[:, :width],
+            attention_mask=self.attention_mask[:, :width],
+            loss_mask=self.loss_mask[:, : width - 1],
+            behaviour_logprobs=self.behaviour_logprobs[:, : width - 1],
+        )
 
     def select(self, index: list[int]) -> "Batch":
         keep = torch.tensor(index, dtype=torch.long)
@@ -78,15 +83,22 @@ class Batch:
     def with_targets(self, advantages: list[float], is_trainable: list[bool]) -> "Batch":
         """Set advantages and drop the loss of rows that must not train (mask, not removal)."""
         trainable = torch.tensor(is_trainable, dtype=self.loss_mask.dtype)[:, None]  # (B, 1)
-        return replace(self, advantages=torch.tensor(advantages, dtype=torch.float32), loss_mask=self.loss_mask * trainable)
+        return replace(
+            self, advantages=torch.tensor(advantages, dtype=torch.float32), loss_mask=self.loss_mask * trainable
+        )
 
     @property
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
 
-def build_batch(completions: list[Completion], advantages: list[float], valid: list[bool], pad_id: int,
-                group_ids: list[int] | None = None) -> Batch:
+def build_batch(
+    completions: list[Completion],
+    advantages: list[float],
+    valid: list[bool],
+    pad_id: int,
+    group_ids: list[int] | None = None,
+) -> Batch:
     width = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
     n = len(completions)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -103,7 +115,9 @@ def build_batch(completions: list[Completion], advantages: list[float], valid: l
             own = torch.ones(stop - start) if c.loss_mask is None else torch.tensor(c.loss_mask, dtype=torch.float32)
             loss_mask[row, start:stop] = own
     groups = torch.tensor(group_ids if group_ids is not None else [0] * n, dtype=torch.long)
-    return Batch(input_ids, attention_mask, loss_mask, behaviour_logprobs, torch.tensor(advantages, dtype=torch.float32), groups)
+    return Batch(
+        input_ids, attention_mask, loss_mask, behaviour_logprobs, torch.tensor(advantages, dtype=torch.float32), groups
+    )
 
 
 def first_trained_position(loss_mask: torch.Tensor) -> int:
@@ -136,23 +150,38 @@ def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
         return False
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
-                   first: int = 0) -> torch.Tensor:
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    first: int = 0,
+) -> torch.Tensor:
     """log p(input_ids[:, t+1] | prefix) for every t >= `first` at the sampling temperature, shape
     (B, L-1), 0 before `first` (pass `first_trained_position(loss_mask)` to skip the prompts)."""
-    logp, _ = selected_logprobs(_logits(model, input_ids, attention_mask, first), input_ids[:, first + 1 :], temperature)
+    logp, _ = selected_logprobs(
+        _logits(model, input_ids, attention_mask, first), input_ids[:, first + 1 :], temperature
+    )
     return F.pad(logp, (first, 0))
 
 
-def token_logprobs_and_entropy(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                               temperature: float = 1.0, entropy_grad: bool = False, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs_and_entropy(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    entropy_grad: bool = False,
+    first: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs` plus the entropy of each next-token distribution, both (B, L-1), 0 before
     `first`. The entropy carries gradient only with `entropy_grad` (an entropy bonus: the plain
     log-softmax path); otherwise it is a metric (selected_logprobs.py, which keeps no (B, T, V)
     log-softmax)."""
     logits, targets = _logits(model, input_ids, attention_mask, first), input_ids[:, first + 1 :]
     if entropy_grad and torch.is_grad_enabled():
-        logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)  # (B, T, V)
+        logp = torch.log_softmax(
+            logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1
+        )  # (B, T, V)
         entropy = -(logp.exp() * logp).sum(-1)
         picked = logp.gather(-1, targets[..., None]).squeeze(-1)
     else:

@@ -23,17 +23,22 @@ from pathlib import Path
 import torch
 
 from gapless.config import ConfigError
+from gapless.faults import fault_point
 from gapless.lora import load_adapter_state
 from gapless.models import Policy, save_tokenizer
-from gapless.faults import fault_point
-
 
 BASE = "base"  # a LoRA run's frozen base model, beside its step_N adapter checkpoints
 ADAPTER_FILE = "adapter_model.safetensors"  # peft's name
 
 
-def save_checkpoint(run_dir: Path, policy: Policy, optimizer: torch.optim.Optimizer, step: int, extra: dict,
-                    adapted: torch.nn.Module | None = None) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    extra: dict,
+    adapted: torch.nn.Module | None = None,
+) -> Path:
     """`adapted`: a LoRA run's peft model (its adapter is saved; `policy.model` is its base)."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -72,8 +77,10 @@ def checkpoint_model_dir(checkpoint: Path, is_lora: bool) -> Path:
     """Where `--resume` loads the policy model from: the checkpoint itself, or a LoRA run's base."""
     has_adapter = (checkpoint / ADAPTER_FILE).is_file()
     if has_adapter != is_lora:
-        raise ConfigError(f"--resume: {checkpoint} holds {'a LoRA adapter' if has_adapter else 'full weights'} but this run has "
-                          f"lora.rank = {'0' if not is_lora else 'above 0'}; resume with the config the run was started with")
+        raise ConfigError(
+            f"--resume: {checkpoint} holds {'a LoRA adapter' if has_adapter else 'full weights'} but this run has "
+            f"lora.rank = {'0' if not is_lora else 'above 0'}; resume with the config the run was started with"
+        )
     return checkpoint.parent / BASE if is_lora else checkpoint
 
 
@@ -83,7 +90,9 @@ def load_checkpoint_adapter(checkpoint: Path, adapted: torch.nn.Module) -> None:
     try:
         load_adapter_state(adapted, load_file(checkpoint / ADAPTER_FILE))
     except (KeyError, ValueError) as err:
-        raise ConfigError(f"--resume: the adapter in {checkpoint} does not fit this run's [lora] settings ({err})") from None
+        raise ConfigError(
+            f"--resume: the adapter in {checkpoint} does not fit this run's [lora] settings ({err})"
+        ) from None
 
 
 def load_trainer_state(path: Path, optimizer: torch.optim.Optimizer) -> dict:

@@ -76,8 +76,11 @@ class _ChunkedHead(torch.autograd.Function):
                 grad_weight += grad.T @ hidden[lo:hi].to(ctx.dtype)
             if needs_bias:
                 grad_bias += grad.sum(0)
-        cast = lambda t, like: None if t is None else t.to(like.dtype)
-        return grad_hidden, cast(grad_weight, weight), cast(grad_bias, bias), None, None, None
+        return grad_hidden, _cast(grad_weight, weight), _cast(grad_bias, bias), None, None, None
+
+
+def _cast(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    return None if grad is None else grad.to(like.dtype)
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -91,8 +94,15 @@ def _scaled_logits(hidden, weight, bias, temperature: float, dtype: torch.dtype)
     return z if temperature == 1.0 else z / temperature
 
 
-def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                  temperature: float = 1.0, chunk: int | None = None, fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk: int | None = None,
+    fp32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden (M, H), weight (V, H), bias (V,) or None, targets (M,) -> (log p(target), entropy),
     each (M,) in float32 or wider. `fp32`: compute the head in float32 whatever the weights' dtype."""
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:

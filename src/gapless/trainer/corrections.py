@@ -28,9 +28,16 @@ import torch
 _LOG_CLAMP = 20.0  # metrics only: keeps exp() of a sequence's log-ratio finite
 
 
-def importance_weights(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor,
-                       kind: str, level: str = "token", cap: float = 2.0, low: float = 0.5,
-                       high: float = 2.0) -> tuple[torch.Tensor, dict[str, float]]:
+def importance_weights(
+    trainer_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kind: str,
+    level: str = "token",
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Correction weights (B, T), no gradient, and summable diagnostics for this micro-batch."""
     with torch.no_grad():
         mask = mask.to(trainer_logprobs.dtype)

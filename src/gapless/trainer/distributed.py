@@ -51,15 +51,27 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from gapless.cluster.ranks import LocalRanks, RankHosts
 from gapless.config import ClusterConfig, TrainerConfig
 from gapless.errors import InfrastructureError
 from gapless.lora import LoraSpec
 from gapless.trainer.batch import Batch
 from gapless.trainer.corrections import summarise
-from gapless.trainer.dp_rank import (Crashed, Done, GatherOptimizer, JoinGroup, LoadOptimizer, RankEngine, RankSpec, Ready,
-                                     StepShare, Stop, join_group, rank_main)
+from gapless.trainer.dp_rank import (
+    Crashed,
+    Done,
+    GatherOptimizer,
+    JoinGroup,
+    LoadOptimizer,
+    RankEngine,
+    RankSpec,
+    Ready,
+    StepShare,
+    Stop,
+    join_group,
+    rank_main,
+)
 from gapless.trainer.normalisers import StepNorm
-from gapless.cluster.ranks import LocalRanks, RankHosts
 from gapless.trainer.trainer import GRPOTrainer, StepStats, Trainer
 
 POLL_S = 0.1
@@ -70,6 +82,7 @@ class TrainerRankFailed(InfrastructureError):
 
 
 # -- rank 0 ----------------------------------------------------------------------------------
+
 
 def deal_rows(batch: Batch, world_size: int) -> list[list[int]]:
     """Rows of each rank: sorted by length, dealt round-robin (similar token counts per rank)."""
@@ -83,8 +96,14 @@ def loss_free_row(batch: Batch) -> Batch:
     row = int(torch.argmin(lengths))
     width = int(lengths[row])
     one = batch.select([row])
-    return Batch(one.input_ids[:, :width], one.attention_mask[:, :width], torch.zeros_like(one.loss_mask[:, : width - 1]),
-                 one.behaviour_logprobs[:, : width - 1], torch.zeros_like(one.advantages), one.group_ids)
+    return Batch(
+        one.input_ids[:, :width],
+        one.attention_mask[:, :width],
+        torch.zeros_like(one.loss_mask[:, : width - 1]),
+        one.behaviour_logprobs[:, : width - 1],
+        torch.zeros_like(one.advantages),
+        one.group_ids,
+    )
 
 
 def merge_stats(parts: list[StepStats], correction: str) -> StepStats:
@@ -92,9 +111,15 @@ def merge_stats(parts: list[StepStats], correction: str) -> StepStats:
     whole step's token count); the gradient norm is global, the same on every rank."""
     offpolicy = [d for p in parts for d in p.offpolicy_parts]
     return StepStats(
-        loss=sum(p.loss for p in parts), grad_norm=parts[0].grad_norm, clip_frac=sum(p.clip_frac for p in parts),
-        ratio_mean=sum(p.ratio_mean for p in parts), kl_mean=sum(p.kl_mean for p in parts), num_tokens=parts[0].num_tokens,
-        entropy_mean=sum(p.entropy_mean for p in parts), offpolicy=summarise(offpolicy, correction), offpolicy_parts=offpolicy,
+        loss=sum(p.loss for p in parts),
+        grad_norm=parts[0].grad_norm,
+        clip_frac=sum(p.clip_frac for p in parts),
+        ratio_mean=sum(p.ratio_mean for p in parts),
+        kl_mean=sum(p.kl_mean for p in parts),
+        num_tokens=parts[0].num_tokens,
+        entropy_mean=sum(p.entropy_mean for p in parts),
+        offpolicy=summarise(offpolicy, correction),
+        offpolicy_parts=offpolicy,
     )
 
 
@@ -128,8 +153,15 @@ class DataParallelTrainer:
     """GRPOTrainer's interface (step, state_for_push, version, optimizer, reference_kl, model)
     over W ranks; see the module docstring."""
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, cluster: ClusterConfig, temperature: float = 1.0,
-                 max_new_tokens: int | None = None, hosts: RankHosts | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: TrainerConfig,
+        cluster: ClusterConfig,
+        temperature: float = 1.0,
+        max_new_tokens: int | None = None,
+        hosts: RankHosts | None = None,
+    ):
         """`hosts`: where ranks 1..W-1 run (cluster/ranks.py); None: processes on this machine."""
         global _live
         if cfg.loss == "drgrpo" and max_new_tokens is None:
@@ -148,18 +180,38 @@ class DataParallelTrainer:
         torch.save(model, buffer)
         _live = self
         for r in self._inboxes:
-            spec = RankSpec(r, self.world_size, cluster.data_parallel, cfg, temperature, max_new_tokens, buffer.getvalue(),
-                            self.hosts.rendezvous, cluster.op_timeout_s, torch.get_num_threads(), os.getpid(),
-                            self._inboxes[r], self.hosts.outbox(r))
+            spec = RankSpec(
+                r,
+                self.world_size,
+                cluster.data_parallel,
+                cfg,
+                temperature,
+                max_new_tokens,
+                buffer.getvalue(),
+                self.hosts.rendezvous,
+                cluster.op_timeout_s,
+                torch.get_num_threads(),
+                os.getpid(),
+                self._inboxes[r],
+                self.hosts.outbox(r),
+            )
             self.hosts.start(r, rank_main, spec)
-        self._await(lambda: None, Ready, "check in (start, import torch, build the model)", cluster.rendezvous_timeout_s)
+        self._await(
+            lambda: None, Ready, "check in (start, import torch, build the model)", cluster.rendezvous_timeout_s
+        )
         self._send(JoinGroup())
         engine_model = model if cluster.data_parallel == "ddp" else copy.deepcopy(model)
 
         def build() -> None:
-            join_group(0, self.world_size, self.hosts.store(self.world_size, cluster.rendezvous_timeout_s),
-                       cluster.op_timeout_s)
-            self._engine = RankEngine(engine_model, cluster.data_parallel, self.world_size, cfg, temperature, max_new_tokens)
+            join_group(
+                0,
+                self.world_size,
+                self.hosts.store(self.world_size, cluster.rendezvous_timeout_s),
+                cluster.op_timeout_s,
+            )
+            self._engine = RankEngine(
+                engine_model, cluster.data_parallel, self.world_size, cfg, temperature, max_new_tokens
+            )
 
         self._await(build, Ready, "join the process group and wrap the model", cluster.rendezvous_timeout_s)
 
@@ -174,7 +226,10 @@ class DataParallelTrainer:
             shares = [batch.select(r) for r in rows]
             count = max(len(s.cut(self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)) for s in shares)
             padding = loss_free_row(batch)
-            records = [StepShare(s, norm.select(torch.tensor(r, dtype=torch.long)), count, padding) for s, r in zip(shares, rows)]
+            records = [
+                StepShare(s, norm.select(torch.tensor(r, dtype=torch.long)), count, padding)
+                for s, r in zip(shares, rows)
+            ]
             for rank, inbox in self._inboxes.items():
                 inbox.put(records[rank])
             own: list[StepStats] = []
@@ -200,13 +255,19 @@ class DataParallelTrainer:
             return self._engine.optimizer_state()
         self._send(GatherOptimizer())
         out: list[dict] = []
-        self._await(lambda: out.append(self._engine.optimizer_state()), Done, "gather the optimizer state",
-                    self.cluster.op_timeout_s)
+        self._await(
+            lambda: out.append(self._engine.optimizer_state()),
+            Done,
+            "gather the optimizer state",
+            self.cluster.op_timeout_s,
+        )
         return out[0]
 
     def load_optimizer_state(self, state: dict) -> None:
         self._send(LoadOptimizer(state))
-        self._await(lambda: self._engine.load_optimizer(state), Done, "load the optimizer state", self.cluster.op_timeout_s)
+        self._await(
+            lambda: self._engine.load_optimizer(state), Done, "load the optimizer state", self.cluster.op_timeout_s
+        )
 
     # -- ranks --
 
@@ -218,7 +279,9 @@ class DataParallelTrainer:
         """Run rank 0's part `own` on a thread and collect each other rank's `reply`, polling the
         ranks every POLL_S: a dead, stopped or failed rank, or one past `timeout_s`, aborts."""
         if self._closed:
-            raise TrainerRankFailed("the data-parallel trainer was closed after a failure; restart the run with --resume")
+            raise TrainerRankFailed(
+                "the data-parallel trainer was closed after a failure; restart the run with --resume"
+            )
         error: list[BaseException] = []
 
         def run() -> None:
@@ -235,7 +298,9 @@ class DataParallelTrainer:
             worker.join(POLL_S if worker.is_alive() else 0)
             for message in self.hosts.receive(0 if worker.is_alive() else POLL_S):
                 if isinstance(message, Crashed):
-                    self._fail(f"trainer rank {message.rank} raised while it was to {what}:\n{message.traceback}", worker)
+                    self._fail(
+                        f"trainer rank {message.rank} raised while it was to {what}:\n{message.traceback}", worker
+                    )
                 if isinstance(message, reply):
                     replies[message.rank] = message
             for rank in self._inboxes:
@@ -245,16 +310,21 @@ class DataParallelTrainer:
                 self._fail(f"trainer rank 0 failed to {what}: {error[0]!r}", worker)
             if time.monotonic() > deadline:
                 missing = sorted(set(self._inboxes) - set(replies)) or [0]
-                self._fail(f"trainer rank(s) {missing} did not {what} within {timeout_s:g} s "
-                           "(cluster.op_timeout_s / cluster.rendezvous_timeout_s)", worker)
+                self._fail(
+                    f"trainer rank(s) {missing} did not {what} within {timeout_s:g} s "
+                    "(cluster.op_timeout_s / cluster.rendezvous_timeout_s)",
+                    worker,
+                )
         if error:
             self._fail(f"trainer rank 0 failed to {what}: {error[0]!r}", worker)
         return list(replies.values())
 
     def _fail(self, why: str, worker: threading.Thread | None = None) -> None:
         self.close(kill=True, worker=worker)
-        raise TrainerRankFailed(f"{why}\nThe trainer's ranks are stopped; fix the cause, then restart with --resume "
-                                "(the last checkpoint is intact).")
+        raise TrainerRankFailed(
+            f"{why}\nThe trainer's ranks are stopped; fix the cause, then restart with --resume "
+            "(the last checkpoint is intact)."
+        )
 
     def close(self, kill: bool = False, worker: threading.Thread | None = None) -> None:
         """Stop every rank (kill at once when `kill`: after a failure) and free the group."""
@@ -281,9 +351,15 @@ class DataParallelTrainer:
         self.close()
 
 
-def make_trainer(cfg: TrainerConfig, model: torch.nn.Module, cluster: ClusterConfig, temperature: float = 1.0,
-                 max_new_tokens: int | None = None, lora: LoraSpec | None = None,
-                 hosts: RankHosts | None = None) -> Trainer:
+def make_trainer(
+    cfg: TrainerConfig,
+    model: torch.nn.Module,
+    cluster: ClusterConfig,
+    temperature: float = 1.0,
+    max_new_tokens: int | None = None,
+    lora: LoraSpec | None = None,
+    hosts: RankHosts | None = None,
+) -> Trainer:
     """GRPOTrainer at cluster.trainer_world_size 1 (the code path of every single-process run),
     the data-parallel trainer above it, its ranks on `hosts` (None: processes on this machine).
     `lora`: train that adapter (world size 1 only; config/checks.py)."""

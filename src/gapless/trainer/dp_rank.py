@@ -34,14 +34,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gapless.cluster.ranks import Rendezvous
 from gapless.config import TrainerConfig
 from gapless.trainer.batch import Batch
 from gapless.trainer.normalisers import StepNorm
-from gapless.cluster.ranks import Rendezvous
 from gapless.trainer.trainer import GRPOTrainer, ShardPlan, StepStats
 
-
 # -- messages (rank 0 -> rank r through its inbox; rank r -> rank 0 through the shared outbox) --
+
 
 @dataclass(frozen=True)
 class JoinGroup:
@@ -93,6 +93,7 @@ class Crashed:
 @dataclass(frozen=True)
 class RankSpec:
     """What a spawned rank needs; picklable."""
+
     rank: int
     world_size: int
     data_parallel: str
@@ -110,11 +111,19 @@ class RankSpec:
 
 # -- what every rank runs --------------------------------------------------------------------
 
+
 class RankEngine:
     """One rank's GRPOTrainer over its wrapped model (DDP replica or FSDP2 shard)."""
 
-    def __init__(self, model: torch.nn.Module, data_parallel: str, world_size: int, cfg: TrainerConfig,
-                 temperature: float, max_new_tokens: int | None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        data_parallel: str,
+        world_size: int,
+        cfg: TrainerConfig,
+        temperature: float,
+        max_new_tokens: int | None,
+    ):
         self.data_parallel, self.world_size = data_parallel, world_size
         wrap = _wrap_ddp if data_parallel == "ddp" else _wrap_fsdp2
         self.trainer = GRPOTrainer(model, cfg, temperature, max_new_tokens, wrap=wrap)
@@ -137,8 +146,11 @@ class RankEngine:
         """World 1's optimizer.state_dict() format; FSDP2 gathers every shard (a collective)."""
         optimizer = self.trainer.optimizer
         params = list(self.trainer.model.parameters())
-        state = {i: {key: _full(value) for key, value in sorted(optimizer.state[p].items())}
-                 for i, p in enumerate(params) if p in optimizer.state}
+        state = {
+            i: {key: _full(value) for key, value in sorted(optimizer.state[p].items())}
+            for i, p in enumerate(params)
+            if p in optimizer.state
+        }
         return {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}
 
     def load_optimizer(self, state: dict) -> None:
@@ -147,13 +159,17 @@ class RankEngine:
         state = copy.deepcopy(state)
         if self.data_parallel == "fsdp2":
             from torch.distributed.tensor import DTensor, distribute_tensor
+
             params = list(self.trainer.model.parameters())
             sharded = {}
             for i, values in state["state"].items():
                 p = params[int(i)]
-                sharded[i] = {key: distribute_tensor(v, p.device_mesh, p.placements, src_data_rank=None)
-                              if isinstance(p, DTensor) and torch.is_tensor(v) and v.shape == p.shape else v
-                              for key, v in values.items()}
+                sharded[i] = {
+                    key: distribute_tensor(v, p.device_mesh, p.placements, src_data_rank=None)
+                    if isinstance(p, DTensor) and torch.is_tensor(v) and v.shape == p.shape
+                    else v
+                    for key, v in values.items()
+                }
             state = {"state": sharded, "param_groups": state["param_groups"]}
         self.trainer.optimizer.load_state_dict(state)
 
@@ -164,6 +180,7 @@ def _full(value: torch.Tensor) -> torch.Tensor:
 
 def _wrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel
+
     return DistributedDataParallel(model)
 
 
@@ -172,6 +189,7 @@ def _wrap_fsdp2(model: torch.nn.Module) -> torch.nn.Module:
     then the root, which keeps the rest (embeddings, tied head, final norm)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     blocks = set(getattr(model, "_no_split_modules", None) or ())
     for module in list(model.modules()):
@@ -190,7 +208,9 @@ def _fsdp_no_sync(model):
 
 
 def join_group(rank: int, world_size: int, store, op_timeout_s: float) -> None:
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=op_timeout_s))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=op_timeout_s)
+    )
 
 
 def rank_main(spec: RankSpec) -> None:
@@ -205,8 +225,12 @@ def rank_main(spec: RankSpec) -> None:
         message = spec.inbox.get()
         if isinstance(message, Stop):
             return
-        join_group(spec.rank, spec.world_size, spec.rendezvous.client(spec.world_size, spec.op_timeout_s), spec.op_timeout_s)
-        engine = RankEngine(model, spec.data_parallel, spec.world_size, spec.trainer, spec.temperature, spec.max_new_tokens)
+        join_group(
+            spec.rank, spec.world_size, spec.rendezvous.client(spec.world_size, spec.op_timeout_s), spec.op_timeout_s
+        )
+        engine = RankEngine(
+            model, spec.data_parallel, spec.world_size, spec.trainer, spec.temperature, spec.max_new_tokens
+        )
         spec.outbox.put(Ready(spec.rank))
         while not isinstance(message := spec.inbox.get(), Stop):
             if isinstance(message, StepShare):

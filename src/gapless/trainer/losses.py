@@ -38,9 +38,15 @@ class PolicyLoss:
         return (self.per_token * self.weights).sum()
 
 
-def ppo_clip_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                   clip_low: float, clip_high: float, dual_clip_c: float | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ppo_clip_terms(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token PPO-clip loss (dual-clipped if `dual_clip_c`), its ratio and where a clip bit. All (B, T)."""
     log_ratio = (logprobs - old_logprobs) * mask
     ratio = torch.exp(log_ratio)
@@ -57,8 +63,16 @@ def ppo_clip_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
     return loss, ratio.detach(), is_clipped
 
 
-def dapo_loss(logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_low: float, clip_high: float,
-              dual_clip_c: float | None = None) -> PolicyLoss:
+def dapo_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    norm: StepNorm,
+    clip_low: float,
+    clip_high: float,
+    dual_clip_c: float | None = None,
+) -> PolicyLoss:
     """DAPO (Yu et al. 2025): PPO-clip with decoupled bounds [1 - clip_low, 1 + clip_high].
 
     Normalisation: token-level mean over the whole step -- the sum of every loss token's term
@@ -66,12 +80,22 @@ def dapo_loss(logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_low
     length of its sequence. With clip_high = clip_low this is plain token-level GRPO (the default).
     """
     mask = mask.to(logprobs.dtype)
-    per_token, ratio, is_clipped = ppo_clip_terms(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip_c)
+    per_token, ratio, is_clipped = ppo_clip_terms(
+        logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip_c
+    )
     return PolicyLoss(per_token, token_mean(mask, norm), ratio, is_clipped)
 
 
-def grpo_loss(logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_low: float, clip_high: float,
-              dual_clip_c: float | None = None) -> PolicyLoss:
+def grpo_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    norm: StepNorm,
+    clip_low: float,
+    clip_high: float,
+    dual_clip_c: float | None = None,
+) -> PolicyLoss:
     """GRPO as in DeepSeekMath (Shao et al. 2024): PPO-clip per token.
 
     Normalisation: mean over each sequence's tokens, then mean over the sequences of its group,
@@ -79,12 +103,22 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_low
     weighs less than one of a short completion: the length bias Dr. GRPO points out.
     """
     mask = mask.to(logprobs.dtype)
-    per_token, ratio, is_clipped = ppo_clip_terms(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip_c)
+    per_token, ratio, is_clipped = ppo_clip_terms(
+        logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip_c
+    )
     return PolicyLoss(per_token, seq_group_mean(mask, norm), ratio, is_clipped)
 
 
-def drgrpo_loss(logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_low: float, clip_high: float,
-                dual_clip_c: float | None = None) -> PolicyLoss:
+def drgrpo_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    norm: StepNorm,
+    clip_low: float,
+    clip_high: float,
+    dual_clip_c: float | None = None,
+) -> PolicyLoss:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): PPO-clip per token.
 
     Normalisation: the sum over all loss tokens divided by a constant, rows in the step times
@@ -92,11 +126,15 @@ def drgrpo_loss(logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_l
     advantage = 'drgrpo' for the paper's recipe).
     """
     mask = mask.to(logprobs.dtype)
-    per_token, ratio, is_clipped = ppo_clip_terms(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip_c)
+    per_token, ratio, is_clipped = ppo_clip_terms(
+        logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip_c
+    )
     return PolicyLoss(per_token, constant(mask, norm), ratio, is_clipped)
 
 
-def gspo_loss(logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_low: float, clip_high: float) -> PolicyLoss:
+def gspo_loss(
+    logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_low: float, clip_high: float
+) -> PolicyLoss:
     """GSPO (Zheng et al. 2025): PPO-clip on a sequence-level, length-normalised ratio.
 
     s_i = exp(mean_t (logp_t - old_t)) over sequence i's loss tokens (a geometric mean of its
@@ -117,7 +155,9 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_low
     return PolicyLoss(per_token, seq_mean(mask, norm), seq_ratio.detach()[:, None].expand_as(mask), is_clipped)
 
 
-def cispo_loss(logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_low: float, clip_high: float) -> PolicyLoss:
+def cispo_loss(
+    logprobs, old_logprobs, advantages, mask, norm: StepNorm, clip_low: float, clip_high: float
+) -> PolicyLoss:
     """CISPO (MiniMax-M1, 2025): REINFORCE with a clipped, stop-gradient importance weight.
 
     l_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) * A * logp_t. Unlike PPO-clip, a clipped

@@ -35,7 +35,9 @@ class StepNorm:
     def of(cls, loss_mask: torch.Tensor, group_ids: torch.Tensor, max_new_tokens: int) -> "StepNorm":
         has_loss = (loss_mask.sum(-1) > 0).to(torch.float32)  # (B,)
         _, group_index = torch.unique(group_ids, return_inverse=True)  # (B,) in 0..G-1
-        per_group = torch.zeros(int(group_index.max()) + 1 if len(group_ids) else 0).index_add_(0, group_index, has_loss)  # (G,)
+        per_group = torch.zeros(int(group_index.max()) + 1 if len(group_ids) else 0).index_add_(
+            0, group_index, has_loss
+        )  # (G,)
         return cls(
             num_tokens=int(loss_mask.sum()),
             num_sequences=int(has_loss.sum()),

@@ -47,8 +47,13 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.T
     return ids, positions, offsets
 
 
-def packed_logprobs_and_entropy(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                                need: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_logprobs_and_entropy(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    need: torch.Tensor,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(input_ids[b, t+1] | row b's prefix) and the entropy there, each (B, L-1), at the
     positions where `need` (B, L-1) is true (0 elsewhere); both carry gradient."""
     lengths = attention_mask.sum(-1)
@@ -61,8 +66,10 @@ def packed_logprobs_and_entropy(model: torch.nn.Module, input_ids: torch.Tensor,
     with _segments(_unwrap(model).config, list(zip([0, *stops[:-1]], stops))):
         picked, entropy = _head_at(model, ids, positions, flat, targets, temperature)
     shape = need.shape
-    return (picked.new_zeros(shape).index_put((rows, cols), picked),
-            entropy.new_zeros(shape).index_put((rows, cols), entropy))
+    return (
+        picked.new_zeros(shape).index_put((rows, cols), picked),
+        entropy.new_zeros(shape).index_put((rows, cols), entropy),
+    )
 
 
 def _head_at(model, ids, positions, flat, targets, temperature):
@@ -106,8 +113,17 @@ def _segments(config, spans: list[tuple[int, int]]):
         _spans.clear()
 
 
-def _segment_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                       sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def _segment_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """query (1, heads, N, d), key and value (1, kv_heads, N, d) -> (1, N, heads, d): causal
     SDPA over each span of `_spans` alone."""
     repeat = query.shape[1] // key.shape[1]
@@ -121,8 +137,17 @@ def _segment_attention(module, query, key, value, attention_mask, dropout: float
         if sliding_window is not None and q.shape[2] > sliding_window:  # q attends to k when q - window < k <= q
             i = torch.arange(q.shape[2], device=query.device)
             mask = (i[None] <= i[:, None]) & (i[None] > i[:, None] - sliding_window)
-        out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout if module.training else 0.0,
-                                                  is_causal=mask is None, scale=scaling))
+        out.append(
+            F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout if module.training else 0.0,
+                is_causal=mask is None,
+                scale=scaling,
+            )
+        )
     return torch.cat(out, 2).transpose(1, 2).contiguous(), None
 
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 
 
-def token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+def token_kl(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, estimator: str = "k3"
+) -> torch.Tensor:
     """Per-token KL(p || p_ref) estimate, (B, T); 0 where masked."""
     delta = (ref_logprobs - logprobs) * mask
     if estimator == "k1":
@@ -26,6 +28,8 @@ def token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Ten
     raise ValueError(f"unknown KL estimator {estimator!r}; use 'k1' or 'k3'")
 
 
-def sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+def sequence_kl(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, estimator: str = "k3"
+) -> torch.Tensor:
     """KL of each whole completion, the sum of its per-token estimates, (B,)."""
     return (token_kl(logprobs, ref_logprobs, mask, estimator) * mask).sum(-1)

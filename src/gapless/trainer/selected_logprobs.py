@@ -63,8 +63,9 @@ def _scaled(row: torch.Tensor, temperature: float) -> torch.Tensor:
     return row if temperature == 1.0 else row / temperature
 
 
-def selected_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def selected_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits (B, T, V), targets (B, T) -> (log p(target), entropy or None), each (B, T) float32 (float64 for float64 logits)."""
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"selected_logprobs: logits {tuple(logits.shape)} do not match targets {tuple(targets.shape)}")

@@ -17,7 +17,6 @@ The trainer never sees rewards, only the advantages and masks decided here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
 from typing import Callable, Sequence
 
 from gapless.config import TrainerConfig
@@ -42,19 +41,23 @@ def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: flo
     return -penalty * min(max(excess, 0), buffer) / buffer
 
 
-def shaped_rewards(rollouts: list[Rollout], cfg: TrainerConfig, max_new_tokens: int,
-                   ref_kl: list[float] | None = None) -> list[float]:
+def shaped_rewards(
+    rollouts: list[Rollout], cfg: TrainerConfig, max_new_tokens: int, ref_kl: list[float] | None = None
+) -> list[float]:
     rewards = [r.reward for r in rollouts]
     if cfg.overlong == "penalty":
-        rewards = [x + overlong_penalty(len(r.completion.token_ids), max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
-                   for x, r in zip(rewards, rollouts)]
+        rewards = [
+            x + overlong_penalty(len(r.completion.token_ids), max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+            for x, r in zip(rewards, rollouts)
+        ]
     if ref_kl is not None:
         rewards = [x - cfg.kl_coef * kl for x, kl in zip(rewards, ref_kl)]
     return rewards
 
 
-def step_targets(groups: Sequence[Group], cfg: TrainerConfig, max_new_tokens: int,
-                 ref_kl: list[float] | None = None) -> StepTargets:
+def step_targets(
+    groups: Sequence[Group], cfg: TrainerConfig, max_new_tokens: int, ref_kl: list[float] | None = None
+) -> StepTargets:
     """Targets for the step's groups; rows in group order, each group's rollouts in order."""
     rollouts = [r for g in groups for r in g.rollouts]
     rewards = shaped_rewards(rollouts, cfg, max_new_tokens, ref_kl)
@@ -83,8 +86,13 @@ def step_targets(groups: Sequence[Group], cfg: TrainerConfig, max_new_tokens: in
     return StepTargets(advantages, trainable, keep, zero_var, metrics)
 
 
-def step_batch(groups: Sequence[Group], cfg: TrainerConfig, max_new_tokens: int, pad_id: int,
-               reference_kl: Callable[[Batch], list[float]] | None = None) -> tuple[Batch, StepTargets]:
+def step_batch(
+    groups: Sequence[Group],
+    cfg: TrainerConfig,
+    max_new_tokens: int,
+    pad_id: int,
+    reference_kl: Callable[[Batch], list[float]] | None = None,
+) -> tuple[Batch, StepTargets]:
     """The step's scored groups -> its batch: advantages set, rows that must not train masked,
     dropped groups removed. `reference_kl(batch)` gives each rollout's KL to the reference model;
     it is called only when the KL is folded into the reward."""

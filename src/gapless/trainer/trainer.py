@@ -67,6 +67,7 @@ class ShardPlan:
     `padding` (one row, loss mask 0: zero loss, zero gradient); `no_sync` holds the gradient
     reduction back on all passes but the last; `loss_scale` (the world size) undoes the mean the
     reduction takes over ranks, so the reduced gradient is the whole step's."""
+
     num_micro_batches: int
     padding: Batch
     loss_scale: float
@@ -83,6 +84,7 @@ class Trainer(Protocol):
     """Everything the run loop touches of a trainer. GRPOTrainer runs in one process;
     DataParallelTrainer (trainer/distributed.py) over W ranks; one contract test covers both
     (tests/unit/test_distributed.py)."""
+
     model: torch.nn.Module  # plain and full, holding the current weights (a LoRA run: the peft model over the base)
     version: int  # published steps; the loop sets it on --resume
     optimizer: OptimizerState  # what checkpoints save and load (world 1's format)
@@ -93,8 +95,15 @@ class Trainer(Protocol):
 
 
 class GRPOTrainer:
-    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, temperature: float = 1.0, max_new_tokens: int | None = None,
-                 wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None, lora: LoraSpec | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: TrainerConfig,
+        temperature: float = 1.0,
+        max_new_tokens: int | None = None,
+        wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+        lora: LoraSpec | None = None,
+    ):
         """`wrap`: data-parallel wrapping (DDP, fully_shard; trainer/distributed.py), applied after
         the reference copy is taken and before the optimizer sees the parameters. `lora`: train
         that adapter on `model`'s frozen weights instead of the weights themselves."""
@@ -146,14 +155,22 @@ class GRPOTrainer:
         self.model.eval()
         return stats
 
-    def accumulate_gradients(self, batch: Batch, norm: StepNorm, start_logprobs: torch.Tensor, is_first: bool = True,
-                             shard: ShardPlan | None = None) -> StepStats:
+    def accumulate_gradients(
+        self,
+        batch: Batch,
+        norm: StepNorm,
+        start_logprobs: torch.Tensor,
+        is_first: bool = True,
+        shard: ShardPlan | None = None,
+    ) -> StepStats:
         """Forward/backward every micro-batch, adding into `.grad`; the optimizer is not touched.
         With `shard` (data parallel) the stats count this rank's rows only."""
         cfg = self.cfg
         totals = {"loss": 0.0, "clip": 0.0, "ratio": 0.0, "kl": 0.0, "entropy": 0.0}
         offpolicy: list[dict[str, float]] = []
-        parts: list[tuple[torch.Tensor | None, Batch]] = list(batch.cut(cfg.micro_batch_size, cfg.max_tokens_per_micro_batch))
+        parts: list[tuple[torch.Tensor | None, Batch]] = list(
+            batch.cut(cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
+        )
         scale, no_sync = 1.0, contextlib.nullcontext
         if shard is not None:
             parts += [(None, shard.padding)] * (shard.num_micro_batches - len(parts))
@@ -163,13 +180,28 @@ class GRPOTrainer:
                 self._micro_batch(mb, index, norm, start_logprobs, is_first, scale, totals, offpolicy)
         denom = max(norm.num_tokens, 1)
         return StepStats(
-            loss=totals["loss"], grad_norm=0.0, clip_frac=totals["clip"] / denom, ratio_mean=totals["ratio"] / denom,
-            kl_mean=totals["kl"] / denom, num_tokens=norm.num_tokens, entropy_mean=totals["entropy"] / denom,
-            offpolicy=summarise(offpolicy, cfg.correction), offpolicy_parts=offpolicy,
+            loss=totals["loss"],
+            grad_norm=0.0,
+            clip_frac=totals["clip"] / denom,
+            ratio_mean=totals["ratio"] / denom,
+            kl_mean=totals["kl"] / denom,
+            num_tokens=norm.num_tokens,
+            entropy_mean=totals["entropy"] / denom,
+            offpolicy=summarise(offpolicy, cfg.correction),
+            offpolicy_parts=offpolicy,
         )
 
-    def _micro_batch(self, mb: Batch, index: torch.Tensor | None, norm: StepNorm, start_logprobs: torch.Tensor,
-                     is_first: bool, loss_scale: float, totals: dict[str, float], offpolicy: list[dict[str, float]]) -> None:
+    def _micro_batch(
+        self,
+        mb: Batch,
+        index: torch.Tensor | None,
+        norm: StepNorm,
+        start_logprobs: torch.Tensor,
+        is_first: bool,
+        loss_scale: float,
+        totals: dict[str, float],
+        offpolicy: list[dict[str, float]],
+    ) -> None:
         """One forward/backward; `index` None marks a loss-free padding pass (data parallel)."""
         cfg = self.cfg
         width, first = mb.loss_mask.shape[1], first_trained_position(mb.loss_mask)  # no LM head over the prompts
@@ -181,10 +213,26 @@ class GRPOTrainer:
                 start_logprobs[index, :width] = logprobs.detach()
             trainer_start, mb_norm = start_logprobs[index, :width], norm.select(index)
         old = trainer_start if cfg.old_logprobs == "trainer" else mb.behaviour_logprobs
-        policy = self.loss_fn(logprobs, old, mb.advantages, mb.loss_mask, mb_norm, cfg.clip_eps, cfg.clip_high,
-                              **({"dual_clip_c": cfg.dual_clip_c} if cfg.dual_clip_c is not None else {}))
-        rho, diagnostics = importance_weights(trainer_start, mb.behaviour_logprobs, mb.loss_mask, cfg.correction,
-                                              cfg.correction_level, cfg.tis_cap, cfg.mis_low, cfg.mis_high)
+        policy = self.loss_fn(
+            logprobs,
+            old,
+            mb.advantages,
+            mb.loss_mask,
+            mb_norm,
+            cfg.clip_eps,
+            cfg.clip_high,
+            **({"dual_clip_c": cfg.dual_clip_c} if cfg.dual_clip_c is not None else {}),
+        )
+        rho, diagnostics = importance_weights(
+            trainer_start,
+            mb.behaviour_logprobs,
+            mb.loss_mask,
+            cfg.correction,
+            cfg.correction_level,
+            cfg.tis_cap,
+            cfg.mis_low,
+            cfg.mis_high,
+        )
         if index is not None:
             offpolicy.append(diagnostics)
         per_token = policy.per_token
@@ -216,16 +264,26 @@ class GRPOTrainer:
 
     def _logprobs(self, model: torch.nn.Module, mb: Batch, first: int) -> torch.Tensor:
         if self.cfg.max_tokens_per_micro_batch > 0:
-            return packed_logprobs_and_entropy(model, mb.input_ids, mb.attention_mask, mb.loss_mask != 0, self.temperature)[0]
+            return packed_logprobs_and_entropy(
+                model, mb.input_ids, mb.attention_mask, mb.loss_mask != 0, self.temperature
+            )[0]
         return token_logprobs(model, mb.input_ids, mb.attention_mask, self.temperature, first)
 
     def _logprobs_and_entropy(self, model: torch.nn.Module, mb: Batch, first: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T) log-probs and entropies of `mb`'s rows: packed and chunked at the loss tokens
         (packing.py) under a token budget, else padded from position `first` on."""
         if self.cfg.max_tokens_per_micro_batch > 0:
-            return packed_logprobs_and_entropy(model, mb.input_ids, mb.attention_mask, mb.loss_mask != 0, self.temperature)
-        return token_logprobs_and_entropy(model, mb.input_ids, mb.attention_mask, self.temperature,
-                                          entropy_grad=self.cfg.entropy_coef > 0, first=first)
+            return packed_logprobs_and_entropy(
+                model, mb.input_ids, mb.attention_mask, mb.loss_mask != 0, self.temperature
+            )
+        return token_logprobs_and_entropy(
+            model,
+            mb.input_ids,
+            mb.attention_mask,
+            self.temperature,
+            entropy_grad=self.cfg.entropy_coef > 0,
+            first=first,
+        )
 
     @torch.no_grad()
     def reference_kl(self, batch: Batch) -> list[float]:
@@ -235,7 +293,9 @@ class GRPOTrainer:
         out = [0.0] * len(batch)
         for index, mb in batch.cut(self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch):
             ref = self._reference_logprobs(mb)
-            for row, kl in zip(index.tolist(), sequence_kl(mb.behaviour_logprobs, ref, mb.loss_mask, self.cfg.kl_estimator).tolist()):
+            for row, kl in zip(
+                index.tolist(), sequence_kl(mb.behaviour_logprobs, ref, mb.loss_mask, self.cfg.kl_estimator).tolist()
+            ):
                 out[row] = kl
         return out
 

@@ -51,8 +51,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from gapless.cluster.ray.weights import Layout, RelayedWeights, StagedPublish
 from gapless.cluster.ranks import Rendezvous
+from gapless.cluster.ray.weights import Layout, RelayedWeights, StagedPublish
 
 POLL_S = 0.2  # how often a waiting side looks again (store waits are short and repeated)
 KEY_PAUSE_MAX_S = 0.01  # the longest pause between two looks for a store key: the relay's latency grain
@@ -113,8 +113,14 @@ def _node_ip() -> str:
 class BroadcastSender(StagedPublish):
     """The trainer's side: a two-half staging buffer, the store and the relay thread (rank 0)."""
 
-    def __init__(self, state: dict[str, torch.Tensor], op_timeout_s: float, rendezvous_timeout_s: float,
-                 host: str | None = None, log=print):
+    def __init__(
+        self,
+        state: dict[str, torch.Tensor],
+        op_timeout_s: float,
+        rendezvous_timeout_s: float,
+        host: str | None = None,
+        log=print,
+    ):
         self.layout = Layout(state)
         self.op_timeout_s, self.rendezvous_timeout_s, self.log = op_timeout_s, rendezvous_timeout_s, log
         self.cuda = any(t.is_cuda for t in state.values())
@@ -215,8 +221,16 @@ class BroadcastSender(StagedPublish):
         says so instead of being taken for the dead one."""
         version = self.held[half]
         total = self.sums[version] = checksum(self.halves[half])
-        n = self._put_op({"kind": "version", "epoch": self.epochs, "version": version, "checksum": total,
-                          "nbytes": self.layout.nbytes, "digest": self.layout.digest})
+        n = self._put_op(
+            {
+                "kind": "version",
+                "epoch": self.epochs,
+                "version": version,
+                "checksum": total,
+                "nbytes": self.layout.nbytes,
+                "digest": self.layout.digest,
+            }
+        )
         buf = self.halves[half].cuda() if self.cuda else self.halves[half]
         try:
             self._pg.broadcast([buf], dist.BroadcastOptions()).wait()
@@ -233,10 +247,18 @@ class BroadcastSender(StagedPublish):
 
     def report(self) -> dict:
         """What the relay did: written to the run directory as relay.json."""
-        return {"transport": "broadcast", "backend": "nccl" if self.cuda else "gloo", "epochs": self.epochs,
-                "groups": self.groups, "dropped": self.dropped, "flips": self.flips,
-                "checksums": {str(v): c for v, c in self.sums.items()},
-                "relay_s": self.relay_s, "published": self.version, "error": repr(self.error) if self.error else None}
+        return {
+            "transport": "broadcast",
+            "backend": "nccl" if self.cuda else "gloo",
+            "epochs": self.epochs,
+            "groups": self.groups,
+            "dropped": self.dropped,
+            "flips": self.flips,
+            "checksums": {str(v): c for v, c in self.sums.items()},
+            "relay_s": self.relay_s,
+            "published": self.version,
+            "error": repr(self.error) if self.error else None,
+        }
 
     def _relay(self) -> None:
         try:
@@ -245,7 +267,8 @@ class BroadcastSender(StagedPublish):
             while True:
                 with self._news:
                     self._news.wait_for(  # joins are polled every POLL_S
-                        lambda: self._closed or self._drop or self._pg is not None and self.version > sent, POLL_S)
+                        lambda: self._closed or self._drop or self._pg is not None and self.version > sent, POLL_S
+                    )
                     if self._closed:
                         return
                     drop, self._drop = self._drop, set()
@@ -260,8 +283,10 @@ class BroadcastSender(StagedPublish):
                     expected = list(self._expected.items())
                 for m, since in expected:
                     if m not in self._members and now - since > self.rendezvous_timeout_s:
-                        raise RelayTimeout(f"the trainer's weight relay waited {self.rendezvous_timeout_s:g} s "
-                                           f"(cluster.rendezvous_timeout_s) for {m} to join the broadcast group")
+                        raise RelayTimeout(
+                            f"the trainer's weight relay waited {self.rendezvous_timeout_s:g} s "
+                            f"(cluster.rendezvous_timeout_s) for {m} to join the broadcast group"
+                        )
                 version, failed = self.version, []
                 if not missing:
                     if self._pg is None or self.version <= sent:
@@ -273,19 +298,25 @@ class BroadcastSender(StagedPublish):
                 if failed and not missing:  # every member alive, the collective failed: the same group again
                     failing_since = failing_since or time.monotonic()
                     if time.monotonic() - failing_since > self.rendezvous_timeout_s:
-                        raise RelayTimeout(f"the trainer's weight relay failed to broadcast version {version} to "
-                                           f"{', '.join(failed)} for {self.rendezvous_timeout_s:g} s "
-                                           "(cluster.rendezvous_timeout_s)")
+                        raise RelayTimeout(
+                            f"the trainer's weight relay failed to broadcast version {version} to "
+                            f"{', '.join(failed)} for {self.rendezvous_timeout_s:g} s "
+                            "(cluster.rendezvous_timeout_s)"
+                        )
                     self._pg, sent = None, -1
                     continue
                 if missing:
                     failing_since = failing_since or time.monotonic()
                     if time.monotonic() - failing_since > self.rendezvous_timeout_s:
-                        raise RelayTimeout(f"the trainer's weight relay waited for {', '.join(missing)} to acknowledge "
-                                           f"version {version} for {self.rendezvous_timeout_s:g} s "
-                                           "(cluster.rendezvous_timeout_s)")
-                    why = (f"did not join the group or answer for version {version} within 2 x {self.op_timeout_s:g} s "
-                           "(cluster.op_timeout_s)")
+                        raise RelayTimeout(
+                            f"the trainer's weight relay waited for {', '.join(missing)} to acknowledge "
+                            f"version {version} for {self.rendezvous_timeout_s:g} s "
+                            "(cluster.rendezvous_timeout_s)"
+                        )
+                    why = (
+                        f"did not join the group or answer for version {version} within 2 x {self.op_timeout_s:g} s "
+                        "(cluster.op_timeout_s)"
+                    )
                     with self._news:
                         for m in missing:
                             self.dropped.append((m, why))
@@ -298,7 +329,9 @@ class BroadcastSender(StagedPublish):
                 sent = version
                 with self._news:
                     self.relayed = max(self.relayed, version)
-                    self.relay_s.append((version, time.perf_counter() - self._published_at.pop(version, time.perf_counter())))
+                    self.relay_s.append(
+                        (version, time.perf_counter() - self._published_at.pop(version, time.perf_counter()))
+                    )
                     self._news.notify_all()
         except BaseException as exc:  # noqa: BLE001 - reported on the next publish
             self.error = exc
@@ -314,12 +347,17 @@ class BroadcastWeights(RelayedWeights):
         """`member`: the replica's name; set (and passed to `sender.expect`) before the handle is sent."""
         self.sender, self.member = sender, member
         self.layout, self.host, self.port = sender.layout, sender.host, sender.port
-        self.op_timeout_s, self.first_timeout_s, self.cuda = sender.op_timeout_s, sender.rendezvous_timeout_s, sender.cuda
+        self.op_timeout_s, self.first_timeout_s, self.cuda = (
+            sender.op_timeout_s,
+            sender.rendezvous_timeout_s,
+            sender.cuda,
+        )
 
     # ---- the replica's side --------------------------------------------------------------------
     def __getstate__(self):
-        return {k: getattr(self, k) for k in ("member", "layout", "host", "port", "op_timeout_s", "first_timeout_s",
-                                              "cuda")}
+        return {
+            k: getattr(self, k) for k in ("member", "layout", "host", "port", "op_timeout_s", "first_timeout_s", "cuda")
+        }
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -327,16 +365,20 @@ class BroadcastWeights(RelayedWeights):
         self._closed = False
 
     def _first_timeout(self) -> TimeoutError:
-        return RelayTimeout(f"{self.member} waited {self.first_timeout_s:g} s (cluster.rendezvous_timeout_s) "
-                            "for its first weights from the trainer's broadcast group")
+        return RelayTimeout(
+            f"{self.member} waited {self.first_timeout_s:g} s (cluster.rendezvous_timeout_s) "
+            "for its first weights from the trainer's broadcast group"
+        )
 
     def _receive(self) -> None:
         try:
             store = dist.TCPStore(self.host, self.port, None, False, _td(self.first_timeout_s), use_libuv=False)
             store.set(f"hello/{self.member}", str(os.getpid()))
             if not _wait_key(store, f"start/{self.member}", self.first_timeout_s, lambda: self._closed):
-                raise RelayTimeout(f"{self.member} waited {self.first_timeout_s:g} s (cluster.rendezvous_timeout_s) "
-                                   f"for the trainer's weight relay to admit it to the broadcast group")
+                raise RelayTimeout(
+                    f"{self.member} waited {self.first_timeout_s:g} s (cluster.rendezvous_timeout_s) "
+                    f"for the trainer's weight relay to admit it to the broadcast group"
+                )
             n, pg, epoch, rank = int(store.get(f"start/{self.member}")), None, -1, -1
             while not self._closed:
                 if not _wait_key(store, f"op/{n}", 3600.0, lambda: self._closed):
@@ -345,8 +387,10 @@ class BroadcastWeights(RelayedWeights):
                 if op["kind"] == "group":
                     pg = None
                     if self.member not in op["members"]:
-                        raise RuntimeError(f"the trainer's weight relay left {self.member} out of broadcast group "
-                                           f"{op['epoch']} (it did not answer for a version within 2 x cluster.op_timeout_s)")
+                        raise RuntimeError(
+                            f"the trainer's weight relay left {self.member} out of broadcast group "
+                            f"{op['epoch']} (it did not answer for a version within 2 x cluster.op_timeout_s)"
+                        )
                     epoch, rank = op["epoch"], op["members"].index(self.member) + 1
                     store.set(f"epoch{epoch}/in/{self.member}", "1")
                     try:
@@ -364,11 +408,15 @@ class BroadcastWeights(RelayedWeights):
     def _land(self, store, pg, op: dict, n: int) -> None:
         version = op["version"]
         if op["digest"] != self.layout.digest or op["nbytes"] != self.layout.nbytes:
-            raise RuntimeError(f"weight version {version} has layout {op['digest'][:8]} of {op['nbytes']} bytes; this "
-                               f"replica expects {self.layout.digest[:8]} of {self.layout.nbytes} bytes")
+            raise RuntimeError(
+                f"weight version {version} has layout {op['digest'][:8]} of {op['nbytes']} bytes; this "
+                f"replica expects {self.layout.digest[:8]} of {self.layout.nbytes} bytes"
+            )
         target = 1 - self.current
         with self.locks[target]:  # the unpublished half: no reader holds it
-            buf = torch.empty(self.layout.nbytes, dtype=torch.uint8, device="cuda") if self.cuda else self.halves[target]
+            buf = (
+                torch.empty(self.layout.nbytes, dtype=torch.uint8, device="cuda") if self.cuda else self.halves[target]
+            )
             try:
                 pg.broadcast([buf], dist.BroadcastOptions()).wait()
                 if self.cuda:  # pragma: no cover - needs CUDA devices

@@ -41,8 +41,10 @@ def death_reason(exc: BaseException) -> str:
     text = str(exc)
     if is_memory_kill(exc):
         figures = "; ".join(line.strip().rstrip(".") for line in FIGURES.findall(text)) or text[:MAX_CHARS]
-        return ("was killed by Ray's memory monitor: the node ran short of memory (" + figures + "). Free memory "
-                "on the node (another process may hold it), give the actors a node with more memory, or raise "
-                "RAY_memory_usage_threshold when starting Ray (RAY_memory_monitor_refresh_ms=0 turns the monitor off)")
+        return (
+            "was killed by Ray's memory monitor: the node ran short of memory (" + figures + "). Free memory "
+            "on the node (another process may hold it), give the actors a node with more memory, or raise "
+            "RAY_memory_usage_threshold when starting Ray (RAY_memory_monitor_refresh_ms=0 turns the monitor off)"
+        )
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return f"died in Ray ({type(exc).__name__}: {' '.join(lines)[:MAX_CHARS]})"

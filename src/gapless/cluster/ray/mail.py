@@ -57,9 +57,9 @@ from typing import Any
 
 import ray
 
-from gapless.errors import InfrastructureError
 from gapless.cluster.ray.deaths import death_reason
 from gapless.cluster.watchdog import Progress, beating
+from gapless.errors import InfrastructureError
 
 CALL_TIMEOUT_S = 30.0  # the longest any one mailbox call may take (each long poll asks for much less)
 POLL_S = 0.5  # a long poll's wait for news, in the mailbox
@@ -95,8 +95,9 @@ class PostOffice:
                 return True
             if maxsize > 0:
                 try:
-                    await asyncio.wait_for(cond.wait_for(lambda: len(q) < maxsize or batch <= self.batches.get(box, 0)),
-                                           wait_s)
+                    await asyncio.wait_for(
+                        cond.wait_for(lambda: len(q) < maxsize or batch <= self.batches.get(box, 0)), wait_s
+                    )
                 except asyncio.TimeoutError:
                     return False
                 if batch <= self.batches.get(box, 0):
@@ -273,8 +274,9 @@ class RayChannel:
                 self._flusher = threading.Thread(target=self._flush_loop, name=f"ray-put-{self.box[:6]}", daemon=True)
                 self._flusher.start()
                 _writers.append(self)
-            if self.maxsize > 0 and not self._lock.wait_for(lambda: len(self._pending) < self.maxsize,
-                                                             timeout if block else 0):
+            if self.maxsize > 0 and not self._lock.wait_for(
+                lambda: len(self._pending) < self.maxsize, timeout if block else 0
+            ):
                 raise queue.Full
             self._pending.append(item)
             self._lock.notify_all()
@@ -293,7 +295,9 @@ class RayChannel:
             blobs = None
             try:
                 blobs = [pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL) for item in items]
-                while not _retried(lambda: self.office.put_many.remote(self.box, self._batch, blobs, self.maxsize, POLL_S)):
+                while not _retried(
+                    lambda: self.office.put_many.remote(self.box, self._batch, blobs, self.maxsize, POLL_S)
+                ):
                     pass  # the box is full: the reader is behind (back-pressure)
             except BaseException:  # noqa: BLE001 - Ray raises SystemExit in threads after shutdown
                 return  # the mailbox is gone: the run is over
@@ -341,7 +345,8 @@ class RayChannel:
                 except Exception as exc:  # noqa: BLE001 - whatever the bytes raise, the reader must hear of it
                     item = _Undeliverable(
                         f"a message on channel {self.box[:8]} cannot be unpickled in this process ({type(exc).__name__}: "
-                        f"{exc}); every node of the cluster must run the same gapless, torch and Python versions")
+                        f"{exc}); every node of the cluster must run the same gapless, torch and Python versions"
+                    )
                 self._received.put(item)  # blocks when the reader is maxsize behind
 
 
@@ -453,8 +458,10 @@ class RayHeartbeats:
     def _push(self) -> None:
         sent: dict[str, tuple] = {}
         while True:
-            records = {a: (n, HOST, self._pids.get(a, os.getpid()), *self._marks.get(a, (0, "")))
-                       for a, n in list(self._count.items())}
+            records = {
+                a: (n, HOST, self._pids.get(a, os.getpid()), *self._marks.get(a, (0, "")))
+                for a, n in list(self._count.items())
+            }
             changed = {a: record for a, record in records.items() if sent.get(a) != record}
             if changed:
                 try:

@@ -50,13 +50,21 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from gapless.config import Config, usable_cores
 from gapless.cluster.names import env_name, rank_name, replica_name
 from gapless.cluster.placement import ActorExit, PlacementError
 from gapless.cluster.ray.deaths import MONITOR_ENV, death_reason
-from gapless.cluster.ray.mail import (PostOffice, RayChannel, RayHeartbeats, RayStopFlag, flush_writers, no_auto_init,
-                                      quiesce, reopen)
+from gapless.cluster.ray.mail import (
+    PostOffice,
+    RayChannel,
+    RayHeartbeats,
+    RayStopFlag,
+    flush_writers,
+    no_auto_init,
+    quiesce,
+    reopen,
+)
 from gapless.cluster.ray.weights import ObjectStoreSender, ObjectStoreWeights, WeightBoard
+from gapless.config import Config, usable_cores
 
 if TYPE_CHECKING:  # cluster/ray/broadcast.py imports torch.distributed: loaded when a run asks for it
     from gapless.cluster.ray.broadcast import BroadcastSender, BroadcastWeights
@@ -105,8 +113,10 @@ class RayPlacement:
         self.office = PostOffice.options(scheduling_strategy=here).remote()
         self.board = WeightBoard.options(scheduling_strategy=here).remote()
         # calls that end only when the run stops or their actor dies: `exited` reports the death
-        self.services = {"mailbox": self.office.wait_stop.remote(SERVICE_WAIT_S),
-                         "weight-board": self.board.newest.remote(2**62, SERVICE_WAIT_S)}
+        self.services = {
+            "mailbox": self.office.wait_stop.remote(SERVICE_WAIT_S),
+            "weight-board": self.board.newest.remote(2**62, SERVICE_WAIT_S),
+        }
 
     # ---- connection ----------------------------------------------------------------------------
     def _demand(self) -> list[dict[str, float]]:
@@ -126,17 +136,23 @@ class RayPlacement:
 
     def _connect(self) -> None:
         if ray.is_initialized():
-            raise PlacementError("cluster.placement = 'ray': this process is already connected to Ray; a run "
-                                 "connects (and disconnects) itself")
-        options: dict[str, Any] = dict(include_dashboard=False, logging_level="warning", log_to_driver=True,
-                                       namespace=f"gapless-{os.getpid()}")
+            raise PlacementError(
+                "cluster.placement = 'ray': this process is already connected to Ray; a run "
+                "connects (and disconnects) itself"
+            )
+        options: dict[str, Any] = dict(
+            include_dashboard=False, logging_level="warning", log_to_driver=True, namespace=f"gapless-{os.getpid()}"
+        )
         if self.private:
             self.temp_dir = tempfile.mkdtemp(prefix="gapless-ray-")  # short: Ray's socket paths must fit 107 bytes
             cores = usable_cores()
             # placement tokens, not cores: the actors may share this machine's cores, as on the local
             # placement (reserve() warns as it does)
-            options.update(num_cpus=max(cores, int(sum(b["CPU"] for b in self._demand()))), _temp_dir=self.temp_dir,
-                           _node_ip_address="127.0.0.1")
+            options.update(
+                num_cpus=max(cores, int(sum(b["CPU"] for b in self._demand()))),
+                _temp_dir=self.temp_dir,
+                _node_ip_address="127.0.0.1",
+            )
             if self.cluster.object_store_mb:
                 options["object_store_memory"] = self.cluster.object_store_mb << 20
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private instance: only this run talks to it
@@ -145,7 +161,7 @@ class RayPlacement:
             options["address"] = self.cluster.address
         # the actors see this run's GAPLESS_* settings (fault points, a fault log) also on nodes
         # started before it, whose workers inherit their raylet's environment, not the driver's
-        if (ours := {k: v for k, v in os.environ.items() if k.startswith("GAPLESS_")}):
+        if ours := {k: v for k, v in os.environ.items() if k.startswith("GAPLESS_")}:
             options["runtime_env"] = {"env_vars": ours}
         # the raylet reads its memory monitor's settings from the environment it starts with
         monitor = {k: v for k, v in MONITOR_ENV.items() if self.private and not _monitor_set()}
@@ -155,8 +171,11 @@ class RayPlacement:
             reopen()  # a new connection: mailbox calls may start again (after an earlier run's quiesce)
         except Exception as exc:
             self._teardown()
-            where = f"the Ray cluster at {self.cluster.address!r} (cluster.address)" if not self.private else \
-                "a private Ray instance"
+            where = (
+                f"the Ray cluster at {self.cluster.address!r} (cluster.address)"
+                if not self.private
+                else "a private Ray instance"
+            )
             raise PlacementError(f"could not start or join {where}: {exc}") from exc
         finally:
             for key in monitor:
@@ -170,14 +189,21 @@ class RayPlacement:
         total, free = ray.cluster_resources(), ray.available_resources()
         nodes = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
         ranks, envs = self.cluster.trainer_world_size - 1, self.cluster.env_actors
-        described = (f"{len(demand)} bundles {demand} ({STRATEGY}: {self.cluster.replicas} replicas + "
-                     + ("the environment" if envs == 1 else f"{envs} environment actors")
-                     + (f" + {ranks} trainer rank{'s' if ranks > 1 else ''})" if ranks else ")"))
-        available = (f"the cluster has {free.get('CPU', 0.0):g} of {total.get('CPU', 0.0):g} CPUs free on "
-                     f"{len(nodes)} nodes (CPUs per node: {sorted(nodes, reverse=True)})")
-        fix = ("add nodes (`ray start --address ...` on each), or lower cluster.replicas / "
-               "pipeline.generator_threads" + (" / cluster.env_actors" if envs > 1 else "")
-               + (" / cluster.trainer_world_size" if ranks else ""))
+        described = (
+            f"{len(demand)} bundles {demand} ({STRATEGY}: {self.cluster.replicas} replicas + "
+            + ("the environment" if envs == 1 else f"{envs} environment actors")
+            + (f" + {ranks} trainer rank{'s' if ranks > 1 else ''})" if ranks else ")")
+        )
+        available = (
+            f"the cluster has {free.get('CPU', 0.0):g} of {total.get('CPU', 0.0):g} CPUs free on "
+            f"{len(nodes)} nodes (CPUs per node: {sorted(nodes, reverse=True)})"
+        )
+        fix = (
+            "add nodes (`ray start --address ...` on each), or lower cluster.replicas / "
+            "pipeline.generator_threads"
+            + (" / cluster.env_actors" if envs > 1 else "")
+            + (" / cluster.trainer_world_size" if ranks else "")
+        )
         biggest = max((b["CPU"] for b in demand), default=0.0)
         if sum(b["CPU"] for b in demand) > total.get("CPU", 0.0) or biggest > max(nodes, default=0.0):
             self._teardown()
@@ -187,9 +213,11 @@ class RayPlacement:
         if not ready:
             free = ray.available_resources()
             self._teardown()
-            raise PlacementError(f"the actors need {described}, not granted within {self.cluster.placement_timeout_s:g} s "
-                                 f"(cluster.placement_timeout_s); the cluster has {free.get('CPU', 0.0):g} CPUs free now; "
-                                 f"{fix}")
+            raise PlacementError(
+                f"the actors need {described}, not granted within {self.cluster.placement_timeout_s:g} s "
+                f"(cluster.placement_timeout_s); the cluster has {free.get('CPU', 0.0):g} CPUs free now; "
+                f"{fix}"
+            )
         self._record_nodes()
         used = sum(threads.values())
         if self.private and used > usable_cores():
@@ -199,18 +227,35 @@ class RayPlacement:
     def _record_nodes(self) -> None:
         """placement.json in the run directory: which node holds each bundle (the actor on it)."""
         R, E, W = self.cluster.replicas, self.cluster.env_actors, self.cluster.trainer_world_size
-        names = ([replica_name(r, R) for r in range(R)] + [env_name(e, E) for e in range(E)]
-                 + [rank_name(rank) for rank in range(1, W)])
+        names = (
+            [replica_name(r, R) for r in range(R)]
+            + [env_name(e, E) for e in range(E)]
+            + [rank_name(rank) for rank in range(1, W)]
+        )
         try:
             to_node = ray.util.placement_group_table(self.pg).get("bundles_to_node_id", {})
             ips = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}
-            bundles = [{"bundle": i, "actor": name, "resources": demand, "node_id": to_node.get(i, ""),
-                        "node_ip": ips.get(to_node.get(i, ""), "")}
-                       for i, (name, demand) in enumerate(zip(names, self._demand()))]
+            bundles = [
+                {
+                    "bundle": i,
+                    "actor": name,
+                    "resources": demand,
+                    "node_id": to_node.get(i, ""),
+                    "node_ip": ips.get(to_node.get(i, ""), ""),
+                }
+                for i, (name, demand) in enumerate(zip(names, self._demand()))
+            ]
             Path(self.cfg.run_dir).mkdir(parents=True, exist_ok=True)
-            (Path(self.cfg.run_dir) / "placement.json").write_text(json.dumps(
-                {"strategy": STRATEGY, "trainer_node_id": ray.get_runtime_context().get_node_id(), "bundles": bundles},
-                indent=2))
+            (Path(self.cfg.run_dir) / "placement.json").write_text(
+                json.dumps(
+                    {
+                        "strategy": STRATEGY,
+                        "trainer_node_id": ray.get_runtime_context().get_node_id(),
+                        "bundles": bundles,
+                    },
+                    indent=2,
+                )
+            )
         except (OSError, KeyError) as exc:  # a record for the reader, not a reason to stop the run
             self.log(f"warning: could not write placement.json: {exc!r}")
 
@@ -229,8 +274,9 @@ class RayPlacement:
 
             if self.sender is None:
                 host = "127.0.0.1" if self.private else ray.util.get_node_ip_address()
-                self.sender = BroadcastSender(state, self.cluster.op_timeout_s, self.cluster.rendezvous_timeout_s,
-                                              host, self.log)
+                self.sender = BroadcastSender(
+                    state, self.cluster.op_timeout_s, self.cluster.rendezvous_timeout_s, host, self.log
+                )
             if version > self.sender.version:
                 self.sender.publish(state, version)
             return BroadcastWeights(self.sender)  # start() names its member after the actor

@@ -109,8 +109,11 @@ class RayRanks:
                 first = self._raised_at.setdefault(rank, time.monotonic())
                 if time.monotonic() - first < RAISED_GRACE_S:
                     return None
-                return f"{self._described(rank)} raised {exc.cause!r}" if hasattr(exc, "cause") else \
-                    f"{self._described(rank)} raised"
+                return (
+                    f"{self._described(rank)} raised {exc.cause!r}"
+                    if hasattr(exc, "cause")
+                    else f"{self._described(rank)} raised"
+                )
             except Exception as exc:  # noqa: BLE001 - ActorDiedError, node lost, ...
                 return f"{self._described(rank)} died ({type(exc).__name__})"
         where = self._located.get(rank)

@@ -32,8 +32,8 @@ import numpy as np
 import ray
 import torch
 
-from gapless.faults import fault_point
 from gapless.cluster.ray.mail import POLL_S, _call
+from gapless.faults import fault_point
 
 ALIGN = 64
 
@@ -64,7 +64,9 @@ class WeightBoard:
             self.changed = asyncio.Condition()
         async with self.changed:
             try:
-                await asyncio.wait_for(self.changed.wait_for(lambda: self.versions and self.versions[-1][0] > have), wait_s)
+                await asyncio.wait_for(
+                    self.changed.wait_for(lambda: self.versions and self.versions[-1][0] > have), wait_s
+                )
             except asyncio.TimeoutError:
                 return None
             return self.versions[-1]
@@ -74,7 +76,9 @@ class Layout:
     """Where each tensor of a state dict lives in one flat byte buffer."""
 
     def __init__(self, state: dict[str, torch.Tensor]):
-        self.entries: list[tuple[str, tuple[int, ...], torch.dtype, int, int]] = []  # name, shape, dtype, offset, nbytes
+        self.entries: list[
+            tuple[str, tuple[int, ...], torch.dtype, int, int]
+        ] = []  # name, shape, dtype, offset, nbytes
         offset = 0
         for name, t in state.items():
             nbytes = t.numel() * t.element_size()
@@ -84,7 +88,7 @@ class Layout:
         self.digest = hashlib.sha1(repr([(n, s, str(d)) for n, s, d, _, _ in self.entries]).encode()).hexdigest()
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {name: flat[off:off + n].view(dtype).view(shape) for name, shape, dtype, off, n in self.entries}
+        return {name: flat[off : off + n].view(dtype).view(shape) for name, shape, dtype, off, n in self.entries}
 
 
 class StagedPublish:
@@ -148,7 +152,9 @@ class ObjectStoreSender(StagedPublish):
                 _call(lambda: self.board.post.remote(version, self.layout.nbytes, self.layout.digest, [ref]))
                 with self._news:
                     self.relayed = version
-                    self.relay_s.append((version, time.perf_counter() - self._published_at.pop(version, time.perf_counter())))
+                    self.relay_s.append(
+                        (version, time.perf_counter() - self._published_at.pop(version, time.perf_counter()))
+                    )
                     self._news.notify_all()
         except BaseException as exc:  # noqa: BLE001 - reported on the next publish
             self.error = exc
@@ -206,7 +212,9 @@ class RelayedWeights:
             self._thread = threading.Thread(target=self._receive, name="weight-receiver", daemon=True)
             self._thread.start()
         with self._meta:
-            if have_version < 0 and not self._meta.wait_for(lambda: self._version >= 0 or self.error, self.first_timeout_s):
+            if have_version < 0 and not self._meta.wait_for(
+                lambda: self._version >= 0 or self.error, self.first_timeout_s
+            ):
                 raise self._first_timeout()
             if self.error is not None:
                 raise RuntimeError(f"the weight receiver failed: {self.error!r}") from self.error
@@ -229,16 +237,21 @@ class ObjectStoreWeights(RelayedWeights):
 
     # ---- the replica's side --------------------------------------------------------------------
     def __getstate__(self):
-        return {"board": self.board, "layout": self.layout, "op_timeout_s": self.op_timeout_s,
-                "first_timeout_s": self.first_timeout_s}
+        return {
+            "board": self.board,
+            "layout": self.layout,
+            "op_timeout_s": self.op_timeout_s,
+            "first_timeout_s": self.first_timeout_s,
+        }
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._buffers()
 
     def _first_timeout(self) -> TimeoutError:
-        return TimeoutError(f"no weights reached this replica within {self.first_timeout_s:g} s "
-                            "(cluster.rendezvous_timeout_s)")
+        return TimeoutError(
+            f"no weights reached this replica within {self.first_timeout_s:g} s (cluster.rendezvous_timeout_s)"
+        )
 
     def _receive(self) -> None:
         try:
@@ -248,8 +261,10 @@ class ObjectStoreWeights(RelayedWeights):
                     continue
                 version, nbytes, digest, (ref,) = news
                 if digest != self.layout.digest or nbytes != self.layout.nbytes:
-                    raise RuntimeError(f"weight version {version} has layout {digest[:8]} of {nbytes} bytes; this "
-                                       f"replica expects {self.layout.digest[:8]} of {self.layout.nbytes} bytes")
+                    raise RuntimeError(
+                        f"weight version {version} has layout {digest[:8]} of {nbytes} bytes; this "
+                        f"replica expects {self.layout.digest[:8]} of {self.layout.nbytes} bytes"
+                    )
                 data = _call(lambda: ref, self.op_timeout_s)
                 if data.nbytes != nbytes:
                     raise RuntimeError(f"weight version {version} arrived with {data.nbytes} of {nbytes} bytes")

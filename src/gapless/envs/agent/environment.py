@@ -83,11 +83,21 @@ class _Agent:
 class AgentEnvironment:
     name = "agent"
 
-    def __init__(self, math: ProceduralMathEnvironment, command: Sequence[str], timeout_s: float = 60.0,
-                 max_calls: int = 4, max_context_tokens: int = 512, max_new_tokens: int = 24, sessions: int = 8):
+    def __init__(
+        self,
+        math: ProceduralMathEnvironment,
+        command: Sequence[str],
+        timeout_s: float = 60.0,
+        max_calls: int = 4,
+        max_context_tokens: int = 512,
+        max_new_tokens: int = 24,
+        sessions: int = 8,
+    ):
         if not command or shutil.which(command[0]) is None:
-            raise FileNotFoundError(f"agent.command: {command[0] if command else '(empty)'!r} is not an executable "
-                                    "on PATH; give the agent program to run, e.g. \"python examples/openai_agent.py\"")
+            raise FileNotFoundError(
+                f"agent.command: {command[0] if command else '(empty)'!r} is not an executable "
+                'on PATH; give the agent program to run, e.g. "python examples/openai_agent.py"'
+            )
         self.math, self.command = math, list(command)
         self.timeout_s, self.max_calls = timeout_s, max_calls
         self.max_context, self.max_new_tokens = max_context_tokens, max_new_tokens
@@ -115,8 +125,14 @@ class AgentEnvironment:
         return max(self.max_context, prompt_tokens + max_new_tokens)
 
     # ---- episodes ---------------------------------------------------------------------------
-    def rollout_groups(self, generator, tasks: Sequence[MathTask], group_size: int,
-                       params: SamplingParams | Sequence[SamplingParams], encode: Callable[[str], list[int]]) -> list[list[Rollout]]:
+    def rollout_groups(
+        self,
+        generator,
+        tasks: Sequence[MathTask],
+        group_size: int,
+        params: SamplingParams | Sequence[SamplingParams],
+        encode: Callable[[str], list[int]],
+    ) -> list[list[Rollout]]:
         """The reference loop: waves of `sessions` agents (envs/turns.py)."""
         return run_waves(self, generator, tasks, group_size, params, encode, self.pool)
 
@@ -127,21 +143,30 @@ class AgentEnvironment:
     def open_episode(self, episode: Episode, encode) -> None:
         """Start the agent and wait for its first call (or its end)."""
         channel, base_url = self.gateway.open()
-        env = dict(os.environ, OPENAI_BASE_URL=base_url, OPENAI_API_KEY="gapless", GAPLESS_PROMPT=episode.task.prompt,
-                   GAPLESS_TASK_UID=episode.task.uid)
+        env = dict(
+            os.environ,
+            OPENAI_BASE_URL=base_url,
+            OPENAI_API_KEY="gapless",
+            GAPLESS_PROMPT=episode.task.prompt,
+            GAPLESS_TASK_UID=episode.task.uid,
+        )
         stdout, stderr = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         try:
-            process = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-                                       start_new_session=True)
+            process = subprocess.Popen(
+                self.command, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True
+            )
         except OSError as exc:
             self.gateway.forget(channel)
             episode.finish("infra_error", error=f"agent.command could not start: {exc}")
             return
         with self._lock:
             self._live[process.pid] = process
-        threading.Thread(target=lambda: channel.events.put(Exited(process.wait())), daemon=True,
-                         name=f"agent-{process.pid}").start()
-        episode.session = _Agent(process, channel, Transcript(encode), time.monotonic() + self.timeout_s, stdout, stderr)
+        threading.Thread(
+            target=lambda: channel.events.put(Exited(process.wait())), daemon=True, name=f"agent-{process.pid}"
+        ).start()
+        episode.session = _Agent(
+            process, channel, Transcript(encode), time.monotonic() + self.timeout_s, stdout, stderr
+        )
         self._await_call(episode)
 
     def take_turn(self, episode: Episode, completion: Completion, encode) -> None:
@@ -151,8 +176,15 @@ class AgentEnvironment:
         text = unicode_text(completion.text)  # what the agent receives, so what its next call must echo
         agent.transcript.answered(text, completion.token_ids)
         call, agent.pending = agent.pending, None
-        agent.channel.answer(call, text, list(completion.token_ids), list(completion.logprobs),
-                             list(completion.versions), completion.finish_reason, len(episode.context) - len(completion.token_ids))
+        agent.channel.answer(
+            call,
+            text,
+            list(completion.token_ids),
+            list(completion.logprobs),
+            list(completion.versions),
+            completion.finish_reason,
+            len(episode.context) - len(completion.token_ids),
+        )
         self._await_call(episode)
 
     def _await_call(self, episode: Episode) -> None:
@@ -160,7 +192,9 @@ class AgentEnvironment:
         while True:
             event = agent.channel.next(agent.deadline - time.monotonic())
             if event is None:
-                return self._end(episode, "timeout", detail=f"the agent ran past agent.timeout_s ({self.timeout_s:g} s)")
+                return self._end(
+                    episode, "timeout", detail=f"the agent ran past agent.timeout_s ({self.timeout_s:g} s)"
+                )
             if isinstance(event, Exited):
                 return self._exited(episode, event.returncode)
             messages = event.messages
@@ -172,14 +206,20 @@ class AgentEnvironment:
                     continue
                 agent.called = True
                 if len(ids) + self.max_new_tokens > self.max_context:
-                    agent.channel.refuse(event, f"the first call's {len(ids)} tokens leave no room for a reply within "
-                                                f"agent.max_context_tokens ({self.max_context})", "context_length_exceeded")
+                    agent.channel.refuse(
+                        event,
+                        f"the first call's {len(ids)} tokens leave no room for a reply within "
+                        f"agent.max_context_tokens ({self.max_context})",
+                        "context_length_exceeded",
+                    )
                     return self._end(episode, "context_limit")
                 episode.prompt_ids = ids
                 agent.pending = event
                 return None
             if episode.turns >= self.max_calls:
-                agent.channel.refuse(event, f"this episode has made agent.max_calls ({self.max_calls}) calls", "call_limit")
+                agent.channel.refuse(
+                    event, f"this episode has made agent.max_calls ({self.max_calls}) calls", "call_limit"
+                )
                 return self._end(episode, "call_limit")
             try:
                 text, ids = agent.transcript.extend(messages)
@@ -187,12 +227,16 @@ class AgentEnvironment:
                 agent.channel.refuse(event, str(exc), "unrenderable")
                 continue
             except NotAnExtension as exc:
-                agent.channel.refuse(event, f"{exc}: the gateway trains one token sequence per episode",
-                                     "context_not_extended")
+                agent.channel.refuse(
+                    event, f"{exc}: the gateway trains one token sequence per episode", "context_not_extended"
+                )
                 continue  # the transcript is unchanged: the next call must still extend the last one
             if len(episode.context) + len(ids) + self.max_new_tokens > self.max_context:
-                agent.channel.refuse(event, f"the context would pass agent.max_context_tokens ({self.max_context})",
-                                     "context_length_exceeded")
+                agent.channel.refuse(
+                    event,
+                    f"the context would pass agent.max_context_tokens ({self.max_context})",
+                    "context_length_exceeded",
+                )
                 return self._end(episode, "context_limit")
             episode.add_environment_text(text, ids)
             agent.pending = event
@@ -202,8 +246,12 @@ class AgentEnvironment:
         agent: _Agent = episode.session
         out, err = _tail(agent.stdout), _tail(agent.stderr)
         if not agent.called:
-            return self._end(episode, "infra_error", error=f"the agent exited ({returncode}) before calling the model: "
-                                                           f"{err.strip()[-300:] or out.strip()[-300:] or 'no output'}")
+            return self._end(
+                episode,
+                "infra_error",
+                error=f"the agent exited ({returncode}) before calling the model: "
+                f"{err.strip()[-300:] or out.strip()[-300:] or 'no output'}",
+            )
         if returncode != 0:
             return self._end(episode, "agent_error", returncode=returncode, stderr=err[-OUTPUT_TAIL:])
         lines = [line for line in out.splitlines() if line.strip()]
@@ -281,9 +329,18 @@ def _tail(handle) -> str:
 
 def make_agent_environment(cfg: Config) -> AgentEnvironment:
     task = cfg.task
-    splits = {split: generate_math_problems(cfg.seed, split, count, task.levels)
-              for split, count in (("train", task.num_train_prompts), ("eval", task.num_eval_prompts))}
+    splits = {
+        split: generate_math_problems(cfg.seed, split, count, task.levels)
+        for split, count in (("train", task.num_train_prompts), ("eval", task.num_eval_prompts))
+    }
     math = ProceduralMathEnvironment(splits, teacher_error_frac=cfg.warmstart.overfit_frac, lenient=task.math_lenient)
     a = cfg.agent
-    return AgentEnvironment(math, shlex.split(a.command or ""), a.timeout_s, a.max_calls, a.max_context_tokens,
-                            cfg.generator.max_new_tokens, a.sessions)
+    return AgentEnvironment(
+        math,
+        shlex.split(a.command or ""),
+        a.timeout_s,
+        a.max_calls,
+        a.max_context_tokens,
+        cfg.generator.max_new_tokens,
+        a.sessions,
+    )

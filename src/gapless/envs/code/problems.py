@@ -122,8 +122,10 @@ def _anchor_inputs(kind: str, rng: random.Random) -> list[Any]:
     if kind == "int":
         return [0, 1]
     if kind == "list":
-        return [[0] + [rng.randint(0, 9) for _ in range(rng.randint(1, 3))],
-                [1] + [rng.randint(0, 9) for _ in range(rng.randint(1, 3))]]
+        return [
+            [0] + [rng.randint(0, 9) for _ in range(rng.randint(1, 3))],
+            [1] + [rng.randint(0, 9) for _ in range(rng.randint(1, 3))],
+        ]
     return []
 
 

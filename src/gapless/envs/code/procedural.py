@@ -15,8 +15,20 @@ from gapless.envs.code.problems import CodeProblem, generate_problems
 
 
 class ProceduralCodeEnvironment(CodeEnvironment):
-    def __init__(self, sandbox, limits, *, seed: int, levels: list[int], num_train: int, num_eval: int,
-                 num_hidden_tests: int, overfit_frac: float, concurrency: int = 4, reward="pass_fraction"):
+    def __init__(
+        self,
+        sandbox,
+        limits,
+        *,
+        seed: int,
+        levels: list[int],
+        num_train: int,
+        num_eval: int,
+        num_hidden_tests: int,
+        overfit_frac: float,
+        concurrency: int = 4,
+        reward="pass_fraction",
+    ):
         splits = {
             "train": generate_problems(seed, "train", num_train, levels, num_hidden_tests),
             "eval": generate_problems(seed, "eval", num_eval, levels, num_hidden_tests),

@@ -132,7 +132,7 @@ def _untag(value: object) -> object:
         return [_untag(item) for item in value]
     if type(value) is not dict or len(value) != 1:
         raise Malformed("an object that is not a tagged value")
-    (tag, body), = value.items()
+    ((tag, body),) = value.items()
     if tag == "f" and body in _FLOAT_NAMES:
         return _FLOAT_NAMES[body]
     if tag == "b" and type(body) is str:
@@ -164,7 +164,7 @@ class LineChannel:
     def send(self, text: str) -> None:
         data = (text + "\n").encode("utf-8", "surrogatepass")
         while data:
-            data = data[os.write(self.fd, data):]
+            data = data[os.write(self.fd, data) :]
 
     def receive(self) -> bytes | None:
         is_oversize = False

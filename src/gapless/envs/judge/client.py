@@ -64,9 +64,20 @@ class _GiveUp(Exception):
 
 
 class HttpJudgeClient:
-    def __init__(self, base_url: str, model: str = "judge", api: Literal["completions", "chat"] = "completions",
-                 max_tokens: int = 16, temperature: float = 0.0, timeout_s: float = 30.0, max_retries: int = 4,
-                 backoff_s: float = 0.5, max_backoff_s: float = 8.0, concurrency: int = 8, seed: int = 0):
+    def __init__(
+        self,
+        base_url: str,
+        model: str = "judge",
+        api: Literal["completions", "chat"] = "completions",
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        timeout_s: float = 30.0,
+        max_retries: int = 4,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 8.0,
+        concurrency: int = 8,
+        seed: int = 0,
+    ):
         self.url = base_url.rstrip("/") + ("/chat/completions" if api == "chat" else "/completions")
         self.model, self.api = model, api
         self.max_tokens, self.temperature = max_tokens, temperature
@@ -90,8 +101,13 @@ class HttpJudgeClient:
                 break
             except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:  # 429/5xx, resets, timeouts
                 last_error = _describe(exc)
-        return JudgeReply(None, f"judge at {self.url} failed after {attempt} attempt(s): {last_error}; check that the "
-                                f"server is up and judge.base_url / judge.api are right", attempt, time.monotonic() - started)
+        return JudgeReply(
+            None,
+            f"judge at {self.url} failed after {attempt} attempt(s): {last_error}; check that the "
+            f"server is up and judge.base_url / judge.api are right",
+            attempt,
+            time.monotonic() - started,
+        )
 
     def backoff_delay_s(self, retry: int) -> float:
         return min(self.max_backoff_s, self.backoff_s * 2 ** (retry - 1)) * self._rng.uniform(0.5, 1.0)
@@ -138,7 +154,9 @@ class LocalJudgeClient:
 
     def __init__(self, generator, encode, max_new_tokens: int = 16, temperature: float = 0.0, batch_size: int = 64):
         self.generator, self.encode = generator, encode
-        self.params = SamplingParams(temperature=temperature or 1.0, max_new_tokens=max_new_tokens, greedy=temperature == 0.0)
+        self.params = SamplingParams(
+            temperature=temperature or 1.0, max_new_tokens=max_new_tokens, greedy=temperature == 0.0
+        )
         self.batch_size = batch_size
 
     def judge(self, prompts: Sequence[str]) -> list[JudgeReply]:
@@ -155,11 +173,19 @@ class LocalJudgeClient:
 class SchedulerJudgeClient:
     """Judge requests on a gapless serving `Scheduler` (source "judge"); `owns` closes it on close()."""
 
-    def __init__(self, scheduler, encode: Callable[[str], list[int]], max_tokens: int = 16, temperature: float = 0.0,
-                 seed: int = 0, owns: bool = False):
+    def __init__(
+        self,
+        scheduler,
+        encode: Callable[[str], list[int]],
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        seed: int = 0,
+        owns: bool = False,
+    ):
         self.scheduler, self.encode, self.owns = scheduler, encode, owns
-        self.params = SamplingParams(temperature=temperature or 1.0, max_new_tokens=max_tokens, greedy=temperature == 0.0,
-                                     seed=seed)
+        self.params = SamplingParams(
+            temperature=temperature or 1.0, max_new_tokens=max_tokens, greedy=temperature == 0.0, seed=seed
+        )
 
     def judge(self, prompts: Sequence[str]) -> list[JudgeReply]:
         from gapless.serve.protocol import QueueFull, SampleRequest, ServeError
@@ -177,8 +203,12 @@ class SchedulerJudgeClient:
                 except ServeError as exc:
                     handles.append(f"the judge refused the prompt: {exc.message}")
                     break
-        return [JudgeReply(None, h) if isinstance(h, str) else JudgeReply(h.result()[0].text, latency_s=time.monotonic() - started)
-                for h in handles]
+        return [
+            JudgeReply(None, h)
+            if isinstance(h, str)
+            else JudgeReply(h.result()[0].text, latency_s=time.monotonic() - started)
+            for h in handles
+        ]
 
     def close(self) -> None:
         if self.owns:

@@ -65,8 +65,14 @@ class JudgeTask:
 class JudgeEnvironment:
     name = "judge"
 
-    def __init__(self, tasks: dict[str, Sequence[JudgeTask]], client: JudgeClient, rubric: str = DEFAULT_RUBRIC,
-                 max_score: float = 10.0, max_response_chars: int = 4000):
+    def __init__(
+        self,
+        tasks: dict[str, Sequence[JudgeTask]],
+        client: JudgeClient,
+        rubric: str = DEFAULT_RUBRIC,
+        max_score: float = 10.0,
+        max_response_chars: int = 4000,
+    ):
         self._tasks = tasks
         self.client = client
         self.rubric = rubric
@@ -86,8 +92,9 @@ class JudgeEnvironment:
     def judge_prompt(self, task: JudgeTask, response: str) -> str:
         cut = response[: self.max_response_chars].encode("utf-8", "replace").decode("utf-8")
         defused = cut.replace("</response>", "</ response>")
-        return self.rubric.format(max_score=_plain(self.max_score), prompt=task.prompt, reference=task.reference,
-                                  response=defused)
+        return self.rubric.format(
+            max_score=_plain(self.max_score), prompt=task.prompt, reference=task.reference, response=defused
+        )
 
     def score_groups(self, tasks: Sequence[JudgeTask], groups: Sequence[Sequence[Completion]]) -> list[list[Rollout]]:
         keys = list(dict.fromkeys((t.uid, c.text) for t, cs in zip(tasks, groups) for c in cs))
@@ -144,14 +151,21 @@ _TOPICS = ["a colour", "a fruit", "an animal", "a country", "a planet", "a music
 
 def embedded_judge_tasks(seed: int, num_train: int, num_eval: int) -> dict[str, list[JudgeTask]]:
     """A small built-in task set ("Name N different things of a kind") for runs without a dataset."""
+
     def make(split: str, count: int) -> list[JudgeTask]:
         rng = random.Random(f"{seed}-judge-{split}")
         out = []
         for i in range(count):
             topic, n = rng.choice(_TOPICS), rng.randint(1, 4)
-            out.append(JudgeTask(f"judge-{split}-{i}", f"Name {n} different examples of {topic}.",
-                                 f"{n} distinct, correct examples of {topic}, nothing else"))
+            out.append(
+                JudgeTask(
+                    f"judge-{split}-{i}",
+                    f"Name {n} different examples of {topic}.",
+                    f"{n} distinct, correct examples of {topic}, nothing else",
+                )
+            )
         return out
+
     return {"train": make("train", num_train), "eval": make("eval", num_eval)}
 
 
@@ -189,8 +203,19 @@ def make_judge_environment(cfg: Config) -> JudgeEnvironment:
     else:
         tasks = embedded_judge_tasks(cfg.seed, cfg.task.num_train_prompts, cfg.task.num_eval_prompts)
     if j.base_url is not None:
-        client = HttpJudgeClient(j.base_url, j.model, j.api, j.max_tokens, j.temperature, j.timeout_s, j.max_retries,
-                                 j.backoff_s, j.max_backoff_s, j.concurrency, seed=cfg.seed)
+        client = HttpJudgeClient(
+            j.base_url,
+            j.model,
+            j.api,
+            j.max_tokens,
+            j.temperature,
+            j.timeout_s,
+            j.max_retries,
+            j.backoff_s,
+            j.max_backoff_s,
+            j.concurrency,
+            seed=cfg.seed,
+        )
     elif j.model_path is not None:
         client = _in_process_judge(j, cfg.seed)
     else:

@@ -18,8 +18,10 @@ from __future__ import annotations
 import re
 
 _NUMBER = r"(\d+(?:\.\d+)?)"
-_LABELLED = re.compile(r"(?:score|rating|grade)\s*[*_]*\s*(?:[:=]|is)\s*[*_]*\s*" + _NUMBER + r"(?:\s*(?:/|out of)\s*" + _NUMBER + r")?",
-                       re.IGNORECASE)
+_LABELLED = re.compile(
+    r"(?:score|rating|grade)\s*[*_]*\s*(?:[:=]|is)\s*[*_]*\s*" + _NUMBER + r"(?:\s*(?:/|out of)\s*" + _NUMBER + r")?",
+    re.IGNORECASE,
+)
 _FRACTION = re.compile(_NUMBER + r"\s*(?:/|out of)\s*" + _NUMBER, re.IGNORECASE)
 _LEADING = re.compile(r"^[\s*_#`\"'(\[]*" + _NUMBER + r"(?![\d.]*[a-zA-Z])")
 

@@ -57,7 +57,7 @@ def extract_answer(completion: str, prompt_ends_with_answer: bool = False) -> st
         return (boxed.strip() or None) if boxed is not None else None
     marks = list(_ANSWER_MARK.finditer(completion))
     if marks:
-        tail = completion[marks[-1].end():].strip()
+        tail = completion[marks[-1].end() :].strip()
     elif prompt_ends_with_answer:
         tail = completion.strip()
     else:
@@ -78,15 +78,25 @@ def _last_boxed(text: str) -> str | None:
     return None  # unclosed: no answer was finished
 
 
-def grade(reference: str, completion: str, prompt_ends_with_answer: bool = False,
-          timeout_s: int = MATH_VERIFY_TIMEOUT_S, lenient: bool = False) -> tuple[float, str]:
+def grade(
+    reference: str,
+    completion: str,
+    prompt_ends_with_answer: bool = False,
+    timeout_s: int = MATH_VERIFY_TIMEOUT_S,
+    lenient: bool = False,
+) -> tuple[float, str]:
     if threading.current_thread() is threading.main_thread():
         return grade_here(reference, completion, prompt_ends_with_answer, timeout_s, lenient)
     return _grade_in_helper(reference, completion, prompt_ends_with_answer, timeout_s, lenient)
 
 
-def grade_here(reference: str, completion: str, prompt_ends_with_answer: bool = False,
-               timeout_s: int = MATH_VERIFY_TIMEOUT_S, lenient: bool = False) -> tuple[float, str]:
+def grade_here(
+    reference: str,
+    completion: str,
+    prompt_ends_with_answer: bool = False,
+    timeout_s: int = MATH_VERIFY_TIMEOUT_S,
+    lenient: bool = False,
+) -> tuple[float, str]:
     """math-verify with its signal timeouts; main thread of a process only."""
     from math_verify import parse
     from math_verify.errors import TimeoutException
@@ -144,7 +154,9 @@ def _addition_is_equivalent(gold: list, completion: str, prompt_ends_with_answer
     return _verify(gold, [p for p in parsed if not isinstance(p, str)], timeout_s)[0]
 
 
-def _grade_in_helper(reference: str, completion: str, follows: bool, timeout_s: int, lenient: bool) -> tuple[float, str]:
+def _grade_in_helper(
+    reference: str, completion: str, follows: bool, timeout_s: int, lenient: bool
+) -> tuple[float, str]:
     """Off the main thread: the same grading in a helper process, with a hard deadline. A helper
     that dies grading an answer, and dies again on it when fresh, was killed by that answer
     (`grader_crash`, reward 0) unless a fresh one cannot grade a trusted probe either (infra_error):
@@ -190,8 +202,14 @@ def _start_helper() -> subprocess.Popen:
     """`python -m gapless.envs.math.answer`: started with subprocess, not multiprocessing, so that a
     daemonic process (a pipeline actor) can start it too; it imports gapless from this sys.path."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    return subprocess.Popen([sys.executable, "-m", "gapless.envs.math.answer"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "gapless.envs.math.answer"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def _serve() -> None:

@@ -26,8 +26,13 @@ from gapless.types import Completion, Rollout
 
 
 class MathEnvironment:
-    def __init__(self, splits: dict[str, Sequence[MathTask]], name: str = "math",
-                 timeout_s: int = MATH_VERIFY_TIMEOUT_S, lenient: bool = False):
+    def __init__(
+        self,
+        splits: dict[str, Sequence[MathTask]],
+        name: str = "math",
+        timeout_s: int = MATH_VERIFY_TIMEOUT_S,
+        lenient: bool = False,
+    ):
         self.splits = dict(splits)
         self.name = name
         self.timeout_s = timeout_s
@@ -43,7 +48,9 @@ class MathEnvironment:
             rollouts = []
             for c in completions:
                 if c.text not in graded:
-                    graded[c.text] = grade(task.answer, c.text, task.answer_follows_prompt, self.timeout_s, self.lenient)
+                    graded[c.text] = grade(
+                        task.answer, c.text, task.answer_follows_prompt, self.timeout_s, self.lenient
+                    )
                 reward, status = graded[c.text]
                 rollouts.append(Rollout(task.uid, c, reward, status, {"reference": task.answer}))
             out.append(rollouts)
@@ -56,8 +63,13 @@ class MathEnvironment:
 class ProceduralMathEnvironment(MathEnvironment):
     """The procedural arithmetic task with its left-to-right teacher (envs/math/problems.py)."""
 
-    def __init__(self, splits: dict[str, Sequence[MathTask]], teacher_error_frac: float,
-                 timeout_s: int = MATH_VERIFY_TIMEOUT_S, lenient: bool = False):
+    def __init__(
+        self,
+        splits: dict[str, Sequence[MathTask]],
+        teacher_error_frac: float,
+        timeout_s: int = MATH_VERIFY_TIMEOUT_S,
+        lenient: bool = False,
+    ):
         super().__init__(splits, "math", timeout_s, lenient)
         self.teacher_error_frac = teacher_error_frac
 

@@ -100,7 +100,12 @@ class ReasoningGymEnvironment:
             for c in completions:
                 if c.text not in graded:
                     graded[c.text] = self.score(task, c.text)
-            out.append([Rollout(task.uid, c, *graded[c.text], {"reference": str(task.entry.get("answer"))}) for c in completions])
+            out.append(
+                [
+                    Rollout(task.uid, c, *graded[c.text], {"reference": str(task.entry.get("answer"))})
+                    for c in completions
+                ]
+            )
         return out
 
     def close(self) -> None:

@@ -49,10 +49,21 @@ from gapless.config import Config
 from gapless.envs.base import Generator, Split
 from gapless.envs.code.environment import HARNESSES, JUDGE_FILES, JUDGED, SandboxUnavailable, parse_report
 from gapless.envs.episode import Episode
-from gapless.envs.turns import ToolLatency, run_waves
 from gapless.envs.repo.tasks import RepoTask, generate_repo_tasks
-from gapless.envs.repo.tools import (PLAIN, Command, TurnFormat, chat_format, demonstration, observe, parse_command,
-                                     path_problem, request_of, session_code, solution_text)
+from gapless.envs.repo.tools import (
+    PLAIN,
+    Command,
+    TurnFormat,
+    chat_format,
+    demonstration,
+    observe,
+    parse_command,
+    path_problem,
+    request_of,
+    session_code,
+    solution_text,
+)
+from gapless.envs.turns import ToolLatency, run_waves
 from gapless.sandbox import SandboxError, SandboxLimits, Status, open_sandbox
 from gapless.sandbox.frames import clean_text
 from gapless.sandbox.worker import SlotFailure
@@ -77,11 +88,22 @@ RUN_MARGIN_S = 1.0  # a run command's deadline is the tool call's minus this
 class RepoEnvironment:
     name = "repo"
 
-    def __init__(self, sandbox, tasks: dict[str, Sequence[RepoTask]], limits: SandboxLimits, max_turns: int = 5,
-                 max_output_bytes: int = 160, max_file_bytes: int = 4096, sessions: int = 8,
-                 skip_frac: float = 0.0, typo_frac: float = 0.0, idle_timeout_s: float = 300.0,
-                 turn_format: TurnFormat = PLAIN, latency_s: float = 0.0,
-                 latency_sigma: float = 0.0):
+    def __init__(
+        self,
+        sandbox,
+        tasks: dict[str, Sequence[RepoTask]],
+        limits: SandboxLimits,
+        max_turns: int = 5,
+        max_output_bytes: int = 160,
+        max_file_bytes: int = 4096,
+        sessions: int = 8,
+        skip_frac: float = 0.0,
+        typo_frac: float = 0.0,
+        idle_timeout_s: float = 300.0,
+        turn_format: TurnFormat = PLAIN,
+        latency_s: float = 0.0,
+        latency_sigma: float = 0.0,
+    ):
         self.sandbox, self._tasks, self.limits = sandbox, tasks, limits
         self.latency = ToolLatency(latency_s, latency_sigma)
         self.max_turns, self.max_output_bytes, self.max_file_bytes = max_turns, max_output_bytes, max_file_bytes
@@ -114,8 +136,14 @@ class RepoEnvironment:
 
     # -- the multi-turn path -------------------------------------------------------------------
 
-    def rollout_groups(self, generator: Generator, tasks: Sequence[RepoTask], group_size: int,
-                       params: SamplingParams | Sequence[SamplingParams], encode: Callable[[str], list[int]]) -> list[list[Rollout]]:
+    def rollout_groups(
+        self,
+        generator: Generator,
+        tasks: Sequence[RepoTask],
+        group_size: int,
+        params: SamplingParams | Sequence[SamplingParams],
+        encode: Callable[[str], list[int]],
+    ) -> list[list[Rollout]]:
         """The reference loop: lock-step waves of `sessions` episodes (envs/turns.py)."""
         return run_waves(self, generator, tasks, group_size, params, encode, self.pool)
 
@@ -166,10 +194,13 @@ class RepoEnvironment:
         try:
             if episode.session is None:
                 episode.session = self.sandbox.open_session(self.limits, self.idle_timeout_s)
-                seeded = episode.session.run(session_code({"op": "seed", "files": episode.task.files,
-                                                           "max_file_bytes": self.max_file_bytes}))
+                seeded = episode.session.run(
+                    session_code({"op": "seed", "files": episode.task.files, "max_file_bytes": self.max_file_bytes})
+                )
                 if seeded.status is not Status.OK:  # the host's own code, before any of the model's
-                    raise SandboxError(f"seeding the repository failed: {seeded.status.value} {clean_text(seeded.stderr, 200)}")
+                    raise SandboxError(
+                        f"seeding the repository failed: {seeded.status.value} {clean_text(seeded.stderr, 200)}"
+                    )
             result = episode.session.run(session_code(request))
         except (SandboxError, SlotFailure) as exc:  # no session, or one the host closed (idle)
             self._close_session(episode)
@@ -189,7 +220,9 @@ class RepoEnvironment:
         """Collect the final files and close the session; grading comes in `to_rollout`."""
         files = dict(episode.task.files)  # no tool ran: the repository as it was given
         if episode.session is not None:
-            result = self._call(episode, {"op": "collect", "max_files": MAX_FILES, "max_file_bytes": self.max_file_bytes})
+            result = self._call(
+                episode, {"op": "collect", "max_files": MAX_FILES, "max_file_bytes": self.max_file_bytes}
+            )
             if result is None:
                 return
             files = _collected(result.stdout, self.max_file_bytes)
@@ -218,8 +251,12 @@ class RepoEnvironment:
 
     def grade(self, task: RepoTask, files: dict[str, str]) -> tuple[float, str, dict]:
         """Run the hidden tests on `files` in a fresh judged job; (reward, status, info)."""
-        job = {"harness.py": HARNESSES["io"], **JUDGE_FILES, "solution.py": GRADING_SHIM,
-               "judge/tests.json": json.dumps([[t.module, t.function, *t.args] for t in task.hidden])}
+        job = {
+            "harness.py": HARNESSES["io"],
+            **JUDGE_FILES,
+            "solution.py": GRADING_SHIM,
+            "judge/tests.json": json.dumps([[t.module, t.function, *t.args] for t in task.hidden]),
+        }
         job.update({f"repo/{path}": text for path, text in files.items()})
         expected = tuple(json.dumps(t.expected, sort_keys=True) for t in task.hidden)
         for _attempt in range(2):
@@ -239,15 +276,18 @@ class RepoEnvironment:
     def score_groups(self, tasks: Sequence[RepoTask], groups: Sequence[Sequence[Completion]]) -> list[list[Rollout]]:
         """Not available: a transcript cannot be graded without the session its commands ran
         in. Raised loudly, since a caller here has taken the single-turn path by mistake."""
-        raise TypeError("the repo task is multi-turn: drive it with rollout_groups (the run loop picks the inline source for it); "
-                        "a single-turn path (generate + score_groups) would grade repositories no tool has touched")
+        raise TypeError(
+            "the repo task is multi-turn: drive it with rollout_groups (the run loop picks the inline source for it); "
+            "a single-turn path (generate + score_groups) would grade repositories no tool has touched"
+        )
 
     @staticmethod
     def check_infra(rollouts: list[Rollout]) -> int:
         failures = sum(r.is_infra_failure for r in rollouts)
         if rollouts and failures == len(rollouts):
-            raise SandboxUnavailable(f"every repo episode of this step failed ({rollouts[0].info.get('error')}); "
-                                     "run `gapless sandbox check`")
+            raise SandboxUnavailable(
+                f"every repo episode of this step failed ({rollouts[0].info.get('error')}); run `gapless sandbox check`"
+            )
         return failures
 
     def close(self) -> None:
@@ -265,26 +305,49 @@ def _collected(stdout: str, max_file_bytes: int) -> dict[str, str]:
         return {}
     if not isinstance(value, dict):
         return {}
-    return {path: clean_text(text, max_file_bytes) for path, text in list(value.items())[:MAX_FILES]
-            if isinstance(path, str) and isinstance(text, str) and not path_problem(path) and clean_text(path) == path
-            and str(PurePosixPath(path)) == path and len(text.encode("utf-8", "surrogatepass")) <= max_file_bytes}
+    return {
+        path: clean_text(text, max_file_bytes)
+        for path, text in list(value.items())[:MAX_FILES]
+        if isinstance(path, str)
+        and isinstance(text, str)
+        and not path_problem(path)
+        and clean_text(path) == path
+        and str(PurePosixPath(path)) == path
+        and len(text.encode("utf-8", "surrogatepass")) <= max_file_bytes
+    }
 
 
 def make_repo_environment(cfg: Config) -> RepoEnvironment:
     """The environment of `task.name = "repo"`: generated repositories, [repo] settings, sessions
     and grading in a bubblewrap sandbox (reduced mode has neither private files nor sessions)."""
     r = cfg.repo
-    limits = SandboxLimits(timeout_s=r.timeout_s, memory_mb=cfg.sandbox.memory_mb,
-                           max_processes=cfg.sandbox.max_processes)
+    limits = SandboxLimits(
+        timeout_s=r.timeout_s, memory_mb=cfg.sandbox.memory_mb, max_processes=cfg.sandbox.max_processes
+    )
     sandbox = open_sandbox(limits, cfg.sandbox.python, mode="bwrap", max_concurrency=r.sessions)
     turn_format = PLAIN
     if cfg.model.path is not None:  # an instruct checkpoint's chat template frames the turns
         from transformers import AutoTokenizer
 
         turn_format = chat_format(AutoTokenizer.from_pretrained(cfg.model.path))
-    tasks = {split: [replace(t, prompt=turn_format.prompt(t.prompt)) for t in generate_repo_tasks(cfg.seed, split, count,
-                                                                                                r.missing_frac)]
-             for split, count in (("train", r.num_train_prompts), ("eval", r.num_eval_prompts))}
-    return RepoEnvironment(sandbox, tasks, limits, r.max_turns, r.max_output_bytes, r.max_file_bytes, r.sessions,
-                           r.skip_frac, r.typo_frac, turn_format=turn_format, latency_s=r.latency_s,
-                           latency_sigma=r.latency_sigma)
+    tasks = {
+        split: [
+            replace(t, prompt=turn_format.prompt(t.prompt))
+            for t in generate_repo_tasks(cfg.seed, split, count, r.missing_frac)
+        ]
+        for split, count in (("train", r.num_train_prompts), ("eval", r.num_eval_prompts))
+    }
+    return RepoEnvironment(
+        sandbox,
+        tasks,
+        limits,
+        r.max_turns,
+        r.max_output_bytes,
+        r.max_file_bytes,
+        r.sessions,
+        r.skip_frac,
+        r.typo_frac,
+        turn_format=turn_format,
+        latency_s=r.latency_s,
+        latency_sigma=r.latency_sigma,
+    )

@@ -30,8 +30,11 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 OPERATORS = ("+", "-", "*")
-NAMES = {"+": ("add", "plus", "total", "join"), "-": ("sub", "minus", "diff", "drop"),
-         "*": ("mul", "times", "scale", "area")}
+NAMES = {
+    "+": ("add", "plus", "total", "join"),
+    "-": ("sub", "minus", "diff", "drop"),
+    "*": ("mul", "times", "scale", "area"),
+}
 ARGUMENTS = (("a", "b"), ("x", "y"), ("m", "n"), ("p", "q"), ("u", "v"), ("s", "t"))
 MODULES = ("geo", "calc", "money", "stats", "units", "shapes", "clock", "grid", "bank", "score")
 MISSING_BODY = "    raise NotImplementedError"
@@ -90,12 +93,14 @@ def module_source(functions: list[Function], broken: Function | None = None, bro
 def check_source(visible: list[HiddenTest]) -> str:
     """The visible check: one call per function; prints `ok` or what failed."""
     cases = ",\n    ".join(f"({t.module!r}, {t.function!r}, {t.args!r}, {t.expected})" for t in visible)
-    return (f"import importlib\n\nCASES = [\n    {cases},\n]\nbad = []\n"
-            "for module, name, args, want in CASES:\n"
-            "    try:\n        got = getattr(importlib.import_module(module), name)(*args)\n"
-            "    except Exception as error:\n        got = type(error).__name__\n"
-            "    if got != want:\n        bad.append(f\"{name}{args} = {got}, want {want}\")\n"
-            "print(\"FAIL \" + \"; \".join(bad) if bad else \"ok\")\n")
+    return (
+        f"import importlib\n\nCASES = [\n    {cases},\n]\nbad = []\n"
+        "for module, name, args, want in CASES:\n"
+        "    try:\n        got = getattr(importlib.import_module(module), name)(*args)\n"
+        "    except Exception as error:\n        got = type(error).__name__\n"
+        '    if got != want:\n        bad.append(f"{name}{args} = {got}, want {want}")\n'
+        'print("FAIL " + "; ".join(bad) if bad else "ok")\n'
+    )
 
 
 def check_verdict(files: dict[str, str], visible: Sequence[HiddenTest]) -> str:
@@ -163,8 +168,9 @@ def _one_task(rng: random.Random, missing_frac: float, uid: str) -> RepoTask:
     wrong = [o for o in OPERATORS if o != target.operator]
     broken_line = MISSING_BODY if kind == "missing" else target.line(rng.choice(wrong))  # no draw for a missing body
     calls = {f.name: _arguments(rng) for f in functions}
-    visible = tuple(HiddenTest(m, f.name, calls[f.name], f.value(*calls[f.name]))
-                    for m, fs in modules.items() for f in fs)
+    visible = tuple(
+        HiddenTest(m, f.name, calls[f.name], f.value(*calls[f.name])) for m, fs in modules.items() for f in fs
+    )
     files = {f"{m}.py": module_source(fs, target if m == module else None, broken_line) for m, fs in modules.items()}
     files[CHECK_FILE] = check_source(list(visible))
     hidden = []
@@ -178,4 +184,6 @@ def _one_task(rng: random.Random, missing_frac: float, uid: str) -> RepoTask:
                     hidden.append(HiddenTest(m, f.name, args, f.value(*args)))
     a, b = calls[target.name]
     prompt = f"Fix {module}.py: {target.name}({a}, {b}) should be {target.value(a, b)}\n"
-    return RepoTask(uid, prompt, files, f"{module}.py", broken_line, target.line(), target, kind, tuple(hidden), visible)
+    return RepoTask(
+        uid, prompt, files, f"{module}.py", broken_line, target.line(), target, kind, tuple(hidden), visible
+    )

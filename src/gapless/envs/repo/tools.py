@@ -98,7 +98,7 @@ def path_problem(path: str) -> str:
 
 # Runs in the session's live process (cwd = the repository), defined and removed on every call
 # so that a crash of the live process loses nothing the next call needs.
-TOOLBOX = r'''
+TOOLBOX = r"""
 def __g_tool(request):
     import os, select, signal, stat, subprocess, sys, time
     root = os.path.realpath(".")
@@ -189,7 +189,7 @@ def __g_tool(request):
                 handle.write(text)
         return "seeded"
     raise ValueError(op)
-'''
+"""
 
 CALL = """\
 {toolbox}
@@ -211,8 +211,12 @@ def session_code(request: dict) -> str:
 
 
 def request_of(command: Command, run_timeout_s: float, max_output_bytes: int, max_file_bytes: int) -> dict:
-    base = {"op": command.kind, "run_timeout_s": run_timeout_s, "max_output_bytes": max_output_bytes,
-            "max_file_bytes": max_file_bytes}
+    base = {
+        "op": command.kind,
+        "run_timeout_s": run_timeout_s,
+        "max_output_bytes": max_output_bytes,
+        "max_file_bytes": max_file_bytes,
+    }
     if command.kind == "test":
         return {**base, "op": "run", "command": f"python {CHECK_FILE}"}
     if command.kind == "run":
@@ -226,7 +230,7 @@ def shown(text: str, max_bytes: int) -> str:
     if len(data) <= max_bytes:
         return text
     half = (max_bytes - 3) // 2
-    return (data[:half] + b"..." + data[len(data) - (max_bytes - 3 - half):]).decode("utf-8", "ignore")
+    return (data[:half] + b"..." + data[len(data) - (max_bytes - 3 - half) :]).decode("utf-8", "ignore")
 
 
 def output_text(observation: str) -> str:
@@ -269,11 +273,15 @@ def chat_format(tokenizer) -> TurnFormat:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
 
     first = render([{"role": "user", "content": user}], True)
-    full = render([{"role": "user", "content": user}, {"role": "assistant", "content": said},
-                   {"role": "user", "content": seen}], True)
+    full = render(
+        [{"role": "user", "content": user}, {"role": "assistant", "content": said}, {"role": "user", "content": seen}],
+        True,
+    )
     if not full.startswith(first + said):
-        raise ValueError("the tokenizer's chat template does not extend a conversation by appending to it; "
-                         "use a plain prompt format for this checkpoint")
+        raise ValueError(
+            "the tokenizer's chat template does not extend a conversation by appending to it; "
+            "use a plain prompt format for this checkpoint"
+        )
     between, after = full[len(first + said) :].split(seen, 1)
     eos = tokenizer.eos_token or ""
     if eos and between.startswith(eos):  # the model's own end-of-turn token ends its turn
@@ -302,15 +310,25 @@ def solution_text(task: RepoTask) -> str:
 def ideal_transcript(task: RepoTask, max_output_bytes: int = 1 << 16, turn_format: TurnFormat = PLAIN) -> list[Segment]:
     """Read the module, patch the broken line, run the check, done."""
     fixed = task.fixed_files
-    return [(command_text("cat", task.path), True), (observe(task.files[task.path], max_output_bytes, turn_format), False),
-            (command_text("patch", task.path, task.broken_line + PATCH_SEPARATOR + task.fixed_line), True),
-            (observe("patched", max_output_bytes, turn_format), False),
-            (command_text("test"), True), (observe(_check_output(task, fixed), max_output_bytes, turn_format), False),
-            (command_text("done"), True)]
+    return [
+        (command_text("cat", task.path), True),
+        (observe(task.files[task.path], max_output_bytes, turn_format), False),
+        (command_text("patch", task.path, task.broken_line + PATCH_SEPARATOR + task.fixed_line), True),
+        (observe("patched", max_output_bytes, turn_format), False),
+        (command_text("test"), True),
+        (observe(_check_output(task, fixed), max_output_bytes, turn_format), False),
+        (command_text("done"), True),
+    ]
 
 
-def demonstration(task: RepoTask, rng: random.Random, skip_frac: float, typo_frac: float,
-                  max_output_bytes: int = 1 << 16, turn_format: TurnFormat = PLAIN) -> list[Segment]:
+def demonstration(
+    task: RepoTask,
+    rng: random.Random,
+    skip_frac: float,
+    typo_frac: float,
+    max_output_bytes: int = 1 << 16,
+    turn_format: TurnFormat = PLAIN,
+) -> list[Segment]:
     """One transcript from the imperfect teacher: with `skip_frac` it patches a guessed line
     without reading (a random operator: a bug's real line only by chance, never a missing
     body), with `typo_frac` it reads, then writes a wrong operator; after a failed patch or
@@ -323,17 +341,27 @@ def demonstration(task: RepoTask, rng: random.Random, skip_frac: float, typo_fra
         patch = command_text("patch", task.path, guess + PATCH_SEPARATOR + task.fixed_line)
         if guess == task.broken_line:  # a lucky guess: the patch applies
             verdict = _check_output(task, task.fixed_files)
-            return [(patch, True), (observe("patched", max_output_bytes, turn_format), False), (command_text("test"), True),
-                    (observe(verdict, max_output_bytes, turn_format), False), (command_text("done"), True)]
+            return [
+                (patch, True),
+                (observe("patched", max_output_bytes, turn_format), False),
+                (command_text("test"), True),
+                (observe(verdict, max_output_bytes, turn_format), False),
+                (command_text("done"), True),
+            ]
         refused = f"the old text occurs 0 times in {task.path}; it must occur once"
         return [(patch, True), (observe(refused, max_output_bytes, turn_format), False), (command_text("done"), True)]
     wrong = rng.choice([o for o in OPERATORS if o != task.function.operator])
     typo_line = task.function.line(wrong)
     typo_files = {**task.files, task.path: task.files[task.path].replace(task.broken_line, typo_line, 1)}
-    return [(command_text("cat", task.path), True), (observe(task.files[task.path], max_output_bytes, turn_format), False),
-            (command_text("patch", task.path, task.broken_line + PATCH_SEPARATOR + typo_line), True),
-            (observe("patched", max_output_bytes, turn_format), False), (command_text("test"), True),
-            (observe(_check_output(task, typo_files), max_output_bytes, turn_format), False), (command_text("done"), True)]
+    return [
+        (command_text("cat", task.path), True),
+        (observe(task.files[task.path], max_output_bytes, turn_format), False),
+        (command_text("patch", task.path, task.broken_line + PATCH_SEPARATOR + typo_line), True),
+        (observe("patched", max_output_bytes, turn_format), False),
+        (command_text("test"), True),
+        (observe(_check_output(task, typo_files), max_output_bytes, turn_format), False),
+        (command_text("done"), True),
+    ]
 
 
 def _check_output(task: RepoTask, files: dict[str, str]) -> str:

@@ -54,8 +54,8 @@ from gapless.config import Config
 from gapless.envs.base import Generator, Split
 from gapless.envs.code.environment import SandboxUnavailable
 from gapless.envs.episode import Episode
-from gapless.envs.turns import ToolLatency, run_waves
 from gapless.envs.tools.tasks import ToolTask, Turn, demonstration, generate_tool_tasks, parse_turn, tool_output_text
+from gapless.envs.turns import ToolLatency, run_waves
 from gapless.sandbox import SandboxError, SandboxLimits, SnapshotFailed, Status, open_sandbox
 from gapless.sandbox.frames import clean_text
 from gapless.sandbox.worker import SlotFailure
@@ -87,10 +87,20 @@ LOST_NOTE = "(the tool process ended: its variables are lost, its files are kept
 class ToolUseEnvironment:
     name = "tool_use"
 
-    def __init__(self, sandbox, tasks: dict[str, Sequence[ToolTask]], limits: SandboxLimits, max_turns: int = 3,
-                 max_output_chars: int = 64, sessions: int = 8, idle_timeout_s: float = 300.0,
-                 skip_frac: float = 0.0, typo_frac: float = 0.0, latency_s: float = 0.0,
-                 latency_sigma: float = 0.0):
+    def __init__(
+        self,
+        sandbox,
+        tasks: dict[str, Sequence[ToolTask]],
+        limits: SandboxLimits,
+        max_turns: int = 3,
+        max_output_chars: int = 64,
+        sessions: int = 8,
+        idle_timeout_s: float = 300.0,
+        skip_frac: float = 0.0,
+        typo_frac: float = 0.0,
+        latency_s: float = 0.0,
+        latency_sigma: float = 0.0,
+    ):
         self.sandbox = sandbox
         self.latency = ToolLatency(latency_s, latency_sigma)
         self.skip_frac, self.typo_frac = skip_frac, typo_frac
@@ -131,8 +141,14 @@ class ToolUseEnvironment:
 
     # -- the multi-turn path -------------------------------------------------------------------
 
-    def rollout_groups(self, generator: Generator, tasks: Sequence[ToolTask], group_size: int,
-                       params: SamplingParams | Sequence[SamplingParams], encode: Callable[[str], list[int]]) -> list[list[Rollout]]:
+    def rollout_groups(
+        self,
+        generator: Generator,
+        tasks: Sequence[ToolTask],
+        group_size: int,
+        params: SamplingParams | Sequence[SamplingParams],
+        encode: Callable[[str], list[int]],
+    ) -> list[list[Rollout]]:
         """The reference loop: lock-step waves of `sessions` episodes (envs/turns.py)."""
         return run_waves(self, generator, tasks, group_size, params, encode, self.pool)
 
@@ -156,8 +172,14 @@ class ToolUseEnvironment:
         if episode.is_done:
             self._close_session(episode)
 
-    def advance(self, generator: Generator, episodes: Sequence[Episode], params: SamplingParams,
-                encode: Callable[[str], list[int]], turns: int | None = None) -> None:
+    def advance(
+        self,
+        generator: Generator,
+        episodes: Sequence[Episode],
+        params: SamplingParams,
+        encode: Callable[[str], list[int]],
+        turns: int | None = None,
+    ) -> None:
         """Take up to `turns` more turns (None: until every episode is over) of the unfinished
         episodes, all of them in one `generate` call per turn."""
         for _ in range(self.max_turns if turns is None else turns):
@@ -195,7 +217,9 @@ class ToolUseEnvironment:
                         return None
                     if restored.status is not Status.OK:  # the model's own values did not load
                         tool_status = "crashed" if restored.is_lost else "restore_failed"
-                        episode.finish("tool_error", tool_status=tool_status, error=clean_text(restored.error or "", 300))
+                        episode.finish(
+                            "tool_error", tool_status=tool_status, error=clean_text(restored.error or "", 300)
+                        )
                         self._close_session(episode)
                         return None
                     episode.info.update(env_state_version=episode.state_version, resumed_by_version=version)
@@ -235,8 +259,13 @@ class ToolUseEnvironment:
                 if result.status is Status.INFRA_ERROR:  # the session never started
                     episode.finish("infra_error", error=f"snapshot failed: {clean_text(result.stderr, 300)}")
                 else:
-                    episode.finish("tool_error", tool_status="snapshot_failed", snapshot_status=result.status.value,
-                                   protocol=result.violation, error=clean_text(result.error or "", 300))
+                    episode.finish(
+                        "tool_error",
+                        tool_status="snapshot_failed",
+                        snapshot_status=result.status.value,
+                        protocol=result.violation,
+                        error=clean_text(result.error or "", 300),
+                    )
             except (SandboxError, SlotFailure) as exc:  # the host closed the session (idle timeout)
                 episode.finish("infra_error", error=f"snapshot failed: {str(exc)[:300]}")
         self._close_session(episode)
@@ -278,8 +307,9 @@ class ToolUseEnvironment:
     def check_infra(rollouts: list[Rollout]) -> int:
         failures = sum(r.is_infra_failure for r in rollouts)
         if rollouts and failures == len(rollouts):
-            raise SandboxUnavailable(f"every tool session of this step failed ({rollouts[0].info.get('error')}); "
-                                     "run `gapless sandbox check`")
+            raise SandboxUnavailable(
+                f"every tool session of this step failed ({rollouts[0].info.get('error')}); run `gapless sandbox check`"
+            )
         return failures
 
     def close(self) -> None:
@@ -287,15 +317,26 @@ class ToolUseEnvironment:
         self.sandbox.close()
 
 
-
 def make_tool_environment(cfg: Config) -> ToolUseEnvironment:
     """The environment of `task.name = "tool_use"`: embedded tasks, [tools] settings, sessions in
     a bubblewrap sandbox (sessions need it: reduced mode has no private filesystem)."""
-    limits = SandboxLimits(timeout_s=cfg.tools.timeout_s, memory_mb=cfg.sandbox.memory_mb,
-                           max_processes=cfg.sandbox.max_processes)
+    limits = SandboxLimits(
+        timeout_s=cfg.tools.timeout_s, memory_mb=cfg.sandbox.memory_mb, max_processes=cfg.sandbox.max_processes
+    )
     sandbox = open_sandbox(limits, cfg.sandbox.python, mode="bwrap", max_concurrency=cfg.tools.sessions)
-    tasks = {"train": generate_tool_tasks(cfg.seed, "train", cfg.tools.num_train_prompts),
-             "eval": generate_tool_tasks(cfg.seed, "eval", cfg.tools.num_eval_prompts)}
-    return ToolUseEnvironment(sandbox, tasks, limits, cfg.tools.max_turns, cfg.tools.max_output_chars, cfg.tools.sessions,
-                              skip_frac=cfg.tools.skip_frac, typo_frac=cfg.tools.typo_frac, latency_s=cfg.tools.latency_s,
-                              latency_sigma=cfg.tools.latency_sigma)
+    tasks = {
+        "train": generate_tool_tasks(cfg.seed, "train", cfg.tools.num_train_prompts),
+        "eval": generate_tool_tasks(cfg.seed, "eval", cfg.tools.num_eval_prompts),
+    }
+    return ToolUseEnvironment(
+        sandbox,
+        tasks,
+        limits,
+        cfg.tools.max_turns,
+        cfg.tools.max_output_chars,
+        cfg.tools.sessions,
+        skip_frac=cfg.tools.skip_frac,
+        typo_frac=cfg.tools.typo_frac,
+        latency_s=cfg.tools.latency_s,
+        latency_sigma=cfg.tools.latency_sigma,
+    )

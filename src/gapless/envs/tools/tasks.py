@@ -68,8 +68,11 @@ Segment = tuple[str, bool]  # (text, written by the model); a model segment ends
 
 
 def ideal_transcript(task: ToolTask) -> list[Segment]:
-    return [(f"{CALL_OPEN}{task.expression}{CALL_CLOSE}", True), (tool_output_text(task.answer), False),
-            (f"{ANSWER} {task.answer}", True)]
+    return [
+        (f"{CALL_OPEN}{task.expression}{CALL_CLOSE}", True),
+        (tool_output_text(task.answer), False),
+        (f"{ANSWER} {task.answer}", True),
+    ]
 
 
 def demonstration(task: ToolTask, rng: random.Random, skip_frac: float, typo_frac: float) -> list[Segment]:
@@ -79,7 +82,11 @@ def demonstration(task: ToolTask, rng: random.Random, skip_frac: float, typo_fra
         return [(f"{ANSWER} {_estimate(task.answer)}", True)]
     expression = _mistyped(task.expression, rng) if draw < skip_frac + typo_frac else task.expression
     result = str(eval(expression))
-    return [(f"{CALL_OPEN}{expression}{CALL_CLOSE}", True), (tool_output_text(result), False), (f"{ANSWER} {result}", True)]
+    return [
+        (f"{CALL_OPEN}{expression}{CALL_CLOSE}", True),
+        (tool_output_text(result), False),
+        (f"{ANSWER} {result}", True),
+    ]
 
 
 def _estimate(answer: str) -> str:

@@ -48,7 +48,9 @@ from gapless.envs.records import split_by_hash
 from gapless.types import Completion, Rollout
 
 PROBE_REPLY = "I do not know."  # short and plain: reaches a judge (verifiers' judges skip an empty reply)
-SCORING_TIMEOUT_S = 300.0  # when the task sets no timeout.scoring (verifiers: none): a hung reward must not hang the run
+SCORING_TIMEOUT_S = (
+    300.0  # when the task sets no timeout.scoring (verifiers: none): a hung reward must not hang the run
+)
 _PASSED_TO_REWARDS = {"task", "trace", "runtime"}
 
 
@@ -77,9 +79,11 @@ class VerifiersEnvironment:
         first: dict[str, Any] = {}
         for t in self.splits["train"] + self.splits["eval"]:
             if first.setdefault(t.uid, t.task) is not t.task:
-                raise VerifiersUnsupported(f"verifiers tasks {type(first[t.uid]).__name__} and {type(t.task).__name__} share the "
-                                           f"key {t.uid[:16]}... (verifiers wants keys unique in a task set): give them distinct "
-                                           "data or override Task.key")
+                raise VerifiersUnsupported(
+                    f"verifiers tasks {type(first[t.uid]).__name__} and {type(t.task).__name__} share the "
+                    f"key {t.uid[:16]}... (verifiers wants keys unique in a task set): give them distinct "
+                    "data or override Task.key"
+                )
             if (type(t.task), id(t.task.config)) not in checked:
                 check_supported(t.task)
                 checked.add((type(t.task), id(t.task.config)))
@@ -100,7 +104,9 @@ class VerifiersEnvironment:
         [[rollout]] = self.score_groups([task], [[Completion([], [], [], [], finish_reason, text)]])
         return rollout.reward, rollout.status, rollout.info
 
-    def score_groups(self, tasks: Sequence[VerifiersTask], groups: Sequence[Sequence[Completion]]) -> list[list[Rollout]]:
+    def score_groups(
+        self, tasks: Sequence[VerifiersTask], groups: Sequence[Sequence[Completion]]
+    ) -> list[list[Rollout]]:
         futures: dict[tuple[int, str, str], Future] = {}  # keyed on the task object: a uid is a hash of data only
         for task, completions in zip(tasks, groups):
             for c in completions:
@@ -114,10 +120,19 @@ class VerifiersEnvironment:
         is_down = {key: probe.result()[1] == "infra_error" for key, probe in probes.items()}
         for key, (reward, status, info) in results.items():
             if status == "infra_error" and not is_down[key[0]]:
-                results[key] = (0.0, "score_error", {**info, "error": f"{info.get('error', '')} (scoring failed for this "
-                                                                       "completion only: a plain reply was scored)"})
-        return [[Rollout(t.uid, c, *results[(id(t.task), c.text, c.finish_reason)]) for c in cs]
-                for t, cs in zip(tasks, groups)]
+                results[key] = (
+                    0.0,
+                    "score_error",
+                    {
+                        **info,
+                        "error": f"{info.get('error', '')} (scoring failed for this "
+                        "completion only: a plain reply was scored)",
+                    },
+                )
+        return [
+            [Rollout(t.uid, c, *results[(id(t.task), c.text, c.finish_reason)]) for c in cs]
+            for t, cs in zip(tasks, groups)
+        ]
 
     def _submit(self, task: VerifiersTask, text: str, finish_reason: str) -> Future:
         with self._lock:
@@ -141,25 +156,39 @@ def check_supported(task: Any) -> None:
     """Raise `VerifiersUnsupported` naming the first reward, metric or judge the adapter cannot run."""
     where = f"verifiers task {type(task).__name__}"
     if type(task).toolsets(task.config):
-        raise VerifiersUnsupported(f"{where} has tools (multi-turn); the gapless adapter scores single-turn tasks only: "
-                                   "run it with verifiers' own harness")
-    hooks = [("reward", fn, fn.__name__) for fn in task.hooks("reward")] + [("metric", fn, fn.__name__) for fn in task.hooks("metric")]
+        raise VerifiersUnsupported(
+            f"{where} has tools (multi-turn); the gapless adapter scores single-turn tasks only: "
+            "run it with verifiers' own harness"
+        )
+    hooks = [("reward", fn, fn.__name__) for fn in task.hooks("reward")] + [
+        ("metric", fn, fn.__name__) for fn in task.hooks("metric")
+    ]
     hooks += [("judge", judge.score, judge.reward_name) for judge in task.plugged_judges()]
     for kind, fn, name in hooks:
         params = inspect.signature(fn).parameters
         runtime = params.get("runtime")
         if runtime is not None and runtime.default is inspect.Parameter.empty:
-            raise VerifiersUnsupported(f"{where}: {kind} {name!r} needs a runtime (a box to run in), which the gapless "
-                                       "adapter does not provide; give `runtime` a default of None or score this task "
-                                       "set with verifiers itself")
-        unknown = [p.name for p in params.values() if p.name not in _PASSED_TO_REWARDS and p.default is inspect.Parameter.empty
-                   and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+            raise VerifiersUnsupported(
+                f"{where}: {kind} {name!r} needs a runtime (a box to run in), which the gapless "
+                "adapter does not provide; give `runtime` a default of None or score this task "
+                "set with verifiers itself"
+            )
+        unknown = [
+            p.name
+            for p in params.values()
+            if p.name not in _PASSED_TO_REWARDS
+            and p.default is inspect.Parameter.empty
+            and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        ]
         if unknown:
-            raise VerifiersUnsupported(f"{where}: {kind} {name!r} asks for {unknown[0]!r}, which verifiers does not pass "
-                                       "(a reward gets task, trace and runtime; state is trace.state)")
+            raise VerifiersUnsupported(
+                f"{where}: {kind} {name!r} asks for {unknown[0]!r}, which verifiers does not pass "
+                "(a reward gets task, trace and runtime; state is trace.state)"
+            )
         if not inspect.iscoroutinefunction(inspect.unwrap(fn)):
-            raise VerifiersUnsupported(f"{where}: {kind} {name!r} is not async; verifiers awaits every {kind}: "
-                                       "declare it `async def`")
+            raise VerifiersUnsupported(
+                f"{where}: {kind} {name!r} is not async; verifiers awaits every {kind}: declare it `async def`"
+            )
 
 
 def build_trace(task: Any, text: str, finish_reason: str = "stop") -> Any:
@@ -174,10 +203,15 @@ def build_trace(task: Any, text: str, finish_reason: str = "stop") -> Any:
     messages = [UserMessage(content=data.prompt)] if isinstance(data.prompt, str) else list(data.prompt or [])
     if data.system_prompt is not None:
         messages.insert(0, SystemMessage(content=data.system_prompt))
-    trace = Trace(task=TraceTask(type=type(task).__name__, data=data, key=task.key, hash=task.hash),
-                  state=state_cls(type(task))(), agent=AgentInfo(config=AgentConfig()))
+    trace = Trace(
+        task=TraceTask(type=type(task).__name__, data=data, key=task.key, hash=task.hash),
+        state=state_cls(type(task))(),
+        agent=AgentInfo(config=AgentConfig()),
+    )
     reason = finish_reason if finish_reason in ("stop", "length") else None
-    response = Response(id="gapless", created=0, model="gapless", message=AssistantMessage(content=text), finish_reason=reason)
+    response = Response(
+        id="gapless", created=0, model="gapless", message=AssistantMessage(content=text), finish_reason=reason
+    )
     node = graph.prepare_turn(trace, messages).commit(response)
     trace.calls.append(ModelCall(node=node, model="gapless", finish_reason=reason))
     trace.stop("agent_completed")

@@ -79,11 +79,15 @@ def check_model(head_dim: int) -> None:
     """Raise `VLLMUnavailable` (one line) where vLLM is absent or its CPU attention cannot run
     `head_dim`; both name the way out."""
     if not vllm_installed():
-        raise VLLMUnavailable(f"generator.engine = 'vllm' needs vLLM, which this Python lacks: run `{SETUP_HINT}`, then "
-                              "use .venv-vllm/bin/gapless (or generator.engine = 'torch')")
+        raise VLLMUnavailable(
+            f"generator.engine = 'vllm' needs vLLM, which this Python lacks: run `{SETUP_HINT}`, then "
+            "use .venv-vllm/bin/gapless (or generator.engine = 'torch')"
+        )
     if on_cpu() and head_dim not in cpu_head_dims():
-        raise VLLMUnavailable(f"vLLM's CPU attention runs head dims {list(cpu_head_dims())} only and this model's is {head_dim} "
-                              "(hidden_size / num_heads): use generator.engine = 'torch', or a model with a supported head dim")
+        raise VLLMUnavailable(
+            f"vLLM's CPU attention runs head dims {list(cpu_head_dims())} only and this model's is {head_dim} "
+            "(hidden_size / num_heads): use generator.engine = 'torch', or a model with a supported head dim"
+        )
 
 
 @dataclass
@@ -106,15 +110,31 @@ _ENGINE_IN_PROCESS = threading.Lock()  # held for the life of the process by the
 
 
 class VLLMEngine:
-    def __init__(self, model_path: str, eos_id: int, decode: Callable[[list[int]], str] | None = None, *,
-                 max_batch: int = 256, max_seq_len: int | None = None, dtype: str = "auto", gpu_memory_utilization: float = 0.5,
-                 prefix_caching: bool = True, recompute_kv: bool = False, stop_ids: Iterable[int] = (),
-                 transport: str = "reload", lora_rank: int = 0, lora_alpha: float = 32.0, lora_dir: str | None = None,
-                 cpu_kv_cache_gib: int = 1,
-                 **engine_kwargs):
+    def __init__(
+        self,
+        model_path: str,
+        eos_id: int,
+        decode: Callable[[list[int]], str] | None = None,
+        *,
+        max_batch: int = 256,
+        max_seq_len: int | None = None,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.5,
+        prefix_caching: bool = True,
+        recompute_kv: bool = False,
+        stop_ids: Iterable[int] = (),
+        transport: str = "reload",
+        lora_rank: int = 0,
+        lora_alpha: float = 32.0,
+        lora_dir: str | None = None,
+        cpu_kv_cache_gib: int = 1,
+        **engine_kwargs,
+    ):
         if not _ENGINE_IN_PROCESS.acquire(blocking=False):
-            raise RuntimeError("a VLLMEngine already runs in this process (vLLM sizes its cache from the memory it finds); "
-                               "use one engine per process, e.g. one generator actor each")
+            raise RuntimeError(
+                "a VLLMEngine already runs in this process (vLLM sizes its cache from the memory it finds); "
+                "use one engine per process, e.g. one generator actor each"
+            )
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in process: weights by reference
         if on_cpu():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))  # GiB; vLLM's default is 4
@@ -136,9 +156,17 @@ class VLLMEngine:
         if lora_rank:
             engine_kwargs.update(enable_lora=True, max_loras=2, max_lora_rank=_lora_slot(lora_rank))
         try:
-            self.llm = vllm.LLM(model=str(model_path), dtype=dtype, max_num_seqs=max_batch, max_model_len=max_seq_len,
-                                gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=prefix_caching,
-                                logprobs_mode="processed_logprobs", skip_tokenizer_init=True, **engine_kwargs)
+            self.llm = vllm.LLM(
+                model=str(model_path),
+                dtype=dtype,
+                max_num_seqs=max_batch,
+                max_model_len=max_seq_len,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=prefix_caching,
+                logprobs_mode="processed_logprobs",
+                skip_tokenizer_init=True,
+                **engine_kwargs,
+            )
         finally:
             torch.set_num_threads = set_threads
         self.engine = self.llm.llm_engine
@@ -176,7 +204,9 @@ class VLLMEngine:
     def running_samples(self) -> Iterator[RunningSample]:
         return (RunningSample(s.request_id, s.index, s.tokens, s.logprobs, s.versions) for s in self.running)
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None
+    ) -> str:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         with self._lock:
             for j in range(n):
@@ -185,11 +215,23 @@ class VLLMEngine:
 
     def resume(self, partials: Iterable[Completion], params: SamplingParams, request_id: str | None = None) -> str:
         partials = list(partials)
-        request_id = request_id if request_id is not None else (partials[0].request_id if partials else f"req-{next(self._ids)}")
+        request_id = (
+            request_id if request_id is not None else (partials[0].request_id if partials else f"req-{next(self._ids)}")
+        )
         with self._lock:
             for c in partials:
-                self._submit(_Sample(request_id, c.index, c.seed, list(c.prompt_ids), params,
-                                     list(c.token_ids), list(c.logprobs), list(c.versions)))
+                self._submit(
+                    _Sample(
+                        request_id,
+                        c.index,
+                        c.seed,
+                        list(c.prompt_ids),
+                        params,
+                        list(c.token_ids),
+                        list(c.logprobs),
+                        list(c.versions),
+                    )
+                )
         return request_id
 
     def _submit(self, sample: _Sample) -> None:
@@ -199,16 +241,29 @@ class VLLMEngine:
             raise ValueError(f"sample {sample.key} has no tokens left to generate")
         context = len(sample.prompt) + len(sample.tokens)
         if context >= self.max_seq_len:
-            raise ValueError(f"sample {sample.key}: {context} context tokens leave no room under max_seq_len = {self.max_seq_len}")
+            raise ValueError(
+                f"sample {sample.key}: {context} context tokens leave no room under max_seq_len = {self.max_seq_len}"
+            )
         vp = self._vllm.SamplingParams(
-            n=1, max_tokens=min(left, self.max_seq_len - context), logprobs=0, seed=(sample.seed + len(sample.tokens)) % (1 << 63),
-            temperature=0.0 if p.greedy else p.temperature, top_p=1.0 if p.greedy else p.top_p,
+            n=1,
+            max_tokens=min(left, self.max_seq_len - context),
+            logprobs=0,
+            seed=(sample.seed + len(sample.tokens)) % (1 << 63),
+            temperature=0.0 if p.greedy else p.temperature,
+            top_p=1.0 if p.greedy else p.top_p,
             top_k=p.top_k if p.top_k > 0 and not p.greedy else -1,  # -1: off in every vLLM version
-            stop_token_ids=sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.stop_ids)), ignore_eos=p.ignore_eos, detokenize=False,
-            output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA, **_adjust_kwargs(p),
+            stop_token_ids=sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.stop_ids)),
+            ignore_eos=p.ignore_eos,
+            detokenize=False,
+            output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA,
+            **_adjust_kwargs(p),
         )
-        self.engine.add_request(sample.key, {"prompt_token_ids": sample.prompt + sample.tokens}, vp,
-                                lora_request=self.weights.lora_request())
+        self.engine.add_request(
+            sample.key,
+            {"prompt_token_ids": sample.prompt + sample.tokens},
+            vp,
+            lora_request=self.weights.lora_request(),
+        )
         self._live[sample.key] = sample
 
     def step(self) -> list[Completion]:
@@ -235,11 +290,15 @@ class VLLMEngine:
             keys = [k for k, s in self._live.items() if s.request_id in ids]
             if keys:
                 self.engine.abort_request(keys)
-            return sorted((self._completion(self._live.pop(k), "abort") for k in keys), key=lambda c: (c.request_id, c.index))
+            return sorted(
+                (self._completion(self._live.pop(k), "abort") for k in keys), key=lambda c: (c.request_id, c.index)
+            )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         if self.has_work:
-            raise RuntimeError("generate() needs an idle engine; with requests in flight drive add_request/step instead")
+            raise RuntimeError(
+                "generate() needs an idle engine; with requests in flight drive add_request/step instead"
+            )
         request_id = f"generate-{next(self._ids)}"
         with self._lock:
             for i, prompt in enumerate(prompts):
@@ -253,15 +312,21 @@ class VLLMEngine:
         """Load new weights (a LoRA run: the adapter's tensors) between two steps. With the prefix
         cache on, in-flight samples are taken out first and resubmitted after the cache reset."""
         with self._lock:
-            recompute = self.prefix_caching or self._is_adapter(state) or (self.recompute_kv if recompute_kv is None else recompute_kv)
+            recompute = (
+                self.prefix_caching
+                or self._is_adapter(state)
+                or (self.recompute_kv if recompute_kv is None else recompute_kv)
+            )
             partials = list(self._live.values()) if recompute else []
             if partials:
                 self.engine.abort_request(list(self._live))
                 self._live.clear()
             self.weights.push(state, version)
             if self.prefix_caching and self.llm.reset_prefix_cache() is False:
-                raise RuntimeError("vLLM refused to reset its prefix cache after a weight push (blocks still in use); "
-                                   "build VLLMEngine(prefix_caching=False) and report this")
+                raise RuntimeError(
+                    "vLLM refused to reset its prefix cache after a weight push (blocks still in use); "
+                    "build VLLMEngine(prefix_caching=False) and report this"
+                )
             self.version = version
             for sample in partials:  # re-prefilled by the new weights; tokens, log-probs and versions kept
                 self._submit(sample)
@@ -269,7 +334,17 @@ class VLLMEngine:
     def _completion(self, s: _Sample, reason: FinishReason) -> Completion:
         text_ids = s.tokens[:-1] if reason == "stop" else s.tokens
         text = self._decode_text(text_ids) if self._decode_text else ""
-        return Completion(list(s.prompt), list(s.tokens), list(s.logprobs), list(s.versions), reason, text, s.request_id, s.index, s.seed)
+        return Completion(
+            list(s.prompt),
+            list(s.tokens),
+            list(s.logprobs),
+            list(s.versions),
+            reason,
+            text,
+            s.request_id,
+            s.index,
+            s.seed,
+        )
 
 
 def _adjust_kwargs(p: SamplingParams) -> dict:
@@ -277,8 +352,12 @@ def _adjust_kwargs(p: SamplingParams) -> dict:
     if p.adjust is None or p.adjust.is_identity:
         return {}
     a = p.adjust
-    return {"presence_penalty": a.presence_penalty, "frequency_penalty": a.frequency_penalty,
-            "repetition_penalty": a.repetition_penalty, "logit_bias": dict(a.logit_bias) or None}
+    return {
+        "presence_penalty": a.presence_penalty,
+        "frequency_penalty": a.frequency_penalty,
+        "repetition_penalty": a.repetition_penalty,
+        "logit_bias": dict(a.logit_bias) or None,
+    }
 
 
 def _lora_slot(rank: int) -> int:

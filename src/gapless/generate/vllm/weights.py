@@ -42,7 +42,9 @@ class WeightPush(Protocol):
 def is_adapter_push(state: dict[str, torch.Tensor]) -> bool:
     from gapless.generate.adapters import PREFIX, A
 
-    return bool(state) and all(k.startswith(PREFIX) and ".lora_" in k for k in state) and any(k.endswith(A) for k in state)
+    return (
+        bool(state) and all(k.startswith(PREFIX) and ".lora_" in k for k in state) and any(k.endswith(A) for k in state)
+    )
 
 
 class VLLMWeights:
@@ -135,8 +137,9 @@ class TransferEngineIPC:
         # registered as a WeightSource without inheriting: its re-iterable pass is the push in progress
         base.WeightSource.register(_StateSource)
         self.source = source
-        self.engine = WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo(rank=0), client=_InProcessClient(llm),
-                                                                source=source)
+        self.engine = WeightTransferTrainerFactory.trainer_init(
+            IPCTrainerInitInfo(rank=0), client=_InProcessClient(llm), source=source
+        )
 
     def push(self, state: dict[str, torch.Tensor], version: int) -> None:
         self.source.state = {k: v.cuda() for k, v in state.items()}
@@ -163,23 +166,31 @@ class LoraAdapters:
 
         from gapless.generate.adapters import PREFIX, A
 
-        names = sorted(k[len(PREFIX):-len(A)] for k in state if k.endswith(A))
+        names = sorted(k[len(PREFIX) : -len(A)] for k in state if k.endswith(A))
         if not names or len(state) != 2 * len(names):
             raise KeyError(f"not a LoRA push (adapter tensors lora_A/lora_B under {PREFIX!r}): {sorted(state)[:3]}")
         rank = int(state[PREFIX + names[0] + A].shape[0])
         path = self.root / f"v{version}"
         path.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(path / "adapter_model.safetensors"))
-        config = {"peft_type": "LORA", "r": rank, "lora_alpha": self.alpha,
-                  "target_modules": sorted({n.rsplit(".", 1)[-1] for n in names}), "bias": "none", "lora_dropout": 0.0,
-                  "task_type": "CAUSAL_LM", "base_model_name_or_path": None}
+        save_file(
+            {k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(path / "adapter_model.safetensors")
+        )
+        config = {
+            "peft_type": "LORA",
+            "r": rank,
+            "lora_alpha": self.alpha,
+            "target_modules": sorted({n.rsplit(".", 1)[-1] for n in names}),
+            "bias": "none",
+            "lora_dropout": 0.0,
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": None,
+        }
         (path / "adapter_config.json").write_text(json.dumps(config))
         # one id per version: vLLM caches adapters by id, so a new version never reuses an old one's slot
         self.current = LoRARequest(f"gapless-v{version}", version + 1, str(path))
         self.versions.append(version)
-        for old in self.versions[:-self.KEEP]:
+        for old in self.versions[: -self.KEEP]:
             for f in (self.root / f"v{old}").glob("*"):
                 f.unlink()
             (self.root / f"v{old}").rmdir()
-        self.versions = self.versions[-self.KEEP:]
-
+        self.versions = self.versions[-self.KEEP :]

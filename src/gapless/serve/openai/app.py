@@ -45,14 +45,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gapless.serve.openai.chat import chat_prompt_ids
 from gapless.serve.grammar import Grammars, StructureSpec
+from gapless.serve.openai.chat import chat_prompt_ids
 from gapless.serve.openai.extras import DetokenizeBody, PrometheusMetrics, TokenizeBody, detokenize, tokenize
 from gapless.serve.openai.params import ChatBody, CompletionBody, parse_body
-from gapless.serve.protocol import (ContextLengthExceeded, InvalidRequest, SampleRequest, SampleResult, ServeError,
-                                    merge_deltas)
-from gapless.serve.scheduler import RequestHandle, Scheduler
 from gapless.serve.openai.responses import ResponsesBody, response_events, response_object
+from gapless.serve.protocol import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    SampleRequest,
+    SampleResult,
+    ServeError,
+    merge_deltas,
+)
+from gapless.serve.scheduler import RequestHandle, Scheduler
 from gapless.serve.scoring import Scorer
 from gapless.serve.tools.choice import forced_calls
 from gapless.serve.tools.parsers import tool_call_format
@@ -78,9 +84,18 @@ class ClientGone(Exception):
 
 
 class OpenAIApp:
-    def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, *, scorer: Scorer | None = None,
-                 api_key: str | None = None, max_body_bytes: int = 16 << 20, default_max_tokens: int = 1024,
-                 tool_call_parser: str = "hermes"):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        tokenizer,
+        model_name: str,
+        *,
+        scorer: Scorer | None = None,
+        api_key: str | None = None,
+        max_body_bytes: int = 16 << 20,
+        default_max_tokens: int = 1024,
+        tool_call_parser: str = "hermes",
+    ):
         self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
         self.tool_format = tool_call_format(tool_call_parser)
         self._grammars: Grammars | None = None  # built on the first constrained request
@@ -90,15 +105,17 @@ class OpenAIApp:
         self.eos_id = tokenizer.eos_token_id
         self._max_token_chars = max(1, max(map(len, tokenizer.get_vocab())))
         self._created = int(time.time())
-        routes = [Route("/v1/models", self.models, methods=["GET"]),
-                  Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
-                  Route("/v1/completions", self.completions, methods=["POST"]),
-                  Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                  Route("/v1/responses", self.responses, methods=["POST"]),
-                  Route("/tokenize", self.tokenize, methods=["POST"]),
-                  Route("/detokenize", self.detokenize, methods=["POST"]),
-                  Route("/health", lambda request: JSONResponse({"status": "ok"}), methods=["GET"]),
-                  Route("/metrics", lambda request: self._prometheus.response(), methods=["GET"])]
+        routes = [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/health", lambda request: JSONResponse({"status": "ok"}), methods=["GET"]),
+            Route("/metrics", lambda request: self._prometheus.response(), methods=["GET"]),
+        ]
         self._prometheus = PrometheusMetrics(scheduler)
         self.app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _internal_error})
 
@@ -116,8 +133,13 @@ class OpenAIApp:
 
     async def model(self, request: Request) -> Response:
         if request.path_params["model_id"] != self.model_name:
-            return _error(NotFound(f"the model {request.path_params['model_id']!r} does not exist; this server serves "
-                                   f"{self.model_name!r}", "model"))
+            return _error(
+                NotFound(
+                    f"the model {request.path_params['model_id']!r} does not exist; this server serves "
+                    f"{self.model_name!r}",
+                    "model",
+                )
+            )
         return JSONResponse(self._model_card())
 
     async def tokenize(self, request: Request) -> Response:
@@ -143,15 +165,31 @@ class OpenAIApp:
             messages = body.messages()
             self._check_length(sum(len(m.text) for m in messages), body.max_output_tokens or 1)
             prompt = chat_prompt_ids(self.tokenizer, messages)
-            max_new = body.max_output_tokens or min(self.default_max_tokens, max(1, self.scheduler.max_seq_len - len(prompt)))
-            handle = self.scheduler.submit(SampleRequest(tuple(prompt), body.sampling(max_new, self.vocab_size), 1,
-                                                         tuple(body.stop or ()), "http", body.stream))
+            max_new = body.max_output_tokens or min(
+                self.default_max_tokens, max(1, self.scheduler.max_seq_len - len(prompt))
+            )
+            handle = self.scheduler.submit(
+                SampleRequest(
+                    tuple(prompt),
+                    body.sampling(max_new, self.vocab_size),
+                    1,
+                    tuple(body.stop or ()),
+                    "http",
+                    body.stream,
+                )
+            )
             if body.stream:
-                return StreamingResponse(response_events(body, self.model_name, handle), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                return StreamingResponse(
+                    response_events(body, self.model_name, handle),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )
             [result] = (await _results_unless_gone(request, [handle]))[0]
-            return JSONResponse(response_object(body, self.model_name, f"resp_{uuid.uuid4().hex}", int(time.time()), result,
-                                                len(prompt)))
+            return JSONResponse(
+                response_object(
+                    body, self.model_name, f"resp_{uuid.uuid4().hex}", int(time.time()), result, len(prompt)
+                )
+            )
         except ServeError as exc:
             return _error(exc)
         except ClientGone:
@@ -165,16 +203,20 @@ class OpenAIApp:
             if body.max_tokens == 0:  # echo-only scoring of the prompts
                 for p in prompts:
                     if not 0 < len(p) <= self.scheduler.max_seq_len:
-                        raise ContextLengthExceeded(f"a prompt to score needs 1..{self.scheduler.max_seq_len} tokens "
-                                                    f"(got {len(p)})", "prompt")
+                        raise ContextLengthExceeded(
+                            f"a prompt to score needs 1..{self.scheduler.max_seq_len} tokens (got {len(p)})", "prompt"
+                        )
                 results = [[SampleResult(j, p, finish_reason="length") for j in range(body.n)] for p in prompts]
             else:
                 constraint = await self._constraint(body.structure_spec())
-                results = await self._run(request, body, [tuple(p) for p in prompts], body.max_tokens or 16, chat=False,
-                                          constraint=constraint)
+                results = await self._run(
+                    request, body, [tuple(p) for p in prompts], body.max_tokens or 16, chat=False, constraint=constraint
+                )
                 if isinstance(results, Response):
                     return results
-            choices = [await self._completion_choice(i * body.n + r.index, r, body) for i, rs in enumerate(results) for r in rs]
+            choices = [
+                await self._completion_choice(i * body.n + r.index, r, body) for i, rs in enumerate(results) for r in rs
+            ]
             return JSONResponse(self._envelope("text_completion", "cmpl", choices, prompts, results))
         except ServeError as exc:
             return _error(exc)
@@ -189,12 +231,22 @@ class OpenAIApp:
             tools = body.tool_dicts
             render = lambda: chat_prompt_ids(self.tokenizer, body.messages, tools, self.tool_format)  # noqa: E731
             prompt = await asyncio.to_thread(render) if sum(len(m.text) for m in body.messages) > 4096 else render()
-            max_new = body.max_new_tokens or min(self.default_max_tokens, max(1, self.scheduler.max_seq_len - len(prompt)))
+            max_new = body.max_new_tokens or min(
+                self.default_max_tokens, max(1, self.scheduler.max_seq_len - len(prompt))
+            )
             forced = body.forced_tools
-            spec = body.structure_spec() if forced is None else forced_calls(
-                forced, self.tool_format, parallel=body.parallel_tool_calls is not False and body.tool_choice == "required")
-            results = await self._run(request, body, [tuple(prompt)], max_new, chat=True,
-                                      constraint=await self._constraint(spec))
+            spec = (
+                body.structure_spec()
+                if forced is None
+                else forced_calls(
+                    forced,
+                    self.tool_format,
+                    parallel=body.parallel_tool_calls is not False and body.tool_choice == "required",
+                )
+            )
+            results = await self._run(
+                request, body, [tuple(prompt)], max_new, chat=True, constraint=await self._constraint(spec)
+            )
             if isinstance(results, Response):
                 return results
             choices = [await self._chat_choice(r, body) for r in results[0]]
@@ -231,7 +283,9 @@ class OpenAIApp:
         if at_least + max_new_tokens > self.scheduler.max_seq_len:
             raise ContextLengthExceeded(
                 f"this model's context is {self.scheduler.max_seq_len} tokens; the prompt has at least {at_least} and "
-                f"max_tokens is {max_new_tokens}: shorten the prompt or lower max_tokens", "prompt")
+                f"max_tokens is {max_new_tokens}: shorten the prompt or lower max_tokens",
+                "prompt",
+            )
 
     async def _completion_prompts(self, prompt, max_new_tokens: int) -> list[list[int]]:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
@@ -243,7 +297,9 @@ class OpenAIApp:
         ids = [prompt] if isinstance(prompt[0], int) else prompt
         for row in ids:
             if bad := [t for t in row if not 0 <= t < self.vocab_size]:
-                raise InvalidRequest(f"prompt: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
+                raise InvalidRequest(
+                    f"prompt: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt"
+                )
         return [list(row) for row in ids]
 
     async def _constraint(self, spec: StructureSpec | None):
@@ -257,14 +313,18 @@ class OpenAIApp:
             self._grammars = await asyncio.to_thread(Grammars, self.tokenizer, vocab, stops)
         return (await asyncio.to_thread(self._grammars.compile, spec)).constraint
 
-    async def _run(self, request: Request, body, prompts: list[tuple[int, ...]], max_new: int, chat: bool,
-                   constraint=None):
+    async def _run(
+        self, request: Request, body, prompts: list[tuple[int, ...]], max_new: int, chat: bool, constraint=None
+    ):
         params = body.sampling(max_new, self.vocab_size)
         handles: list[RequestHandle] = []
         try:
             for prompt in prompts:
-                handles.append(self.scheduler.submit(SampleRequest(prompt, params, body.n, tuple(body.stop or ()), "http",
-                                                                   body.stream, constraint)))
+                handles.append(
+                    self.scheduler.submit(
+                        SampleRequest(prompt, params, body.n, tuple(body.stop or ()), "http", body.stream, constraint)
+                    )
+                )
         except ServeError:
             for handle in handles:
                 handle.abort()
@@ -276,14 +336,25 @@ class OpenAIApp:
 
     # ---- responses ------------------------------------------------------------------------
     def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "gapless",
-                "max_model_len": self.scheduler.max_seq_len}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "gapless",
+            "max_model_len": self.scheduler.max_seq_len,
+        }
 
     def _envelope(self, kind: str, prefix: str, choices: list[dict], prompts, results) -> dict:
         prompt_tokens = sum(map(len, prompts))
         completion_tokens = sum(len(r.token_ids) for rs in results for r in rs)
-        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+        return {
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": _usage(prompt_tokens, completion_tokens),
+        }
 
     async def _completion_choice(self, index: int, r: SampleResult, body: CompletionBody) -> dict:
         prompt_text = self.tokenizer.decode(r.prompt_ids) if body.echo else ""
@@ -292,8 +363,9 @@ class OpenAIApp:
             own = r.token_ids  # EOS and stop tokens included, spelled as their special-token text (OpenAI, vLLM)
             ids, lps, tops = list(own), list(r.logprobs[: len(own)]), [[] for _ in own]
             if body.logprobs or body.echo:
-                scored, scored_tops = await self._score(r, own, body.logprobs, 1 if body.echo else len(r.prompt_ids),
-                                                        body.temperature)
+                scored, scored_tops = await self._score(
+                    r, own, body.logprobs, 1 if body.echo else len(r.prompt_ids), body.temperature
+                )
                 if body.echo:
                     ids = r.prompt_ids + ids
                     lps = [None] + scored[: len(r.prompt_ids) - 1] + lps
@@ -302,16 +374,25 @@ class OpenAIApp:
                     tops = scored_tops
             tokens = [self.tokenizer.decode([t]) for t in ids]
             offsets = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
-            choice["logprobs"] = {"tokens": tokens, "token_logprobs": lps, "text_offset": offsets,
-                                  "top_logprobs": None if not body.logprobs else
-                                  [None if t is None else {self.tokenizer.decode([i]): v for i, v in t} for t in tops]}
+            choice["logprobs"] = {
+                "tokens": tokens,
+                "token_logprobs": lps,
+                "text_offset": offsets,
+                "top_logprobs": None
+                if not body.logprobs
+                else [None if t is None else {self.tokenizer.decode([i]): v for i, v in t} for t in tops],
+            }
         if body.return_token_ids:
             choice.update(_token_fields(r))
         return choice
 
     async def _chat_choice(self, r: SampleResult, body: ChatBody) -> dict:
-        choice = {"index": r.index, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
-                  "finish_reason": r.finish_reason}
+        choice = {
+            "index": r.index,
+            "message": {"role": "assistant", "content": r.text},
+            "logprobs": None,
+            "finish_reason": r.finish_reason,
+        }
         if body.tool_dicts:
             choice["message"], choice["finish_reason"] = tool_message(r.text, r.finish_reason, self.tool_format)
         if body.logprobs:
@@ -319,22 +400,31 @@ class OpenAIApp:
             tops = [[] for _ in own]
             if body.top_logprobs:
                 _, tops = await self._score(r, own, body.top_logprobs, len(r.prompt_ids), body.temperature)
-            choice["logprobs"] = {"content": [self._chat_logprob(t, lp, top) for t, lp, top in zip(own, r.logprobs, tops)],
-                                  "refusal": None}
+            choice["logprobs"] = {
+                "content": [self._chat_logprob(t, lp, top) for t, lp, top in zip(own, r.logprobs, tops)],
+                "refusal": None,
+            }
         if body.return_token_ids:
             choice.update(_token_fields(r))
         return choice
 
     def _chat_logprob(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict:
         text = self.tokenizer.decode([token])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode()),
-                "top_logprobs": [{"token": (s := self.tokenizer.decode([i])), "logprob": v, "bytes": list(s.encode())}
-                                 for i, v in top]}
+        return {
+            "token": text,
+            "logprob": logprob,
+            "bytes": list(text.encode()),
+            "top_logprobs": [
+                {"token": (s := self.tokenizer.decode([i])), "logprob": v, "bytes": list(s.encode())} for i, v in top
+            ],
+        }
 
     async def _score(self, r: SampleResult, own: list[int], top: int, start: int, temperature: float | None):
         """Log-probs by a full forward pass (scoring.py), at the temperature the engine sampled with."""
         if self.scorer is None:
-            raise InvalidRequest("this server was started without a scorer: top alternatives and echo log-probs are off")
+            raise InvalidRequest(
+                "this server was started without a scorer: top alternatives and echo log-probs are off"
+            )
         return await asyncio.to_thread(self.scorer.score, r.prompt_ids + own, start, temperature or 1.0, top)
 
     async def _sse(self, handles: list[RequestHandle], body, chat: bool) -> AsyncIterator[str]:
@@ -347,23 +437,47 @@ class OpenAIApp:
         tool_streams = {} if chat and body.tool_dicts else None  # choice index -> its ToolStream
         try:
             if chat:
-                yield "".join(_event({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
-                                                             "logprobs": None, "finish_reason": None}]})
-                              for j in range(body.n))
+                yield "".join(
+                    _event(
+                        {
+                            **head,
+                            "choices": [
+                                {
+                                    "index": j,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ],
+                        }
+                    )
+                    for j in range(body.n)
+                )
             for p, handle in enumerate(handles):
                 async for batch in handle.adeltas():
                     events = []
                     for d in merge_deltas(batch):  # a loop that fell behind sends fewer, larger chunks
                         index, first = p * body.n + d.index, p * body.n + d.index not in offsets
-                        text = (self.tokenizer.decode(handle.request.prompt_ids) if first and not chat and body.echo else "") + d.text
-                        choice = {"index": index, "logprobs": self._stream_logprobs(d.token_ids, d.logprobs, body, chat, offsets, index),
-                                  "finish_reason": d.finish_reason}
+                        text = (
+                            self.tokenizer.decode(handle.request.prompt_ids) if first and not chat and body.echo else ""
+                        ) + d.text
+                        choice = {
+                            "index": index,
+                            "logprobs": self._stream_logprobs(d.token_ids, d.logprobs, body, chat, offsets, index),
+                            "finish_reason": d.finish_reason,
+                        }
                         choice.update({"delta": {"content": text}} if chat else {"text": text})
                         if tool_streams is not None:
                             stream = tool_streams.setdefault(index, ToolStream(self.tool_format))
                             choice["delta"], choice["finish_reason"] = stream.delta(text, d.finish_reason)
                         if body.return_token_ids:
-                            choice.update({"token_ids": d.token_ids, "sampling_logprobs": d.logprobs, "policy_versions": d.versions})
+                            choice.update(
+                                {
+                                    "token_ids": d.token_ids,
+                                    "sampling_logprobs": d.logprobs,
+                                    "policy_versions": d.versions,
+                                }
+                            )
                             if first:
                                 choice["prompt_token_ids"] = list(handle.request.prompt_ids)
                         offsets.setdefault(index, 0)
@@ -389,11 +503,17 @@ class OpenAIApp:
         start = offsets.get(index, 0)
         text_offset = [start + sum(map(len, tokens[:i])) for i in range(len(tokens))]
         offsets[index] = start + sum(map(len, tokens))
-        return {"tokens": tokens, "token_logprobs": logprobs[: len(own)], "top_logprobs": None, "text_offset": text_offset}
+        return {
+            "tokens": tokens,
+            "token_logprobs": logprobs[: len(own)],
+            "top_logprobs": None,
+            "text_offset": text_offset,
+        }
 
 
 async def _results_unless_gone(request: Request, handles: list[RequestHandle]) -> list[list[SampleResult]]:
     """All handles' results, or ClientGone (and every handle aborted) if the client leaves first."""
+
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -414,13 +534,20 @@ async def _results_unless_gone(request: Request, handles: list[RequestHandle]) -
 
 
 def _token_fields(r: SampleResult) -> dict:
-    return {"prompt_token_ids": r.prompt_ids, "token_ids": r.token_ids, "sampling_logprobs": r.logprobs,
-            "policy_versions": r.versions}
+    return {
+        "prompt_token_ids": r.prompt_ids,
+        "token_ids": r.token_ids,
+        "sampling_logprobs": r.logprobs,
+        "policy_versions": r.versions,
+    }
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _event(payload: dict) -> str:

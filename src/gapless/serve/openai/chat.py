@@ -22,8 +22,13 @@ from gapless.serve.tools.parsers import HERMES, ToolCallFormat
 from gapless.serve.tools.render import plain_messages, template_takes_tools
 
 
-def chat_prompt_ids(tokenizer, messages: Sequence[Message], tools: Sequence[dict] = (),
-                    fmt: ToolCallFormat = HERMES, add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt_ids(
+    tokenizer,
+    messages: Sequence[Message],
+    tools: Sequence[dict] = (),
+    fmt: ToolCallFormat = HERMES,
+    add_generation_prompt: bool = True,
+) -> list[int]:
     plain = [{"role": m.role, "content": m.text} for m in messages]
     tools_kw = {}
     if tools or any(m.role == "tool" or m.tool_calls for m in messages):
@@ -33,8 +38,9 @@ def chat_prompt_ids(tokenizer, messages: Sequence[Message], tools: Sequence[dict
             plain = [{"role": r, "content": c} for r, c in plain_messages([m.as_dict() for m in messages], tools, fmt)]
     if getattr(tokenizer, "chat_template", None):
         try:
-            ids = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                                return_dict=False, **tools_kw)
+            ids = tokenizer.apply_chat_template(
+                plain, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **tools_kw
+            )
         except Exception as exc:  # noqa: BLE001 -- a template's own complaint (e.g. roles must alternate) is the user's to fix
             raise InvalidRequest(f"the model's chat template refused these messages: {exc}", "messages") from None
         return list(ids)

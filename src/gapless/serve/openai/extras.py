@@ -64,17 +64,21 @@ class _SchedulerCollector:
 
     def collect(self):
         s, stats = self.scheduler, self.scheduler.stats
-        gauges = {"requests_running": ("requests the scheduler tracks (running or waiting)", s.num_handles),
-                  "samples_in_flight": ("samples running or waiting in the engine", s.samples_in_flight),
-                  "policy_version": ("version of the weights that sample new tokens", s.version)}
+        gauges = {
+            "requests_running": ("requests the scheduler tracks (running or waiting)", s.num_handles),
+            "samples_in_flight": ("samples running or waiting in the engine", s.samples_in_flight),
+            "policy_version": ("version of the weights that sample new tokens", s.version),
+        }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"gapless_{name}", doc, value=value)
-        counters = {"requests_submitted": ("requests accepted by the scheduler", stats.submitted),
-                    "requests_rejected": ("requests refused by a full queue (HTTP 429)", stats.rejected),
-                    "samples_aborted": ("samples aborted (client gone, stop string, shutdown)", stats.aborted_samples),
-                    "samples_finished": ("samples finished", stats.finished_samples),
-                    "engine_steps": ("engine steps with work", stats.steps),
-                    "generation_tokens": ("completion tokens generated", stats.tokens)}
+        counters = {
+            "requests_submitted": ("requests accepted by the scheduler", stats.submitted),
+            "requests_rejected": ("requests refused by a full queue (HTTP 429)", stats.rejected),
+            "samples_aborted": ("samples aborted (client gone, stop string, shutdown)", stats.aborted_samples),
+            "samples_finished": ("samples finished", stats.finished_samples),
+            "engine_steps": ("engine steps with work", stats.steps),
+            "generation_tokens": ("completion tokens generated", stats.tokens),
+        }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"gapless_{name}", doc, value=value)
 

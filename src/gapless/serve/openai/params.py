@@ -73,8 +73,10 @@ class Message(_Strict):
     def _text_parts_only(cls, value):
         for part in value if isinstance(value, list) else ():
             if isinstance(part, dict) and part.get("type") in REFUSED_PARTS:
-                raise ValueError(f"content parts of type {part['type']!r} are not supported: the served model reads "
-                                 "text only; send 'text' parts")
+                raise ValueError(
+                    f"content parts of type {part['type']!r} are not supported: the served model reads "
+                    "text only; send 'text' parts"
+                )
         return value
 
     @property
@@ -154,14 +156,26 @@ class _Sampling(StructuredFields, _Body):
         bias = tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
         for field, ids in (("logit_bias", [t for t, _ in bias]), ("stop_token_ids", self.stop_token_ids or [])):
             if vocab_size is not None and (bad := [t for t in ids if not 0 <= t < vocab_size]):
-                raise InvalidRequest(f"{field}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", field)
-        adjust = LogitAdjustment(bias, self.presence_penalty or 0.0, self.frequency_penalty or 0.0,
-                                 1.0 if self.repetition_penalty is None else self.repetition_penalty)
-        return SamplingParams(temperature=temperature or 1.0, top_p=1.0 if self.top_p is None else self.top_p,
-                              top_k=self.top_k, greedy=temperature == 0.0, max_new_tokens=max_new_tokens,
-                              seed=random.getrandbits(62) if self.seed is None else self.seed, ignore_eos=self.ignore_eos,
-                              stop_token_ids=tuple(self.stop_token_ids or ()),
-                              adjust=None if adjust.is_identity else adjust)
+                raise InvalidRequest(
+                    f"{field}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", field
+                )
+        adjust = LogitAdjustment(
+            bias,
+            self.presence_penalty or 0.0,
+            self.frequency_penalty or 0.0,
+            1.0 if self.repetition_penalty is None else self.repetition_penalty,
+        )
+        return SamplingParams(
+            temperature=temperature or 1.0,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k,
+            greedy=temperature == 0.0,
+            max_new_tokens=max_new_tokens,
+            seed=random.getrandbits(62) if self.seed is None else self.seed,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            adjust=None if adjust.is_identity else adjust,
+        )
 
 
 class CompletionBody(_Sampling):
@@ -198,7 +212,9 @@ class ChatBody(_Sampling, ToolFields):
     @model_validator(mode="after")
     def _check(self):
         if self.forced_tools is not None and self.structure_spec() is not None:
-            raise ValueError("tool_choice required or named already constrains the reply; drop the structured-output field")
+            raise ValueError(
+                "tool_choice required or named already constrains the reply; drop the structured-output field"
+            )
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         if self.stream and self.top_logprobs:

@@ -33,17 +33,35 @@ from gapless.serve.scheduler import Scheduler
 from gapless.serve.scoring import Scorer
 
 
-def build_app(policy: Policy, model_name: str, *, max_batch: int = 64, max_samples: int = 512, api_key: str | None = None,
-              max_seq_len: int | None = None, kernels: str = "auto") -> OpenAIApp:
-    engine = TorchEngine(policy.model, policy.eos_id, policy.decode, max_batch=max_batch, max_seq_len=max_seq_len,
-                         kernels=kernels)
+def build_app(
+    policy: Policy,
+    model_name: str,
+    *,
+    max_batch: int = 64,
+    max_samples: int = 512,
+    api_key: str | None = None,
+    max_seq_len: int | None = None,
+    kernels: str = "auto",
+) -> OpenAIApp:
+    engine = TorchEngine(
+        policy.model, policy.eos_id, policy.decode, max_batch=max_batch, max_seq_len=max_seq_len, kernels=kernels
+    )
     scheduler = Scheduler(engine, policy.decode, max_samples=max_samples)
     return OpenAIApp(scheduler, policy.tokenizer, model_name, scorer=Scorer(policy.model), api_key=api_key)
 
 
 def _config(app: OpenAIApp) -> uvicorn.Config:
-    return uvicorn.Config(app, loop="auto", http="auto", lifespan="off", access_log=False, log_level="warning",
-                          backlog=BACKLOG, timeout_keep_alive=30, timeout_graceful_shutdown=5)
+    return uvicorn.Config(
+        app,
+        loop="auto",
+        http="auto",
+        lifespan="off",
+        access_log=False,
+        log_level="warning",
+        backlog=BACKLOG,
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=5,
+    )
 
 
 class ServerThread:
@@ -54,8 +72,9 @@ class ServerThread:
         self._sock = bind(host, port)
         self.url = url_of(self._sock)
         self._server = uvicorn.Server(_config(app))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, name="openai-server",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name="openai-server", daemon=True
+        )
         self._thread.start()
 
     def close(self, scheduler: bool = True) -> None:
@@ -70,8 +89,16 @@ class ServerThread:
 DEFAULT_CONTEXT = 2048  # each KV-cache slot is preallocated at this length
 
 
-def serve(model_path: str, sock: socket.socket, model_name: str | None = None, threads: int | None = None,
-          api_key: str | None = None, max_batch: int = 64, max_seq_len: int | None = None, log=print) -> None:
+def serve(
+    model_path: str,
+    sock: socket.socket,
+    model_name: str | None = None,
+    threads: int | None = None,
+    api_key: str | None = None,
+    max_batch: int = 64,
+    max_seq_len: int | None = None,
+    log=print,
+) -> None:
     """Load a local checkpoint and serve it on the bound `sock` (listen.bind) until interrupted.
     `max_seq_len`: the served context (prompt + completion), default min(the model's, 2048)."""
     from gapless.models import load_local
@@ -82,7 +109,9 @@ def serve(model_path: str, sock: socket.socket, model_name: str | None = None, t
     context = max_seq_len or min(DEFAULT_CONTEXT, policy.model.config.max_position_embeddings)
     app = build_app(policy, model_name or model_path, max_batch=max_batch, api_key=api_key, max_seq_len=context)
     log(f"serving {model_path} at {url_of(sock)}", flush=True)
-    log(f"context {context} tokens, up to {max_batch} sequences at once (the KV cache grows with the batch)", flush=True)
+    log(
+        f"context {context} tokens, up to {max_batch} sequences at once (the KV cache grows with the batch)", flush=True
+    )
     try:
         uvicorn.Server(_config(app)).run(sockets=[sock])
     except KeyboardInterrupt:

@@ -23,8 +23,14 @@ def call_schema(tools: Sequence[dict]) -> dict:
     for tool in tools:
         fn = tool["function"]
         params = fn.get("parameters") or {"type": "object"}
-        options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                        "required": ["name", "arguments"], "additionalProperties": False})
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 

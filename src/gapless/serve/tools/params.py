@@ -95,4 +95,3 @@ class ToolFields(_Strict):
         if isinstance(self.tool_choice, NamedToolChoice):
             return [t for t in self.tool_dicts if t["function"]["name"] == self.tool_choice.function.name]
         return None
-

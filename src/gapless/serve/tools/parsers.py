@@ -70,17 +70,17 @@ class StreamParser:
             if start < 0:
                 keep = _partial_suffix(self._buffer, self.format.open)
                 content += self._buffer[: len(self._buffer) - keep]
-                self._buffer = self._buffer[len(self._buffer) - keep:]
+                self._buffer = self._buffer[len(self._buffer) - keep :]
                 return content, calls
             end = self._buffer.find(self.format.close, start + len(self.format.open))
             if end < 0:
                 content += self._buffer[:start]
                 self._buffer = self._buffer[start:]
                 return content, calls
-            block = self._buffer[start: end + len(self.format.close)]
+            block = self._buffer[start : end + len(self.format.close)]
             content += self._buffer[:start]
-            self._buffer = self._buffer[end + len(self.format.close):]
-            call = self._call(block[len(self.format.open): -len(self.format.close)])
+            self._buffer = self._buffer[end + len(self.format.close) :]
+            call = self._call(block[len(self.format.open) : -len(self.format.close)])
             if call is None:
                 content += block
             else:

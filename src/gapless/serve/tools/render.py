@@ -27,11 +27,15 @@ def tools_system_text(tools: Sequence[dict], fmt: ToolCallFormat) -> str:
     """The instructions that list `tools` (OpenAI `{"type": "function", "function": {...}}` dicts)."""
     listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     example = fmt.render("<function name>", {"<argument>": "<value>"})
-    return ("You can call functions. Their definitions, one JSON object per line:\n<tools>\n" + listing + "\n</tools>\n"
-            "To call one, reply with a JSON object naming it and giving its arguments, in this form:\n" + example)
+    return (
+        "You can call functions. Their definitions, one JSON object per line:\n<tools>\n" + listing + "\n</tools>\n"
+        "To call one, reply with a JSON object naming it and giving its arguments, in this form:\n" + example
+    )
 
 
-def plain_messages(messages: Sequence[dict], tools: Sequence[dict] | None, fmt: ToolCallFormat) -> list[tuple[str, str]]:
+def plain_messages(
+    messages: Sequence[dict], tools: Sequence[dict] | None, fmt: ToolCallFormat
+) -> list[tuple[str, str]]:
     """OpenAI-shaped message dicts (role, content, tool_calls, tool_call_id) -> (role, content) pairs."""
     out: list[tuple[str, str]] = []
     after_tool = False

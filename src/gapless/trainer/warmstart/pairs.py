@@ -21,7 +21,6 @@ from gapless.envs.base import Task, Teacher
 from gapless.models import Policy
 from gapless.trainer.batch import token_logprobs
 
-
 Batch3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ids (B, L), attention mask (B, L), loss mask (B, L-1)
 
 
@@ -42,8 +41,14 @@ def supervised_batch(policy: Policy, pairs: list[tuple[str, str]]) -> Batch3:
     return ids, attn, mask
 
 
-def warm_start(policy: Policy, problems: list[Task], teacher: Teacher, cfg: WarmStartConfig, seed: int,
-               log: Callable[[int, float], None] | None = None) -> list[float]:
+def warm_start(
+    policy: Policy,
+    problems: list[Task],
+    teacher: Teacher,
+    cfg: WarmStartConfig,
+    seed: int,
+    log: Callable[[int, float], None] | None = None,
+) -> list[float]:
     rng = random.Random(seed)
 
     def next_batch() -> Batch3:
@@ -53,8 +58,12 @@ def warm_start(policy: Policy, problems: list[Task], teacher: Teacher, cfg: Warm
     return supervised_steps(policy, next_batch, cfg, log)
 
 
-def supervised_steps(policy: Policy, next_batch: Callable[[], Batch3], cfg: WarmStartConfig,
-                     log: Callable[[int, float], None] | None = None) -> list[float]:
+def supervised_steps(
+    policy: Policy,
+    next_batch: Callable[[], Batch3],
+    cfg: WarmStartConfig,
+    log: Callable[[int, float], None] | None = None,
+) -> list[float]:
     """`cfg.steps` AdamW steps (linear warm-up over 20 steps, grad clip 1.0) of the masked
     negative log-likelihood of `next_batch()` (ids, attention mask, loss mask); returns the losses."""
     model = policy.model

@@ -44,8 +44,15 @@ def transcript_batch(policy: Policy, transcripts: list[Transcript]) -> tuple[tor
     return input_ids, attention, loss_mask
 
 
-def warm_start_transcripts(policy: Policy, sample: Callable[[random.Random], Transcript], cfg: WarmStartConfig, seed: int,
-                           log: Callable[[int, float], None] | None = None) -> list[float]:
+def warm_start_transcripts(
+    policy: Policy,
+    sample: Callable[[random.Random], Transcript],
+    cfg: WarmStartConfig,
+    seed: int,
+    log: Callable[[int, float], None] | None = None,
+) -> list[float]:
     """`cfg.steps` AdamW steps on batches of `sample(rng)` transcripts (the schedule of trainer/warmstart/pairs.py)."""
     rng = random.Random(seed)
-    return supervised_steps(policy, lambda: transcript_batch(policy, [sample(rng) for _ in range(cfg.batch_size)]), cfg, log)
+    return supervised_steps(
+        policy, lambda: transcript_batch(policy, [sample(rng) for _ in range(cfg.batch_size)]), cfg, log
+    )
