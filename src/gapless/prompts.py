@@ -7,17 +7,20 @@ template's end-of-turn token; 'auto' (default) is 'chat' when the tokenizer has 
 `PromptEncoder` is called wherever a prompt is encoded (`Policy.encode`); `turn(text)` encodes
 an environment reply inside an episode (the tool task) as the template's next user turn,
 following the model's end-of-turn token; `text(text)` is the raw encoding of any other text.
+`keep(prompts)` names the task prompts of a process (its train and eval tasks): each is encoded on
+its first call and kept, so a process encodes a task's prompt once however often it samples it.
 
 Guaranteed (tests/unit/test_prompts.py): the chat tokens are exactly the template's rendering,
 tokenised without adding special tokens, so a template that writes its own BOS gets one BOS,
 never two; the end-of-turn token is the special token the template writes right after an
-assistant message. Not guaranteed: that a template nests (a later turn's rendering extends the
+assistant message; a kept prompt's ids equal a fresh encoding's, and each call returns a list of
+its own. Not guaranteed: that a template nests (a later turn's rendering extends the
 earlier one's) -- `turn` checks it and raises if this template does not.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Iterable, Literal
 
 PromptFormat = Literal["auto", "raw", "chat"]
 _PROBE = "ZQXJ"  # an assistant message to locate where a turn's content ends in a rendering
@@ -43,9 +46,24 @@ class PromptEncoder:
         self.system_prompt = system_prompt
         self.stop_ids: tuple[int, ...] = (self._end_of_turn(),) if self.format == "chat" else ()
         self._turn_cut: tuple[str, int] | None = None
+        # the kept prompts: None until first encoded; only these, so one-off texts (a judge's) do not pile up
+        self._kept: dict[str, tuple[int, ...] | None] = {}
+
+    def keep(self, prompts: Iterable[str]) -> None:
+        """Keep the encodings of these prompts once made (this process's task prompts)."""
+        for prompt in prompts:
+            self._kept.setdefault(prompt, None)
 
     def __call__(self, text: str) -> list[int]:
         """A prompt: raw tokens, or the first user turn of a conversation ready for the reply."""
+        if text not in self._kept:
+            return self._encode(text)
+        ids = self._kept[text]
+        if ids is None:
+            ids = self._kept[text] = tuple(self._encode(text))
+        return list(ids)  # a list of its own: a caller may extend it
+
+    def _encode(self, text: str) -> list[int]:
         if self.format == "raw":
             return self.text(text)
         return self.text(self._render(self._messages(text), generation_prompt=True))

@@ -62,6 +62,22 @@ def test_auto_is_chat_and_prompt_tokens_are_exact(chat_policy):
     assert PromptEncoder(tok, "raw")("hi") == tok.encode("hi", add_special_tokens=False)
 
 
+def test_a_kept_prompt_is_encoded_once_and_equals_a_fresh_encoding(chat_policy):
+    tok = chat_policy.tokenizer
+    encoder = PromptEncoder(tok, "chat")
+    calls = []
+    encoder.text = lambda text: calls.append(text) or tok.encode(text, add_special_tokens=False)
+    fresh = PromptEncoder(tok, "chat")("add 2 and 3")
+    encoder.keep(["add 2 and 3"])
+    first, second = encoder("add 2 and 3"), encoder("add 2 and 3")
+    assert first == second == fresh and len(calls) == 1
+    first.append(0)  # a caller's list is its own: the kept ids stay as they were
+    assert encoder("add 2 and 3") == fresh
+    encoder("a judge's one-off prompt"), encoder("a judge's one-off prompt")
+    assert len(calls) == 3  # a prompt not kept is encoded each time, and not stored
+    assert "a judge's one-off prompt" not in encoder._kept
+
+
 def test_end_of_turn_is_the_stop_and_an_env_reply_is_the_next_turn(chat_policy):
     tok = chat_policy.tokenizer
     end = tok.convert_tokens_to_ids(END)

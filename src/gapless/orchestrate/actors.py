@@ -520,10 +520,12 @@ def _episode_loop(spec: ActorSpec, env, tasks) -> None:
     from gapless.orchestrate.episode_runner import EpisodeRunner
 
     cfg, beat = spec.cfg, (lambda: spec.heartbeats.beat(spec.name))
+    encoder = load_encoder(spec.policy_dir)
+    encoder.keep(task.prompt for task in tasks)  # a task's prompt encoded once, not per group
     runner = EpisodeRunner(
         env,
         tasks,
-        load_encoder(spec.policy_dir),
+        encoder,
         cfg.generator.group_size,
         cfg.pipeline.turn_schedule,
         send_turns=lambda replica, turns: _put(spec.to_generators[replica], NextTurns(turns), spec.stop, beat),

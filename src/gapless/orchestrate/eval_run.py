@@ -39,6 +39,7 @@ def run_eval(cfg: Config, log=print) -> dict:
             if cfg.model.path
             else prepare_policy(cfg, env, log)[0]
         )
+        policy.encode.keep(t.prompt for t in tasks)  # each task's prompt encoded once, not once per sample
         sampler = TorchSampler(policy.model, policy.eos_id, policy.pad_id, policy.decode)
         k = cfg.eval.samples
         params = SamplingParams(

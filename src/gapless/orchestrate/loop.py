@@ -132,11 +132,13 @@ class RunLoop:
     def _setup(self, cfg: Config, resume: bool, log, kind: str) -> None:
         self.lora = run_spec(cfg.lora, cfg.seed)  # None: full fine-tuning
         self.policy, self.setup_info = prepare_policy(cfg, self.env, log)
+        self._keep_prompts()
         check_fits(cfg, self.policy.model, self.max_seq_len(), log)  # before any rollout: refuse what cannot fit
         self.start_step, self.state = 0, {}
         checkpoint = latest_checkpoint(self.run_dir) if resume else None
         if checkpoint is not None:
             self.policy = load_local(checkpoint_model_dir(checkpoint, self.lora is not None))
+            self._keep_prompts()
         # the pipeline's placement comes first: the trainer's ranks 1..W-1 are placed beside its actors
         placement = self._placement(cfg, log) if kind == "process" else None
         try:
@@ -209,6 +211,10 @@ class RunLoop:
                 masking=self.masking,
             )
         self.sinks = open_sinks(cfg, cfg.loop.steps, append=checkpoint is not None)
+
+    def _keep_prompts(self) -> None:
+        """Each task's prompt encoded once in this process, whoever asks for it (the source, eval)."""
+        self.policy.encode.keep(p.prompt for p in self.train + self.eval)
 
     def max_seq_len(self) -> int:
         """Longest context the generator must hold: the longest prompt plus the completion cap."""
