@@ -23,7 +23,7 @@ def env():
 @pytest.fixture(scope="module")
 def int_problem():
     return next(
-        p for p in generate_problems(0, "train", 50, [2]) if p.solution.startswith("x * ") and "+" in p.solution
+        p for p in generate_problems(0, "train", 50, [2]) if p.solution.startswith(" x * ") and "+" in p.solution
     )
 
 
@@ -32,20 +32,20 @@ def int_problem():
     [
         ("{solution}", "ok", 1.0),
         ("{overfit}", "wrong_answer", None),  # right on visible examples, wrong on some hidden ones
-        ("0", "wrong_answer", 0.0),
-        ("x +* 2", "compile_error", 0.0),
-        ("1/0", "wrong_answer", 0.0),  # raises on every test: each test fails
-        ("exit(0)", "wrong_answer", 0.0),  # SystemExit in a call: that call's failure, in its own process
-        ("__import__('os')._exit(0)", "harness_incomplete", 0.0),
-        ("0\nimport sys; sys.exit(0)", "harness_incomplete", 0.0),  # module-level exit before the tests run
-        ('0\nprint(\'{{"i": 0, "out": 1}}\')', "wrong_answer", 0.0),  # fake results on stdout count for nothing
+        (" 0", "wrong_answer", 0.0),
+        (" x +* 2", "compile_error", 0.0),
+        (" 1/0", "wrong_answer", 0.0),  # raises on every test: each test fails
+        (" exit(0)", "wrong_answer", 0.0),  # SystemExit in a call: that call's failure, in its own process
+        (" __import__('os')._exit(0)", "harness_incomplete", 0.0),
+        (" 0\nimport sys; sys.exit(0)", "harness_incomplete", 0.0),  # module-level exit before the tests run
+        (' 0\nprint(\'{{"i": 0, "out": 1}}\')', "wrong_answer", 0.0),  # fake results on stdout count for nothing
         (
-            '0\nimport os; os.write(3, b\'{{"i": 0, "out": 123456}}\\n\')',
+            ' 0\nimport os; os.write(3, b\'{{"i": 0, "out": 123456}}\\n\')',
             "harness_incomplete",
             0.0,
         ),  # fd 3 is the channel to the judge: not ready
-        ("0\nbomb = [0] * 10**10", "memory_limit", 0.0),  # allocated at import: the program dies of it
-        ("__import__('time').sleep(60)", "timeout", 0.0),
+        (" 0\nbomb = [0] * 10**10", "memory_limit", 0.0),  # allocated at import: the program dies of it
+        (" __import__('time').sleep(60)", "timeout", 0.0),
     ],
 )
 def test_statuses_and_rewards(env, int_problem, completion, status, reward):
@@ -68,7 +68,7 @@ def test_group_scoring_dedupes_and_keeps_order(env, int_problem):
     def completion(text):
         return Completion([1], [2], [-0.1], [0], "stop", text)
 
-    texts = [int_problem.solution, "0", int_problem.solution, "0"]
+    texts = [int_problem.solution, " 0", int_problem.solution, " 0"]
     rollouts = env.score(int_problem, [completion(t) for t in texts])
     assert [r.status for r in rollouts] == ["ok", "wrong_answer", "ok", "wrong_answer"]
     assert [r.completion.text for r in rollouts] == texts

@@ -33,7 +33,7 @@ def warmstart_key(cfg: Config, env_name: str | None = None) -> str:
         "task": cfg.task.model_dump(mode="json"),
         "warmstart": cfg.warmstart.model_dump(mode="json", exclude={"cache_dir"}),
         "seed": cfg.seed,
-        "format": 1,
+        "format": 2,  # bump when the same settings build a different policy (tokenizer, task texts)
     }
     if env_name is not None and env_name != cfg.task.name:  # a custom environment object
         material["environment"] = env_name

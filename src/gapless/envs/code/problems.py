@@ -1,7 +1,11 @@
 """Procedurally generated code-synthesis problems with hidden unit tests (the embedded task).
 
 A problem shows a few input/output examples of an unknown function `f` and the start of its
-definition; the model completes the `return` expression. Hidden tests call `f` on other inputs.
+definition, ending at `return`; the model completes the `return` expression, starting with the
+space after `return` (` x + 3`). The prompt ends at a word so that the completion starts where
+a pre-tokenizer that attaches spaces to the following word (Qwen2's, the embedded tokenizer's)
+starts one: prompt and completion encoded apart give the tokens of the whole program, so the
+model never has to continue from a bare space. Hidden tests call `f` on other inputs.
 Three levels: 1 = one operation (`x + 3`, `s.upper()`, `max(xs)`), 2 = an operation with a
 parameter or two (`x * 4 + 1`, `s[:2]`, `[v + 3 for v in xs]`), 3 = compositions
 (`s[::-1].upper()`, `sorted(xs)[:2]`, `(x + 2) * 3`).
@@ -93,7 +97,7 @@ class CodeProblem:
     uid: str
     level: int
     prompt: str
-    solution: str  # reference completion (a `return` expression)
+    solution: str  # reference completion: the `return` expression after its space (" x + 3")
     overfit_solution: str  # agrees with `solution` on the visible examples, not on edge cases
     entry_point: str
     test_inputs: tuple[str, ...]  # JSON-encoded argument lists, one per hidden test
@@ -152,14 +156,14 @@ def make_problem(rng: random.Random, levels: list[int], num_visible: int = 3, nu
     inputs = _distinct_inputs(kind, rng, num_visible, num_hidden)
     visible, hidden = inputs[:num_visible], inputs[num_visible:]
     shown = "; ".join(f"f({v!r}) -> {fn(v)!r}" for v in visible)
-    prompt = f"# {shown}\ndef f({arg}):\n    return "
+    prompt = f"# {shown}\ndef f({arg}):\n    return"
     uid = hashlib.sha256(prompt.encode()).hexdigest()[:16]
     return CodeProblem(
         uid=uid,
         level=level,
         prompt=prompt,
-        solution=solution,
-        overfit_solution=re.sub(rf"\b{arg}\b", _NORMALISED[kind], solution),
+        solution=" " + solution,
+        overfit_solution=" " + re.sub(rf"\b{arg}\b", _NORMALISED[kind], solution),
         entry_point="f",
         test_inputs=tuple(json.dumps([v]) for v in hidden),
         test_outputs=tuple(canonical(fn(v)) for v in hidden),
