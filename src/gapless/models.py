@@ -1,7 +1,7 @@
 """The policy: a Hugging Face causal LM and its tokenizer, built tiny locally or loaded from disk.
 
 `build_tiny` trains a byte-level BPE tokenizer (digits kept as single tokens, so arithmetic stays
-regular; ChatML turn tokens and template) on the task's own text and creates a randomly
+regular; ChatML turn tokens and template; a task's markup tags as whole tokens) on the task's own text and creates a randomly
 initialised model of one of the `TINY_ARCHITECTURES` from its transformers config. The tokenizer
 normalises and pre-tokenises exactly as transformers' Qwen2 tokenizer does, because plain
 `AutoTokenizer.from_pretrained` rebuilds a qwen2 checkpoint's tokenizer as that class whatever
@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
@@ -116,10 +116,14 @@ def apply_precision(model: torch.nn.Module, cfg: ModelConfig | None) -> torch.nn
     return model
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+def train_tokenizer(texts: Iterable[str], vocab_size: int, markup: Sequence[str] = ()) -> PreTrainedTokenizerFast:
     """Deterministic byte-level BPE with Qwen2's normaliser and pre-tokenizer (single digits are
     never merged), the special tokens PAD, EOS and the ChatML turn tokens (ids 0-3, inside
-    `vocab_size`), and a ChatML chat template."""
+    `vocab_size`), and a ChatML chat template. `markup` (a task's tags, e.g. `<py>`) are added
+    as ordinary, non-special tokens past `vocab_size`, each one token wherever it occurs, as a
+    chat model's tool-call tags are: the Qwen2 split would cut `</py>` into `</`, `py`, `>`,
+    whose `>` also ends `<py>`, and a tiny model then cannot tell opening a call from closing it.
+    They decode as text (completions keep them)."""
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -136,6 +140,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    tok.add_tokens([AddedToken(tag, normalized=False, special=False) for tag in markup])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD,
@@ -145,8 +150,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
     )
 
 
-def build_tiny(cfg: ModelConfig, texts: Iterable[str], seed: int, max_positions: int = 512) -> Policy:
-    tokenizer = train_tokenizer(texts, cfg.vocab_size)
+def build_tiny(
+    cfg: ModelConfig, texts: Iterable[str], seed: int, max_positions: int = 512, markup: Sequence[str] = ()
+) -> Policy:
+    tokenizer = train_tokenizer(texts, cfg.vocab_size, markup)
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,

@@ -40,8 +40,8 @@ def warmstart_key(cfg: Config, env_name: str | None = None) -> str:
     if cfg.task.name == "tool_use":  # only here, so the code task's cache keys stay as they were
         material["tools"] = {
             **cfg.tools.model_dump(mode="json", exclude={"latency_s", "latency_sigma"}),
-            "teacher": 2,
-        }  # latency: not the teacher's  # bump when the teacher changes
+            "teacher": 3,
+        }  # latency: not the teacher's  # bump when the teacher or the task's tokens change
     if cfg.task.name == "repo":
         material["repo"] = {**cfg.repo.model_dump(mode="json", exclude={"latency_s", "latency_sigma"}), "teacher": 1}
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
@@ -109,5 +109,8 @@ def _initial_policy(cfg: Config, train: list[Task], teacher: Teacher | None) -> 
     if cfg.model.path is not None:
         return load_local(cfg.model.path, cfg.model.prompt_format, cfg.model.system_prompt, cfg.model)
     texts = [t.prompt + (teacher.reference(t) if teacher is not None else "") for t in train]
+    markup = getattr(teacher, "markup", ())  # a turn format's tags, kept whole by the tokenizer
     # positions for the longest prompt and completion (RoPE has no learned table: only the config's bound grows)
-    return build_tiny(cfg.model, texts, cfg.seed, max_positions=max(512, cfg.generator.max_new_tokens + 512))
+    return build_tiny(
+        cfg.model, texts, cfg.seed, max_positions=max(512, cfg.generator.max_new_tokens + 512), markup=markup
+    )

@@ -54,7 +54,15 @@ from gapless.config import Config
 from gapless.envs.base import Generator, Split
 from gapless.envs.code.environment import SandboxUnavailable
 from gapless.envs.episode import Episode
-from gapless.envs.tools.tasks import ToolTask, Turn, demonstration, generate_tool_tasks, parse_turn, tool_output_text
+from gapless.envs.tools.tasks import (
+    MARKUP,
+    ToolTask,
+    Turn,
+    demonstration,
+    generate_tool_tasks,
+    parse_turn,
+    tool_output_text,
+)
 from gapless.envs.turns import ToolLatency, run_waves
 from gapless.sandbox import SandboxError, SandboxLimits, SnapshotFailed, Status, open_sandbox
 from gapless.sandbox.frames import clean_text
@@ -86,6 +94,7 @@ LOST_NOTE = "(the tool process ended: its variables are lost, its files are kept
 
 class ToolUseEnvironment:
     name = "tool_use"
+    markup = MARKUP  # the embedded model's tokenizer keeps these tags whole (models.train_tokenizer)
 
     def __init__(
         self,

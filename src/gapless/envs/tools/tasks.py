@@ -27,6 +27,8 @@ from typing import Literal
 
 ANSWER = "Answer:"
 CALL_OPEN, CALL_CLOSE = "<py>", "</py>"
+OUTPUT_OPEN, OUTPUT_CLOSE = "<out>", "</out>"
+MARKUP = (CALL_OPEN, CALL_CLOSE, OUTPUT_OPEN, OUTPUT_CLOSE)  # one token each in the embedded tokenizer
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ def generate_tool_tasks(seed: int, split: str, count: int) -> list[ToolTask]:
 
 def tool_output_text(output: str) -> str:
     """What the environment appends after a tool call."""
-    return f"<out>{output}</out>\n"
+    return f"{OUTPUT_OPEN}{output}{OUTPUT_CLOSE}\n"
 
 
 Segment = tuple[str, bool]  # (text, written by the model); a model segment ends its turn (EOS)
