@@ -24,10 +24,9 @@ class ReverseEnvironment:
         rng = random.Random(seed)
         words = sorted({"".join(rng.choice("abcdefgh") for _ in range(rng.randint(2, 4))) for _ in range(count)})
         tasks = [WordTask(hashlib.sha256(w.encode()).hexdigest()[:16], f"Reverse {w}.\nAnswer: ", w) for w in words]
-        self.splits = {
-            "train": [t for t in tasks if int(t.uid, 16) % 8],
-            "eval": [t for t in tasks if not int(t.uid, 16) % 8],
-        }
+        self.splits = {"train": [], "eval": []}
+        for t in tasks:  # 1 in 8 held out, by a hash of the word
+            self.splits["eval" if int(t.uid, 16) % 8 == 0 else "train"].append(t)
 
     def tasks(self, split):
         return self.splits[split]
