@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from gapless.text import unicode_text
+
 LENGTH_BYTES = 8
 HEADER_CAP_BYTES = 1 << 16  # a header is a few fields and an error text of <= 2000 characters
 MAX_ERROR_CHARS = 2000
@@ -128,4 +130,4 @@ def clean_text(text: str | None, max_chars: int = MAX_ERROR_CHARS) -> str | None
     """`text` cut to `max_chars`, each lone surrogate replaced (it could not be encoded later)."""
     if text is None:
         return None
-    return text[:max_chars].encode("utf-8", "replace").decode("utf-8")
+    return unicode_text(text[:max_chars])

@@ -53,6 +53,7 @@ from gapless.serve.protocol import ServeError
 from gapless.serve.tools.parsers import HERMES
 from gapless.serve.tools.render import plain_messages
 from gapless.serve.tools.reply import tool_message
+from gapless.text import unicode_text
 
 
 @dataclass
@@ -239,11 +240,6 @@ class Gateway:
         messages = [(role, unicode_text(text)) for role, text in channel.plain(body)]
         status, payload = await channel.call(messages, body.tool_dicts)
         return JSONResponse(payload, status_code=status)
-
-
-def unicode_text(text: str) -> str:
-    """`text` with each lone surrogate replaced by '?': what any UTF-8 client could have sent or received."""
-    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def _error_body(message: str, code: str, param: str | None = None) -> dict:

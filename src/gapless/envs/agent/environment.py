@@ -59,8 +59,9 @@ from gapless.envs.episode import Episode
 from gapless.envs.math.environment import ProceduralMathEnvironment
 from gapless.envs.math.problems import MathTask, generate_math_problems
 from gapless.envs.turns import run_waves
-from gapless.serve.gateway import Call, Channel, Exited, Gateway, unicode_text
+from gapless.serve.gateway import Call, Channel, Exited, Gateway
 from gapless.serve.transcript import NotAnExtension, Transcript, Unrenderable
+from gapless.text import unicode_text
 from gapless.types import Completion, Rollout, SamplingParams
 
 OUTPUT_TAIL = 4096  # characters of an agent's stdout / stderr kept in a rollout's info

@@ -40,6 +40,7 @@ from gapless.envs.base import Split
 from gapless.envs.judge.client import HttpJudgeClient, JudgeClient, SchedulerJudgeClient
 from gapless.envs.judge.parse import parse_score
 from gapless.errors import InfrastructureError
+from gapless.text import unicode_text
 from gapless.types import Completion, Rollout
 
 DEFAULT_RUBRIC = (
@@ -90,7 +91,7 @@ class JudgeEnvironment:
         return task.reference
 
     def judge_prompt(self, task: JudgeTask, response: str) -> str:
-        cut = response[: self.max_response_chars].encode("utf-8", "replace").decode("utf-8")
+        cut = unicode_text(response[: self.max_response_chars])
         defused = cut.replace("</response>", "</ response>")
         return self.rubric.format(
             max_score=_plain(self.max_score), prompt=task.prompt, reference=task.reference, response=defused

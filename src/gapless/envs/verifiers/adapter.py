@@ -45,6 +45,7 @@ from typing import Any, Iterable, Sequence
 from gapless.config import ConfigError
 from gapless.envs.base import Split
 from gapless.envs.records import split_by_hash
+from gapless.text import unicode_text
 from gapless.types import Completion, Rollout
 
 PROBE_REPLY = "I do not know."  # short and plain: reaches a judge (verifiers' judges skip an empty reply)
@@ -222,7 +223,7 @@ async def score_trace(task: Any, text: str, finish_reason: str = "stop") -> tupl
     """(reward, status, info) of `text` under the task's own scoring; never raises for model output.
     A lone surrogate in `text` is replaced first: verifiers hashes messages as UTF-8, and no
     client could have sent it one."""
-    text = text.encode("utf-8", "replace").decode("utf-8")
+    text = unicode_text(text)
     timeout_s = task.data.timeout.scoring or SCORING_TIMEOUT_S
     try:
         trace = build_trace(task, text, finish_reason)
