@@ -1,0 +1,1 @@
+"""SWE tasks: coding-agent episodes over real repositories, graded by their own tests."""
