@@ -105,6 +105,49 @@ def test_openai_agents_calls_a_function_tool(served):
     assert result.final_output == str(sum(seen[0]))
 
 
+def test_openai_agents_default_responses_model_calls_a_function_tool(served):
+    """openai-agents' default model speaks the Responses API: the call goes out as a function_call
+    item and the tool's output comes back as a function_call_output item."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    seen = []
+
+    @function_tool
+    def add_numbers(a: Small, b: Small) -> str:
+        """Add two numbers."""
+        seen.append((a, b))
+        return str(a + b)
+
+    model = OpenAIResponsesModel("tiny", AsyncOpenAI(base_url=served, api_key="unused", max_retries=0))
+    agent = Agent(
+        name="adder",
+        instructions="Use the tool.",
+        tools=[add_numbers],
+        model=model,
+        model_settings=ModelSettings(tool_choice="add_numbers", max_tokens=200),
+        tool_use_behavior="stop_on_first_tool",
+    )
+    structured = Agent(
+        name="summer",
+        instructions="Answer in JSON.",
+        model=model,
+        output_type=Sum,
+        model_settings=ModelSettings(max_tokens=200),
+    )
+
+    async def both():  # one event loop: the client's connections belong to it
+        return await Runner.run(agent, "What is 2 + 3?", max_turns=3), await Runner.run(
+            structured, "2 + 3?", max_turns=1
+        )
+
+    called, answered = asyncio.run(both())
+    assert len(seen) == 1 and all(isinstance(v, int) for v in seen[0])
+    assert called.final_output == str(sum(seen[0]))
+    assert isinstance(answered.final_output, Sum)
+
+
 def test_langchain_bind_tools_and_structured_output(served):
     from langchain_openai import ChatOpenAI
 
