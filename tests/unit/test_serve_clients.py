@@ -253,3 +253,15 @@ def test_openai_agents_through_the_gateway_trains_the_sampled_tokens():
         assert second.messages[len(first.messages)] == ("assistant", reply)  # the sampled text, not a re-rendering
     finally:
         gateway.close()
+
+
+@pytest.mark.parametrize("venv", [".venv", ".venv-openai3"])
+def test_openai_client_majors(served, venv):
+    """The same probe of the surface (openai_probe.py) under the `openai` 2.x client (the suite's
+    venv) and the 3.x one (scripts/setup.sh puts it in a venv of its own)."""
+    python = Path(sys.executable) if venv == ".venv" else SRC.parent / venv / "bin" / "python"
+    assert python.exists(), f"{python} is missing: run `bash scripts/setup.sh`"
+    probe = Path(__file__).with_name("openai_probe.py")
+    done = subprocess.run([str(python), str(probe), served], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("openai 3." if venv == ".venv-openai3" else "openai 2."), done.stdout
