@@ -265,3 +265,31 @@ def test_openai_client_majors(served, venv):
     done = subprocess.run([str(python), str(probe), served], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("openai 3." if venv == ".venv-openai3" else "openai 2."), done.stdout
+
+
+def test_inspect_ai_use_tools(served, tmp_path):
+    """inspect-ai's own CLI (`inspect eval`, its OpenAI-compatible provider) with `use_tools`: the
+    forced call is parsed into a tool call, inspect runs the tool and records its output."""
+    bin_dir = SRC.parent / ".venv-openai3" / "bin"
+    assert (bin_dir / "inspect").exists(), f"{bin_dir / 'inspect'} is missing: run `bash scripts/setup.sh`"
+    env = {**os.environ, "GAPLESS_BASE_URL": served, "GAPLESS_API_KEY": "unused", "INSPECT_LOG_DIR": str(tmp_path)}
+    task = Path(__file__).with_name("inspect_task.py")
+    args = ["--model", "openai-api/gapless/tiny", "--max-tokens", "200", "--display", "none"]
+    ran = subprocess.run(  # inspect takes a task file relative to its working directory
+        [str(bin_dir / "inspect"), "eval", task.name, *args],
+        cwd=task.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    [log] = tmp_path.glob("*.eval")
+    dump = subprocess.run(
+        [str(bin_dir / "inspect"), "log", "dump", str(log)], capture_output=True, text=True, timeout=300
+    )
+    [sample] = json.loads(dump.stdout)["samples"]
+    calls = [c for m in sample["messages"] for c in m.get("tool_calls") or []]
+    outputs = [m["content"] for m in sample["messages"] if m["role"] == "tool"]
+    assert [c["function"] for c in calls] == ["paint"] and calls[0]["arguments"]["colour"] in ("red", "blue")
+    assert outputs == [f"painted {calls[0]['arguments']['colour']}"]
