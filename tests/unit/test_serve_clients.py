@@ -105,6 +105,49 @@ def test_openai_agents_calls_a_function_tool(served):
     assert result.final_output == str(sum(seen[0]))
 
 
+def test_openai_agents_default_responses_model_calls_a_function_tool(served):
+    """openai-agents' default model speaks the Responses API: the call goes out as a function_call
+    item and the tool's output comes back as a function_call_output item."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    seen = []
+
+    @function_tool
+    def add_numbers(a: Small, b: Small) -> str:
+        """Add two numbers."""
+        seen.append((a, b))
+        return str(a + b)
+
+    model = OpenAIResponsesModel("tiny", AsyncOpenAI(base_url=served, api_key="unused", max_retries=0))
+    agent = Agent(
+        name="adder",
+        instructions="Use the tool.",
+        tools=[add_numbers],
+        model=model,
+        model_settings=ModelSettings(tool_choice="add_numbers", max_tokens=200),
+        tool_use_behavior="stop_on_first_tool",
+    )
+    structured = Agent(
+        name="summer",
+        instructions="Answer in JSON.",
+        model=model,
+        output_type=Sum,
+        model_settings=ModelSettings(max_tokens=200),
+    )
+
+    async def both():  # one event loop: the client's connections belong to it
+        return await Runner.run(agent, "What is 2 + 3?", max_turns=3), await Runner.run(
+            structured, "2 + 3?", max_turns=1
+        )
+
+    called, answered = asyncio.run(both())
+    assert len(seen) == 1 and all(isinstance(v, int) for v in seen[0])
+    assert called.final_output == str(sum(seen[0]))
+    assert isinstance(answered.final_output, Sum)
+
+
 def test_langchain_bind_tools_and_structured_output(served):
     from langchain_openai import ChatOpenAI
 
@@ -210,3 +253,43 @@ def test_openai_agents_through_the_gateway_trains_the_sampled_tokens():
         assert second.messages[len(first.messages)] == ("assistant", reply)  # the sampled text, not a re-rendering
     finally:
         gateway.close()
+
+
+@pytest.mark.parametrize("venv", [".venv", ".venv-openai3"])
+def test_openai_client_majors(served, venv):
+    """The same probe of the surface (openai_probe.py) under the `openai` 2.x client (the suite's
+    venv) and the 3.x one (scripts/setup.sh puts it in a venv of its own)."""
+    python = Path(sys.executable) if venv == ".venv" else SRC.parent / venv / "bin" / "python"
+    assert python.exists(), f"{python} is missing: run `bash scripts/setup.sh`"
+    probe = Path(__file__).with_name("openai_probe.py")
+    done = subprocess.run([str(python), str(probe), served], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("openai 3." if venv == ".venv-openai3" else "openai 2."), done.stdout
+
+
+def test_inspect_ai_use_tools(served, tmp_path):
+    """inspect-ai's own CLI (`inspect eval`, its OpenAI-compatible provider) with `use_tools`: the
+    forced call is parsed into a tool call, inspect runs the tool and records its output."""
+    bin_dir = SRC.parent / ".venv-openai3" / "bin"
+    assert (bin_dir / "inspect").exists(), f"{bin_dir / 'inspect'} is missing: run `bash scripts/setup.sh`"
+    env = {**os.environ, "GAPLESS_BASE_URL": served, "GAPLESS_API_KEY": "unused", "INSPECT_LOG_DIR": str(tmp_path)}
+    task = Path(__file__).with_name("inspect_task.py")
+    args = ["--model", "openai-api/gapless/tiny", "--max-tokens", "200", "--display", "none"]
+    ran = subprocess.run(  # inspect takes a task file relative to its working directory
+        [str(bin_dir / "inspect"), "eval", task.name, *args],
+        cwd=task.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    [log] = tmp_path.glob("*.eval")
+    dump = subprocess.run(
+        [str(bin_dir / "inspect"), "log", "dump", str(log)], capture_output=True, text=True, timeout=300
+    )
+    [sample] = json.loads(dump.stdout)["samples"]
+    calls = [c for m in sample["messages"] for c in m.get("tool_calls") or []]
+    outputs = [m["content"] for m in sample["messages"] if m["role"] == "tool"]
+    assert [c["function"] for c in calls] == ["paint"] and calls[0]["arguments"]["colour"] in ("red", "blue")
+    assert outputs == [f"painted {calls[0]['arguments']['colour']}"]

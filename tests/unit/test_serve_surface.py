@@ -1,7 +1,7 @@
 """The rest of the served surface, driven by the official `openai` client (and plain HTTP for the
 routes it has no method for): log-prob lists that hold the EOS, logit bias and penalties applied
 per request inside one batch, fields the client's platform sends that are ignored, long stop
-lists, the Responses API, /tokenize and /detokenize, Prometheus /metrics, image parts refused."""
+lists, /tokenize and /detokenize, Prometheus /metrics, image parts refused."""
 
 from __future__ import annotations
 
@@ -175,36 +175,6 @@ def test_image_parts_are_refused_by_name(server, client):
         client.responses.create(
             model="tiny", input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]
         )
-
-
-def test_responses_api(server, client):
-    _, policy = server
-    seeded = dict(model="tiny", max_output_tokens=10, temperature=0)
-    out = client.responses.create(input="Question 3: name", instructions="Answer briefly.", **seeded)
-    chat = client.chat.completions.create(
-        model="tiny",
-        max_tokens=10,
-        temperature=0,
-        messages=[{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Question 3: name"}],
-    )
-    assert out.output_text == chat.choices[0].message.content
-    assert (
-        out.usage.input_tokens == chat.usage.prompt_tokens and out.usage.output_tokens == chat.usage.completion_tokens
-    )
-    assert out.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
-    with client.responses.stream(
-        input=[{"role": "user", "content": [{"type": "input_text", "text": "Question 3: name"}]}],
-        instructions="Answer briefly.",
-        **seeded,
-    ) as stream:
-        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
-        final = stream.get_final_response()
-    assert "".join(deltas) == final.output_text == out.output_text
-    with pytest.raises(openai.APIStatusError, match="/v1/chat/completions") as refused:
-        client.responses.create(input="x", tools=[{"type": "function", "name": "f", "parameters": {}}], model="tiny")
-    assert refused.value.status_code == 501
-    with pytest.raises(openai.BadRequestError, match="not stored"):
-        client.responses.create(input="x", previous_response_id="resp_1", model="tiny")
 
 
 def test_tokenize_detokenize_and_metrics(server, client):

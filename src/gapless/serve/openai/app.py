@@ -3,7 +3,7 @@
     GET  /v1/models, /v1/models/{id}    the one served model (another id is a 404)
     POST /v1/completions                 prompt: string, strings, token ids or lists of token ids
     POST /v1/chat/completions            messages rendered by the tokenizer's chat template (chat.py)
-    POST /v1/responses                   the Responses API, text (responses.py)
+    POST /v1/responses                   the Responses API over the chat path (responses.py)
     POST /tokenize, /detokenize          vLLM's tokenizer routes (openai/extras.py)
     GET  /health, /metrics               liveness; the scheduler's counters in Prometheus text
 
@@ -49,7 +49,8 @@ from gapless.serve.grammar import Grammars, StructureSpec
 from gapless.serve.openai.chat import chat_prompt_ids
 from gapless.serve.openai.extras import DetokenizeBody, PrometheusMetrics, TokenizeBody, detokenize, tokenize
 from gapless.serve.openai.params import ChatBody, CompletionBody, parse_body
-from gapless.serve.openai.responses import ResponsesBody, response_events, response_object
+from gapless.serve.openai.responses import ResponsesBody
+from gapless.serve.openai.responses_output import output_items, response_events, response_object
 from gapless.serve.protocol import (
     ContextLengthExceeded,
     InvalidRequest,
@@ -162,34 +163,23 @@ class OpenAIApp:
         try:
             body = parse_body(ResponsesBody, await self._json(request))
             self._check_model(body.model)
-            messages = body.messages()
-            self._check_length(sum(len(m.text) for m in messages), body.max_output_tokens or 1)
-            prompt = chat_prompt_ids(self.tokenizer, messages)
-            max_new = body.max_output_tokens or min(
-                self.default_max_tokens, max(1, self.scheduler.max_seq_len - len(prompt))
-            )
+            chat = body.chat_body()
+            prompt, max_new, constraint = await self._chat_plan(chat)
+            sampling = chat.sampling(max_new, self.vocab_size)
             handle = self.scheduler.submit(
-                SampleRequest(
-                    tuple(prompt),
-                    body.sampling(max_new, self.vocab_size),
-                    1,
-                    tuple(body.stop or ()),
-                    "http",
-                    body.stream,
-                )
+                SampleRequest(tuple(prompt), sampling, 1, tuple(chat.stop or ()), "http", body.stream, constraint)
             )
+            fmt = self.tool_format if chat.tool_dicts else None
             if body.stream:
                 return StreamingResponse(
-                    response_events(body, self.model_name, handle),
+                    response_events(body, self.model_name, handle, fmt),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
             [result] = (await _results_unless_gone(request, [handle]))[0]
-            return JSONResponse(
-                response_object(
-                    body, self.model_name, f"resp_{uuid.uuid4().hex}", int(time.time()), result, len(prompt)
-                )
-            )
+            rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
+            output = output_items(result, fmt)
+            return JSONResponse(response_object(body, self.model_name, rid, created, result, len(prompt), output))
         except ServeError as exc:
             return _error(exc)
         except ClientGone:
@@ -227,26 +217,8 @@ class OpenAIApp:
         try:
             body = parse_body(ChatBody, await self._json(request))
             self._check_model(body.model)
-            self._check_length(sum(len(m.text) for m in body.messages), body.max_new_tokens or 1)
-            tools = body.tool_dicts
-            render = lambda: chat_prompt_ids(self.tokenizer, body.messages, tools, self.tool_format)  # noqa: E731
-            prompt = await asyncio.to_thread(render) if sum(len(m.text) for m in body.messages) > 4096 else render()
-            max_new = body.max_new_tokens or min(
-                self.default_max_tokens, max(1, self.scheduler.max_seq_len - len(prompt))
-            )
-            forced = body.forced_tools
-            spec = (
-                body.structure_spec()
-                if forced is None
-                else forced_calls(
-                    forced,
-                    self.tool_format,
-                    parallel=body.parallel_tool_calls is not False and body.tool_choice == "required",
-                )
-            )
-            results = await self._run(
-                request, body, [tuple(prompt)], max_new, chat=True, constraint=await self._constraint(spec)
-            )
+            prompt, max_new, constraint = await self._chat_plan(body)
+            results = await self._run(request, body, [tuple(prompt)], max_new, chat=True, constraint=constraint)
             if isinstance(results, Response):
                 return results
             choices = [await self._chat_choice(r, body) for r in results[0]]
@@ -255,6 +227,26 @@ class OpenAIApp:
             return _error(exc)
         except ClientGone:
             return Response(status_code=499)
+
+    async def _chat_plan(self, body: ChatBody) -> tuple[list[int], int, object]:
+        """A chat body's prompt ids, its max new tokens, and the grammar its reply must follow (or None):
+        the tool-choice grammar when tools must be called, else the structured-output one."""
+        self._check_length(sum(len(m.text) for m in body.messages), body.max_new_tokens or 1)
+        tools = body.tool_dicts
+        render = lambda: chat_prompt_ids(self.tokenizer, body.messages, tools, self.tool_format)  # noqa: E731
+        prompt = await asyncio.to_thread(render) if sum(len(m.text) for m in body.messages) > 4096 else render()
+        max_new = body.max_new_tokens or min(self.default_max_tokens, max(1, self.scheduler.max_seq_len - len(prompt)))
+        forced = body.forced_tools
+        spec = (
+            body.structure_spec()
+            if forced is None
+            else forced_calls(
+                forced,
+                self.tool_format,
+                parallel=body.parallel_tool_calls is not False and body.tool_choice == "required",
+            )
+        )
+        return prompt, max_new, await self._constraint(spec)
 
     # ---- requests -------------------------------------------------------------------------
     async def _json(self, request: Request) -> object:

@@ -1,35 +1,29 @@
-"""OpenAI's Responses API (`POST /v1/responses`) over the chat path: text in, text out.
+"""OpenAI's Responses API (`POST /v1/responses`) as a chat request: the body in, chat's pipeline, items out.
 
-    body.input (a string, or message items)  ──> chat messages (instructions first, as a system message)
-    ──> the chat template (chat.py) ──> one sample ──> a `response` object, or its event stream
+    body.input (a string, or items) + instructions + tools + text.format
+      ──> one chat-completions body (`ResponsesBody.chat_body`): the same template, tool rendering,
+          tool-choice grammar and structured-output grammar as /v1/chat/completions
+      ──> one sample ──> output items (responses_output.py), or their event stream
 
-Streaming sends the event sequence the openai client and openai-agents read: response.created,
-response.in_progress, output_item.added, content_part.added, output_text.delta per engine step,
-output_text.done, content_part.done, output_item.done, response.completed (each with its
-`sequence_number`). A sample cut by `max_output_tokens` is `status: "incomplete"` with reason
-`max_output_tokens` (streamed, still in a `response.completed` event, as vLLM sends it: the
-clients' stream helpers wait for that event). Nothing is stored: `previous_response_id` is refused (send the whole
-conversation as `input`). Not served here: function tools and their items (`function_call`,
-`function_call_output`) and structured `text.format`, answered 501 naming /v1/chat/completions,
-which serves them; image and file parts (400, text-only model).
+Input items: messages (roles system, developer, user, assistant; text parts), `function_call`
+(joined to the assistant turn before it, as chat's `tool_calls`) and `function_call_output`
+(a `tool` message). Tools: `{"type": "function", "name", "description", "parameters", "strict"}`;
+`tool_choice` none / auto / required / `{"type": "function", "name"}`; `parallel_tool_calls`.
+`text.format`: text, json_object, json_schema (`name`, `schema`, `strict`), served by the same
+grammar as chat's `response_format`. Refused with a 400 naming the field: OpenAI's hosted tools
+(web search, file search, computer use, MCP, ...), items that need stored state (`item_reference`,
+`reasoning`, `previous_response_id`), image and file parts (a text-only model).
 """
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
-from typing import AsyncIterator
-
 from pydantic import Field, model_validator
 
-from gapless.serve.openai.params import REFUSED_PARTS, Message, _Sampling
-from gapless.serve.protocol import InvalidRequest, SampleResult, ServeError, merge_deltas
-from gapless.serve.scheduler import RequestHandle
+from gapless.serve.openai.params import REFUSED_PARTS, ChatBody, _Sampling, parse_body
+from gapless.serve.protocol import InvalidRequest
 
-
-class NotServedHere(ServeError):
-    status, type, code = 501, "invalid_request_error", "not_implemented"
+_SAMPLING_FIELDS = tuple(name for name in _Sampling.model_fields if name not in ("n", "stream_options"))
+_MESSAGE_ROLES = ("system", "developer", "user", "assistant")
 
 
 class ResponsesBody(_Sampling):
@@ -38,151 +32,150 @@ class ResponsesBody(_Sampling):
     max_output_tokens: int | None = Field(None, ge=1)
     tools: list[dict] = Field(default_factory=list)
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
     text: dict | None = None
     previous_response_id: str | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
     @model_validator(mode="after")
     def _check(self):
-        if self.tools or self.tool_choice not in (None, "auto", "none"):
-            raise NotServedHere(
-                "function tools are not served on /v1/responses; use /v1/chat/completions with tools", "tools"
-            )
-        if (self.text or {}).get("format", {"type": "text"}).get("type", "text") != "text":
-            raise NotServedHere(
-                "structured text.format is not served on /v1/responses; use /v1/chat/completions with response_format",
-                "text.format",
-            )
         if self.previous_response_id is not None:
             raise InvalidRequest(
                 "responses are not stored (store is ignored): send the whole conversation as input",
                 "previous_response_id",
             )
+        if self.n != 1:
+            raise InvalidRequest("the Responses API returns one output; use /v1/chat/completions for n > 1", "n")
         return self
 
-    def messages(self) -> list[Message]:
-        system = [Message(role="system", content=self.instructions)] if self.instructions else []
+    @property
+    def text_format(self) -> dict:
+        fmt = (self.text or {}).get("format") or {"type": "text"}
+        if not isinstance(fmt, dict):
+            raise InvalidRequest("text.format must be an object with a type", "text.format")
+        return fmt
+
+    def chat_body(self) -> ChatBody:
+        """The equivalent chat-completions body; a bad item or tool is a 400 naming its place here."""
+        data = self.model_dump(include=set(_SAMPLING_FIELDS), exclude_unset=True, by_alias=True)
+        data["messages"] = self._messages()
+        if self.max_output_tokens is not None:
+            data["max_tokens"] = self.max_output_tokens
+        if self.tools:
+            data["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            data["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        if self.parallel_tool_calls is not None:
+            data["parallel_tool_calls"] = self.parallel_tool_calls
+        if (fmt := _response_format(self.text_format)) is not None:
+            data["response_format"] = fmt
+        return parse_body(ChatBody, data)
+
+    def _messages(self) -> list[dict]:
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         if isinstance(self.input, str):
-            return system + [Message(role="user", content=self.input)]
-        return system + [_message(item, i) for i, item in enumerate(self.input)]
+            return messages + [{"role": "user", "content": self.input}]
+        for i, item in enumerate(self.input):
+            if not isinstance(item, dict):
+                raise InvalidRequest(f"input[{i}] must be an object", f"input.{i}")
+            kind = item.get("type", "message")
+            if kind == "message":
+                messages.append({"role": _role(item, i), "content": _item_text(item.get("content"), i, "content")})
+            elif kind == "function_call":
+                call = _function_call(item, i)
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and "tool_call_id" not in last:
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                if not isinstance(item.get("call_id"), str):
+                    raise InvalidRequest(f"input[{i}]: a function_call_output needs its call_id", f"input.{i}.call_id")
+                output = _item_text(item.get("output"), i, "output")
+                messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+            else:
+                raise InvalidRequest(
+                    f"input[{i}]: items of type {kind!r} are not served (this server stores nothing and runs no "
+                    "hosted tools); send messages, function_call and function_call_output items",
+                    f"input.{i}.type",
+                )
+        return messages
 
 
-def _message(item: dict, i: int) -> Message:
-    kind = item.get("type", "message")
-    if kind != "message":
-        raise NotServedHere(
-            f"input[{i}]: items of type {kind!r} are not served on /v1/responses; use "
-            "/v1/chat/completions (tool calls and their outputs are messages there)",
-            f"input.{i}",
-        )
-    content = item.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in REFUSED_PARTS:
-                raise InvalidRequest(
-                    f"input[{i}]: content parts of type {kind!r} are not supported: the served model reads text only",
-                    f"input.{i}.content",
-                )
-            if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-                raise InvalidRequest(
-                    f"input[{i}]: a content part must be input_text or output_text with a text (got {kind!r})",
-                    f"input.{i}.content",
-                )
-            texts.append(part["text"])
-        content = "".join(texts)
-    if item.get("role") not in ("system", "developer", "user", "assistant") or not isinstance(content, str):
+def _role(item: dict, i: int) -> str:
+    role = item.get("role")
+    if role not in _MESSAGE_ROLES:
         raise InvalidRequest(
-            f"input[{i}]: a message needs a role (system, developer, user or assistant) and text content", f"input.{i}"
+            f"input[{i}]: a message needs a role (system, developer, user or assistant), got {role!r}", f"input.{i}"
         )
-    return Message(role=item["role"], content=content)
+    return role
 
 
-def response_object(
-    body: ResponsesBody, model: str, rid: str, created: int, result: SampleResult | None, prompt_tokens: int
-) -> dict:
-    """The `response` object; `result` None: one still in progress (the stream's first events)."""
-    output, status, incomplete, usage = [], "in_progress", None, None
-    if result is not None:
-        status = "incomplete" if result.finish_reason == "length" else "completed"
-        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        output = [_message_item(rid, result.text, "completed")]
-        usage = {
-            "input_tokens": prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": len(result.token_ids),
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt_tokens + len(result.token_ids),
-        }
+def _item_text(content: object, i: int, field: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"input[{i}]: {field} must be text or a list of text parts", f"input.{i}.{field}")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in REFUSED_PARTS:
+            raise InvalidRequest(
+                f"input[{i}]: content parts of type {kind!r} are not supported: the served model reads text only",
+                f"input.{i}.{field}",
+            )
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise InvalidRequest(
+                f"input[{i}]: a content part must be input_text or output_text with a text (got {kind!r})",
+                f"input.{i}.{field}",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _function_call(item: dict, i: int) -> dict:
+    for key in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(key), str):
+            raise InvalidRequest(f"input[{i}]: a function_call needs a string {key}", f"input.{i}.{key}")
     return {
-        "id": rid,
-        "object": "response",
-        "created_at": created,
-        "status": status,
-        "error": None,
-        "incomplete_details": incomplete,
-        "instructions": body.instructions,
-        "max_output_tokens": body.max_output_tokens,
-        "model": model,
-        "output": output,
-        "parallel_tool_calls": True,
-        "previous_response_id": None,
-        "reasoning": None,
-        "store": False,
-        "temperature": body.temperature,
-        "text": {"format": {"type": "text"}},
-        "tool_choice": "auto",
-        "tools": [],
-        "top_p": body.top_p,
-        "truncation": "disabled",
-        "usage": usage,
-        "metadata": {},
+        "id": item["call_id"],
+        "type": "function",
+        "function": {"name": item["name"], "arguments": item["arguments"]},
     }
 
 
-def _message_item(rid: str, text: str, status: str) -> dict:
-    part = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
-    return {
-        "id": f"msg_{rid.removeprefix('resp_')}",
-        "type": "message",
-        "status": status,
-        "role": "assistant",
-        "content": part,
-    }
-
-
-async def response_events(body: ResponsesBody, model: str, handle: RequestHandle) -> AsyncIterator[str]:
-    """The server-sent events of one streamed response (the handle is aborted when the client goes)."""
-    rid, created, seq = f"resp_{uuid.uuid4().hex}", int(time.time()), iter(range(1 << 62))
-    item_id, prompt_tokens = f"msg_{rid.removeprefix('resp_')}", len(handle.request.prompt_ids)
-
-    def event(kind: str, **payload) -> str:
-        data = {"type": kind, "sequence_number": next(seq), **payload}
-        return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-    where = {"item_id": item_id, "output_index": 0, "content_index": 0}
-    try:
-        head = response_object(body, model, rid, created, None, prompt_tokens)
-        yield event("response.created", response=head) + event("response.in_progress", response=head)
-        yield (
-            event("response.output_item.added", output_index=0, item=_message_item(rid, "", "in_progress"))
-            + event("response.content_part.added", **where, part={"type": "output_text", "text": "", "annotations": []})
+def _chat_tool(tool: object, i: int) -> dict:
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind != "function":
+        raise InvalidRequest(
+            f"tools[{i}]: tools of type {kind!r} run on OpenAI's platform; this server serves function tools",
+            f"tools.{i}.type",
         )
-        async for batch in handle.adeltas():
-            text = "".join(d.text for d in merge_deltas(batch))
-            if text:
-                yield event("response.output_text.delta", **where, delta=text, logprobs=[])
-        result = handle.results[0]
-        part = {"type": "output_text", "text": result.text, "annotations": [], "logprobs": []}
-        done = response_object(body, model, rid, created, result, prompt_tokens)
-        yield (
-            event("response.output_text.done", **where, text=result.text, logprobs=[])
-            + event("response.content_part.done", **where, part=part)
-            + event("response.output_item.done", output_index=0, item=done["output"][0])
-            + event("response.completed", response=done)
-        )
-    except ServeError as exc:
-        yield event("error", code=exc.code, message=exc.message, param=exc.param)
-    finally:
-        handle.abort()
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: str | dict) -> str | dict:
+    if isinstance(choice, str):
+        return choice  # none / auto / required; anything else fails chat's validation, naming tool_choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise InvalidRequest(
+        f"tool_choice of type {choice.get('type')!r} is not served; use none, auto, required or "
+        '{"type": "function", "name": ...}',
+        "tool_choice",
+    )
+
+
+def _response_format(fmt: dict) -> dict | None:
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise InvalidRequest("text.format json_schema needs a schema object", "text.format.schema")
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if fmt.get(k) is not None}
+        return {"type": "json_schema", "json_schema": spec}
+    raise InvalidRequest(f"text.format type {kind!r} is not one of text, json_object, json_schema", "text.format")
