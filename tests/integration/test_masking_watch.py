@@ -11,11 +11,10 @@ that prompt's rollouts `infra_error` whenever it is drawn, while the other promp
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from judge_stub import Reply, completion_reply, serving
 
 from gapless.config import load_config
 from gapless.orchestrate.ledger import check_ledger, read_events
@@ -35,35 +34,17 @@ TASKS = [
 ]
 
 
-class SelectiveJudge(BaseHTTPRequestHandler):
+def selective(body) -> Reply:
     """Score: the response's length mod 11; 503 for every request about the BROKEN prompt."""
-
-    protocol_version = "HTTP/1.1"
-
-    def do_POST(self):
-        prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
-        if BROKEN in prompt:
-            data, code = b"this prompt is never judged", 503
-        else:
-            score = len(prompt.split("<response>", 1)[-1]) % 11
-            data, code = json.dumps({"choices": [{"text": f"Score: {score}"}]}).encode(), 200
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+    if BROKEN in body["prompt"]:
+        return Reply(503, b"this prompt is never judged")
+    return completion_reply(f"Score: {len(body['prompt'].split('<response>', 1)[-1]) % 11}")
 
 
 @pytest.fixture(scope="module")
 def judge_url():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), SelectiveJudge)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
-    httpd.shutdown()
-    httpd.server_close()
+    with serving(selective) as url:
+        yield url
 
 
 def _cfg(tmp_path: Path, url: str, budget: int, action: str):

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from judge_stub import Reply, completion_reply, serving
 
 from gapless.config import load_config
 from gapless.envs.base import InfraUnavailable
@@ -27,42 +26,20 @@ from gapless.orchestrate.loop import RunLoop
 SMOKE = Path(__file__).parents[2] / "configs" / "smoke.toml"
 
 
-class FlakyJudge(BaseHTTPRequestHandler):
+class FlakyJudge:
     """Score: the response's length mod 11 (so groups have variance); 503 for `down_s` from the
     first request on (the run's first eval sends it, before the actors have anything to score)."""
 
-    protocol_version = "HTTP/1.1"
-    down_s = 0.0
-    down_until: float | None = None
-    refused = 0
+    def __init__(self, down_s: float = 0.0):
+        self.down_s, self.down_until, self.refused = down_s, None, 0
 
-    def do_POST(self):  # noqa: N802
-        prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
-        if FlakyJudge.down_until is None:
-            FlakyJudge.down_until = time.monotonic() + FlakyJudge.down_s
-        if time.monotonic() < FlakyJudge.down_until:
-            FlakyJudge.refused += 1
-            data, code = b"down for maintenance", 503
-        else:
-            score = len(prompt.split("<response>", 1)[-1]) % 11
-            data, code = json.dumps({"choices": [{"text": f"Score: {score}"}]}).encode(), 200
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture()
-def judge_url():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FlakyJudge)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
-    httpd.shutdown()
-    httpd.server_close()
+    def __call__(self, body) -> Reply:
+        if self.down_until is None:
+            self.down_until = time.monotonic() + self.down_s
+        if time.monotonic() < self.down_until:
+            self.refused += 1
+            return Reply(503, b"down for maintenance")
+        return completion_reply(f"Score: {len(body['prompt'].split('<response>', 1)[-1]) % 11}")
 
 
 def _cfg(run: Path, url: str, **extra):
@@ -89,13 +66,12 @@ def _trained_on_infra(run: Path) -> list[dict]:
     return [e for e in read_events(run / "groups.jsonl") if e["event"] == "trained" and "infra_error" in e["statuses"]]
 
 
-def test_a_short_outage_is_retried_not_trained_on(tmp_path, judge_url):
-    run = tmp_path / "run"
-    cfg = _cfg(run, judge_url, **{"pipeline.infra_retries": 4, "pipeline.outage_s": 60})
-    pipeline = RunLoop(cfg, log=lambda *_: None, source="process")
-    FlakyJudge.refused, FlakyJudge.down_s, FlakyJudge.down_until = 0, 4.0, None  # down as the run starts
-    pipeline.run()
-    assert FlakyJudge.refused > 0  # the outage happened
+def test_a_short_outage_is_retried_not_trained_on(tmp_path):
+    run, judge = tmp_path / "run", FlakyJudge(down_s=4.0)  # down as the run starts
+    with serving(judge) as url:
+        cfg = _cfg(run, url, **{"pipeline.infra_retries": 4, "pipeline.outage_s": 60})
+        RunLoop(cfg, log=lambda *_: None, source="process").run()
+    assert judge.refused > 0  # the outage happened
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in metrics if "eval/pass@1" in m]
     assert evals[0]["eval/infra_errors"] > 0  # the first eval ran during the outage: its failures are counted
@@ -106,13 +82,12 @@ def test_a_short_outage_is_retried_not_trained_on(tmp_path, judge_url):
     assert _trained_on_infra(run) == []
 
 
-def test_a_sustained_outage_stops_the_run(tmp_path, judge_url):
+def test_a_sustained_outage_stops_the_run(tmp_path):
     run = tmp_path / "run"
-    cfg = _cfg(run, judge_url, **{"pipeline.infra_retries": 1, "pipeline.outage_s": 3})
-    pipeline = RunLoop(cfg, log=lambda *_: None, source="process")
-    FlakyJudge.down_s, FlakyJudge.down_until = 3600.0, None
-    with pytest.raises(InfraUnavailable, match="pipeline.outage_s"):
-        pipeline.run()
+    with serving(FlakyJudge(down_s=3600.0)) as url:
+        cfg = _cfg(run, url, **{"pipeline.infra_retries": 1, "pipeline.outage_s": 3})
+        with pytest.raises(InfraUnavailable, match="pipeline.outage_s"):
+            RunLoop(cfg, log=lambda *_: None, source="process").run()
     assert _trained_on_infra(run) == []
     events = read_events(run / "groups.jsonl")
     assert any(e.get("reason") == "infra_error" for e in events)

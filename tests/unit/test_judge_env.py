@@ -4,12 +4,10 @@ verdict), including garbage, out-of-range, hostile and unreachable cases."""
 
 from __future__ import annotations
 
-import json
 import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from judge_stub import Reply, completion_reply, serving
 
 from gapless.envs.base import Environment
 from gapless.envs.judge.client import HttpJudgeClient
@@ -50,41 +48,23 @@ def test_parse_score(verdict, expected):
     assert parse_score(verdict, 10) == expected
 
 
-class SayingJudge(BaseHTTPRequestHandler):
-    """Replies with the text after 'say:' in the judged response (or 'no verdict')."""
-
-    protocol_version = "HTTP/1.1"
-
-    def do_POST(self):  # noqa: N802
-        prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
-        response = prompt.split("<response>\n", 1)[1].rsplit("\n</response>", 1)[0]
-        found = re.search(r"say:(.*)", response, re.DOTALL)
-        if found and found.group(1) == "CRASH":
-            data, code = b"boom", 503
-        else:
-            data, code = json.dumps({"choices": [{"text": found.group(1) if found else "no verdict"}]}).encode(), 200
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+def saying(body) -> Reply:
+    """The judge says the text after 'say:' in the judged response (or 'no verdict'); 503 for CRASH."""
+    response = body["prompt"].split("<response>\n", 1)[1].rsplit("\n</response>", 1)[0]
+    found = re.search(r"say:(.*)", response, re.DOTALL)
+    if found and found.group(1) == "CRASH":
+        return Reply(503, b"boom")
+    return completion_reply(found.group(1) if found else "no verdict")
 
 
 @pytest.fixture(scope="module")
 def env():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), SayingJudge)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    client = HttpJudgeClient(
-        f"http://127.0.0.1:{httpd.server_address[1]}/v1", timeout_s=2.0, max_retries=1, backoff_s=0.01
-    )
-    environment = JudgeEnvironment(embedded_judge_tasks(0, 8, 2), client)
-    yield environment
-    environment.close()
-    httpd.shutdown()
-    httpd.server_close()
+    with serving(saying) as url:
+        environment = JudgeEnvironment(
+            embedded_judge_tasks(0, 8, 2), HttpJudgeClient(url, timeout_s=2.0, max_retries=1, backoff_s=0.01)
+        )
+        yield environment
+        environment.close()
 
 
 def completion(text: str) -> Completion:
@@ -115,22 +95,6 @@ def test_judged_rewards_and_statuses(env, text, reward, status):
         assert "HTTP 503" in rollout.info["error"] and not rollout.is_infra_failure
 
 
-class DownJudge(BaseHTTPRequestHandler):
-    """A judge that is down: 503 to every request, whatever it holds."""
-
-    protocol_version = "HTTP/1.1"
-
-    def do_POST(self):  # noqa: N802
-        self.rfile.read(int(self.headers["Content-Length"]))
-        self.send_response(503)
-        self.send_header("Content-Length", "4")
-        self.end_headers()
-        self.wfile.write(b"down")
-
-    def log_message(self, *args):
-        pass
-
-
 def test_groups_keep_order_and_a_judge_that_is_down_fails_the_step(env):
     assert isinstance(env, Environment)
     tasks = list(env.tasks("train")[:2])
@@ -138,22 +102,17 @@ def test_groups_keep_order_and_a_judge_that_is_down_fails_the_step(env):
     assert [[r.reward for r in g] for g in groups] == [[0.1, 0.2], [0.3] * 3]
     assert [g[0].prompt_uid for g in groups] == [t.uid for t in tasks]
     assert env.check_infra(env.score_groups(tasks[:1], [[completion("say:CRASH")] * 2])[0]) == 0
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), DownJudge)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    client = HttpJudgeClient(
-        f"http://127.0.0.1:{httpd.server_address[1]}/v1", timeout_s=2.0, max_retries=1, backoff_s=0.01
-    )
-    down = JudgeEnvironment(embedded_judge_tasks(0, 8, 2), client)
-    try:
-        failed = down.score_groups(tasks[:1], [[completion("say:1")] * 2])[0]
-        assert all(r.status == "infra_error" for r in failed)
-        with pytest.raises(JudgeUnavailable, match="HTTP 503"):
-            down.check_infra(failed)
-    finally:
-        down.close()
-        httpd.shutdown()
-        httpd.server_close()
+    with serving(lambda body: Reply(503, b"down")) as url:  # a judge that is down
+        down = JudgeEnvironment(
+            embedded_judge_tasks(0, 8, 2), HttpJudgeClient(url, timeout_s=2.0, max_retries=1, backoff_s=0.01)
+        )
+        try:
+            failed = down.score_groups(tasks[:1], [[completion("say:1")] * 2])[0]
+            assert all(r.status == "infra_error" for r in failed)
+            with pytest.raises(JudgeUnavailable, match="HTTP 503"):
+                down.check_infra(failed)
+        finally:
+            down.close()
 
 
 def test_tasks_from_jsonl(tmp_path):

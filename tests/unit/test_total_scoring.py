@@ -32,11 +32,11 @@ from __future__ import annotations
 import json
 import os
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from judge_stub import Reply, completion_reply, serving
 from sandbox_host import SLOT_UID_BASE, needs_bwrap
 
 from gapless.envs.delayed import DelayedEnvironment
@@ -147,42 +147,18 @@ def test_reasoning_gym_scores_any_text(gym, text):
     check(gym.score_groups([task], [[completion(text), completion(f"<answer>{text}</answer>")]])[0], 2)
 
 
-class EchoJudge(BaseHTTPRequestHandler):
-    """Says 'Score: 5' to every prompt it can read; a 400 to a body it cannot."""
-
-    protocol_version = "HTTP/1.1"
-
-    def do_POST(self):
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        try:
-            body.decode("utf-8", "strict")
-            json.loads(body)
-            data, code = json.dumps({"choices": [{"text": "Score: 5"}]}).encode(), 200
-        except ValueError:
-            data, code = b"bad body", 400
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture(scope="module")
 def judge():
+    """Says 'Score: 5' to every prompt it can read; a 400 to a body it cannot."""
     from gapless.envs.judge.client import HttpJudgeClient
     from gapless.envs.judge.environment import JudgeEnvironment, embedded_judge_tasks
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), EchoJudge)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    client = HttpJudgeClient(f"http://127.0.0.1:{httpd.server_address[1]}/v1", timeout_s=5.0, max_retries=0)
-    environment = JudgeEnvironment(embedded_judge_tasks(0, 2, 1), client)
-    yield environment
-    environment.close()
-    httpd.shutdown()
-    httpd.server_close()
+    with serving(lambda body: completion_reply("Score: 5") if body is not None else Reply(400, b"bad body")) as url:
+        environment = JudgeEnvironment(
+            embedded_judge_tasks(0, 2, 1), HttpJudgeClient(url, timeout_s=5.0, max_retries=0)
+        )
+        yield environment
+        environment.close()
 
 
 @FAST

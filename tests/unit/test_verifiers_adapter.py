@@ -3,12 +3,10 @@ reward kind of verifiers 0.4, refusals at build time, scoring inside a running e
 with verifiers' own `Task.score` on generated cases."""
 
 import asyncio
-import json
 import random
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from judge_stub import Reply, chat_reply, serving
 
 vf = pytest.importorskip("verifiers.v1")
 
@@ -192,35 +190,10 @@ def test_a_reward_past_the_tasks_scoring_timeout_is_a_timeout():
         env.close()
 
 
-class JudgeModel(BaseHTTPRequestHandler):
-    """The model behind a plugged LLM judge, on loopback: an OpenAI chat completion that says "yes"
-    when the judge's prompt names 'Paris' twice (as the reference answer and in the graded response)."""
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        verdict = (
-            "yes" if body["messages"][-1]["content"].count("Paris") >= 2 else "no"
-        )  # the reference, and the response
-        data = json.dumps(
-            {
-                "id": "j",
-                "object": "chat.completion",
-                "created": 0,
-                "model": body["model"],
-                "choices": [
-                    {"index": 0, "message": {"role": "assistant", "content": verdict}, "finish_reason": "stop"}
-                ],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-            }
-        ).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+def judge_model(body) -> Reply:
+    """The model behind a plugged LLM judge: says "yes" when the judge's prompt names 'Paris' twice
+    (as the reference answer and in the graded response)."""
+    return chat_reply(body["model"], "yes" if body["messages"][-1]["content"].count("Paris") >= 2 else "no")
 
 
 class Judged(vf.Task[Data]):
@@ -236,18 +209,15 @@ def _judged_env(base_url: str) -> VerifiersEnvironment:
 
 def test_a_plugged_llm_judge_scores_through_its_endpoint_and_an_unreachable_one_is_infra_error(monkeypatch):
     monkeypatch.setenv("GAPLESS_TEST_JUDGE_KEY", "unused")
-    server = ThreadingHTTPServer(("127.0.0.1", 0), JudgeModel)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    env = _judged_env(f"http://127.0.0.1:{server.server_port}/v1")
-    try:
-        task = env.tasks("train")[0]
-        assert env.score(task, "Paris")[:2] == (1.0, "ok")
-        assert env.score(task, "Lyon")[:2] == (0.0, "wrong_answer")
-    finally:
-        env.close()
-        server.shutdown()
-        server.server_close()
-    env = _judged_env(f"http://127.0.0.1:{server.server_port}/v1")  # nothing listens there any more
+    with serving(judge_model) as url:
+        env = _judged_env(url)
+        try:
+            task = env.tasks("train")[0]
+            assert env.score(task, "Paris")[:2] == (1.0, "ok")
+            assert env.score(task, "Lyon")[:2] == (0.0, "wrong_answer")
+        finally:
+            env.close()
+    env = _judged_env(url)  # nothing listens there any more
     try:
         reward, status, info = env.score(env.tasks("train")[0], "Paris")
         assert (reward, status) == (0.0, "infra_error") and "APIConnectionError" in info["error"]
@@ -346,54 +316,24 @@ def test_a_reward_that_fails_on_a_path_the_completion_names_is_scored_0():
         env.close()
 
 
-class BreaksOnLongText(BaseHTTPRequestHandler):
+def breaks_on_long_text(body) -> Reply:
     """A judge whose server fails (500) on a response longer than its context, and judges others."""
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if len(body["messages"][-1]["content"]) > 2000:
-            self.send_response(500)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        self._answer(body)
-
-    def _answer(self, body):
-        data = json.dumps(
-            {
-                "id": "j",
-                "object": "chat.completion",
-                "created": 0,
-                "model": body["model"],
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "no"}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-            }
-        ).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+    if len(body["messages"][-1]["content"]) > 2000:
+        return Reply(500, b"")
+    return chat_reply(body["model"], "no")
 
 
 def test_a_completion_that_breaks_the_judge_is_scored_0_while_a_probe_is_judged(monkeypatch):
     """A 5xx from the judge looks like an outage; a plain reply (the probe) is judged, so the failure is the
     completion's (score_error, reward 0), and a policy cannot buy a masked rollout with a long text."""
     monkeypatch.setenv("GAPLESS_TEST_JUDGE_KEY", "unused")
-    server = ThreadingHTTPServer(("127.0.0.1", 0), BreaksOnLongText)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    env = _judged_env(f"http://127.0.0.1:{server.server_port}/v1")
-    try:
-        task = env.tasks("train")[0]
-        (group,) = env.score_groups(
-            [task], [[Completion([], [], [], [], "stop", t) for t in ["Lyon", "Paris " * 1000]]]
-        )
-        assert [(r.reward, r.status) for r in group] == [(0.0, "wrong_answer"), (0.0, "score_error")], group[1].info
-        assert "a plain reply was scored" in group[1].info["error"]
-    finally:
-        env.close()
-        server.shutdown()
-        server.server_close()
+    with serving(breaks_on_long_text) as url:
+        env = _judged_env(url)
+        try:
+            task = env.tasks("train")[0]
+            texts = ["Lyon", "Paris " * 1000]
+            (group,) = env.score_groups([task], [[Completion([], [], [], [], "stop", t) for t in texts]])
+            assert [(r.reward, r.status) for r in group] == [(0.0, "wrong_answer"), (0.0, "score_error")], group
+            assert "a plain reply was scored" in group[1].info["error"]
+        finally:
+            env.close()
