@@ -23,8 +23,8 @@ Bad input from a client is accepted and fails its future with category "user" (t
 missing `X-API-Key` a 401 (the SDK's `AuthenticationError`), an unknown future a 404.
 A client that disconnects leaves nothing running on its behalf beyond the call it made: samples
 finish (bounded by max_tokens) and their results expire after the store's TTL.
-Not served: stable_reinforce and server-side custom losses (service/losses.py says why), images,
-top-k and prompt alternatives, non-Adam optimizers, copy_weights, the checkpoint listing REST API.
+Not served: stable_reinforce and server-side custom losses (service/losses.py says why) and
+record_stability_info (a user error), images, non-Adam optimizers.
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ from tinker import types as tt
 from gapless.lora import LoraSpec
 from gapless.serve.protocol import QueueFull, ServeError
 from gapless.serve.scheduler import RequestHandle
+from gapless.service import logprobs
 from gapless.service.futures import FutureStore, Outcome
+from gapless.service.logprobs import LogprobOptions
 from gapless.service.models import AdamParams, BaseModels, TrainingRun, UserError, checkpoint_file
 from gapless.service.params import scheduler_request
 from gapless.service.samplers import SamplerPool
@@ -358,30 +360,31 @@ class TinkerApp:
         if isinstance(body, Response):
             return body
         try:
-            key, handle = await self._submit(body)
+            key, handle, options = await self._submit(body)
         except QueueFull as exc:
             return JSONResponse({"error": exc.message}, status_code=429, headers={"Retry-After": "1"})
         except (UserError, ServeError) as exc:
-            key, handle = None, getattr(exc, "message", str(exc))
+            key, handle, options = None, getattr(exc, "message", str(exc)), None
         request_id = self.futures.create()
-        task = asyncio.create_task(self._finish_sample(request_id, key, handle, body))
+        task = asyncio.create_task(self._finish_sample(request_id, key, handle, options))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return JSONResponse(
             {"request_id": request_id, "sample_sequence_ids": [f"{request_id}/{j}" for j in range(body.num_samples)]}
         )
 
-    async def _submit(self, body: tt.SampleRequest) -> tuple[str, RequestHandle]:
+    async def _submit(self, body: tt.SampleRequest) -> tuple[str, RequestHandle, LogprobOptions]:
         key = self.sampling_sessions.get(body.sampling_session_id or "") or body.model_path or body.base_model
         if key is None:
             raise UserError(f"unknown sampling session {body.sampling_session_id!r}: create a sampling client first")
         base = self.pool.base_of(key)
         request = scheduler_request(body, base.vocab_size, self.pool.context_of(key), self.default_max_tokens)
+        options = logprobs.requested(body, list(request.prompt_ids), base.vocab_size, request.params.seed)
         # off the loop: the first request on new weights builds an engine (or swaps one's weights)
-        return key, await asyncio.to_thread(self.pool.submit, key, request)
+        return key, await asyncio.to_thread(self.pool.submit, key, request), options
 
     async def _finish_sample(
-        self, request_id: str, key: str | None, handle: RequestHandle | str, body: tt.SampleRequest
+        self, request_id: str, key: str | None, handle: RequestHandle | str, options: LogprobOptions | None
     ) -> None:
         try:
             if isinstance(handle, str):  # refused at submit: the message
@@ -390,13 +393,13 @@ class TinkerApp:
                 results = await handle.aresult()
             finally:
                 handle.abort()  # a no-op once finished; frees the engine if this task was cancelled
-            prompt_logprobs = None
-            if body.prompt_logprobs:
-                prompt = list(handle.request.prompt_ids)
-                scores, _ = await asyncio.to_thread(lambda: self.pool.scorer(key).score(prompt, 1, 1.0, 0))
-                prompt_logprobs = [float("nan")] + scores
+            extras = None
+            if options.needs_prompt_pass or options.topk_sample:
+                prompt, samples = list(handle.request.prompt_ids), [list(r.token_ids) for r in results]
+                model = (await asyncio.to_thread(self.pool.scorer, key)).model
+                extras = await asyncio.to_thread(logprobs.compute, model, prompt, samples, options)
             sequences = [SequenceOut(r.token_ids, r.logprobs, r.finish_reason == "length") for r in results]
-            outcome = Outcome(proto=encode_sample(sequences, prompt_logprobs))
+            outcome = Outcome(proto=encode_sample(sequences, extras))
         except (UserError, ServeError) as exc:
             outcome = Outcome(error=getattr(exc, "message", str(exc)), category="user")
         except Exception as exc:  # noqa: BLE001 -- the client learns why; the service lives on
