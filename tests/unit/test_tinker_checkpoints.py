@@ -187,9 +187,12 @@ def test_cli_lists_and_downloads_a_lora_checkpoint_peft_loads(setup, tmp_path):
     assert np.abs(base.gather(-1, torch.tensor(tokens[1:])[:, None]).squeeze(-1).numpy() - served).max() > 1e-3
     # the temporary export is deleted once downloaded; the checkpoint itself stays
     kinds = [c.checkpoint_type for c in rest.list_user_checkpoints(limit=1000).result().checkpoints]
-    assert "external" not in kinds and path in [
-        c.tinker_path for c in rest.list_checkpoints(trainer.model_id).result().checkpoints
-    ]
+    assert "external" not in kinds
+    _cli(server, "checkpoint", "set-ttl", path, "--ttl", "3600")
+    (listed,) = rest.list_checkpoints(trainer.model_id).result().checkpoints
+    assert listed.tinker_path == path and listed.expires_at is not None
+    _cli(server, "checkpoint", "delete", "-y", path)
+    assert rest.list_checkpoints(trainer.model_id).result().checkpoints == []
 
 
 def test_cookbook_download_decrypts_an_age_encrypted_export(setup, tmp_path, monkeypatch):

@@ -6,7 +6,9 @@
     POST /api/v1/create_sampling_session, asample; GET /api/v1/samplers/{id} -> the sampler pool
     POST /api/v1/retrieve_future                                         -> the future store
     GET  /api/v1/healthz, /api/v1/get_server_capabilities
-    /v1/...  the OpenAI API (openai/app.py) over the first base model's scheduler, when given
+    /api/v1/training_runs..., checkpoints, weights_info, copy_weights, save_weights_external,
+         download/...                        -> service/rest.py over the CheckpointStore
+    /v1/...  the OpenAI API (openai_models.py) over a base model or a tinker:// sampler path
 
 Who waits for whom:
 
