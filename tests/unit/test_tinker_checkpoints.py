@@ -265,3 +265,25 @@ def test_openai_routes_sample_a_tinker_sampler_path(setup):
     assert base.model == "tiny"
     with pytest.raises(openai.NotFoundError, match="no sampler weights"):
         oa.completions.create(model=path.replace("/oa", "/never"), prompt=prompt, max_tokens=2)
+
+
+def test_the_sweeper_deletes_expired_files_when_nobody_calls(tmp_path):
+    from gapless.service.checkpoints import CheckpointPath, CheckpointStore
+
+    now = [1000.0]
+    store = CheckpointStore(tmp_path, clock=lambda: now[0])
+    path = CheckpointPath("run-1", "weights", "w")
+    store.record_run("run-1", "tiny", None)
+    store.training_file(path).write_bytes(b"weights")
+    store.add(path, ttl_s=10)
+    store.start_sweeping(every_s=0.05)
+    try:
+        time.sleep(0.2)
+        assert store.training_file(path).is_file()  # not expired yet
+        now[0] += 11
+        deadline = time.monotonic() + 10
+        while store.training_file(path).is_file() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not store.training_file(path).exists() and not list(tmp_path.glob("*/meta/*/*.json"))
+    finally:
+        store.close()

@@ -82,6 +82,7 @@ class TinkerApp:
         self.checkpoint_dir, self.hold_s, self.default_max_tokens = Path(checkpoint_dir), hold_s, default_max_tokens
         self.futures = FutureStore(ttl_s)
         self.store = CheckpointStore(self.checkpoint_dir, sampler_alive=pool.holds, sampler_drop=pool.drop)
+        self.store.start_sweeping()
         self.openai = openai  # an OpenAIApp over a base model's scheduler, served under /v1 (its own bearer check)
         self.runs: dict[str, TrainingRun] = {}  # model_id -> run (training thread only, after creation)
         self.sampling_sessions: dict[str, str] = {}  # sampling_session_id -> weights key
@@ -134,6 +135,7 @@ class TinkerApp:
         await self.app(scope, receive, send)
 
     def close(self) -> None:
+        self.store.close()
         self._trainer.shutdown(wait=True, cancel_futures=True)
         self.pool.close()
 

@@ -15,16 +15,18 @@ Layout under `root` (service.checkpoint_dir), one directory per run (names made 
 
 Sampler weights live in the sampler pool's memory (samplers.py); their records live here in memory
 too, and are listed while the pool still holds the weights.
-Guaranteed: a checkpoint past its `expires_at` is deleted (files and record) by the next sweep, and
-every listing, lookup and load sweeps first, so an expired checkpoint is never listed or loaded;
-records and runs survive a restart (they are files). Not guaranteed: deletion at the very second
-of expiry (nothing runs between calls), or records for checkpoints saved before records existed.
+Guaranteed: a checkpoint past its `expires_at` is deleted (files and record) by the next sweep
+(`start_sweeping`: once a minute), and every listing, lookup and load sweeps first (every sample
+call sweeps the sampler records), so an expired checkpoint is never listed, loaded or sampled;
+records and runs survive a restart (they are files). Not guaranteed: the files gone at the very
+second of expiry, or records for checkpoints saved before records existed.
 All methods take one lock: REST routes (event loop) and the training thread both call them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import threading
 import time
@@ -38,6 +40,7 @@ from tinker import types as tt
 from gapless.lora import LoraSpec
 from gapless.service.models import UserError, checkpoint_file, safe_name
 
+log = logging.getLogger("gapless.serve.tinker")
 KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 
 
@@ -81,6 +84,22 @@ class CheckpointStore:
         self._samplers: dict[str, dict] = {}  # tinker path -> record (weights in the pool's memory)
         self._last_request: dict[str, float] = {}
         self._lock = threading.RLock()
+        self._stop = threading.Event()
+
+    def start_sweeping(self, every_s: float = 60.0) -> None:
+        """Sweep from a daemon thread every `every_s`, so expired files go even when nobody calls."""
+
+        def loop() -> None:
+            while not self._stop.wait(every_s):
+                try:
+                    self.sweep()
+                except OSError:  # a file removed under us (a delete at the same time): the next sweep
+                    log.exception("checkpoint sweep failed")
+
+        threading.Thread(target=loop, name="tinker-checkpoint-sweeper", daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()
 
     # ---- runs ------------------------------------------------------------------------------
     def run_dir(self, run_id: str) -> Path:
