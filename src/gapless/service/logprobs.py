@@ -185,6 +185,8 @@ def compute(model: torch.nn.Module, prompt: list[int], samples: list[list[int]],
     """Every option `o` asks for, on `model` (the weights that sampled), in fp32."""
     extras = SampleExtras(targets=o.targets)
     n = len(prompt)
+    if o.prompt_logprobs and n < 2:  # nothing to score: position 0 has no context
+        extras.prompt_logprobs = np.full(n, np.nan, dtype=np.float32)
     if o.needs_prompt_pass and n >= 2:
         logits = model(input_ids=torch.tensor([prompt])).logits[0, : n - 1].float()  # (P-1, V): row i scores t = i+1
         logp = torch.log_softmax(logits, dim=-1)
