@@ -6,7 +6,9 @@
     POST /api/v1/create_sampling_session, asample; GET /api/v1/samplers/{id} -> the sampler pool
     POST /api/v1/retrieve_future                                         -> the future store
     GET  /api/v1/healthz, /api/v1/get_server_capabilities
-    /v1/...  the OpenAI API (openai/app.py) over the first base model's scheduler, when given
+    /api/v1/training_runs..., checkpoints, weights_info, copy_weights, save_weights_external,
+         download/...                        -> service/rest.py over the CheckpointStore
+    /v1/...  the OpenAI API (openai_models.py) over a base model or a tinker:// sampler path
 
 Who waits for whom:
 
@@ -23,8 +25,8 @@ Bad input from a client is accepted and fails its future with category "user" (t
 missing `X-API-Key` a 401 (the SDK's `AuthenticationError`), an unknown future a 404.
 A client that disconnects leaves nothing running on its behalf beyond the call it made: samples
 finish (bounded by max_tokens) and their results expire after the store's TTL.
-Not served: stable_reinforce and server-side custom losses (service/losses.py says why), images,
-top-k and prompt alternatives, non-Adam optimizers, copy_weights, the checkpoint listing REST API.
+Not served: stable_reinforce and server-side custom losses (service/losses.py says why) and
+record_stability_info (a user error), images, non-Adam optimizers.
 """
 
 from __future__ import annotations
@@ -48,9 +50,13 @@ from tinker import types as tt
 from gapless.lora import LoraSpec
 from gapless.serve.protocol import QueueFull, ServeError
 from gapless.serve.scheduler import RequestHandle
+from gapless.service import logprobs
+from gapless.service.checkpoints import CheckpointPath, CheckpointStore, check_ttl
 from gapless.service.futures import FutureStore, Outcome
+from gapless.service.logprobs import LogprobOptions
 from gapless.service.models import AdamParams, BaseModels, TrainingRun, UserError, checkpoint_file
 from gapless.service.params import scheduler_request
+from gapless.service.rest import DOWNLOAD_PREFIX, CheckpointRoutes
 from gapless.service.samplers import SamplerPool
 from gapless.service.wire import SequenceOut, WireError, decode_forward_backward, encode_forward_backward, encode_sample
 
@@ -75,6 +81,8 @@ class TinkerApp:
         self.bases, self.pool, self.api_key, self.micro_batch_tokens = bases, pool, api_key, micro_batch_tokens
         self.checkpoint_dir, self.hold_s, self.default_max_tokens = Path(checkpoint_dir), hold_s, default_max_tokens
         self.futures = FutureStore(ttl_s)
+        self.store = CheckpointStore(self.checkpoint_dir, sampler_alive=pool.holds, sampler_drop=pool.drop)
+        self.store.start_sweeping()
         self.openai = openai  # an OpenAIApp over a base model's scheduler, served under /v1 (its own bearer check)
         self.runs: dict[str, TrainingRun] = {}  # model_id -> run (training thread only, after creation)
         self.sampling_sessions: dict[str, str] = {}  # sampling_session_id -> weights key
@@ -101,13 +109,19 @@ class TinkerApp:
             post("create_sampling_session", self.create_sampling_session),
             post("asample", self.asample),
             post("retrieve_future", self.retrieve_future),
+            *CheckpointRoutes(self).routes(),  # the RestClient's checkpoint and run routes (service/rest.py)
         ]
         self.app = Starlette(routes=routes, exception_handlers={Exception: _internal_error})
 
     async def __call__(self, scope, receive, send) -> None:
         if self.openai is not None and scope["type"] == "http" and scope["path"].startswith("/v1/"):
             return await self.openai(scope, receive, send)
-        if scope["type"] == "http" and scope["path"] != "/api/v1/healthz":
+        # signed download URLs carry their own proof (rest.py), as cloud-storage URLs do
+        if (
+            scope["type"] == "http"
+            and scope["path"] != "/api/v1/healthz"
+            and not scope["path"].startswith(DOWNLOAD_PREFIX)
+        ):
             given = dict(scope["headers"]).get(b"x-api-key", b"").decode("latin-1")
             if not hmac.compare_digest(given.encode(), self.api_key.encode()):
                 response = JSONResponse(
@@ -121,6 +135,7 @@ class TinkerApp:
         await self.app(scope, receive, send)
 
     def close(self) -> None:
+        self.store.close()
         self._trainer.shutdown(wait=True, cancel_futures=True)
         self.pool.close()
 
@@ -176,6 +191,7 @@ class TinkerApp:
                 self.runs[model_id] = TrainingRun(model_id, base, spec, self.micro_batch_tokens)
             except ValueError as exc:
                 raise UserError(str(exc)) from None
+            self.store.record_run(model_id, base.name, spec, body.user_metadata)
             return {"type": "create_model", "model_id": model_id}
 
         return self._train(create, model_id)
@@ -245,10 +261,13 @@ class TinkerApp:
             run = self._run(body.model_id)
             name = body.path or f"step-{run.steps:06d}"
             path = checkpoint_file(self.checkpoint_dir, run.model_id, name)
+            check_ttl(body.ttl_seconds)
             if path.exists() and not getattr(body, "overwrite", False):
                 raise UserError(f"checkpoint {name!r} of {run.model_id} exists; pick another name or pass overwrite")
             run.save(path)
-            return {"type": "save_weights", "path": f"tinker://{run.model_id}/weights/{name}"}
+            saved = CheckpointPath(run.model_id, "weights", name)
+            self.store.add(saved, body.ttl_seconds, body.user_metadata)
+            return {"type": "save_weights", "path": saved.tinker_path}
 
         return self._train(save, body.model_id)
 
@@ -265,6 +284,7 @@ class TinkerApp:
             if run is None:
                 base = self.bases.get(payload["base"])
                 run = self.runs[model_id] = TrainingRun(model_id, base, payload["spec"], self.micro_batch_tokens)
+                self.store.record_run(model_id, base.name, payload["spec"], body.user_metadata)
             run.load(payload, with_optimizer=bool(body.optimizer))
             return {"type": "load_weights", "path": body.path, "model_id": model_id}
 
@@ -277,9 +297,12 @@ class TinkerApp:
 
         def save() -> dict:
             run = self._run(body.model_id)
+            check_ttl(body.ttl_seconds)
             name = body.path or f"ephemeral-{body.seq_id}"
             path = f"tinker://{run.model_id}/sampler_weights/{name}"
             self.pool.register(path, run.base.name, run.sampler_state())
+            if body.path is not None:  # named: a listed checkpoint (ephemeral saves are not)
+                self.store.add(CheckpointPath.parse(path), body.ttl_seconds, body.user_metadata)
             if body.path is None:  # save_weights_and_get_sampling_client: a session on these weights
                 session = f"samp-{uuid.uuid4().hex[:12]}"
                 self.sampling_sessions[session] = path
@@ -299,6 +322,7 @@ class TinkerApp:
         parts = tinker_path[len(prefix) :].split("/") if tinker_path.startswith(prefix) else []
         if len(parts) != 3 or parts[1] != "weights":
             raise UserError(f"checkpoint path {tinker_path!r} is not tinker://MODEL_ID/weights/NAME (from save_state)")
+        self.store.sweep()  # an expired checkpoint is gone
         file = checkpoint_file(self.checkpoint_dir, parts[0], parts[2])
         if not file.is_file():
             raise UserError(f"no checkpoint at {tinker_path!r} (looked in {file})")
@@ -307,6 +331,8 @@ class TinkerApp:
     def _train(self, work: Callable[[], dict | Outcome], model_id: str | None) -> Response:
         """Queue `work` on the training thread; answer the SDK with the future of its outcome."""
         request_id = self.futures.create()
+        if model_id is not None:
+            self.store.touch(model_id)
 
         def run() -> None:
             try:
@@ -330,6 +356,7 @@ class TinkerApp:
         key = body.model_path or body.base_model
         if key is None:
             return JSONResponse({"error": "create_sampling_session needs model_path or base_model"}, status_code=400)
+        self.store.sweep_samplers()  # expired sampler weights are gone
         try:
             self.pool.base_of(key)
         except UserError as exc:
@@ -358,30 +385,32 @@ class TinkerApp:
         if isinstance(body, Response):
             return body
         try:
-            key, handle = await self._submit(body)
+            key, handle, options = await self._submit(body)
         except QueueFull as exc:
             return JSONResponse({"error": exc.message}, status_code=429, headers={"Retry-After": "1"})
         except (UserError, ServeError) as exc:
-            key, handle = None, getattr(exc, "message", str(exc))
+            key, handle, options = None, getattr(exc, "message", str(exc)), None
         request_id = self.futures.create()
-        task = asyncio.create_task(self._finish_sample(request_id, key, handle, body))
+        task = asyncio.create_task(self._finish_sample(request_id, key, handle, options))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return JSONResponse(
             {"request_id": request_id, "sample_sequence_ids": [f"{request_id}/{j}" for j in range(body.num_samples)]}
         )
 
-    async def _submit(self, body: tt.SampleRequest) -> tuple[str, RequestHandle]:
+    async def _submit(self, body: tt.SampleRequest) -> tuple[str, RequestHandle, LogprobOptions]:
         key = self.sampling_sessions.get(body.sampling_session_id or "") or body.model_path or body.base_model
         if key is None:
             raise UserError(f"unknown sampling session {body.sampling_session_id!r}: create a sampling client first")
+        self.store.sweep_samplers()
         base = self.pool.base_of(key)
         request = scheduler_request(body, base.vocab_size, self.pool.context_of(key), self.default_max_tokens)
+        options = logprobs.requested(body, list(request.prompt_ids), base.vocab_size, request.params.seed)
         # off the loop: the first request on new weights builds an engine (or swaps one's weights)
-        return key, await asyncio.to_thread(self.pool.submit, key, request)
+        return key, await asyncio.to_thread(self.pool.submit, key, request), options
 
     async def _finish_sample(
-        self, request_id: str, key: str | None, handle: RequestHandle | str, body: tt.SampleRequest
+        self, request_id: str, key: str | None, handle: RequestHandle | str, options: LogprobOptions | None
     ) -> None:
         try:
             if isinstance(handle, str):  # refused at submit: the message
@@ -390,13 +419,13 @@ class TinkerApp:
                 results = await handle.aresult()
             finally:
                 handle.abort()  # a no-op once finished; frees the engine if this task was cancelled
-            prompt_logprobs = None
-            if body.prompt_logprobs:
-                prompt = list(handle.request.prompt_ids)
-                scores, _ = await asyncio.to_thread(lambda: self.pool.scorer(key).score(prompt, 1, 1.0, 0))
-                prompt_logprobs = [float("nan")] + scores
+            extras = None
+            if options.needs_prompt_pass or options.topk_sample:
+                prompt, samples = list(handle.request.prompt_ids), [list(r.token_ids) for r in results]
+                model = (await asyncio.to_thread(self.pool.scorer, key)).model
+                extras = await asyncio.to_thread(logprobs.compute, model, prompt, samples, options)
             sequences = [SequenceOut(r.token_ids, r.logprobs, r.finish_reason == "length") for r in results]
-            outcome = Outcome(proto=encode_sample(sequences, prompt_logprobs))
+            outcome = Outcome(proto=encode_sample(sequences, extras))
         except (UserError, ServeError) as exc:
             outcome = Outcome(error=getattr(exc, "message", str(exc)), category="user")
         except Exception as exc:  # noqa: BLE001 -- the client learns why; the service lives on

@@ -304,8 +304,13 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[tuple[int, int]]:
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
+def safe_name(name: str) -> str:
+    """`name` as one path component: every character outside [A-Za-z0-9._-] becomes '_'."""
+    return _SAFE.sub("_", name)
+
+
 def checkpoint_file(root: Path, model_id: str, name: str) -> Path:
     """Where `tinker://MODEL_ID/weights/NAME` is stored under `root` (names made filesystem-safe)."""
     if not name or name in (".", "..") or "/" in name:
         raise UserError(f"checkpoint name {name!r} must be a non-empty name without '/'")
-    return root / _SAFE.sub("_", model_id) / f"{_SAFE.sub('_', name)}.pt"
+    return root / safe_name(model_id) / f"{safe_name(name)}.pt"

@@ -69,6 +69,22 @@ class SamplerPool:
                 self._dropped.add(old)
                 self._scorers.pop(old, None)
 
+    def holds(self, path: str) -> bool:
+        """Whether the snapshot saved at `path` is still registered."""
+        return path in self._snapshots
+
+    def drop(self, path: str) -> None:
+        """Forget the snapshot at `path` (a deleted checkpoint); sampling it is then a user error."""
+        with self._lock:
+            self._snapshots.pop(path, None)
+            self._scorers.pop(path, None)
+
+    def copy(self, source: str, destination: str) -> None:
+        """Register `source`'s weights under `destination` too (copy_weights: the tensors are shared)."""
+        if source not in self._snapshots:
+            raise UserError(f"no sampler weights at {source!r}")
+        self.register(destination, *self._snapshots[source])
+
     def base_of(self, key: str) -> BaseModel:
         """The base model behind `key` (UserError if the key names nothing served)."""
         if (snapshot := self._snapshots.get(key)) is not None:

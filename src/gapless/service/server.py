@@ -6,6 +6,7 @@ one training thread. The SDK's `base_url` is the server root (`http://HOST:PORT`
 
     build_service(cfg, api_key)  the app over the configured base models (none: gapless-tiny), with the
                                  OpenAI API (`/v1`, bearer KEY) over the first one's sampling scheduler
+                                 and over any tinker:// sampler path named as `model`
     ServiceThread(app)           the service from a background thread (tests, benchmarks)
     serve(cfg, sock, api_key)    the command: runs until Ctrl-C
 
@@ -28,6 +29,7 @@ from gapless.serve.openai.server import ServerThread, _config
 from gapless.serve.scoring import Scorer
 from gapless.service.app import TinkerApp
 from gapless.service.models import BaseModels
+from gapless.service.openai_models import ModelRouter
 from gapless.service.samplers import SamplerPool
 
 
@@ -59,9 +61,10 @@ def build_service(cfg: Config, api_key: str, log=print) -> TinkerApp:
     )
     name = bases.names[0]  # the OpenAI routes serve the first base model, on its sampling scheduler
     base = bases.get(name)
-    openai = OpenAIApp(
+    first = OpenAIApp(
         pool.scheduler_for(name), base.policy.tokenizer, name, scorer=Scorer(base.policy.model), api_key=api_key
     )
+    openai = ModelRouter(first, pool, api_key)  # and any tinker:// sampler path given as `model`
     return TinkerApp(
         bases,
         pool,

@@ -2,7 +2,7 @@
 
     decode_forward_backward(bytes) -> ForwardBackwardCall (datums as token lists and float tensors)
     encode_forward_backward(logprobs per datum, metrics) -> ForwardBackwardOutput bytes
-    encode_sample(sequences, prompt_logprobs) -> SampleResponse bytes
+    encode_sample(sequences, extras) -> SampleResponse bytes
 
 Tokens arrive as int32, `target_tokens` as int64, the other loss inputs as float32, dense or
 sparse CSR; all become dense torch tensors here. Guaranteed: a malformed datum (a non-text chunk,
@@ -107,14 +107,14 @@ class SequenceOut:
     is_length: bool  # finished by max_tokens (else by a stop token or string)
 
 
-def encode_sample(sequences: list[SequenceOut], prompt_logprobs: list[float] | None = None) -> bytes:
-    """`prompt_logprobs`: one per prompt position, the first NaN (no context), as the SDK expects."""
+def encode_sample(sequences: list[SequenceOut], extras=None) -> bytes:
+    """`extras`: the log-prob options asked for (service/logprobs.py's `SampleExtras`), or None."""
     out = pb.SampleResponse()
     for s in sequences:
         seq = out.sequences.add()
         seq.stop_reason = pb.STOP_REASON_LENGTH if s.is_length else pb.STOP_REASON_STOP
         seq.tokens = np.asarray(s.tokens, dtype=np.int32).tobytes()
         seq.logprobs = np.asarray(s.logprobs, dtype=np.float32).tobytes()
-    if prompt_logprobs is not None:
-        out.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    if extras is not None:
+        extras.write(out)
     return out.SerializeToString()
