@@ -49,7 +49,7 @@ from gapless.lora import LoraSpec
 from gapless.serve.protocol import QueueFull, ServeError
 from gapless.serve.scheduler import RequestHandle
 from gapless.service.futures import FutureStore, Outcome
-from gapless.service.models import AdamParams, BaseModels, TrainingRun, UserError, checkpoint_file
+from gapless.service.models import AdamParams, BaseModels, TrainingRun, UserError, check_context, checkpoint_file
 from gapless.service.params import scheduler_request
 from gapless.service.samplers import SamplerPool
 from gapless.service.wire import SequenceOut, WireError, decode_forward_backward, encode_forward_backward, encode_sample
@@ -148,7 +148,12 @@ class TinkerApp:
 
     async def capabilities(self, request: Request) -> Response:
         models = [
-            {"model_name": name, "max_context_length": self.pool.max_seq_len, "trainable": True, "sampleable": True}
+            {
+                "model_name": name,
+                "max_context_length": self.bases.get(name).context,
+                "trainable": True,
+                "sampleable": True,
+            }
             for name in self.bases.names
         ]
         return JSONResponse({"supported_models": models})
@@ -376,7 +381,10 @@ class TinkerApp:
         if key is None:
             raise UserError(f"unknown sampling session {body.sampling_session_id!r}: create a sampling client first")
         base = self.pool.base_of(key)
-        request = scheduler_request(body, base.vocab_size, self.pool.context_of(key), self.default_max_tokens)
+        text = [c for c in body.prompt.chunks if isinstance(c, tt.EncodedTextChunk)]
+        check_context(base, sum(len(c.tokens) for c in text), "the prompt")
+        request = scheduler_request(body, base.vocab_size, base.context, self.default_max_tokens)
+        check_context(base, len(request.prompt_ids) + request.params.max_new_tokens, "the prompt plus max_tokens")
         # off the loop: the first request on new weights builds an engine (or swaps one's weights)
         return key, await asyncio.to_thread(self.pool.submit, key, request)
 
