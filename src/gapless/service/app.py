@@ -49,8 +49,17 @@ from gapless.lora import LoraSpec
 from gapless.serve.protocol import QueueFull, ServeError
 from gapless.serve.scheduler import RequestHandle
 from gapless.service.futures import FutureStore, Outcome
-from gapless.service.models import AdamParams, BaseModels, TrainingRun, UserError, check_context, checkpoint_file
+from gapless.service.models import (
+    AdamParams,
+    BaseModels,
+    TrainingRun,
+    UserError,
+    check_context,
+    checkpoint_file,
+    sampler_weights_of,
+)
 from gapless.service.params import scheduler_request
+from gapless.service.restarts import parse_sampler_path, restarted_message, resume_hint, sampler_file
 from gapless.service.samplers import SamplerPool
 from gapless.service.wire import SequenceOut, WireError, decode_forward_backward, encode_forward_backward, encode_sample
 
@@ -79,6 +88,7 @@ class TinkerApp:
         self.runs: dict[str, TrainingRun] = {}  # model_id -> run (training thread only, after creation)
         self.sampling_sessions: dict[str, str] = {}  # sampling_session_id -> weights key
         self.sessions: set[str] = set()
+        self.sessions_made: set[str] = set()  # every session of this process, finished ones too
         self._trainer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-trainer")
         self._tasks: set[asyncio.Task] = set()
         post = lambda path, fn: Route(f"/api/v1/{path}", fn, methods=["POST"])  # noqa: E731
@@ -132,6 +142,7 @@ class TinkerApp:
     async def create_session(self, request: Request) -> Response:
         session_id = f"sess-{uuid.uuid4().hex[:12]}"
         self.sessions.add(session_id)
+        self.sessions_made.add(session_id)
         return JSONResponse({"type": "create_session", "session_id": session_id})
 
     async def finish_session(self, request: Request) -> Response:
@@ -285,6 +296,8 @@ class TinkerApp:
             name = body.path or f"ephemeral-{body.seq_id}"
             path = f"tinker://{run.model_id}/sampler_weights/{name}"
             self.pool.register(path, run.base.name, run.sampler_state())
+            if body.path is not None:  # a named save outlives the process (service/restarts.py)
+                run.save(sampler_file(self.checkpoint_dir, run.model_id, name), with_optimizer=False)
             if body.path is None:  # save_weights_and_get_sampling_client: a session on these weights
                 session = f"samp-{uuid.uuid4().hex[:12]}"
                 self.sampling_sessions[session] = path
@@ -295,9 +308,30 @@ class TinkerApp:
 
     def _run(self, model_id: str) -> TrainingRun:
         run = self.runs.get(model_id)
+        if run is None and model_id.partition(":")[0] not in self.sessions_made:  # made by an earlier process
+            raise UserError(
+                f"unknown model_id {model_id!r}: the service restarted since it was created; "
+                + resume_hint(self.checkpoint_dir, model_id)
+            )
         if run is None:
             raise UserError(f"unknown model_id {model_id!r}: create a training client first (or its session finished)")
         return run
+
+    async def _reload_snapshot(self, key: str) -> None:
+        """Sampler weights saved with a name but not in memory (saved before a restart, or dropped
+        from the pool): read back from disk, merged on the training thread, registered."""
+        if self.pool.holds(key) or (parsed := parse_sampler_path(key)) is None:
+            return
+        file = sampler_file(self.checkpoint_dir, *parsed)
+        if not file.is_file():
+            return  # the pool's own error says what is missing
+
+        def reload() -> None:
+            payload = torch.load(file, weights_only=False)
+            base = self.bases.get(payload["base"])
+            self.pool.register(key, base.name, sampler_weights_of(payload, base))
+
+        await asyncio.wrap_future(self._trainer.submit(reload))
 
     def _read_checkpoint(self, tinker_path: str) -> dict:
         prefix = "tinker://"
@@ -311,7 +345,7 @@ class TinkerApp:
 
     def _train(self, work: Callable[[], dict | Outcome], model_id: str | None) -> Response:
         """Queue `work` on the training thread; answer the SDK with the future of its outcome."""
-        request_id = self.futures.create()
+        request_id = self.futures.create(model_id)
 
         def run() -> None:
             try:
@@ -335,6 +369,7 @@ class TinkerApp:
         key = body.model_path or body.base_model
         if key is None:
             return JSONResponse({"error": "create_sampling_session needs model_path or base_model"}, status_code=400)
+        await self._reload_snapshot(key)
         try:
             self.pool.base_of(key)
         except UserError as exc:
@@ -368,7 +403,7 @@ class TinkerApp:
             return JSONResponse({"error": exc.message}, status_code=429, headers={"Retry-After": "1"})
         except (UserError, ServeError) as exc:
             key, handle = None, getattr(exc, "message", str(exc))
-        request_id = self.futures.create()
+        request_id = self.futures.create(key)
         task = asyncio.create_task(self._finish_sample(request_id, key, handle, body))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -380,6 +415,7 @@ class TinkerApp:
         key = self.sampling_sessions.get(body.sampling_session_id or "") or body.model_path or body.base_model
         if key is None:
             raise UserError(f"unknown sampling session {body.sampling_session_id!r}: create a sampling client first")
+        await self._reload_snapshot(key)
         base = self.pool.base_of(key)
         text = [c for c in body.prompt.chunks if isinstance(c, tt.EncodedTextChunk)]
         check_context(base, sum(len(c.tokens) for c in text), "the prompt")
@@ -418,6 +454,9 @@ class TinkerApp:
         if isinstance(body, Response):
             return body
         if not self.futures.known(body.request_id):
+            earlier, tag = self.futures.earlier(body.request_id)
+            if earlier:  # the SDK raises this as RequestFailedError with the message
+                return JSONResponse({"error": restarted_message(self.checkpoint_dir, tag), "category": "server"})
             return JSONResponse({"error": f"unknown or expired future {body.request_id!r}"}, status_code=404)
         outcome = await self.futures.wait(body.request_id, self.hold_s)
         if outcome is None:

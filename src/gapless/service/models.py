@@ -323,14 +323,14 @@ class TrainingRun:
             return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         return merged_state(self.model, self.adapter)
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path, with_optimizer: bool = True) -> None:
         weights = adapter_state(self.model, self.adapter) if self.spec is not None else self.sampler_state()
         payload = {
             "base": self.base.name,
             "spec": self.spec,
             "weights": weights,
             "steps": self.steps,
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None and with_optimizer else None,
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -354,6 +354,19 @@ class TrainingRun:
             self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
             self.optimizer.load_state_dict(payload["optimizer"])
             self.steps = payload["steps"]
+
+
+def sampler_weights_of(payload: dict, base: BaseModel) -> dict[str, torch.Tensor]:
+    """The full sampling weights of a saved run (`TrainingRun.save`'s payload): its adapter merged
+    into `base` (training thread only: it borrows the base model's shared LoRA copy)."""
+    if payload["spec"] is None:
+        return payload["weights"]
+    run = TrainingRun("restore", base, payload["spec"])
+    try:
+        run.load(payload, with_optimizer=False)
+        return run.sampler_state()
+    finally:
+        run.close()
 
 
 def _shape(spec: LoraSpec | None) -> LoraSpec | None:

@@ -68,6 +68,10 @@ class SamplerPool:
                 self._dropped.add(old)
                 self._scorers.pop(old, None)
 
+    def holds(self, key: str) -> bool:
+        """Whether the snapshot `key` is in memory (a base model's name is not a snapshot)."""
+        return key in self._snapshots
+
     def base_of(self, key: str) -> BaseModel:
         """The base model behind `key` (UserError if the key names nothing served)."""
         if (snapshot := self._snapshots.get(key)) is not None:
