@@ -21,7 +21,9 @@ from tinker import types
 
 from gapless.config import ConfigError, load_config
 from gapless.service.hub_cache import MARKER, check_renderer, export_tokenizer
-from gapless.service.models import BaseModels
+from gapless.lora import LoraSpec
+from gapless.service.models import AdamParams, BaseModels, TrainingRun
+from gapless.service.wire import DatumIn
 from gapless.service.server import ServiceThread, build_service
 
 KEY = "tml-gapless-test"
@@ -125,12 +127,26 @@ def test_stop_reason_exact_on_the_last_allowed_token(service):
 
 def test_builtin_model_gets_the_configured_context(tmp_path):
     policy = tiny_policy()  # saved with 256 positions, as build_tiny makes the embedded model
+    short = torch.tensor([policy.encode("Question 3: name 2 fruits.")])
+    with torch.no_grad():
+        before = policy.model(input_ids=short).logits
     bases = BaseModels({}, builtin=lambda: policy, tokenizer_root=tmp_path)
     base = bases.get("gapless-tiny")
     assert base.context == 4096 and policy.model.config.max_position_embeddings == 4096
     ids = torch.randint(5, 200, (1, 4096))
     with torch.no_grad():  # rotary positions: a 4096-token forward runs on the model built with 256
         assert policy.model(input_ids=ids).logits.shape == (1, 4096, policy.model.config.vocab_size)
+        assert torch.equal(policy.model(input_ids=short).logits, before)  # the head untied: same function
+    head, embed = policy.model.get_output_embeddings().weight, policy.model.get_input_embeddings().weight
+    assert head.data_ptr() != embed.data_ptr()
+    # a LoRA client's train_unembed now adapts the head (a tied head would be frozen with the embedding)
+    run = TrainingRun("m", base, LoraSpec(rank=2, seed=0))
+    tokens = policy.encode("Question 3: name 2 fruits. Answer: apple.")
+    run.forward_backward(
+        [DatumIn(tokens[:-1], {"target_tokens": torch.tensor(tokens[1:])})], "cross_entropy", {}, False
+    )
+    run.optim_step(AdamParams(learning_rate=1e-2))
+    assert not torch.equal(run.sampler_state()["lm_head.weight"], embed)
 
 
 def test_served_names_and_renderers(tmp_path, monkeypatch):

@@ -134,6 +134,7 @@ class BaseModels:
             policy.model.config.max_position_embeddings = max(
                 policy.model.config.max_position_embeddings, self.max_seq_len
             )
+            untie_head(policy.model)
             context = self.max_seq_len
         if entry.tokenizer is not None:
             policy = _with_tokenizer(policy, load_tokenizer(Path(entry.tokenizer)), f"{field}.tokenizer")
@@ -158,6 +159,21 @@ class BaseModels:
             self._builtin_policy = self._builtin()
             return self._builtin_policy
         return copy.deepcopy(self._builtin_policy)
+
+
+def untie_head(model: torch.nn.Module) -> None:
+    """Give a model whose LM head is its embedding matrix a head of its own, equal to it (the
+    function is unchanged). A LoRA client's `train_unembed` then adapts the head: with the tied
+    matrix frozen, the logits' range is bounded by the embeddings' norms, which in a small model
+    (embeddings of tokens it never trained on stay near their initial scale) caps every token's
+    probability at a few percent, and no LoRA on the layers below can teach a confident reply."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    head = model.get_output_embeddings()
+    head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone(), requires_grad=False)
+    model.config.tie_word_embeddings = False
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text.tie_word_embeddings = False
 
 
 def _entry(value: BaseModelEntry | dict | str) -> BaseModelEntry:
