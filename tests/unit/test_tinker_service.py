@@ -37,6 +37,7 @@ def service(tmp_path_factory):
             "service.max_batch": "16",
             "service.max_seq_len": "128",
             "service.poll_hold_s": "5",
+            "service.export_tokenizers": "false",  # the user's Hugging Face cache is not the test's
         },
     )
     server = ServiceThread(build_service(cfg, KEY, log=lambda *a, **k: None))
