@@ -20,11 +20,11 @@ from serve_model import tiny_policy
 from tinker import types
 
 from gapless.config import ConfigError, load_config
-from gapless.service.hub_cache import MARKER, check_renderer, export_tokenizer
 from gapless.lora import LoraSpec
+from gapless.service.hub_cache import MARKER, check_renderer, export_tokenizer
 from gapless.service.models import AdamParams, BaseModels, TrainingRun
-from gapless.service.wire import DatumIn
 from gapless.service.server import ServiceThread, build_service
+from gapless.service.wire import DatumIn
 
 KEY = "tml-gapless-test"
 CONTEXT = 64
