@@ -427,7 +427,9 @@ def test_micro_batching_leaves_loss_and_gradient_unchanged(service):
     ]
     results = []
     for budget in (1 << 20, 16):  # one forward for all; one per datum or two
-        run = TrainingRun("m", BaseModel("tiny", policy, "", context=256), LoraSpec(rank=2, seed=0), micro_batch_tokens=budget)
+        run = TrainingRun(
+            "m", BaseModel("tiny", policy, "", context=256), LoraSpec(rank=2, seed=0), micro_batch_tokens=budget
+        )
         for name, p in run.model.named_parameters():
             if "lora_B" in name:
                 torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(len(name)))
