@@ -216,7 +216,7 @@ def tiny_config(architecture: str, **common):
     return cls(**common, **extra)
 
 
-def _load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
+def load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
     """A plain `tokenizers` file is loaded as is: AutoTokenizer would rebuild it as the model
     family's tokenizer class (e.g. Qwen2's), silently replacing its pre-tokenizer."""
     config_file = path / "tokenizer_config.json"
@@ -248,7 +248,7 @@ def load_local(
         )
     kind = json.loads((path / "config.json").read_text()).get("model_type", "?")
     try:
-        tokenizer = _load_tokenizer(path)
+        tokenizer = load_tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except (ValueError, KeyError, OSError, ImportError) as err:  # transformers' ways of saying "not this"
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -300,7 +300,7 @@ def load_encoder(path: str | Path) -> PromptEncoder:
     saved = path / POLICY_FILE
     record = json.loads(saved.read_text()) if saved.is_file() else {}
     return PromptEncoder(
-        _load_tokenizer(path),
+        load_tokenizer(path),
         record.get("prompt_format", "auto"),
         record.get("system_prompt"),
         source=f"the tokenizer in {path}",

@@ -49,6 +49,7 @@ def math_service(tmp_path_factory, warm_cache):
         "service.max_batch": "32",
         "service.max_seq_len": "128",
         "service.poll_hold_s": "5",
+        "service.export_tokenizers": "false",  # the user's Hugging Face cache is not the test's
     }
     cfg = load_config(CONFIGS / "smoke.toml", overrides)
     server = ServiceThread(build_service(cfg, KEY, log=lambda *a, **k: None))

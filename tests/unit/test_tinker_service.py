@@ -37,6 +37,7 @@ def service(tmp_path_factory):
             "service.max_batch": "16",
             "service.max_seq_len": "128",
             "service.poll_hold_s": "5",
+            "service.export_tokenizers": "false",  # the user's Hugging Face cache is not the test's
         },
     )
     server = ServiceThread(build_service(cfg, KEY, log=lambda *a, **k: None))
@@ -326,7 +327,7 @@ def test_full_fine_tuning_run_learns(service):
 
     _, policy = service
     before = {k: v.clone() for k, v in policy.model.state_dict().items()}
-    run = TrainingRun("full", BaseModel("tiny", policy, ""), spec=None)
+    run = TrainingRun("full", BaseModel("tiny", policy, "", context=256), spec=None)
     tokens = policy.encode("Question 1: name 1 fruits. Answer: apple.")
     datum = DatumIn(tokens[:-1], {"target_tokens": torch.tensor(tokens[1:])})
     losses = []
@@ -365,7 +366,7 @@ def test_sampler_snapshots_are_bounded(service, tmp_path):
     from gapless.service.samplers import SamplerPool
 
     _, policy = service
-    pool = SamplerPool(BaseModels({}, default=lambda: policy, tokenizer_root=tmp_path), max_snapshots=2)
+    pool = SamplerPool(BaseModels({}, builtin=lambda: policy, tokenizer_root=tmp_path), max_snapshots=2)
     state = policy.model.state_dict()
     for name in ("a", "b", "c"):  # an RL loop saving a snapshot per step
         pool.register(f"tinker://run/sampler_weights/{name}", "gapless-tiny", state)
@@ -426,7 +427,9 @@ def test_micro_batching_leaves_loss_and_gradient_unchanged(service):
     ]
     results = []
     for budget in (1 << 20, 16):  # one forward for all; one per datum or two
-        run = TrainingRun("m", BaseModel("tiny", policy, ""), LoraSpec(rank=2, seed=0), micro_batch_tokens=budget)
+        run = TrainingRun(
+            "m", BaseModel("tiny", policy, "", context=256), LoraSpec(rank=2, seed=0), micro_batch_tokens=budget
+        )
         for name, p in run.model.named_parameters():
             if "lora_B" in name:
                 torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(len(name)))

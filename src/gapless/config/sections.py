@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gapless.config.host import usable_cores
 
@@ -719,11 +719,44 @@ class MetricsConfig(_Section):
     `wandb sync`); 'online' streams to the W&B server and needs a login."""
 
 
+class BaseModelEntry(_Section):
+    path: str | None = None
+    """Local Hugging Face checkpoint directory of this base model; None (the default): the embedded
+    tiny model, built and warm-started as `gapless train` does from [model], [task], [warmstart]."""
+    renderer: str | None = None
+    """The tinker-cookbook renderer family this model's chat format follows (e.g. "qwen3",
+    "qwen3_instruct", "role_colon"); checked at start to render and parse a conversation with
+    the model's tokenizer when tinker-cookbook is installed. None: the cookbook's recommendation for
+    the served name (a name it does not know: no check)."""
+    tokenizer: str | None = None
+    """Directory of the tokenizer to serve with this model instead of the checkpoint's own (its
+    vocabulary must fit the model's). None: the checkpoint's tokenizer (or the embedded one)."""
+
+
 class ServiceConfig(_Section):
-    base_models: dict[str, str] = {}
-    """`gapless serve-training`: base models by the name the SDK sends, each a local Hugging Face
-    checkpoint directory (e.g. {"my-model" = "checkpoints/base"}). Empty: the embedded tiny model,
-    built and warm-started as `gapless train` does, under the name "gapless-tiny"."""
+    base_models: dict[str, BaseModelEntry] = {}
+    """`gapless serve-training`: base models by the name the SDK sends (HF-style `org/model`
+    names allowed, which is what cookbook recipes pass and look renderers up by), each a
+    checkpoint directory or a table: {"my-model" = "checkpoints/base"} or
+    {"Qwen/Qwen3-8B" = {renderer = "qwen3"}}. A table's keys: `path` (the checkpoint directory;
+    none: the embedded tiny model under that name), `renderer` (the tinker-cookbook renderer
+    family, checked against the tokenizer at start; default: the cookbook's choice for the name),
+    `tokenizer` (a tokenizer directory replacing the checkpoint's). Empty: the embedded tiny model
+    under the name "gapless-tiny"."""
+
+    @field_validator("base_models", mode="before")
+    @classmethod
+    def _directory_shorthand(cls, value):
+        """`NAME = "DIR"` is `NAME = {path = "DIR"}`."""
+        if isinstance(value, dict):
+            return {k: {"path": v} if isinstance(v, str) else v for k, v in value.items()}
+        return value
+
+    export_tokenizers: bool = True
+    """Write each base model's tokenizer into the local Hugging Face cache (HF_HUB_CACHE) under its
+    served name at start, so `AutoTokenizer.from_pretrained(NAME)` (the cookbook's
+    `get_tokenizer`) works offline with nothing seeded by hand. A name the cache already holds
+    from elsewhere (a real download) is left untouched. Off: the cache is never written."""
     checkpoint_dir: str = "runs/service"
     """Where `save_state` checkpoints are written (one torch file per checkpoint, by model id)."""
     max_batch: int = Field(64, ge=1, le=1024)
@@ -737,8 +770,10 @@ class ServiceConfig(_Section):
     max_snapshots: int = Field(16, ge=1)
     """Sampler weight snapshots (`save_weights_for_sampler`) kept in memory, a full model each;
     older ones are dropped (an RL loop saves one per step). Raise it to sample old snapshots."""
-    max_seq_len: int = Field(1024, ge=16)
-    """Sampling context (prompt + completion) in tokens, at most the model's own."""
+    max_seq_len: int = Field(4096, ge=16)
+    """Context of every base model in tokens (a datum, or a sample's prompt plus max_tokens): at
+    most a checkpoint's own; the embedded tiny model (rotary positions, no learned table) gets
+    this whole length. Reported as max_context_length by get_server_capabilities."""
     poll_hold_s: float = Field(20.0, gt=0, le=40)
     """How long one `retrieve_future` poll waits for a result before answering "try again"
     (below the SDK's 45 s poll timeout)."""

@@ -390,6 +390,8 @@ class Scheduler:
         else:
             text_ids = tokens[:-1] if finish == "stop" and not live.text.stopped else tokens
             text, stopped = live.text.add(text_ids)
+            if finish == "length" and live.text.stopped:  # the last allowed token completed a stop string
+                finish = "stop"
             if finish is not None or stopped:
                 text += live.text.rest()
         self.stats.tokens += len(tokens[new])

@@ -54,9 +54,18 @@ from gapless.service import logprobs
 from gapless.service.checkpoints import CheckpointPath, CheckpointStore, check_ttl
 from gapless.service.futures import FutureStore, Outcome
 from gapless.service.logprobs import LogprobOptions
-from gapless.service.models import AdamParams, BaseModels, TrainingRun, UserError, checkpoint_file
+from gapless.service.models import (
+    AdamParams,
+    BaseModels,
+    TrainingRun,
+    UserError,
+    check_context,
+    checkpoint_file,
+    sampler_weights_of,
+)
 from gapless.service.params import scheduler_request
 from gapless.service.rest import DOWNLOAD_PREFIX, CheckpointRoutes
+from gapless.service.restarts import parse_sampler_path, restarted_message, resume_hint, sampler_file
 from gapless.service.samplers import SamplerPool
 from gapless.service.wire import SequenceOut, WireError, decode_forward_backward, encode_forward_backward, encode_sample
 
@@ -81,12 +90,13 @@ class TinkerApp:
         self.bases, self.pool, self.api_key, self.micro_batch_tokens = bases, pool, api_key, micro_batch_tokens
         self.checkpoint_dir, self.hold_s, self.default_max_tokens = Path(checkpoint_dir), hold_s, default_max_tokens
         self.futures = FutureStore(ttl_s)
-        self.store = CheckpointStore(self.checkpoint_dir, sampler_alive=pool.holds, sampler_drop=pool.drop)
+        self.store = CheckpointStore(self.checkpoint_dir, sampler_drop=pool.drop)
         self.store.start_sweeping()
         self.openai = openai  # an OpenAIApp over a base model's scheduler, served under /v1 (its own bearer check)
         self.runs: dict[str, TrainingRun] = {}  # model_id -> run (training thread only, after creation)
         self.sampling_sessions: dict[str, str] = {}  # sampling_session_id -> weights key
         self.sessions: set[str] = set()
+        self.sessions_made: set[str] = set()  # every session of this process, finished ones too
         self._trainer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-trainer")
         self._tasks: set[asyncio.Task] = set()
         post = lambda path, fn: Route(f"/api/v1/{path}", fn, methods=["POST"])  # noqa: E731
@@ -147,6 +157,7 @@ class TinkerApp:
     async def create_session(self, request: Request) -> Response:
         session_id = f"sess-{uuid.uuid4().hex[:12]}"
         self.sessions.add(session_id)
+        self.sessions_made.add(session_id)
         return JSONResponse({"type": "create_session", "session_id": session_id})
 
     async def finish_session(self, request: Request) -> Response:
@@ -163,7 +174,12 @@ class TinkerApp:
 
     async def capabilities(self, request: Request) -> Response:
         models = [
-            {"model_name": name, "max_context_length": self.pool.max_seq_len, "trainable": True, "sampleable": True}
+            {
+                "model_name": name,
+                "max_context_length": self.bases.get(name).context,
+                "trainable": True,
+                "sampleable": True,
+            }
             for name in self.bases.names
         ]
         return JSONResponse({"supported_models": models})
@@ -301,7 +317,8 @@ class TinkerApp:
             name = body.path or f"ephemeral-{body.seq_id}"
             path = f"tinker://{run.model_id}/sampler_weights/{name}"
             self.pool.register(path, run.base.name, run.sampler_state())
-            if body.path is not None:  # named: a listed checkpoint (ephemeral saves are not)
+            if body.path is not None:  # named: on disk (it outlives the process, restarts.py) and listed
+                run.save(sampler_file(self.checkpoint_dir, run.model_id, name), with_optimizer=False)
                 self.store.add(CheckpointPath.parse(path), body.ttl_seconds, body.user_metadata)
             if body.path is None:  # save_weights_and_get_sampling_client: a session on these weights
                 session = f"samp-{uuid.uuid4().hex[:12]}"
@@ -313,9 +330,30 @@ class TinkerApp:
 
     def _run(self, model_id: str) -> TrainingRun:
         run = self.runs.get(model_id)
+        if run is None and model_id.partition(":")[0] not in self.sessions_made:  # made by an earlier process
+            raise UserError(
+                f"unknown model_id {model_id!r}: the service restarted since it was created; "
+                + resume_hint(self.checkpoint_dir, model_id)
+            )
         if run is None:
             raise UserError(f"unknown model_id {model_id!r}: create a training client first (or its session finished)")
         return run
+
+    async def _reload_snapshot(self, key: str) -> None:
+        """Sampler weights saved with a name but not in memory (saved before a restart, or dropped
+        from the pool): read back from disk, merged on the training thread, registered."""
+        if self.pool.holds(key) or (parsed := parse_sampler_path(key)) is None:
+            return
+        file = sampler_file(self.checkpoint_dir, *parsed)
+        if not file.is_file():
+            return  # the pool's own error says what is missing
+
+        def reload() -> None:
+            payload = torch.load(file, weights_only=False)
+            base = self.bases.get(payload["base"])
+            self.pool.register(key, base.name, sampler_weights_of(payload, base))
+
+        await asyncio.wrap_future(self._trainer.submit(reload))
 
     def _read_checkpoint(self, tinker_path: str) -> dict:
         prefix = "tinker://"
@@ -330,7 +368,7 @@ class TinkerApp:
 
     def _train(self, work: Callable[[], dict | Outcome], model_id: str | None) -> Response:
         """Queue `work` on the training thread; answer the SDK with the future of its outcome."""
-        request_id = self.futures.create()
+        request_id = self.futures.create(model_id)
         if model_id is not None:
             self.store.touch(model_id)
 
@@ -357,6 +395,7 @@ class TinkerApp:
         if key is None:
             return JSONResponse({"error": "create_sampling_session needs model_path or base_model"}, status_code=400)
         self.store.sweep_samplers()  # expired sampler weights are gone
+        await self._reload_snapshot(key)
         try:
             self.pool.base_of(key)
         except UserError as exc:
@@ -390,7 +429,7 @@ class TinkerApp:
             return JSONResponse({"error": exc.message}, status_code=429, headers={"Retry-After": "1"})
         except (UserError, ServeError) as exc:
             key, handle, options = None, getattr(exc, "message", str(exc)), None
-        request_id = self.futures.create()
+        request_id = self.futures.create(key)
         task = asyncio.create_task(self._finish_sample(request_id, key, handle, options))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -403,8 +442,12 @@ class TinkerApp:
         if key is None:
             raise UserError(f"unknown sampling session {body.sampling_session_id!r}: create a sampling client first")
         self.store.sweep_samplers()
+        await self._reload_snapshot(key)
         base = self.pool.base_of(key)
-        request = scheduler_request(body, base.vocab_size, self.pool.context_of(key), self.default_max_tokens)
+        text = [c for c in body.prompt.chunks if isinstance(c, tt.EncodedTextChunk)]
+        check_context(base, sum(len(c.tokens) for c in text), "the prompt")
+        request = scheduler_request(body, base.vocab_size, base.context, self.default_max_tokens)
+        check_context(base, len(request.prompt_ids) + request.params.max_new_tokens, "the prompt plus max_tokens")
         options = logprobs.requested(body, list(request.prompt_ids), base.vocab_size, request.params.seed)
         # off the loop: the first request on new weights builds an engine (or swaps one's weights)
         return key, await asyncio.to_thread(self.pool.submit, key, request), options
@@ -439,6 +482,9 @@ class TinkerApp:
         if isinstance(body, Response):
             return body
         if not self.futures.known(body.request_id):
+            earlier, tag = self.futures.earlier(body.request_id)
+            if earlier:  # the SDK raises this as RequestFailedError with the message
+                return JSONResponse({"error": restarted_message(self.checkpoint_dir, tag), "category": "server"})
             return JSONResponse({"error": f"unknown or expired future {body.request_id!r}"}, status_code=404)
         outcome = await self.futures.wait(body.request_id, self.hold_s)
         if outcome is None:

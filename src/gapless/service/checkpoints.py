@@ -10,11 +10,13 @@ Layout under `root` (service.checkpoint_dir), one directory per run (names made 
 
     RUN/run.json                          base model, LoRA shape, user metadata, creation time
     RUN/NAME.pt                           a training checkpoint (save_state; models.checkpoint_file)
+    RUN/sampler_weights/NAME.pt           named sampler weights (restarts.sampler_file)
     RUN/external_weights/NAME/...         an export (save_weights_external): a peft adapter or HF model
     RUN/meta/KIND/NAME.json               the checkpoint's record: time, size, expiry, metadata
 
-Sampler weights live in the sampler pool's memory (samplers.py); their records live here in memory
-too, and are listed while the pool still holds the weights.
+Unnamed sampler weights (`save_weights_and_get_sampling_client`) live in the sampler pool's memory
+only and are not listed; named ones are files, listed like the rest, and deleting one also drops
+it from the pool.
 Guaranteed: a checkpoint past its `expires_at` is deleted (files and record) by the next sweep
 (`start_sweeping`: once a minute), and every listing, lookup and load sweeps first (every sample
 call sweeps the sampler records), so an expired checkpoint is never listed, loaded or sampled;
@@ -39,6 +41,7 @@ from tinker import types as tt
 
 from gapless.lora import LoraSpec
 from gapless.service.models import UserError, checkpoint_file, safe_name
+from gapless.service.restarts import sampler_file
 
 log = logging.getLogger("gapless.serve.tinker")
 KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
@@ -75,13 +78,15 @@ class CheckpointStore:
         self,
         root: str | Path,
         *,
-        sampler_alive: Callable[[str], bool] = lambda path: True,
         sampler_drop: Callable[[str], None] = lambda path: None,
         clock: Callable[[], float] = time.time,
     ):
         self.root, self.clock = Path(root), clock
-        self._sampler_alive, self._sampler_drop = sampler_alive, sampler_drop
-        self._samplers: dict[str, dict] = {}  # tinker path -> record (weights in the pool's memory)
+        self._sampler_drop = sampler_drop  # forget deleted sampler weights held in memory
+        # expiry times of sampler weights, so that every sample call can sweep them without reading files
+        self._sampler_expiry: dict[str, float] = {}
+        for meta in self.root.glob("*/meta/sampler_weights/*.json"):
+            self._index(json.loads(meta.read_text()))
         self._last_request: dict[str, float] = {}
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -181,13 +186,24 @@ class CheckpointStore:
     def external_dir(self, path: CheckpointPath) -> Path:
         return self.run_dir(path.run_id) / "external_weights" / safe_name(path.name)
 
+    def _index(self, record: dict) -> None:
+        if CheckpointPath.parse(record["tinker_path"]).kind != "sampler":
+            return
+        if record["expires"] is None:
+            self._sampler_expiry.pop(record["tinker_path"], None)
+        else:
+            self._sampler_expiry[record["tinker_path"]] = record["expires"]
+
+    def sampler_file(self, path: CheckpointPath) -> Path:
+        return sampler_file(self.root, path.run_id, path.name)
+
     def _meta(self, path: CheckpointPath) -> Path:
         return self.run_dir(path.run_id) / "meta" / path.segment / f"{safe_name(path.name)}.json"
 
     def add(
         self, path: CheckpointPath, ttl_s: int | None = None, user_metadata: dict | None = None, size_bytes=None
     ) -> None:
-        """Record a checkpoint whose files (or, for sampler weights, pool entry) exist now."""
+        """Record a checkpoint whose files exist now."""
         check_ttl(ttl_s)
         now = self.clock()
         record = {
@@ -199,23 +215,16 @@ class CheckpointStore:
             "public": False,
         }
         with self._lock:
-            if path.kind == "sampler":
-                self._samplers[path.tinker_path] = record
-            else:
-                _write_json(self._meta(path), record)
+            _write_json(self._meta(path), record)
+            self._index(record)
 
     def _size(self, path: CheckpointPath) -> int | None:
-        if path.kind == "training":
-            file = self.training_file(path)
-            return file.stat().st_size if file.is_file() else None
         if path.kind == "external":
             return sum(f.stat().st_size for f in self.external_dir(path).rglob("*") if f.is_file())
-        return None
+        file = self.training_file(path) if path.kind == "training" else self.sampler_file(path)
+        return file.stat().st_size if file.is_file() else None
 
     def _record(self, path: CheckpointPath) -> dict | None:
-        if path.kind == "sampler":
-            record = self._samplers.get(path.tinker_path)
-            return record if record is not None and self._sampler_alive(path.tinker_path) else None
         meta = self._meta(path)
         return json.loads(meta.read_text()) if meta.is_file() else None
 
@@ -234,26 +243,20 @@ class CheckpointStore:
     def _checkpoints(self, run_id: str | None) -> list[tt.Checkpoint]:
         pattern = f"{safe_name(run_id)}/meta/*/*.json" if run_id is not None else "*/meta/*/*.json"
         records = [json.loads(f.read_text()) for f in self.root.glob(pattern)]
-        records += [
-            r
-            for p, r in self._samplers.items()
-            if self._sampler_alive(p) and (run_id is None or CheckpointPath.parse(p).run_id == run_id)
-        ]
         return sorted((_checkpoint(r) for r in records), key=lambda c: c.time, reverse=True)
 
     def delete(self, path: CheckpointPath) -> bool:
         """Remove the checkpoint's files and record; False if there was none."""
         with self._lock:
-            if path.kind == "sampler":
-                found = self._samplers.pop(path.tinker_path, None) is not None
-                self._sampler_drop(path.tinker_path)
-                return found
             found = self._meta(path).is_file()
             self._meta(path).unlink(missing_ok=True)
-            if path.kind == "training":
-                file = self.training_file(path)
+            if path.kind in ("training", "sampler"):
+                file = self.training_file(path) if path.kind == "training" else self.sampler_file(path)
                 found |= file.is_file()
                 file.unlink(missing_ok=True)
+                if path.kind == "sampler":
+                    self._sampler_expiry.pop(path.tinker_path, None)
+                    self._sampler_drop(path.tinker_path)
             else:
                 found |= self.external_dir(path).is_dir()
                 shutil.rmtree(self.external_dir(path), ignore_errors=True)
@@ -267,8 +270,8 @@ class CheckpointStore:
                 raise UserError(f"no checkpoint at {path.tinker_path!r}")
             check_ttl(ttl_s)
             record["expires"] = self.clock() + ttl_s if ttl_s is not None else None
-            if path.kind != "sampler":
-                _write_json(self._meta(path), record)
+            _write_json(self._meta(path), record)
+            self._index(record)
 
     def set_public(self, path: CheckpointPath, public: bool) -> bool:
         """Mark the checkpoint public or private; False if it already was."""
@@ -279,17 +282,14 @@ class CheckpointStore:
             if record.get("public", False) == public:
                 return False
             record["public"] = public
-            if path.kind != "sampler":
-                _write_json(self._meta(path), record)
+            _write_json(self._meta(path), record)
             return True
 
     def sweep_samplers(self) -> None:
-        """Drop expired sampler weights only: no file to read, cheap enough for every sample call."""
+        """Delete expired sampler weights only: from an index in memory, cheap enough for every sample call."""
         now = self.clock()
         with self._lock:
-            for tinker_path in [
-                p for p, r in self._samplers.items() if r["expires"] is not None and r["expires"] <= now
-            ]:
+            for tinker_path in [p for p, expires in self._sampler_expiry.items() if expires <= now]:
                 self.delete(CheckpointPath.parse(tinker_path))
 
     def sweep(self) -> list[str]:
@@ -297,7 +297,6 @@ class CheckpointStore:
         now = self.clock()
         with self._lock:
             records = [json.loads(f.read_text()) for f in self.root.glob("*/meta/*/*.json")]
-            records += list(self._samplers.values())
             expired = [r["tinker_path"] for r in records if r["expires"] is not None and r["expires"] <= now]
             for tinker_path in expired:
                 self.delete(CheckpointPath.parse(tinker_path))

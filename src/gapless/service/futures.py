@@ -10,16 +10,20 @@ hops onto the loop with `call_soon_threadsafe`). The SDK re-polls at once after 
 Guaranteed: an outcome can be fetched again until `ttl_s` after it was resolved (the SDK retries a
 poll whose reply it lost); unresolved futures are kept as long as their work runs; a future
 nobody polls any more is swept after `ttl_s`, so abandoned results do not pile up.
-Not guaranteed: a result fetched after its TTL (the SDK then sees 404 and raises).
+Not guaranteed: a result fetched after its TTL (the SDK then sees 404 and raises), or any result
+of a process that died: a later process only recognises its ids as another process's (`earlier`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import time
 import uuid
 from dataclasses import dataclass
+
+_REQUEST_ID = re.compile(r"req-(?P<prefix>[0-9a-f]{8})-\d+(~(?P<tag>.+))?", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -50,12 +54,22 @@ class FutureStore:
     def __len__(self) -> int:
         return len(self._events)
 
-    def create(self) -> str:
+    def create(self, tag: str | None = None) -> str:
+        """A new future's id: this process's prefix, a number, and `tag` (what the call worked on,
+        e.g. a model id), which a later process reads back with `earlier` if this one dies."""
         self._loop = asyncio.get_running_loop()
         self._sweep()
-        request_id = f"req-{self._prefix}-{next(self._ids)}"
+        request_id = f"req-{self._prefix}-{next(self._ids)}" + (f"~{tag}" if tag else "")
         self._events[request_id] = asyncio.Event()
         return request_id
+
+    def earlier(self, request_id: str) -> tuple[bool, str | None]:
+        """(whether `request_id` was made by another process of the service, its tag): a future
+        lost to a restart, as opposed to one this process never made or has expired."""
+        match = _REQUEST_ID.fullmatch(request_id)
+        if match is None or match["prefix"] == self._prefix:
+            return False, None
+        return True, match["tag"]
 
     def resolve(self, request_id: str, outcome: Outcome) -> None:
         """Any thread: record the outcome and wake whoever polls it."""

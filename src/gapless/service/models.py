@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gapless.config import ConfigError
+from gapless.config.sections import BaseModelEntry
 from gapless.generate.families import require_engine
 from gapless.lora import (
     LoraSpec,
@@ -43,7 +45,8 @@ from gapless.lora import (
     merged_state,
     remove_lora,
 )
-from gapless.models import Policy, load_local, save_tokenizer
+from gapless.models import Policy, load_local, load_tokenizer, save_tokenizer
+from gapless.service.hub_cache import check_renderer, export_tokenizer, recommended_renderer
 from gapless.service.losses import LossInputError, loss_fn
 from gapless.service.wire import DatumIn
 from gapless.trainer.selected_logprobs import selected_logprobs
@@ -58,6 +61,8 @@ class BaseModel:
     name: str
     policy: Policy
     tokenizer_dir: str  # the tokenizer alone, saved by the service: the SDK's tokenizer_id
+    context: int  # tokens of a datum, or of a sample's prompt plus max_tokens (check_context)
+    renderer: str | None = None  # the tinker-cookbook renderer family of its chat format
     adapted: torch.nn.Module | None = None  # one peft model holding every LoRA run's adapter on this base
     adapters_made: int = 0
 
@@ -66,44 +71,126 @@ class BaseModel:
         return int(self.policy.model.config.vocab_size)
 
 
+def check_context(base: BaseModel, tokens: int, what: str) -> None:
+    """The one context rule of the service: forward, forward_backward and sample all refuse a
+    sequence longer than the base model's context with this message (and capabilities report it)."""
+    if tokens > base.context:
+        raise UserError(
+            f"{what} has {tokens} tokens, more than the {base.context}-token context of {base.name!r} "
+            "(max_context_length in get_server_capabilities): shorten it"
+        )
+
+
 class BaseModels:
-    """The configured base models: `{name: directory}`; `default` builds one on first use (gapless-tiny).
+    """The configured base models (`[service] base_models`: name -> entry); an entry without a
+    path is the embedded tiny model (`builtin` builds it on first use), and no entry at all serves
+    it as "gapless-tiny".
 
     Each base model's tokenizer is also saved alone under `tokenizer_root/NAME`, and that directory
     is what get_info reports as `tokenizer_id`: `AutoTokenizer.from_pretrained` (the SDK's
     `get_tokenizer()`, the cookbook's) on a full checkpoint would rebuild a plain `tokenizers`
     tokenizer as the model family's class and tokenize differently; on the tokenizer alone it
-    loads exactly the tokenizer the service uses."""
+    loads exactly the tokenizer the service uses. With `export_tokenizers` it is also written into
+    the Hugging Face cache under the served name (service/hub_cache.py)."""
 
     def __init__(
-        self, directories: dict[str, str], default=None, tokenizer_root: str | Path = "runs/service/tokenizers"
+        self,
+        entries: dict[str, BaseModelEntry | dict | str],
+        builtin=None,
+        tokenizer_root: str | Path = "runs/service/tokenizers",
+        max_seq_len: int = 4096,
+        export_tokenizers: bool = False,
+        log=print,
     ):
-        self._directories, self._default = dict(directories), default
-        self._tokenizer_root = Path(tokenizer_root)
+        self._entries = {k: _entry(v) for k, v in entries.items()}
+        if not self._entries and builtin is not None:
+            self._entries = {"gapless-tiny": BaseModelEntry()}
+        self._builtin, self._builtin_policy = builtin, None
+        self._tokenizer_root, self.max_seq_len = Path(tokenizer_root), max_seq_len
+        self._export, self._log = export_tokenizers, log
         self._loaded: dict[str, BaseModel] = {}
 
     @property
     def names(self) -> list[str]:
-        return list(self._directories) or (["gapless-tiny"] if self._default else [])
+        return list(self._entries)
 
     def get(self, name: str) -> BaseModel:
         if name in self._loaded:
             return self._loaded[name]
-        if name in self._directories:
-            policy = load_local(self._directories[name])
-            require_engine(policy.model)
-        elif name == "gapless-tiny" and self._default is not None and not self._directories:
-            policy = self._default()
-        else:
+        entry = self._entries.get(name)
+        if entry is None or (entry.path is None and self._builtin is None):
             raise UserError(
                 f"unknown base model {name!r}; this service serves {', '.join(self.names) or 'nothing'} "
                 '(name more in the service config: [service] base_models = {NAME = "DIR"})'
             )
+        field = f"service.base_models.{name!r}"
+        if entry.path is not None:
+            policy = load_local(entry.path)
+            require_engine(policy.model)
+            context = min(self.max_seq_len, policy.model.config.max_position_embeddings)
+        else:
+            policy = self._builtin_copy()
+            # rotary positions, no learned table: the config's bound is all that limits the context
+            policy.model.config.max_position_embeddings = max(
+                policy.model.config.max_position_embeddings, self.max_seq_len
+            )
+            untie_head(policy.model)
+            context = self.max_seq_len
+        if entry.tokenizer is not None:
+            policy = _with_tokenizer(policy, load_tokenizer(Path(entry.tokenizer)), f"{field}.tokenizer")
+        renderer = entry.renderer or recommended_renderer(name)
+        if renderer is not None and (why := check_renderer(renderer, policy.tokenizer)) is not None:
+            raise ConfigError(
+                f"{field}.renderer: the cookbook renderer {renderer!r} does not work with this model's tokenizer "
+                f"({why}); name the renderer its chat format follows"
+            )
         tokenizer_dir = (self._tokenizer_root / _SAFE.sub("_", name)).resolve()
         save_tokenizer(policy.tokenizer, tokenizer_dir)
+        if self._export and (skipped := export_tokenizer(name, tokenizer_dir)) is not None:
+            self._log(f"tokenizer of {name!r} not exported to the Hugging Face cache: {skipped}")
         policy.model.requires_grad_(False)
-        model = self._loaded[name] = BaseModel(name, policy, str(tokenizer_dir))
+        model = self._loaded[name] = BaseModel(name, policy, str(tokenizer_dir), context, renderer)
         return model
+
+    def _builtin_copy(self) -> Policy:
+        """The embedded model, built once; a second name serving it gets its own copy (LoRA
+        adapters attach to a base model's module, which two names must not share)."""
+        if self._builtin_policy is None:
+            self._builtin_policy = self._builtin()
+            return self._builtin_policy
+        return copy.deepcopy(self._builtin_policy)
+
+
+def untie_head(model: torch.nn.Module) -> None:
+    """Give a model whose LM head is its embedding matrix a head of its own, equal to it (the
+    function is unchanged). A LoRA client's `train_unembed` then adapts the head: with the tied
+    matrix frozen, the logits' range is bounded by the embeddings' norms, which in a small model
+    (embeddings of tokens it never trained on stay near their initial scale) caps every token's
+    probability at a few percent, and no LoRA on the layers below can teach a confident reply."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    head = model.get_output_embeddings()
+    head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone(), requires_grad=False)
+    model.config.tie_word_embeddings = False
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text.tie_word_embeddings = False
+
+
+def _entry(value: BaseModelEntry | dict | str) -> BaseModelEntry:
+    if isinstance(value, BaseModelEntry):
+        return value
+    return BaseModelEntry(path=value) if isinstance(value, str) else BaseModelEntry.model_validate(value)
+
+
+def _with_tokenizer(policy: Policy, tokenizer, field: str) -> Policy:
+    if len(tokenizer) > policy.model.config.vocab_size:
+        raise ConfigError(
+            f"{field}: the tokenizer has {len(tokenizer)} tokens, more than the model's vocabulary "
+            f"({policy.model.config.vocab_size}); give the tokenizer this model was trained with"
+        )
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else policy.eos_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    return Policy(policy.model, tokenizer, eos, pad)
 
 
 @dataclass(frozen=True)
@@ -201,6 +288,7 @@ class TrainingRun:
         vocab = self.base.vocab_size
         if not d.tokens:
             raise UserError(f"datum {i}: model_input is empty")
+        check_context(self.base, len(d.tokens), f"datum {i}")
         if "target_tokens" not in d.inputs:
             raise UserError(f"datum {i}: loss_fn_inputs has no 'target_tokens'")
         target = d.inputs["target_tokens"].long()
@@ -251,14 +339,14 @@ class TrainingRun:
             return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         return merged_state(self.model, self.adapter)
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path, with_optimizer: bool = True) -> None:
         weights = adapter_state(self.model, self.adapter) if self.spec is not None else self.sampler_state()
         payload = {
             "base": self.base.name,
             "spec": self.spec,
             "weights": weights,
             "steps": self.steps,
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None and with_optimizer else None,
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -282,6 +370,19 @@ class TrainingRun:
             self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
             self.optimizer.load_state_dict(payload["optimizer"])
             self.steps = payload["steps"]
+
+
+def sampler_weights_of(payload: dict, base: BaseModel) -> dict[str, torch.Tensor]:
+    """The full sampling weights of a saved run (`TrainingRun.save`'s payload): its adapter merged
+    into `base` (training thread only: it borrows the base model's shared LoRA copy)."""
+    if payload["spec"] is None:
+        return payload["weights"]
+    run = TrainingRun("restore", base, payload["spec"])
+    try:
+        run.load(payload, with_optimizer=False)
+        return run.sampler_state()
+    finally:
+        run.close()
 
 
 def _shape(spec: LoraSpec | None) -> LoraSpec | None:

@@ -43,12 +43,11 @@ class SamplerPool:
         *,
         max_engines: int = 4,
         max_batch: int = 64,
-        max_seq_len: int = 1024,
         max_samples: int = 1024,
         max_snapshots: int = 16,
     ):
         self.bases, self.max_engines, self.max_snapshots = bases, max_engines, max_snapshots
-        self.max_batch, self.max_seq_len, self.max_samples = max_batch, max_seq_len, max_samples
+        self.max_batch, self.max_samples = max_batch, max_samples
         self._snapshots: OrderedDict[str, tuple[str, dict[str, torch.Tensor]]] = (
             OrderedDict()
         )  # path -> (base, weights)
@@ -135,9 +134,12 @@ class SamplerPool:
                     old.update_weights(state, self._versions)  # applied before any later submit
                     self._engines[key] = old
                     return old
-        context = min(self.max_seq_len, base.policy.model.config.max_position_embeddings)
         engine = TorchEngine(
-            base.policy.model, base.policy.eos_id, base.policy.decode, max_batch=self.max_batch, max_seq_len=context
+            base.policy.model,
+            base.policy.eos_id,
+            base.policy.decode,
+            max_batch=self.max_batch,
+            max_seq_len=base.context,
         )
         if key in self._snapshots:
             engine.update_weights(state, self._versions)
@@ -147,10 +149,6 @@ class SamplerPool:
         self._bases_of[id(scheduler)] = base.name
         self._engines[key] = scheduler
         return scheduler
-
-    def context_of(self, key: str) -> int:
-        base = self.base_of(key)
-        return min(self.max_seq_len, base.policy.model.config.max_position_embeddings)
 
     def scorer(self, key: str) -> Scorer:
         base = self.base_of(key)

@@ -50,15 +50,16 @@ def default_model(cfg: Config, log=print) -> Policy:
 def build_service(cfg: Config, api_key: str, log=print) -> TinkerApp:
     s = cfg.service
     bases = BaseModels(
-        s.base_models, default=lambda: default_model(cfg, log), tokenizer_root=Path(s.checkpoint_dir) / "tokenizers"
-    )
-    pool = SamplerPool(
-        bases,
-        max_engines=s.max_engines,
-        max_batch=s.max_batch,
+        s.base_models,
+        builtin=lambda: default_model(cfg, log),
+        tokenizer_root=Path(s.checkpoint_dir) / "tokenizers",
         max_seq_len=s.max_seq_len,
-        max_snapshots=s.max_snapshots,
+        export_tokenizers=s.export_tokenizers,
+        log=log,
     )
+    pool = SamplerPool(bases, max_engines=s.max_engines, max_batch=s.max_batch, max_snapshots=s.max_snapshots)
+    for name in bases.names:  # every base model loaded (and its tokenizer exported) before any request
+        bases.get(name)
     name = bases.names[0]  # the OpenAI routes serve the first base model, on its sampling scheduler
     base = bases.get(name)
     first = OpenAIApp(
@@ -94,8 +95,6 @@ def serve(cfg: Config, sock: socket.socket, api_key: str, threads: int | None = 
     torch.set_num_threads(threads or max(1, usable_cores() - 1))
     app = build_service(cfg, api_key, log)
     names = ", ".join(app.bases.names)
-    for name in app.bases.names[1:]:  # load every base model before taking requests (the first is loaded)
-        app.bases.get(name)
     host, port = sock.getsockname()[:2]
     log(f"serving the Tinker API for {names} at http://{host}:{port} (set TINKER_BASE_URL to it)", flush=True)
     log(f"and the OpenAI API for {app.bases.names[0]} at http://{host}:{port}/v1 (bearer: the same key)", flush=True)
