@@ -1,7 +1,9 @@
 """Stateful sandbox sessions for multi-turn tool use: files and a live process across calls.
 
 A session leases one slot (its own uid and cgroup) and starts a server in it whose mount
-namespace holds a tmpfs at /work/session (size and inode caps from the limits). Its live process
+namespace holds a tmpfs at /work/session (size and inode caps from the limits), or, opened with
+a `SessionBase`, a copy-on-write view of a shared tree there, its writes capped the same way
+(cow.py). Its live process
 is a job like any other (boot.py: fresh pid, mount and IPC namespaces, no capabilities, rlimits)
 running repl.py with cwd /work/session. Calls exchange framed messages with it (repl.py).
 
@@ -33,6 +35,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from gapless.sandbox.cow import SessionBase
 from gapless.sandbox.frames import ReplyReader
 from gapless.sandbox.job import Job
 from gapless.sandbox.limits import MIB, SandboxLimits
@@ -73,14 +76,15 @@ class SnapshotFailed(Exception):
 
 
 class SandboxSession:
-    def __init__(self, pool: SlotPool, limits: SandboxLimits, idle_timeout_s: float) -> None:
+    def __init__(self, pool: SlotPool, limits: SandboxLimits, idle_timeout_s: float,
+                 base: SessionBase | None = None) -> None:  # fmt: skip
         self.limits = limits
         self.idle_timeout_s = idle_timeout_s
         self._pool = pool
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
         self._pipes: JobPipes | None = None
-        self._slot: Slot | None = pool.lease(limits)
+        self._slot: Slot | None = pool.lease(limits, base)
         self._live_limits = replace(limits, cpu_s=LIVE_PROCESS_CPU_S)
         self._status = CappedSink(1 << 16)  # the live process's status pipe
         self._blob_cap_bytes = 2 * limits.tmp_size_mb * MIB + MIB  # a snapshot: files + namespace

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from gapless.sandbox import launch, procs
 from gapless.sandbox.cgroups import CgroupCounters, SlotCgroup
+from gapless.sandbox.cow import SessionBase
 from gapless.sandbox.job import Job
 from gapless.sandbox.limits import MIB, SandboxLimits
 from gapless.sandbox.result import Observation
@@ -86,14 +87,15 @@ class JobPipes:
 
 class SlotWorker:
     def __init__(self, *, uid: int | None, cgroup: SlotCgroup | None, python: str,
-                 bwrap: str | None, warm: bool, session_limits: SandboxLimits | None = None
-                 ) -> None:  # fmt: skip
+                 bwrap: str | None, warm: bool, session_limits: SandboxLimits | None = None,
+                 session_base: SessionBase | None = None) -> None:  # fmt: skip
         self.uid = uid
         self.cgroup = cgroup
         self.python = python
         self.bwrap = bwrap  # None: reduced mode, no namespaces
         self.warm = warm
         self.session_limits = session_limits
+        self.session_base = session_base  # a copy-on-write session's tree (cow.py)
         self._process = None
         self._errors = None
         self._control: socket.socket | None = None
@@ -122,12 +124,15 @@ class SlotWorker:
             "preimport": list(PREIMPORT) if self.warm and self.bwrap else [],
             "filter": SYSCALL_FILTER,
         }
+        cow_caps = None
         if self.session_limits is not None:
             spec["session"] = _tmpfs_caps(self.session_limits)
+            if self.session_base is not None:  # /work/session is the helper's overlay, not a tmpfs
+                cow_caps, spec["session"] = spec["session"], {"cow": True}
         env = {"PATH": "/usr/bin:/bin"} if self.bwrap is None else None
         try:
             self._process, self._errors = launch.spawn_server(
-                spec, child_end.fileno(), self.python, self.bwrap, self.uid, env
+                spec, child_end.fileno(), self.python, self.bwrap, self.uid, env, self.session_base, cow_caps
             )
         except (OSError, ValueError) as error:
             host_end.close()
