@@ -70,4 +70,6 @@ def test_the_upper_layer_is_capped(box, base):
 def test_the_shared_tree_cannot_be_written_directly(box, base):
     with box.open_session(LIMITS, base=base) as session:
         probe = session.run("import os\nprint(sorted(os.listdir('/work')))")
-        assert probe.stdout == "['env', 'job', 'session']\n"  # neither the host path nor the layers
+        assert probe.stdout == "['base', 'env', 'job', 'session']\n"  # neither the host path nor the layers
+        untouched = session.run("open('/work/base/notes.txt', 'a').write('x')")
+        assert untouched.status is Status.NONZERO_EXIT and "Read-only" in untouched.error

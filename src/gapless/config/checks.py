@@ -13,7 +13,7 @@ from gapless.config.errors import ConfigError
 from gapless.config.host import usable_cores
 from gapless.config.sections import Config
 
-MULTI_TURN_TASKS = ("tool_use", "repo", "agent")  # tasks whose episodes the pipeline runs turn by turn
+MULTI_TURN_TASKS = ("tool_use", "repo", "agent", "swe")  # tasks whose episodes the pipeline runs turn by turn
 
 
 def check_cross_field(cfg: Config) -> None:

@@ -2,8 +2,9 @@
 
 A session opened with a `SessionBase` sees `base.tree` at /work/session: reads come from the
 shared tree, writes go to an upper layer of its own (a tmpfs with the session's size and inode
-caps), so a thousand sessions over one repository cost one copy of it, not a thousand. An
-optional `base.env` (installed dependencies) is mounted read-only at /work/env.
+caps), so a thousand sessions over one repository cost one copy of it, not a thousand. The
+tree itself is also seen read-only at /work/base (what the session's changes are against), and
+an optional `base.env` (installed dependencies) read-only at /work/env.
 
 How (why this shape): an overlay mounted inside the slot's user namespace cannot copy up a file
 whose owner that namespace does not map (EOVERFLOW), and every file of a shared tree has such an
@@ -28,14 +29,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 COW_DIR = Path("/run/gapless-sandbox-cow")  # an empty mount point, used only in private namespaces
 ENV_DIR_INSIDE = "/work/env"
+BASE_DIR_INSIDE = "/work/base"  # the shared tree as it is, read-only: what a session's changes are against
 _UNSAFE = (",", ":", "\\", "\n")  # overlay's option syntax has no escape for these
 
 HELPER = r"""
@@ -55,14 +57,15 @@ check(libc.unshare(0x00020000), "unshare")
 mount(None, "/", None, MS_REC | MS_PRIVATE, None)
 top = spec["dir"]
 mount("tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['bytes']},nr_inodes={spec['inodes']},mode=0755")
-for name in ("upper", "work", "view", "env"):
+for name in ("upper", "work", "view", "env", "base"):
     os.mkdir(os.path.join(top, name), 0o755)
 os.chown(os.path.join(top, "upper"), spec["uid"], spec["uid"])  # the overlay's root directory
 mount("overlay", top + "/view", "overlay", MS_NOSUID | MS_NODEV,
       f"lowerdir={spec['tree']},upperdir={top}/upper,workdir={top}/work")
-if spec["env"]:
-    mount(spec["env"], top + "/env", None, MS_BIND | MS_REC, None)
-    mount(None, top + "/env", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+for source, name in ((spec["tree"], "base"), (spec["env"], "env")):
+    if source:
+        mount(source, f"{top}/{name}", None, MS_BIND | MS_REC, None)
+        mount(None, f"{top}/{name}", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
 os.execv(argv[0], argv)
 """
 
@@ -83,7 +86,7 @@ class SessionBase:
 
 def bwrap_args(base: SessionBase) -> list[str]:
     """The bwrap options that take the helper's mounts into the sandbox."""
-    args = ["--bind", f"{COW_DIR}/view", "/work/session"]
+    args = ["--bind", f"{COW_DIR}/view", "/work/session", "--ro-bind", f"{COW_DIR}/base", BASE_DIR_INSIDE]
     if base.env is not None:
         args += ["--ro-bind", f"{COW_DIR}/env", ENV_DIR_INSIDE]
     return args
@@ -97,34 +100,39 @@ def helper_argv(python: str, base: SessionBase, uid: int, size_bytes: int, inode
     return [python, "-I", "-B", "-c", HELPER, json.dumps(spec), *argv]
 
 
-def prepare_tree(source: Path, dest: Path) -> Path:
-    """Copy `source` (a directory) to `dest` as a copy-on-write base: regular files and
-    directories only (links and special files are dropped), directories rwx and files rw for
-    everyone (executables keep x), with every parent of `dest` up to a 0700 one left as it is.
-    Returns `dest`. The caller keeps `dest` under a directory only root can enter."""
+def prepare_tree(source: Path | Mapping[str, bytes], dest: Path) -> Path:
+    """Write `source` (a directory, or relative path -> content) to `dest` as a copy-on-write
+    base: regular files and directories only (links and special files are dropped), folders
+    rwx and files rw for everyone (a directory's executables keep x). Returns `dest`. Keep
+    `dest` under a folder only root can enter: the modes are for the sessions' uids, not the
+    host's users."""
     if dest.exists():
         raise FileExistsError(dest)
+    files = _files_of(source) if isinstance(source, Path) else {p: (data, False) for p, data in source.items()}
     dest.mkdir(parents=True)
-    for folder, dirs, files in os.walk(source):
-        rel = Path(folder).relative_to(source)
+    for rel, (data, is_executable) in files.items():
+        if rel.startswith("/") or ".." in Path(rel).parts:
+            raise ValueError(f"{rel!r}: a tree's paths are relative, without '..'")
         target = dest / rel
-        for name in dirs:
-            if (Path(folder) / name).is_symlink():
-                continue
-            (target / name).mkdir()
-        for name in files:
-            src = Path(folder) / name
-            info = os.lstat(src)
-            if not stat.S_ISREG(info.st_mode):
-                continue
-            shutil.copyfile(src, target / name)
-            os.chmod(target / name, 0o777 if info.st_mode & 0o111 else 0o666)
-        dirs[:] = [d for d in dirs if not (Path(folder) / d).is_symlink()]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        target.chmod(0o777 if is_executable else 0o666)
     for folder, dirs, _ in os.walk(dest):
         for name in dirs:
             os.chmod(Path(folder) / name, 0o777)
     os.chmod(dest, 0o777)
     return dest
+
+
+def _files_of(source: Path) -> dict[str, tuple[bytes, bool]]:
+    files = {}
+    for folder, dirs, names in os.walk(source):  # os.walk does not follow linked folders
+        for name in names:
+            path = Path(folder) / name
+            info = os.lstat(path)
+            if stat.S_ISREG(info.st_mode):
+                files[str(path.relative_to(source))] = (path.read_bytes(), bool(info.st_mode & 0o111))
+    return files
 
 
 def has_root() -> bool:
