@@ -64,6 +64,7 @@ from gapless.types import Completion, Rollout, SamplingParams
 MAX_CHANGED_FILES = 256  # files an episode may change; more makes its tree ungradable (reward 0)
 RUN_MARGIN_S = 1.0  # a run command's deadline is the tool call's minus this
 SESSION_OUTPUT_BYTES = 64 << 20  # a session's stdout cap: the changes of a whole episode come back through it
+STATE_CHANGING = ("write", "patch", "run", "test")  # tools that may change the session's tree
 GRADE_ROOM_MB = 256  # a grading job's /tmp holds its checkout of the repository besides the tests' own files
 
 
@@ -132,6 +133,9 @@ class SweEnvironment:
             self._end(episode, "done" if command.kind == "done" else "no_command")
             return
         output = self._tool(episode, command)
+        if command.kind in STATE_CHANGING and completion.versions:  # env-state staleness (envs/episode.py)
+            episode.state_version = completion.versions[-1]
+            episode.info["env_state_version"] = episode.state_version
         if episode.is_done:
             return
         if episode.turns >= self.max_turns:
