@@ -38,7 +38,7 @@ from pathlib import Path
 
 from gapless.envs.swe.environment import SweEnvironment
 from gapless.envs.swe.instances import load_instances
-from gapless.envs.swe.testrun import DEFAULT_LIMITS
+from gapless.envs.swe.testrun import DEFAULT_LIMITS, load_tree
 from gapless.envs.swe.tools import SweTask, prompt_of
 from gapless.sandbox import BwrapSandbox, SandboxLimits
 from gapless.types import Completion
@@ -168,7 +168,7 @@ def main() -> None:
                     results.append(result)
         finally:
             env.close()
-    snapshot_kib = sum(p.stat().st_size for p in instance.repo_path.rglob("*") if p.is_file()) // 1024
+        snapshot_kib = sum(len(data) for data in load_tree(instance.repo_path).values()) // 1024
     print(json.dumps({"load_before": load_before, "load_after": os.getloadavg(), "cpus": os.cpu_count(),
                       "snapshot_kib": snapshot_kib, "grade_concurrency": args.grade_concurrency,
                       "results": results}))  # fmt: skip
