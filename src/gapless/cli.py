@@ -127,11 +127,14 @@ def _parser() -> argparse.ArgumentParser:
     swe_build = swe.add_subparsers(dest="swe_command", required=True).add_parser(
         "build", help="inject bugs into real packages, validated by their own tests, into DIR/instances.jsonl"
     )
-    swe_build.add_argument("--packages", nargs="+", required=True, help="NAME==VERSION, or a local sdist or folder")
-    swe_build.add_argument("--out", required=True, help="the task set's folder (DIR/instances.jsonl)")
-    swe_build.add_argument("--seed", type=int, default=0)
-    swe_build.add_argument("--max-per-package", type=int, default=20, help="instances kept per package at most")
-    swe_build.add_argument("--max-tries", type=int, default=200, help="mutations tried per package at most")
+    swe_build.add_argument("--packages", nargs="+", help="NAME==VERSION, or a local sdist or folder")
+    swe_build.add_argument("--out", help="the task set's folder (DIR/instances.jsonl)")
+    swe_build.add_argument(
+        "--default", action="store_true", help="the default set (envs/swe/default_set.py): its packages, seed, folder"
+    )
+    swe_build.add_argument("--seed", type=int)
+    swe_build.add_argument("--max-per-package", type=int, help="instances kept per package at most (default 20)")
+    swe_build.add_argument("--max-tries", type=int, help="mutations tried per package at most (default 200)")
     swe_build.add_argument("--jobs", type=int, default=2, help="test jobs at once in the sandbox")
     swe_build.add_argument("--python", default="/usr/bin/python3", help="the sandbox's interpreter")
     swe_build.add_argument(
@@ -246,13 +249,24 @@ def _cmd_sandbox_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_swe_build(args: argparse.Namespace) -> int:
+    from gapless.envs.swe import default_set
     from gapless.envs.swe.build import BuildOptions, build
 
-    if args.max_per_package < 1 or args.jobs < 1 or args.max_tries < 1:
+    packages, out, seed, max_per_package, max_tries = None, None, 0, 20, 200
+    if args.default:
+        packages, out, seed = default_set.DEFAULT_PACKAGES, default_set.default_set_dir(), default_set.DEFAULT_SEED
+        max_per_package, max_tries = default_set.DEFAULT_MAX_PER_PACKAGE, default_set.DEFAULT_MAX_TRIES
+    packages, out = args.packages or packages, args.out or out
+    if not packages or not out:
+        raise _Usage("swe build needs --packages NAME==VERSION ... and --out DIR (or --default)")
+    seed = seed if args.seed is None else args.seed
+    max_per_package = max_per_package if args.max_per_package is None else args.max_per_package
+    max_tries = max_tries if args.max_tries is None else args.max_tries
+    if max_per_package < 1 or args.jobs < 1 or max_tries < 1:
         raise _Usage("--max-per-package, --max-tries and --jobs must be at least 1")
     options = BuildOptions(
-        packages=tuple(args.packages), out=Path(args.out), seed=args.seed, max_per_package=args.max_per_package,
-        jobs=args.jobs, max_tries_per_package=args.max_tries, python=args.python, offline_env=args.offline_env,
+        packages=tuple(packages), out=Path(out), seed=seed, max_per_package=max_per_package,
+        jobs=args.jobs, max_tries_per_package=max_tries, python=args.python, offline_env=args.offline_env,
     )  # fmt: skip
     reports = build(options)
     for report in reports:
@@ -262,7 +276,7 @@ def _cmd_swe_build(args: argparse.Namespace) -> int:
             f"{report.stable_tests} stable tests; rejected: {rejected}) in {report.seconds:.1f}s"
             + (f"  ERROR {report.error}" if report.error else "")
         )
-    print(f"gapless: {sum(r.kept for r in reports)} instances in {Path(args.out) / 'instances.jsonl'}")
+    print(f"gapless: {sum(r.kept for r in reports)} instances in {Path(out) / 'instances.jsonl'}")
     return 1 if any(r.error for r in reports) else 0
 
 
