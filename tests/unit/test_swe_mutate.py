@@ -7,7 +7,7 @@ import ast
 import subprocess
 
 from gapless.envs.swe.hide import hide_tests, problem_statement, unified_diff
-from gapless.envs.swe.mutate import KINDS, mutations, ordered
+from gapless.envs.swe.mutate import KINDS, mutations, ordered, parses
 
 SOURCE = b'''"""Docstring: never mutated."""
 __all__ = ["f"]
@@ -73,6 +73,7 @@ def test_every_mutant_parses_and_differs_in_one_span():
     assert len(found) > 30
     for m in found:
         mutant = m.apply(SOURCE)
+        assert parses(m, SOURCE)
         ast.parse(mutant)
         assert mutant != SOURCE
         assert (

@@ -36,6 +36,7 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Sequence
 
@@ -44,7 +45,7 @@ from packaging.requirements import Requirement
 from gapless.envs.swe import depenv
 from gapless.envs.swe.hide import hide_tests, problem_statement, unified_diff
 from gapless.envs.swe.instances import SweInstance
-from gapless.envs.swe.mutate import Mutation, mutations, ordered
+from gapless.envs.swe.mutate import Mutation, mutations, ordered, parses
 from gapless.envs.swe.sources import Source, fetch
 from gapless.envs.swe.testrun import RUNNER_SOURCE, Outcome, TestRun, run_tests
 from gapless.sandbox import SandboxLimits, Status
@@ -152,7 +153,7 @@ def _build_package(source: Source, options: BuildOptions, out: Path, sandbox, re
         json.dumps([stable, timeout_s, TEST_COMMAND, options.max_fail_frac]).encode() + RUNNER_SOURCE
     ).hexdigest()[:12]
     verdicts = _VerdictCache(cache / f"verdicts-{context}.jsonl")
-    budget = candidates[: options.max_tries_per_package]
+    budget = list(islice((m for m in candidates if parses(m, source.files[m.path])), options.max_tries_per_package))
     built: list[SweInstance] = []
     batch_size = max(1, 2 * options.jobs)
     with ThreadPoolExecutor(max_workers=options.jobs, thread_name_prefix="swe-build") as pool:

@@ -18,7 +18,7 @@ Skipped: docstrings, annotations, f-string parts, `if __name__ == "__main__"` an
 blocks, module-level dunder assignments (`__all__`, `__version__`). `ordered(...)` interleaves the
 kinds in an order fixed by a seed, so a budget of tries covers every kind.
 
-Guaranteed: every mutant parses, and differs from the original. NOT guaranteed: that it changes
+Guaranteed: every mutant differs from the original; `parses` says whether it is Python. NOT guaranteed: that it changes
 behaviour (equivalent mutants exist; the build's tests decide).
 """
 
@@ -82,23 +82,22 @@ class Mutation:
 
 
 def mutations(path: str, source: bytes) -> list[Mutation]:
-    """Every mutation of `source` that parses; [] for a file that does not."""
+    """Every mutation of `source` ([] for a file that does not parse). Whether a mutant parses
+    is checked by `parses`, when it is about to be tried: a whole-file parse per candidate
+    costs more than the few that are tried."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return []
-    finder = _Sites(path, source, tree)
-    found = []
-    for mutation in finder.collect():
-        mutant = mutation.apply(source)
-        if mutant == source:
-            continue
-        try:
-            ast.parse(mutant)
-        except (SyntaxError, ValueError):
-            continue
-        found.append(mutation)
-    return found
+    return [m for m in _Sites(path, source, tree).collect() if m.replacement != source[m.start : m.end]]
+
+
+def parses(mutation: Mutation, source: bytes) -> bool:
+    try:
+        ast.parse(mutation.apply(source))
+    except (SyntaxError, ValueError):
+        return False
+    return True
 
 
 def ordered(candidates: Iterable[Mutation], seed: int | str) -> list[Mutation]:
