@@ -99,3 +99,12 @@ def test_rebuild_is_cached_and_another_job_count_gives_the_same_set(built, box, 
     other = tmp_path / "other"
     build(options(package, other, jobs=1), box)
     assert (other / "instances.jsonl").read_text() == first  # paths are relative to each set's folder
+
+
+def test_cli_names_what_is_missing(capsys):
+    from gapless.cli import main
+
+    assert main(["swe", "build", "--out", "somewhere"]) == 2
+    assert "--packages NAME==VERSION" in capsys.readouterr().err
+    assert main(["swe", "build", "--packages", "x==1", "--out", "o", "--jobs", "0"]) == 2
+    assert "--jobs must be at least 1" in capsys.readouterr().err
