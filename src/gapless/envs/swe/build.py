@@ -103,7 +103,7 @@ def build(options: BuildOptions, sandbox=None) -> list[PackageReport]:
     instances: list[SweInstance] = []
     reports = []
     try:
-        for spec in options.packages:
+        for spec in dict.fromkeys(options.packages):  # a package named twice is built once
             started = time.monotonic()
             report = PackageReport(spec)
             try:
@@ -284,8 +284,9 @@ def _baseline(source: Source, env: Path, sandbox, cache: Path, options: BuildOpt
         if saved.get("key") == key:
             return saved["stable"], saved["wall_s"]
     limits = SandboxLimits(timeout_s=600.0, memory_mb=options.memory_mb, tmp_size_mb=256, max_files=20000)
-    runs = [run_tests(sandbox, source.files, None, env, limits, TEST_COMMAND, suite_paths=source.test_files)
-            for _ in range(2)]  # fmt: skip
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two independent jobs, at once
+        runs = list(pool.map(lambda _: run_tests(sandbox, source.files, None, env, limits, TEST_COMMAND,
+                                                 suite_paths=source.test_files), range(2)))  # fmt: skip
     passed = [set(run.with_outcome(Outcome.PASSED)) if run.tampered is None else set() for run in runs]
     stable = sorted(passed[0] & passed[1])
     wall_s = max(run.wall_s for run in runs)
