@@ -3,8 +3,8 @@
 An instance's `env_path` holds pytest and whatever the package's tests import, installed for the
 sandbox's Python (`sandbox.python`, /usr/bin/python3 by default), which is not the host's venv.
 Two ways to make one:
-- `pip_install(dest, requirements, python)`: `python -m pip install --target dest` (the index
-  must be reachable), then `compile_tree`;
+- `pip_install(dest, requirements, python)`: `pip install --target dest` for that Python (the
+  index must be reachable), then `compile_tree`;
 - `copy_installed(dest, names)`: copy distributions already installed for the running
   interpreter, with their requirements (markers evaluated here), for offline use when its
   Python version is the sandbox's (the fast tests do this with pytest).
@@ -40,11 +40,17 @@ def sandbox_python_version(python: str) -> tuple[int, int]:
 
 
 def pip_install(dest: Path, requirements: Iterable[str], python: str, timeout_s: float = 600.0) -> Path:
-    """Install `requirements` (pip specifiers, or local paths) into `dest` for `python`."""
+    """Install `requirements` (pip specifiers) into `dest` for `python`, with this
+    interpreter's pip (the sandbox's may have none): as is when the Python versions agree,
+    else wheels only, for `python`'s version."""
     staging = _staging(dest)
-    command = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-input",
-               "--no-warn-script-location", "--target", str(staging), *requirements]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    requirements = list(requirements)
+    version = sandbox_python_version(python)
+    command = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-input",
+               "--no-warn-script-location", "--target", str(staging)]  # fmt: skip
+    if version != sys.version_info[:2]:
+        command += ["--python-version", f"{version[0]}.{version[1]}", "--only-binary", ":all:"]
+    done = subprocess.run([*command, *requirements], capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
         shutil.rmtree(staging, ignore_errors=True)
         raise EnvBuildFailed(f"pip install {' '.join(requirements)} failed: {done.stderr.strip()[-1500:]}")

@@ -8,8 +8,10 @@ process. Order matters, and is the point of this file:
 1. `/work/job` leaves `sys.path` (its `repo`/`env` folders would be importable namespaces);
 2. pytest and its plugins are imported from `env/` only, before the repository is on the path,
    so a `pytest.py`, `_pytest/` or `pluggy/` planted in the repository is never the runner;
-3. entry-point autoloading is off; the plugins of `env/`'s own distributions are named with `-p`,
-   so a `*.dist-info` planted in the repository registers nothing;
+3. entry-point autoloading is off; the plugins of `env/`'s own distributions are named with
+   `-p`, which pytest resolves before the repository is on the path (the recorder puts it there
+   when the first conftest.py is about to load), so a `*.dist-info` planted in the repository
+   registers nothing;
 4. the recorder is handed to `pytest.main` and so registered before any conftest.py is read;
 5. the interpreter already ran `site` before the job existed (the sandbox starts `python -I`), and
    `env/` is a plain path, not a site dir: `.pth`, `sitecustomize` and `usercustomize` files
@@ -72,11 +74,10 @@ def main():
         plugin_args += ["-p", name]
     shutil.copytree(os.path.join(JOB_DIR, "repo"), REPO_DIR, symlinks=True)
     os.chdir(REPO_DIR)
-    for entry in reversed(request["python_path"]):  # as `python -m pytest` puts the cwd first
-        sys.path.insert(0, os.path.normpath(os.path.join(REPO_DIR, entry)))
     report = os.fdopen(FD_REPORT, "w", encoding="utf-8", errors="backslashreplace", buffering=1)
     wanted = request["test_ids"]
-    recorder = Recorder(report, None if wanted is None else set(wanted))
+    python_path = [os.path.normpath(os.path.join(REPO_DIR, entry)) for entry in request["python_path"]]
+    recorder = Recorder(report, None if wanted is None else set(wanted), python_path)
     trusted_files = {os.path.join(REPO_DIR, path) for path in request["hook_files"]}
     guard = Guard(pytest, recorder, env_dir, trusted_files)
     args = ["-p", "no:cacheprovider", "-q", "--no-header", "-o", "console_output_style=classic",
@@ -103,9 +104,15 @@ def _env_plugins(env_dir):
 class Recorder:
     """Per-test outcome from the phase reports; one report line when a test's teardown ends."""
 
-    def __init__(self, report, wanted):
+    def __init__(self, report, wanted, python_path):
         self.report = report
         self.wanted = wanted
+        self.python_path = python_path
+
+    def pytest_load_initial_conftests(self, early_config, parser, args):
+        """The repository goes on the path now: `-p` plugins are resolved, and no conftest.py is
+        read yet (pytest reads them in its own implementation of this hook, which runs last)."""
+        sys.path[:0] = self.python_path  # as `python -m pytest` puts the cwd first
         self.pending = {}  # node id -> outcome so far
         self.messages = {}  # node id -> the failing phase's text
         self.budget = MESSAGE_BUDGET_CHARS

@@ -103,16 +103,19 @@ def run_tests(
     limits: SandboxLimits = DEFAULT_LIMITS,
     test_command: str = "python -m pytest",
     hook_files: Sequence[str] | None = None,
+    suite_paths: Sequence[str] = (),
 ) -> TestRun:
-    """Run `test_ids` (pytest node ids; None: the whole suite) of `repo` with `env` on the
-    path, in one job of `sandbox`. `hook_files`: repository files allowed to implement
+    """Run `test_ids` (pytest node ids; None: the whole suite, or the tests under
+    `suite_paths`) of `repo` with `env` on the path, in one job of `sandbox`. `hook_files`: repository files allowed to implement
     outcome-deciding hooks (default: every conftest.py of `repo`). Raises ValueError only for
     a `test_command` that is not pytest's; everything the repository's code does is a status."""
     extra_args = pytest_args(test_command)
     files = repo if isinstance(repo, Mapping) else load_tree(repo)
     env_files = {} if env is None else env if isinstance(env, Mapping) else load_env(env)
     wanted = None if test_ids is None else list(dict.fromkeys(test_ids))
-    paths = [] if wanted is None else [p for p in dict.fromkeys(_file_of(t) for t in wanted) if p in files]
+    paths = (
+        list(suite_paths) if wanted is None else [p for p in dict.fromkeys(_file_of(t) for t in wanted) if p in files]
+    )
     if wanted is not None and not paths:  # nothing to run: no file of any requested test exists
         return TestRun({t: Outcome.MISSING for t in wanted}, Status.OK, True, None, collected=0)
     request = {
