@@ -280,7 +280,8 @@ def split_instances(instances: Sequence[SweInstance], eval_frac: float) -> dict[
 
 
 def make_swe_environment(cfg) -> SweEnvironment:
-    """The environment of `task.name = "swe"`: instances from `task.path`, [swe] settings,
+    """The environment of `task.name = "swe"`: instances from `task.path` (default: the default
+    set, envs/swe/default_set.py), [swe] settings,
     copy-on-write sessions and grading jobs in a bubblewrap sandbox (needs root)."""
     from gapless.config import ConfigError
     from gapless.envs.swe.instances import load_instances
@@ -288,11 +289,17 @@ def make_swe_environment(cfg) -> SweEnvironment:
     from gapless.sandbox import open_sandbox
 
     s = cfg.swe
-    if cfg.task.path is None:
-        raise ConfigError(
-            "task.path: the swe task needs an instances file (JSONL, SWE-bench's fields; docs/agentic.md)"
-        )
-    instances = load_instances(cfg.task.path)[: s.max_instances]
+    path = cfg.task.path
+    if path is None:  # the default set that scripts/setup.sh builds
+        from gapless.envs.swe.default_set import default_instances_path
+
+        path = default_instances_path()
+        if not path.is_file():
+            raise ConfigError(
+                f"task.path: no instances file given and the default SWE set is not built ({path} is missing): "
+                "run scripts/setup.sh (or `gapless swe build --default`), or set task.path to a JSONL file"
+            )
+    instances = load_instances(path)[: s.max_instances]
     for instance in instances:
         try:
             pytest_args(instance.test_command)

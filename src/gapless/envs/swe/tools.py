@@ -120,11 +120,10 @@ def reference_turns(task: SweTask, files: dict[str, bytes], sizes: ToolSizes,
             turns += _turn(command_text("write", path, fixed), f"wrote {path}", sizes, turn_format)
             continue
         for start, body in file_patch.hunks:
-            old = "".join(line[1:] + "\n" for line in body if line[0] in " -")
-            new = "".join(line[1:] + "\n" for line in body if line[0] in " +")
-            last = start + max(old.count("\n"), 1) - 1
-            shown = numbered(text, start, last)
-            turns += _turn(command_text("cat", f"{path} {start}-{last}"), shown, sizes, turn_format)
+            old, new, first = _smallest_edit(text, start, body)
+            last = first + max(old.count("\n"), 1) - 1
+            shown = numbered(text, first, last)
+            turns += _turn(command_text("cat", f"{path} {first}-{last}"), shown, sizes, turn_format)
             if old and text.count(old) == 1:
                 text = text.replace(old, new, 1)
                 body_text = old[:-1] + PATCH_SEPARATOR + new[:-1]
@@ -134,6 +133,22 @@ def reference_turns(task: SweTask, files: dict[str, bytes], sizes: ToolSizes,
                 turns += _turn(command_text("write", path, text), f"wrote {path}", sizes, turn_format)
                 break
     return turns + [(command_text("done"), True)]
+
+
+def _smallest_edit(text: str, start: int, body: list[str]) -> tuple[str, str, int]:
+    """(old, new, first line of old) of a hunk: its changed lines alone when they are one block
+    whose old text occurs once in the file (a short patch turn), else the whole hunk."""
+    changed = [i for i, line in enumerate(body) if line[0] in "-+"]
+    old = "".join(line[1:] + "\n" for line in body if line[0] in " -")
+    new = "".join(line[1:] + "\n" for line in body if line[0] in " +")
+    if changed and changed[-1] - changed[0] + 1 == len(changed):
+        block = body[changed[0] : changed[-1] + 1]
+        core_old = "".join(line[1:] + "\n" for line in block if line[0] == "-")
+        core_new = "".join(line[1:] + "\n" for line in block if line[0] == "+")
+        if core_old and core_new and text.count(core_old) == 1:  # (a pure deletion keeps its context)
+            before = sum(1 for line in body[: changed[0]] if line[0] == " ")
+            return core_old, core_new, start + before
+    return old, new, start
 
 
 def _turn(command: str, output: str, sizes: ToolSizes, turn_format: TurnFormat) -> list[Segment]:
