@@ -43,7 +43,7 @@ from gapless.envs.swe.tools import SweTask, prompt_of
 from gapless.sandbox import BwrapSandbox, SandboxLimits
 from gapless.types import Completion
 
-SLOT_UID_BASE = int(os.environ.get("GAPLESS_BENCH_UID_BASE", "330000"))
+SLOT_UID_BASE = int(os.environ.get("GAPLESS_BENCH_UID_BASE", "330100"))
 LIMITS = SandboxLimits(timeout_s=120.0, memory_mb=1024, max_processes=32, tmp_size_mb=16, max_output_bytes=8 << 20)
 GRADE_LIMITS = replace(DEFAULT_LIMITS, timeout_s=600.0, memory_mb=1024, tmp_size_mb=64)
 

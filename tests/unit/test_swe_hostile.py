@@ -84,6 +84,7 @@ ATTACKS = {
         "<cmd>run rm tests/test_core.py && ln -s /work/base/tests/test_core.py tests/test_core.py</cmd>",
         "<cmd>run ln -s /etc tinystats/etc</cmd>",
     ],
+    "a file where the tests folder is": ["<cmd>run rm -r tests && echo x > tests</cmd>"],
     "killing the session's own processes": [
         "<cmd>run kill -9 -1</cmd>",
         "<cmd>run python -c 'import os; os.kill(1, 9)'</cmd>",

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import marshal
 import os
-import select
 import shutil
 import socket
 import subprocess
@@ -43,7 +42,7 @@ from gapless.sandbox.job import Job
 from gapless.sandbox.limits import MIB, SandboxLimits
 from gapless.sandbox.result import Observation
 from gapless.sandbox.seccomp import filter_program
-from gapless.sandbox.streams import CappedSink, pump
+from gapless.sandbox.streams import CappedSink, pump, ready
 
 PREIMPORT = (
     "json", "re", "math", "collections", "itertools", "functools", "heapq", "bisect", "string",
@@ -378,7 +377,7 @@ class SlotWorker:
         if self._control is None:
             return None
         remaining_s = deadline - time.monotonic()
-        if remaining_s <= 0 or not select.select([self._control], [], [], remaining_s)[0]:
+        if remaining_s <= 0 or not ready([self._control], remaining_s):
             return None
         try:
             data = self._control.recv(1 << 16)
@@ -397,7 +396,7 @@ def _wait_exit(process: subprocess.Popen[bytes], timeout_s: float) -> bool:
     except OSError:  # already reaped elsewhere, or no pidfd on this kernel
         return process.poll() is not None
     try:
-        select.select([pidfd], [], [], timeout_s)
+        ready([pidfd], timeout_s)
     finally:
         os.close(pidfd)
     return process.poll() is not None

@@ -102,6 +102,10 @@ def grading_tree(
     tree.update({path: text for path, text in changes.changed.items() if path not in dropped})
     trusted = with_patch(snapshot, instance.test_patch)
     tree = with_patch(tree, instance.test_patch)
+    folders = {str(parent) for path in tree for parent in PurePosixPath(path).parents}
+    for path in [p for p in tree if p in folders]:  # a file where a folder must be: the agent's, dropped
+        del tree[path]
+        dropped.append(path)
     hooks = [p for p in tree if PurePosixPath(p).name == "conftest.py" and trusted.get(p) == tree[p]]
     return tree, hooks, dropped
 
