@@ -13,8 +13,9 @@ unfinished episode at once (envs/turns.py drives them, as for `repo`):
     after `max_turns` model turns the episode ends (the last command still runs)
 
 At its end the session reports its changes against the snapshot (changed and deleted files,
-untrusted: checked on the host) and is closed; the episode is then graded in a fresh sandbox
-job (envs/swe/grading.py: the snapshot, the changes, the test patch; SWE-bench's rule). The
+untrusted: checked on the host) and is closed; its grading starts at once, in a fresh sandbox
+job (envs/swe/grading.py: the snapshot, the changes, the test patch; SWE-bench's rule), and
+`to_rollout` waits for it. The
 hidden tests and the reference patch are never in the session: the snapshot lacks the former,
 the latter stays on the host. Statuses:
     ok            resolved (reward 1)
@@ -42,7 +43,7 @@ from gapless.envs.base import Generator, Split
 from gapless.envs.code.environment import SandboxUnavailable
 from gapless.envs.commands import PLAIN, TurnFormat, observe, path_problem, session_code
 from gapless.envs.episode import Episode
-from gapless.envs.swe.grading import Changes, GradeRules, grade
+from gapless.envs.swe.grading import Changes, Grade, GradeRules, grade
 from gapless.envs.swe.instances import SweInstance
 from gapless.envs.swe.snapshots import SnapshotStore
 from gapless.envs.swe.testrun import DEFAULT_LIMITS, load_env
@@ -89,6 +90,9 @@ class SweEnvironment:
         self.idle_timeout_s, self.turn_format = idle_timeout_s, turn_format
         self.snapshots = SnapshotStore()
         self.pool = ThreadPoolExecutor(max_workers=sessions, thread_name_prefix="swe")
+        # grading jobs, apart from the tool threads (the reference loop's to_rollout waits on
+        # them from `pool`); the sandbox's admission bounds the jobs running at once
+        self.grader = ThreadPoolExecutor(max_workers=sessions, thread_name_prefix="swe-grade")
 
     def tasks(self, split: Split) -> Sequence[SweTask]:
         return self._tasks[split]
@@ -182,7 +186,9 @@ class SweEnvironment:
         return result
 
     def _end(self, episode: Episode, ended_by: str) -> None:
-        """Collect the session's changes and close it; grading comes in `to_rollout`."""
+        """Collect the session's changes, close it and start grading them (on the grader's
+        threads, so that an episode is graded as soon as it ends, while others still run and
+        a group's episodes are graded at once); `to_rollout` waits for the grade."""
         changes: Changes | None = Changes({})  # no tool ran: the snapshot as it is
         if episode.session is not None:
             result = self._call(episode, changes_request(self.sizes, MAX_CHANGED_FILES))
@@ -190,10 +196,17 @@ class SweEnvironment:
                 return
             changes = _changes(result.stdout if result.status is Status.OK else "", self.sizes.max_file_bytes)
             self._close_session(episode)
-        episode.finish("pending", ended_by=ended_by, final_changes=changes)
+        grading = None if changes is None else self.grader.submit(self._graded, episode.task.instance, changes)
+        episode.finish("pending", ended_by=ended_by, grading=grading)
+
+    def _graded(self, instance: SweInstance, changes: Changes) -> tuple[Grade, int]:
+        return self.grade(instance, changes), len(changes.changed)
 
     def discard(self, episode: Episode) -> None:
         self._close_session(episode)
+        grading = episode.info.pop("grading", None)
+        if grading is not None:
+            grading.cancel()
 
     def _close_session(self, episode: Episode) -> None:
         if episode.session is not None:
@@ -203,13 +216,13 @@ class SweEnvironment:
     def to_rollout(self, episode: Episode) -> Rollout:
         if not episode.is_done:
             self._end(episode, "turn_limit")
-        changes = episode.info.pop("final_changes", None)
+        grading = episode.info.pop("grading", None)
         if episode.status == "pending":
-            if changes is None:  # the session could not say what changed: nothing to grade
+            if grading is None:  # the session could not say what changed: nothing to grade
                 episode.finish("tests_failed", 0.0, changes="unreadable")
             else:
-                result = self.grade(episode.task.instance, changes)
-                episode.finish(result.status, result.reward, **result.info, changed_files=len(changes.changed))
+                result, changed_files = grading.result()
+                episode.finish(result.status, result.reward, **result.info, changed_files=changed_files)
         info = {**episode.info, "turns": episode.turns, "transcript": "".join(episode.texts)[-500:]}
         return Rollout(episode.task.uid, episode.to_completion(), episode.reward, episode.status, info)
 
@@ -237,6 +250,7 @@ class SweEnvironment:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        self.grader.shutdown(wait=True)
         self.sandbox.close()
         self.snapshots.close()
 
