@@ -137,9 +137,8 @@ class SweEnvironment:
             self._end(episode, "done" if command.kind == "done" else "no_command")
             return
         output = self._tool(episode, command)
-        if command.kind in STATE_CHANGING and completion.versions:  # env-state staleness (envs/episode.py)
+        if command.kind in STATE_CHANGING and completion.versions:  # the version that last wrote the tree
             episode.state_version = completion.versions[-1]
-            episode.info["env_state_version"] = episode.state_version
         if episode.is_done:
             return
         if episode.turns >= self.max_turns:
