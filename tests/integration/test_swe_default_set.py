@@ -9,18 +9,24 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from gapless.envs.swe.default_set import default_instances_path
 from gapless.envs.swe.environment import SweEnvironment
-from gapless.envs.swe.grading import Changes, with_patch
+from gapless.envs.swe.grading import Changes, GradeRules, grading_tree, resolution, with_patch
 from gapless.envs.swe.instances import load_instances
-from gapless.envs.swe.testrun import DEFAULT_LIMITS
+from gapless.envs.swe.testrun import DEFAULT_LIMITS, Outcome, load_env, run_tests
 from gapless.envs.swe.tools import SweTask, prompt_of
 from gapless.sandbox import BwrapSandbox, SandboxLimits
 from gapless.types import Completion
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from swe_instance import swebench_resolved  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -48,20 +54,41 @@ def env():
         environment.close()
 
 
-def test_reference_scores_one_and_unfixed_zero_on_every_instance(env):
-    def both(task):
+def test_the_grader_agrees_with_swebench_rule_on_every_instance(env):
+    """Reference 1, unfixed 0, and the reference run with one FAIL_TO_PASS test turned failed 0,
+    by the grader's rule and by the re-implementation of SWE-bench's (swe_instance.py)."""
+
+    def rules(task):
         instance = task.instance
         files = env.snapshots.get(instance).files
         fixed = with_patch(files, instance.patch)
-        changes = Changes(
+        reference = Changes(
             {p: d for p, d in fixed.items() if files.get(p) != d}, tuple(p for p in files if p not in fixed)
         )
-        return instance.instance_id, env.grade(instance, changes), env.grade(instance, Changes({}))
+        ids = list(dict.fromkeys((*instance.fail_to_pass, *instance.pass_to_pass)))
+        env_files = load_env(instance.env_path) if instance.env_path else None
+        out = []
+        for changes in (reference, Changes({})):
+            tree, hooks, _ = grading_tree(instance, files, changes, GradeRules())
+            run = run_tests(env.sandbox, tree, ids, env_files, DEFAULT_LIMITS, instance.test_command, hooks)
+            out.append(run)
+        one_left = replace(out[0], outcomes={**out[0].outcomes, instance.fail_to_pass[0]: Outcome.FAILED})
+        verdicts = [
+            (
+                resolution(run, instance, GradeRules())[0],
+                float(swebench_resolved(run.outcomes, instance.fail_to_pass, instance.pass_to_pass)),
+            )
+            for run in (*out, one_left)
+        ]
+        return instance.instance_id, verdicts
 
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(both, env.tasks("train")))
-    wrong = [(i, r.reward, r.info, u.reward, u.info) for i, r, u in results if (r.reward, u.reward) != (1.0, 0.0)]
-    print(f"{len(results)} instances: reference 1 and unfixed 0 on {len(results) - len(wrong)}")
+        results = list(pool.map(rules, env.tasks("train")))
+    expected = [(1.0, 1.0), (0.0, 0.0), (0.0, 0.0)]
+    wrong = [(i, v) for i, v in results if v != expected]
+    print(
+        f"{len(results)} instances: grader == SWE-bench's rule, reference 1, unfixed 0, one left failing 0 on {len(results) - len(wrong)}"
+    )
     assert not wrong, wrong[:3]
 
 

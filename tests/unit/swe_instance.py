@@ -14,6 +14,7 @@ from swe_fixture import TINY_PACKAGE, write_tree
 from gapless.envs.swe.depenv import copy_installed, sandbox_python_version
 from gapless.envs.swe.instances import load_instances
 from gapless.envs.swe.patches import make_patch
+from gapless.envs.swe.testrun import Outcome
 
 SANDBOX_PYTHON = "/usr/bin/python3"
 GOOD = "    return sum(values) / len(values)\n"
@@ -80,3 +81,23 @@ def instance_file(tmp_path_factory, swe_env_dir):
 @pytest.fixture(scope="module")
 def instance(instance_file):
     return load_instances(instance_file)[0]
+
+
+def swebench_resolved(outcomes: dict[str, Outcome], f2p: list[str], p2p: list[str]) -> bool:
+    """SWE-bench's harness rule, written from its definition: a test passed when its status is
+    PASSED or XFAIL, failed when it is absent or FAILED or ERROR; each list's rate is
+    passed / (passed + failed) (1 when nothing counts); resolved when both rates are 1."""
+    status_map = {
+        Outcome.PASSED: "PASSED",
+        Outcome.FAILED: "FAILED",
+        Outcome.ERROR: "ERROR",
+        Outcome.SKIPPED: "SKIPPED",
+    }
+    sm = {test: status_map[o] for test, o in outcomes.items() if o in status_map}
+
+    def rate(tests):
+        passed = sum(1 for t in tests if t in sm and sm[t] in ("PASSED", "XFAIL"))
+        failed = sum(1 for t in tests if t not in sm or sm[t] in ("FAILED", "ERROR"))
+        return 1.0 if passed + failed == 0 else passed / (passed + failed)
+
+    return rate(f2p) == 1.0 and rate(p2p) == 1.0

@@ -10,11 +10,11 @@ from dataclasses import replace
 
 import pytest
 from sandbox_host import IS_ROOT, SLOT_UID_BASE, assert_host_clean, host_state, needs_bwrap
-from swe_instance import FAIL_TO_PASS, PASS_TO_PASS, instance, instance_file, swe_env_dir  # noqa: F401
+from swe_instance import FAIL_TO_PASS, PASS_TO_PASS, instance, instance_file, swe_env_dir, swebench_resolved  # noqa: F401
 
 from gapless.envs.swe.environment import SweEnvironment, split_instances
 from gapless.envs.swe.grading import Changes, GradeRules, grading_tree, with_patch
-from gapless.envs.swe.testrun import DEFAULT_LIMITS, Outcome, load_env, run_tests
+from gapless.envs.swe.testrun import DEFAULT_LIMITS, load_env, run_tests
 from gapless.envs.swe.tools import SweTask, prompt_of
 from gapless.sandbox import BwrapSandbox, SandboxLimits
 from gapless.types import Completion
@@ -37,26 +37,6 @@ def env(instance):  # noqa: F811
     finally:
         environment.close()
     assert_host_clean(before)
-
-
-def swebench_resolved(outcomes: dict[str, Outcome], f2p: list[str], p2p: list[str]) -> bool:
-    """SWE-bench's harness rule, written from its definition: a test passed when its status is
-    PASSED or XFAIL, failed when it is absent or FAILED or ERROR; each list's rate is
-    passed / (passed + failed) (1 when nothing counts); resolved when both rates are 1."""
-    status_map = {
-        Outcome.PASSED: "PASSED",
-        Outcome.FAILED: "FAILED",
-        Outcome.ERROR: "ERROR",
-        Outcome.SKIPPED: "SKIPPED",
-    }
-    sm = {test: status_map[o] for test, o in outcomes.items() if o in status_map}
-
-    def rate(tests):
-        passed = sum(1 for t in tests if t in sm and sm[t] in ("PASSED", "XFAIL"))
-        failed = sum(1 for t in tests if t not in sm or sm[t] in ("FAILED", "ERROR"))
-        return 1.0 if passed + failed == 0 else passed / (passed + failed)
-
-    return rate(f2p) == 1.0 and rate(p2p) == 1.0
 
 
 def test_the_grader_agrees_with_swebench_rule(env, instance):  # noqa: F811
