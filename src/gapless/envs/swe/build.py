@@ -38,7 +38,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Sequence
 
 from packaging.requirements import Requirement
 
@@ -47,8 +46,9 @@ from gapless.envs.swe.hide import hide_tests, problem_statement, unified_diff
 from gapless.envs.swe.instances import SweInstance
 from gapless.envs.swe.mutate import Mutation, mutations, ordered, parses
 from gapless.envs.swe.sources import Source, fetch
-from gapless.envs.swe.testrun import RUNNER_SOURCE, Outcome, TestRun, run_tests
-from gapless.sandbox import SandboxLimits, Status
+from gapless.envs.swe.testrun import RUNNER_SOURCE, Outcome, run_tests
+from gapless.envs.swe.verdicts import Verdict, VerdictCache, judge
+from gapless.sandbox import SandboxLimits
 
 logger = logging.getLogger(__name__)
 
@@ -81,13 +81,6 @@ class PackageReport:
     rejected: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     error: str | None = None
-
-
-@dataclass(frozen=True)
-class Verdict:
-    reason: str  # "kept" or why not
-    failing: tuple[str, ...] = ()
-    messages: dict[str, str] = field(default_factory=dict)
 
 
 def build(options: BuildOptions, sandbox=None) -> list[PackageReport]:
@@ -152,7 +145,7 @@ def _build_package(source: Source, options: BuildOptions, out: Path, sandbox, re
     context = hashlib.sha256(
         json.dumps([stable, timeout_s, TEST_COMMAND, options.max_fail_frac]).encode() + RUNNER_SOURCE
     ).hexdigest()[:12]
-    verdicts = _VerdictCache(cache / f"verdicts-{context}.jsonl")
+    verdicts = VerdictCache(cache / f"verdicts-{context}.jsonl")
     budget = list(islice((m for m in candidates if parses(m, source.files[m.path])), options.max_tries_per_package))
     built: list[SweInstance] = []
     batch_size = max(1, 2 * options.jobs)
@@ -177,34 +170,19 @@ def _build_package(source: Source, options: BuildOptions, out: Path, sandbox, re
 
 
 def _verdict(mutation: Mutation, source: Source, env: Path, stable: list[str], sandbox, limits: SandboxLimits,
-             verdicts: _VerdictCache, options: BuildOptions) -> Verdict:  # fmt: skip
+             verdicts: VerdictCache, options: BuildOptions) -> Verdict:  # fmt: skip
     cached = verdicts.get(mutation.key)
     if cached is not None:
         return cached
     files = dict(source.files)
     files[mutation.path] = mutation.apply(source.files[mutation.path])
     run = run_tests(sandbox, files, stable, env, limits, TEST_COMMAND)
-    verdict = _judge(run, stable, options.max_fail_frac)
+    verdict = judge(run, stable, options.max_fail_frac)
     if verdict.reason == "kept" and hide_tests(source.files, verdict.failing) is None:
         verdict = Verdict("unhideable_tests")
     if verdict.reason != "infra_error":
         verdicts.put(mutation.key, verdict)
     return verdict
-
-
-def _judge(run: TestRun, stable: Sequence[str], max_fail_frac: float) -> Verdict:
-    if run.status is Status.INFRA_ERROR:
-        return Verdict("infra_error")
-    if run.status is Status.TIMEOUT:
-        return Verdict("timeout")
-    if run.tampered is not None or not run.is_complete:
-        return Verdict("crashed")
-    failing = tuple(t for t in stable if not run.is_passed(t))
-    if not failing:
-        return Verdict("no_test_fails")
-    if len(failing) > max_fail_frac * len(stable):
-        return Verdict("too_many_fail")
-    return Verdict("kept", failing, {t: run.messages.get(t, "") for t in failing[:10]})
 
 
 def _instance(source: Source, mutation: Mutation, verdict: Verdict, stable: list[str], rank: int, base: Path,
@@ -295,36 +273,6 @@ def _baseline(source: Source, env: Path, sandbox, cache: Path, options: BuildOpt
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_atomic(path, json.dumps(record, indent=1, sort_keys=True))
     return stable, wall_s
-
-
-class _VerdictCache:
-    """Verdicts by mutation key, in a JSON-lines file appended as they come (threads share it)."""
-
-    def __init__(self, path: Path) -> None:
-        import threading
-
-        self.path = path
-        self.lock = threading.Lock()
-        self.known: dict[str, Verdict] = {}
-        if path.is_file():
-            for line in path.read_text().splitlines():
-                try:
-                    record = json.loads(line)
-                    self.known[record["key"]] = Verdict(record["reason"], tuple(record["failing"]), record["messages"])
-                except (ValueError, KeyError, TypeError):
-                    continue  # a line cut by an interrupted build
-
-    def get(self, key: str) -> Verdict | None:
-        with self.lock:
-            return self.known.get(key)
-
-    def put(self, key: str, verdict: Verdict) -> None:
-        record = {"key": key, "reason": verdict.reason, "failing": list(verdict.failing), "messages": verdict.messages}
-        with self.lock:
-            self.known[key] = verdict
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a") as handle:
-                handle.write(json.dumps(record) + "\n")
 
 
 def _write_atomic(path: Path, text: str) -> None:

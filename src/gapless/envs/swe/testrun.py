@@ -105,10 +105,11 @@ def run_tests(
     hook_files: Sequence[str] | None = None,
     suite_paths: Sequence[str] = (),
 ) -> TestRun:
-    """Run `test_ids` (pytest node ids; None: the whole suite, or the tests under
-    `suite_paths`) of `repo` with `env` on the path, in one job of `sandbox`. `hook_files`: repository files allowed to implement
-    outcome-deciding hooks (default: every conftest.py of `repo`). Raises ValueError only for
-    a `test_command` that is not pytest's; everything the repository's code does is a status."""
+    """Run `test_ids` (pytest node ids; None: the whole suite, or the tests under `suite_paths`)
+    of `repo` with `env` on the path, in one job of `sandbox` (a `BwrapSandbox`). `hook_files`:
+    repository files allowed to implement outcome-deciding hooks (default: every conftest.py of
+    `repo`; a grader passes the trusted snapshot's). Raises ValueError only for a
+    `test_command` that is not pytest's; everything the repository's code does is a status."""
     extra_args = pytest_args(test_command)
     files = repo if isinstance(repo, Mapping) else load_tree(repo)
     env_files = {} if env is None else env if isinstance(env, Mapping) else load_env(env)
