@@ -13,9 +13,10 @@ applies the reference fix:
     live        every episode waits at a barrier with its session open and its fix written; then
                 the memory of every live slot is read from its memory cgroup (v1: rss + shmem,
                 the tmpfs of the upper layer, and the cgroup's whole usage) and divided by N
-    end         `done`: the session reports its changes and is closed
-    grading     a fresh pytest job per episode over snapshot + changes + test patch; the pool
-                admits `--grade-concurrency` jobs at once, so the figure includes the queue
+    end         `done`: the session reports its changes, is closed, and its grading starts
+    grading     `to_rollout`'s wait for the grade: a fresh pytest job per episode over snapshot +
+                changes + test patch; the pool admits `--grade-concurrency` jobs at once, so the
+                figure includes the queue
 Sizes run in the order given, reversed on every other round (interleaved when --rounds > 1).
 Every episode must score 1 (the reference fix) and none may be infra_error; the last line
 printed is one JSON object with every figure, the load average before and after included.
