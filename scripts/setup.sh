@@ -80,8 +80,24 @@ if [ "$WITH_VLLM" = 1 ]; then
   exit 0
 fi
 
+# The default SWE task set (task.name = "swe", docs/agentic.md): bugs injected into pinned PyPI packages
+# (src/gapless/envs/swe/default_set.py), validated in the sandbox, into .cache/swe-default (ignored by
+# git). Built once (minutes; the index must be reachable), then skipped; offline runs use it from then on.
+build_swe_default_set() {
+  local dir=.cache/swe-default
+  local done_mark="$dir/.setup-$(sha256sum src/gapless/envs/swe/default_set.py | cut -c1-16)"
+  if [ -f "$done_mark" ]; then return 0; fi
+  mkdir -p .cache
+  echo "setup: building the default SWE task set into $dir (once; log in $dir.log)"
+  if .venv/bin/gapless swe build --default --out "$dir" >"$dir.log" 2>&1; then
+    touch "$done_mark"
+  else
+    echo "setup: the default SWE task set did not build (see $dir.log); until it does, task.name = 'swe' needs task.path" >&2
+  fi
+}
+
 stamp=".venv/.gapless-setup-$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
-if [ -f "$stamp" ]; then exit 0; fi
+if [ -f "$stamp" ]; then build_swe_default_set; exit 0; fi
 
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=".venv/bin/python -m pip"
@@ -109,4 +125,5 @@ $PIP install -q --no-deps "tinker-cookbook==0.6.1"
 .venv-openai3/bin/python -m pip install -q "openai==$OPENAI3_VERSION" pydantic "inspect-ai==$INSPECT_VERSION"
 rm -f .venv/.gapless-setup-*
 touch "$stamp"
+build_swe_default_set
 echo "setup: done (.venv/bin/gapless)"

@@ -13,6 +13,8 @@ the host stayed clean; it exits 0 only if every probe ended as expected with a c
 PNG per chart) comparing the runs (gapless.report); default DIR is FIRST_RUN_DIR/report.
 `gapless simulate [CONFIG] [--dotted.key value ...]` and `gapless simulate --calibrate RUN_DIR ...`
 run the capacity simulator (gapless.simulate, docs/simulator.md).
+`gapless swe build --packages NAME==VER ... --out DIR [--seed S] [--max-per-package N] [--jobs J]`
+builds a SWE task set from real packages (gapless.envs.swe.build, docs/agentic.md).
 
 User errors (bad config, missing model path, malformed TOML) print one line `gapless: error: ...`
 and exit with code 2; infrastructure failures (sandbox cannot start) exit with code 3 and say
@@ -121,6 +123,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--mode", choices=["auto", "bwrap", "reduced"], default="auto")
     check.add_argument("--json", action="store_true", help="one JSON object per probe")
+    swe = sub.add_parser("swe", help="SWE task sets (task.name = 'swe', docs/agentic.md)")
+    swe_build = swe.add_subparsers(dest="swe_command", required=True).add_parser(
+        "build", help="inject bugs into real packages, validated by their own tests, into DIR/instances.jsonl"
+    )
+    swe_build.add_argument("--packages", nargs="+", help="NAME==VERSION, or a local sdist or folder")
+    swe_build.add_argument("--out", help="the task set's folder (DIR/instances.jsonl)")
+    swe_build.add_argument(
+        "--default", action="store_true", help="the default set (envs/swe/default_set.py): its packages, seed, folder"
+    )
+    swe_build.add_argument("--seed", type=int)
+    swe_build.add_argument("--max-per-package", type=int, help="instances kept per package at most (default 20)")
+    swe_build.add_argument("--max-tries", type=int, help="mutations tried per package at most (default 200)")
+    swe_build.add_argument("--jobs", type=int, default=2, help="test jobs at once in the sandbox")
+    swe_build.add_argument("--python", default="/usr/bin/python3", help="the sandbox's interpreter")
+    swe_build.add_argument(
+        "--offline-env", action="store_true", help="copy pytest and test requirements from this interpreter, no index"
+    )
     return parser
 
 
@@ -229,6 +248,38 @@ def _cmd_sandbox_run(args: argparse.Namespace) -> int:
     return 0 if result.status.value == "ok" else 1
 
 
+def _cmd_swe_build(args: argparse.Namespace) -> int:
+    from gapless.envs.swe import default_set
+    from gapless.envs.swe.build import BuildOptions, build
+
+    packages, out, seed, max_per_package, max_tries = None, None, 0, 20, 200
+    if args.default:
+        packages, out, seed = default_set.DEFAULT_PACKAGES, default_set.default_set_dir(), default_set.DEFAULT_SEED
+        max_per_package, max_tries = default_set.DEFAULT_MAX_PER_PACKAGE, default_set.DEFAULT_MAX_TRIES
+    packages, out = args.packages or packages, args.out or out
+    if not packages or not out:
+        raise _Usage("swe build needs --packages NAME==VERSION ... and --out DIR (or --default)")
+    seed = seed if args.seed is None else args.seed
+    max_per_package = max_per_package if args.max_per_package is None else args.max_per_package
+    max_tries = max_tries if args.max_tries is None else args.max_tries
+    if max_per_package < 1 or args.jobs < 1 or max_tries < 1:
+        raise _Usage("--max-per-package, --max-tries and --jobs must be at least 1")
+    options = BuildOptions(
+        packages=tuple(packages), out=Path(out), seed=seed, max_per_package=max_per_package,
+        jobs=args.jobs, max_tries_per_package=max_tries, python=args.python, offline_env=args.offline_env,
+    )  # fmt: skip
+    reports = build(options)
+    for report in reports:
+        rejected = ", ".join(f"{reason} {count}" for reason, count in sorted(report.rejected.items())) or "none"
+        print(
+            f"{report.package}: {report.kept} kept of {report.tried} tried ({report.candidates} candidates, "
+            f"{report.stable_tests} stable tests; rejected: {rejected}) in {report.seconds:.1f}s"
+            + (f"  ERROR {report.error}" if report.error else "")
+        )
+    print(f"gapless: {sum(r.kept for r in reports)} instances in {Path(out) / 'instances.jsonl'}")
+    return 1 if any(r.error for r in reports) else 0
+
+
 def _cmd_sandbox_check(args: argparse.Namespace) -> int:
     from gapless.envs.code import probes as code_probes
     from gapless.sandbox import SandboxError, open_sandbox, probes
@@ -291,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "report":
             return _cmd_report(args)
+        if args.command == "swe":
+            return _cmd_swe_build(args)
         if args.sandbox_command == "check":
             return _cmd_sandbox_check(args)
         return _cmd_sandbox_run(args)

@@ -13,7 +13,7 @@ from gapless.config.errors import ConfigError
 from gapless.config.host import usable_cores
 from gapless.config.sections import Config
 
-MULTI_TURN_TASKS = ("tool_use", "repo", "agent")  # tasks whose episodes the pipeline runs turn by turn
+MULTI_TURN_TASKS = ("tool_use", "repo", "agent", "swe")  # tasks whose episodes the pipeline runs turn by turn
 
 
 def check_cross_field(cfg: Config) -> None:
@@ -85,9 +85,9 @@ def _check_task(cfg: Config) -> None:
             "task.path: task.name = 'code_dataset' needs a .jsonl or .parquet file of problems (docs/environments.md)"
         )
     if t.path is not None:
-        if t.name not in ("code_dataset", "math"):
+        if t.name not in ("code_dataset", "math", "swe"):
             raise ConfigError(
-                f"task.path is read only by task.name 'code_dataset' or 'math', not {t.name!r}; remove it"
+                f"task.path is read only by task.name 'code_dataset', 'math' or 'swe', not {t.name!r}; remove it"
             )
         if not Path(t.path).is_file():
             raise ConfigError(f"task.path: file {t.path!r} does not exist")

@@ -59,7 +59,16 @@ class ModelConfig(_Section):
 
 class TaskConfig(_Section):
     name: Literal[
-        "procedural_code", "code_dataset", "humaneval", "math", "reasoning_gym", "tool_use", "judge", "repo", "agent"
+        "procedural_code",
+        "code_dataset",
+        "humaneval",
+        "math",
+        "reasoning_gym",
+        "tool_use",
+        "judge",
+        "repo",
+        "agent",
+        "swe",
     ] = "procedural_code"
     """Which environment scores the rollouts (docs/environments.md): 'procedural_code' (the
     embedded default: generated code problems with hidden unit tests), 'code_dataset' (code
@@ -71,10 +80,13 @@ class TaskConfig(_Section):
     docs/environments_judge_tools.md; 'repo' (multi-turn coding agent: fix a generated Python
     repository with file and shell tools, graded by hidden tests; [repo], docs/agentic.md);
     'agent' (your own agent program calls an OpenAI-compatible endpoint per episode, the
-    gateway, on the procedural arithmetic tasks; [agent], docs/agentic.md)."""
+    gateway, on the procedural arithmetic tasks; [agent], docs/agentic.md); 'swe' (multi-turn
+    coding agent on real repositories: SWE-bench-format instances from `path`, graded by the
+    repository's own tests; [swe], docs/agentic.md)."""
     path: str | None = None
     """Data file (.jsonl or .parquet) for 'code_dataset' (required) and 'math' (optional: without
-    it, the procedural arithmetic task). Schema in docs/environments.md."""
+    it, the procedural arithmetic task). Schema in docs/environments.md. For 'swe': the
+    instances file (JSONL, SWE-bench's field names; docs/agentic.md)."""
     reward: Literal["pass_fraction", "all_pass"] = "pass_fraction"
     """Code tasks: reward = fraction of tests passed, or 1 only when every test passes."""
     math_lenient: bool = False
@@ -367,6 +379,51 @@ class RepoConfig(_Section):
     """Distinct generated repositories for training (split 'train')."""
     num_eval_prompts: int = Field(50, ge=1)
     """Held-out repositories (split 'eval', disjoint from 'train') for pass@1."""
+
+
+class SweConfig(_Section):
+    max_turns: int = Field(8, ge=1, le=512)
+    """Model turns per swe episode (tool commands, `done` included); past it the episode ends
+    and its tree is graded as it is."""
+    timeout_s: float = Field(30.0, gt=0, le=3600)
+    """Wall-clock deadline of one tool call in the session; `run`/`test` get this minus a second,
+    then their whole process group is killed."""
+    grade_timeout_s: float = Field(120.0, gt=0, le=7200)
+    """Wall-clock deadline of the grading job (the instance's FAIL_TO_PASS and PASS_TO_PASS
+    tests in one pytest run); tests unfinished at it fail."""
+    memory_mb: int = Field(1024, ge=64, le=65536)
+    """Memory of a session's and of a grading job's processes (pytest over a real repository
+    needs more than the code tasks' `sandbox.memory_mb`)."""
+    disk_mb: int = Field(64, ge=1, le=65536)
+    """Writable space of a session (its copy-on-write layer over the snapshot) and of a grading
+    job's checkout; a grading job also gets room for the repository itself."""
+    max_output_bytes: int = Field(2048, ge=16, le=1 << 20)
+    """Bytes of a tool's output shown to the model (head and tail of longer output); every
+    byte is at most one token, which bounds the context."""
+    page_lines: int = Field(80, ge=1, le=100000)
+    """Lines `cat PATH` shows without a range."""
+    max_matches: int = Field(40, ge=1, le=100000)
+    """Lines `grep` shows before it stops."""
+    max_file_bytes: int = Field(1 << 20, ge=64, le=1 << 26)
+    """Largest file the tools read, search or write, and that grading takes from the episode."""
+    sessions: int = Field(8, ge=1, le=4096)
+    """Sandbox sessions held at once; the reference loop runs episodes in waves of this many."""
+    reward: Literal["resolved", "partial"] = "resolved"
+    """'resolved': SWE-bench's rule, 1 when every FAIL_TO_PASS test passes and every
+    PASS_TO_PASS test still does, else 0. 'partial': a documented difference, the fraction of
+    FAIL_TO_PASS tests passing, 0 if any PASS_TO_PASS test fails."""
+    skip_is_failure: bool = False
+    """Count a skipped test as failed (SWE-bench counts it as neither, so code under test that
+    skips its own tests is not penalised); a documented difference when true."""
+    protect_tests: bool = True
+    """Drop the agent's changes to test-defining files (conftest.py, pytest configuration, test
+    modules and folders, the graded tests' files) before grading, so a policy cannot rewrite
+    what grades it. False: SWE-bench exactly (only the test patch's files are reset)."""
+    eval_frac: float = Field(0.1, ge=0, lt=1)
+    """Fraction of the instances held out for evaluation (by a hash of `instance_id`, at least
+    one; a file of one instance uses it for both)."""
+    max_instances: int | None = Field(None, ge=1)
+    """Use only the first this many instances of the file (a quick run or a curriculum slice)."""
 
 
 class AgentConfig(_Section):
@@ -800,6 +857,7 @@ class Config(_Section):
     eval: EvalConfig = EvalConfig()
     tools: ToolsConfig = ToolsConfig()
     repo: RepoConfig = RepoConfig()
+    swe: SweConfig = SweConfig()
     agent: AgentConfig = AgentConfig()
     judge: JudgeConfig = JudgeConfig()
     service: ServiceConfig = ServiceConfig()

@@ -51,6 +51,10 @@ def _make(cfg: Config) -> Environment:
         from gapless.envs.repo.environment import make_repo_environment
 
         return make_repo_environment(cfg)
+    if task.name == "swe":
+        from gapless.envs.swe.environment import make_swe_environment
+
+        return make_swe_environment(cfg)
     if task.name == "agent":
         from gapless.envs.agent.environment import make_agent_environment
 

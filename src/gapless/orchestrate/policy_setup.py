@@ -44,6 +44,8 @@ def warmstart_key(cfg: Config, env_name: str | None = None) -> str:
         }  # latency: not the teacher's  # bump when the teacher or the task's tokens change
     if cfg.task.name == "repo":
         material["repo"] = {**cfg.repo.model_dump(mode="json", exclude={"latency_s", "latency_sigma"}), "teacher": 1}
+    if cfg.task.name == "swe":
+        material["swe"] = {**cfg.swe.model_dump(mode="json"), "teacher": 2}
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
 
 

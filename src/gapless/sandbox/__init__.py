@@ -8,6 +8,7 @@ tool use. What is and is not guaranteed is listed in `gapless.sandbox.bwrap`.
 """
 
 from gapless.sandbox.bwrap import BwrapSandbox
+from gapless.sandbox.cow import SessionBase, prepare_tree
 from gapless.sandbox.job import Judged
 from gapless.sandbox.limits import SandboxLimits
 from gapless.sandbox.reduced import ReducedSandbox, open_sandbox
@@ -22,8 +23,10 @@ __all__ = [
     "SandboxLimits",
     "SandboxResult",
     "SandboxSession",
+    "SessionBase",
     "SessionResult",
     "SnapshotFailed",
     "Status",
     "open_sandbox",
+    "prepare_tree",
 ]

@@ -124,7 +124,7 @@ def serve(spec):
         _mount(
             "devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, f"newinstance,ptmxmode=0666,mode=0620,max={MAX_PTYS}"
         )
-        if spec.get("session"):
+        if spec.get("session") and not spec["session"].get("cow"):  # a cow session's is mounted (cow.py)
             _mount_tmpfs("/work/session", spec["session"], mode="0700")
         for name in spec.get("preimport", ()):
             __import__(name)

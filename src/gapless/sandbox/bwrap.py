@@ -94,6 +94,7 @@ from pathlib import Path
 from typing import Sequence
 
 from gapless.sandbox.cgroups import CgroupRoot
+from gapless.sandbox.cow import SessionBase
 from gapless.sandbox.job import Job, Judged
 from gapless.sandbox.limits import SandboxLimits
 from gapless.sandbox.pool import BWRAP_MISSING, SlotPool
@@ -211,13 +212,17 @@ class BwrapSandbox:
         """`run_python` for coroutines: queued for the pool's threads, never blocking the loop."""
         return await self._pool.arun(Job.of(files, main, list(args)), limits or self.limits)
 
-    def open_session(self, limits: SandboxLimits | None = None, idle_timeout_s: float = 300.0):
-        """A stateful sandbox for multi-turn tool use (session.py); close it when done."""
+    def open_session(self, limits: SandboxLimits | None = None, idle_timeout_s: float = 300.0,
+                     base: SessionBase | None = None):  # fmt: skip
+        """A stateful sandbox for multi-turn tool use (session.py); close it when done. `base`:
+        /work/session is a copy-on-write view of `base.tree` (cow.py; needs root)."""
         from gapless.sandbox.session import SandboxSession
 
         if self.mode != "bwrap":
             raise SandboxError("sessions need bubblewrap; reduced mode has no private filesystem")
-        return SandboxSession(self._pool, limits or self.limits, idle_timeout_s)
+        if base is not None and self._pool.uid_base is None:
+            raise SandboxError("copy-on-write sessions need root (slot uids): run as root or give each episode a copy")
+        return SandboxSession(self._pool, limits or self.limits, idle_timeout_s, base)
 
     def metrics(self) -> dict[str, float]:
         """`sandbox/*` counters (`*_total`) and recent queue and run latency percentiles."""

@@ -21,6 +21,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from gapless.sandbox import cow
+from gapless.sandbox.cow import SessionBase
+
 BOOT_SOURCE = Path(__file__).with_name("boot.py").read_text(encoding="utf-8")
 # Dropping to the slot uid through setpriv lets Popen use vfork: a fork of a large host process
 # (a trainer holding a model) costs milliseconds of page-table copying per job.
@@ -46,7 +49,8 @@ def _root_link_args() -> list[str]:
 ROOT_LINK_ARGS = _root_link_args()
 
 
-def bwrap_argv(bwrap: str) -> list[str]:
+def bwrap_argv(bwrap: str, mounts: list[str] | None = None) -> list[str]:
+    """bwrap's command line; `mounts`: more mount options, made before the root turns read-only."""
     return [
         bwrap,
         "--unshare-all", "--unshare-user", "--disable-userns",
@@ -57,6 +61,7 @@ def bwrap_argv(bwrap: str) -> list[str]:
         "--ro-bind", "/usr", "/usr", *ROOT_LINK_ARGS,
         "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
         "--dir", "/tmp", "--dir", JOB_DIR_INSIDE, "--dir", SESSION_DIR_INSIDE,
+        *(mounts or []),
         "--remount-ro", "/",
         "--chdir", "/",
         "--",
@@ -70,16 +75,25 @@ def spawn_server(
     bwrap: str | None,
     uid: int | None,
     env: dict[str, str] | None = None,
+    base: SessionBase | None = None,
+    cow_caps: dict[str, int] | None = None,
 ) -> tuple[subprocess.Popen[bytes], object]:
-    """Start the server; returns (process, its stderr file). `bwrap` None: reduced mode."""
+    """Start the server; returns (process, its stderr file). `bwrap` None: reduced mode.
+    `base`: a copy-on-write session (cow.py; needs bwrap, root and setpriv), its upper layer
+    capped by `cow_caps` ({"bytes", "inodes"})."""
     spec = {**spec, "control_fd": control_fd}
     command = [python, "-I", "-B", "-c", BOOT_SOURCE, marshal.dumps(spec).hex()]
-    argv = [*bwrap_argv(bwrap), *command] if bwrap else command
+    mounts = cow.bwrap_args(base) if base is not None else None
+    argv = [*bwrap_argv(bwrap, mounts), *command] if bwrap else command
     identity: dict[str, object] = {}
     if uid is not None and SETPRIV:  # never run bwrap as root: it would keep root's power
         argv = [SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
     elif uid is not None:
         identity = {"user": uid, "group": uid, "extra_groups": []}
+    if base is not None:
+        if not (bwrap and uid is not None and SETPRIV and cow_caps):
+            raise ValueError("a copy-on-write session needs bubblewrap, root (slot uids) and setpriv")
+        argv = cow.helper_argv(python, base, uid, cow_caps["bytes"], cow_caps["inodes"], argv)
     errors = tempfile.TemporaryFile()  # a file, not a pipe: a chatty failure never blocks it
     try:
         process = subprocess.Popen(

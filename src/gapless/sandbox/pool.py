@@ -38,6 +38,7 @@ from pathlib import Path
 
 from gapless.sandbox import procs
 from gapless.sandbox.cgroups import CgroupRoot, SlotCgroup
+from gapless.sandbox.cow import SessionBase
 from gapless.sandbox.job import Job
 from gapless.sandbox.limits import SandboxLimits
 from gapless.sandbox.result import SandboxResult, Status, classify
@@ -123,8 +124,9 @@ class SlotPool:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self.run, job, limits, time.monotonic())
 
-    def lease(self, session_limits: SandboxLimits) -> Slot:
-        """A slot held until `give_back`, with a started session server (sessions)."""
+    def lease(self, session_limits: SandboxLimits, base: SessionBase | None = None) -> Slot:
+        """A slot held until `give_back`, with a started session server (sessions); `base`:
+        its /work/session is a copy-on-write view of that tree (cow.py)."""
         if self._closed:
             raise RuntimeError("the sandbox pool is closed")
         index = self._allocator.acquire()
@@ -141,6 +143,7 @@ class SlotPool:
                 bwrap=self.bwrap,
                 warm=True,
                 session_limits=session_limits,
+                session_base=base,
             )
             self._start_warm(slot.worker)
         except BaseException:

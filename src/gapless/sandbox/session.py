@@ -1,7 +1,9 @@
 """Stateful sandbox sessions for multi-turn tool use: files and a live process across calls.
 
 A session leases one slot (its own uid and cgroup) and starts a server in it whose mount
-namespace holds a tmpfs at /work/session (size and inode caps from the limits). Its live process
+namespace holds a tmpfs at /work/session (size and inode caps from the limits), or, opened with
+a `SessionBase`, a copy-on-write view of a shared tree there, its writes capped the same way
+(cow.py). Its live process
 is a job like any other (boot.py: fresh pid, mount and IPC namespaces, no capabilities, rlimits)
 running repl.py with cwd /work/session. Calls exchange framed messages with it (repl.py).
 
@@ -27,18 +29,18 @@ from __future__ import annotations
 
 import marshal
 import os
-import select
 import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from gapless.sandbox.cow import SessionBase
 from gapless.sandbox.frames import ReplyReader
 from gapless.sandbox.job import Job
 from gapless.sandbox.limits import MIB, SandboxLimits
 from gapless.sandbox.pool import Slot, SlotPool
 from gapless.sandbox.result import SandboxError, Status
-from gapless.sandbox.streams import READ_CHUNK_BYTES, CappedSink
+from gapless.sandbox.streams import READ_CHUNK_BYTES, CappedSink, ready
 from gapless.sandbox.worker import JobPipes, SlotFailure
 
 REPL = Job.of({"repl.py": Path(__file__).with_name("repl.py").read_bytes()}, "repl.py")
@@ -73,14 +75,15 @@ class SnapshotFailed(Exception):
 
 
 class SandboxSession:
-    def __init__(self, pool: SlotPool, limits: SandboxLimits, idle_timeout_s: float) -> None:
+    def __init__(self, pool: SlotPool, limits: SandboxLimits, idle_timeout_s: float,
+                 base: SessionBase | None = None) -> None:  # fmt: skip
         self.limits = limits
         self.idle_timeout_s = idle_timeout_s
         self._pool = pool
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
         self._pipes: JobPipes | None = None
-        self._slot: Slot | None = pool.lease(limits)
+        self._slot: Slot | None = pool.lease(limits, base)
         self._live_limits = replace(limits, cpu_s=LIVE_PROCESS_CPU_S)
         self._status = CappedSink(1 << 16)  # the live process's status pipe
         self._blob_cap_bytes = 2 * limits.tmp_size_mb * MIB + MIB  # a snapshot: files + namespace
@@ -171,9 +174,9 @@ class SandboxSession:
     def _is_spoiled(self, pipes: JobPipes) -> bool:
         """Between calls the reply channel is silent and the process alive; anything else (a
         background thread's frames, an exit) leaves the next reply unreadable."""
-        if select.select([pipes.report], [], [], 0)[0]:
+        if ready([pipes.report], 0):
             return True
-        while select.select([pipes.status], [], [], 0)[0]:
+        while ready([pipes.status], 0):
             chunk = os.read(pipes.status, READ_CHUNK_BYTES)
             self._status.feed(chunk)
             if not chunk or self._status.is_truncated:
@@ -190,9 +193,7 @@ class SandboxSession:
         )  # a restore's archive: no copy
         ended, heard = not is_written, False
         while not ended and not reader.is_done and time.monotonic() < deadline:
-            ready, _, _ = select.select([*outputs, pipes.report, pipes.status], [], [],
-                                       max(deadline - time.monotonic(), 0))  # fmt: skip
-            for fd in ready:
+            for fd in ready([*outputs, pipes.report, pipes.status], deadline - time.monotonic()):
                 chunk = os.read(fd, READ_CHUNK_BYTES)
                 if fd in outputs:
                     outputs[fd].feed(chunk)
@@ -290,7 +291,7 @@ def _write_all(fd: int, data: bytes, deadline: float) -> bool:
     os.set_blocking(fd, False)
     while view:
         remaining_s = deadline - time.monotonic()
-        if remaining_s <= 0 or not select.select([], [fd], [], remaining_s)[1]:
+        if remaining_s <= 0 or not ready([fd], remaining_s, write=True):
             return False
         try:
             view = view[os.write(fd, view) :]
@@ -305,7 +306,7 @@ def _drain(outputs: dict[int, CappedSink]) -> None:
     """Read what is already in the pipes (bounded: a daemon may keep writing)."""
     for fd, sink in outputs.items():
         for _ in range(64):
-            if not select.select([fd], [], [], 0)[0]:
+            if not ready([fd], 0):
                 break
             chunk = os.read(fd, READ_CHUNK_BYTES)
             if not chunk:

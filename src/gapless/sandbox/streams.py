@@ -15,11 +15,24 @@ the caller must kill the run and close the read ends itself.
 from __future__ import annotations
 
 import os
+import select
 import selectors
 import time
 from dataclasses import dataclass, field
 
 READ_CHUNK_BYTES = 65536
+_READ_EVENTS = select.POLLIN | select.POLLPRI
+
+
+def ready(fds, timeout_s: float, write: bool = False) -> list[int]:
+    """The fds of `fds` ready to read (or `write`) within `timeout_s` (an fd at EOF or with an
+    error counts as ready, as with select). poll, not select: a host holding hundreds of
+    sessions has fds beyond select's FD_SETSIZE (1024)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLOUT if write else _READ_EVENTS)
+    fileno = {getattr(fd, "fileno", lambda fd=fd: fd)(): fd for fd in fds}
+    return [fileno[fd] for fd, _ in poller.poll(max(timeout_s, 0.0) * 1000)]
 
 
 @dataclass

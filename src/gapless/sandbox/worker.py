@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import marshal
 import os
-import select
 import shutil
 import socket
 import subprocess
@@ -38,11 +37,12 @@ from pathlib import Path
 
 from gapless.sandbox import launch, procs
 from gapless.sandbox.cgroups import CgroupCounters, SlotCgroup
+from gapless.sandbox.cow import SessionBase
 from gapless.sandbox.job import Job
 from gapless.sandbox.limits import MIB, SandboxLimits
 from gapless.sandbox.result import Observation
 from gapless.sandbox.seccomp import filter_program
-from gapless.sandbox.streams import CappedSink, pump
+from gapless.sandbox.streams import CappedSink, pump, ready
 
 PREIMPORT = (
     "json", "re", "math", "collections", "itertools", "functools", "heapq", "bisect", "string",
@@ -86,14 +86,15 @@ class JobPipes:
 
 class SlotWorker:
     def __init__(self, *, uid: int | None, cgroup: SlotCgroup | None, python: str,
-                 bwrap: str | None, warm: bool, session_limits: SandboxLimits | None = None
-                 ) -> None:  # fmt: skip
+                 bwrap: str | None, warm: bool, session_limits: SandboxLimits | None = None,
+                 session_base: SessionBase | None = None) -> None:  # fmt: skip
         self.uid = uid
         self.cgroup = cgroup
         self.python = python
         self.bwrap = bwrap  # None: reduced mode, no namespaces
         self.warm = warm
         self.session_limits = session_limits
+        self.session_base = session_base  # a copy-on-write session's tree (cow.py)
         self._process = None
         self._errors = None
         self._control: socket.socket | None = None
@@ -122,12 +123,15 @@ class SlotWorker:
             "preimport": list(PREIMPORT) if self.warm and self.bwrap else [],
             "filter": SYSCALL_FILTER,
         }
+        cow_caps = None
         if self.session_limits is not None:
             spec["session"] = _tmpfs_caps(self.session_limits)
+            if self.session_base is not None:  # /work/session is the helper's overlay, not a tmpfs
+                cow_caps, spec["session"] = spec["session"], {"cow": True}
         env = {"PATH": "/usr/bin:/bin"} if self.bwrap is None else None
         try:
             self._process, self._errors = launch.spawn_server(
-                spec, child_end.fileno(), self.python, self.bwrap, self.uid, env
+                spec, child_end.fileno(), self.python, self.bwrap, self.uid, env, self.session_base, cow_caps
             )
         except (OSError, ValueError) as error:
             host_end.close()
@@ -373,7 +377,7 @@ class SlotWorker:
         if self._control is None:
             return None
         remaining_s = deadline - time.monotonic()
-        if remaining_s <= 0 or not select.select([self._control], [], [], remaining_s)[0]:
+        if remaining_s <= 0 or not ready([self._control], remaining_s):
             return None
         try:
             data = self._control.recv(1 << 16)
@@ -392,7 +396,7 @@ def _wait_exit(process: subprocess.Popen[bytes], timeout_s: float) -> bool:
     except OSError:  # already reaped elsewhere, or no pidfd on this kernel
         return process.poll() is not None
     try:
-        select.select([pidfd], [], [], timeout_s)
+        ready([pidfd], timeout_s)
     finally:
         os.close(pidfd)
     return process.poll() is not None
