@@ -152,10 +152,9 @@ def test_the_hidden_test_and_the_reference_are_nowhere_in_the_session(env, insta
     assert marker in instance.test_patch and fixed in instance.patch  # the searches looked for the right text
 
 
-@pytest.mark.xfail(
-    strict=True, reason="known limit of envs/swe/testrun.py: the test process can write a whole forged report"
-)
 def test_a_complete_forged_report_from_package_code(env):
+    """Package code that knows the report's format writes a whole passing report and exits: the lines
+    lack the runner's signature (envs/swe/testrun.py), so nothing passes."""
     forged = (
         "import os, json\n"
         "ids = ['tests/test_core.py::test_mean', 'tests/test_core.py::test_mean_empty', 'tests/test_core.py::test_clamp_inside',"

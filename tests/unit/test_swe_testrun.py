@@ -3,6 +3,9 @@ report's defences against the repository's own code (one hostile property per te
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import sys
 
 import pytest
@@ -161,7 +164,8 @@ def test_package_code_that_patches_the_runner_is_tampering(box, env):
 def test_a_test_writing_to_the_report_pipe_is_tampering(box, env):
     forge = 'import os\n\ndef test_forge():\n    os.write(3, b"garbage\\n")\n    assert False\n'
     run = run_tests(box, tree(**{"tests/test_forge.py": forge}), ["tests/test_forge.py::test_forge"], env, LIMITS)
-    assert run.tampered == "a malformed report line" and not run.is_passed("tests/test_forge.py::test_forge")
+    assert run.tampered == "a malformed or unsigned report line"
+    assert not run.is_passed("tests/test_forge.py::test_forge")
 
 
 def test_planted_pytest_dist_info_pth_and_sitecustomize_do_nothing(box, env):
@@ -182,12 +186,31 @@ def test_planted_pytest_dist_info_pth_and_sitecustomize_do_nothing(box, env):
     assert run.outcomes == {"tests/test_text.py::test_title_words": Outcome.PASSED}
 
 
+def _signed(key: bytes, *records: dict) -> bytes:
+    """A report as the runner writes it: the key line, then `MAC JSON` per record."""
+    lines = [json.dumps({"key": key.hex()})]
+    for record in records:
+        body = json.dumps(record)
+        lines.append(hmac.new(key, body.encode(), hashlib.sha256).hexdigest() + " " + body)
+    return ("\n".join(lines) + "\n").encode()
+
+
 def test_parse_report_never_raises_and_never_passes_junk():
-    wanted = ["a.py::t"]
+    wanted, key, passed, end = (
+        ["a.py::t"],
+        bytes(range(32)),
+        {"t": "a.py::t", "o": "passed"},
+        {"end": 0, "tamper": None},
+    )
+    assert parse_report(_signed(key, passed, end), wanted, Status.OK).is_passed("a.py::t")  # the control
     for junk in (b"", b"\xff\xfe", b"[1]\n", b'{"t": "a.py::t", "o": "won"}\n', b'{"end": "x"}\n' * 3):
         run = parse_report(junk, wanted, Status.OK)
         assert not run.is_passed("a.py::t")
-    twice = b'{"t": "a.py::t", "o": "passed"}\n' * 2 + b'{"end": 0, "tamper": null}\n'
-    assert parse_report(twice, wanted, Status.OK).tampered == "a.py::t reported twice"
-    after = b'{"end": 0, "tamper": null}\n{"t": "a.py::t", "o": "passed"}\n'
-    assert not parse_report(after, wanted, Status.OK).is_passed("a.py::t")
+    assert parse_report(_signed(key, passed, passed, end), wanted, Status.OK).tampered == "a.py::t reported twice"
+    assert not parse_report(_signed(key, end, passed), wanted, Status.OK).is_passed("a.py::t")
+    unsigned = _signed(key).decode() + json.dumps(passed) + "\n" + json.dumps(end) + "\n"
+    assert parse_report(unsigned.encode(), wanted, Status.OK).tampered == "a malformed or unsigned report line"
+    other_key = _signed(key) + _signed(bytes(32), passed, end).split(b"\n", 1)[1]  # lines signed with another key
+    assert not parse_report(other_key, wanted, Status.OK).is_passed("a.py::t")
+    no_key = _signed(key, passed, end).split(b"\n", 1)[1]
+    assert parse_report(no_key, wanted, Status.OK).tampered == "the report does not start with the runner's key"

@@ -17,9 +17,13 @@ process. Order matters, and is the point of this file:
    `env/` is a plain path, not a site dir: `.pth`, `sitecustomize` and `usercustomize` files
    in the repository or `env/` are never executed.
 
-Report (fd 3, JSON lines): `{"collected": n}`, then one `{"t": node id, "o": outcome, "m": text}`
-per finished test (`m`: a failure's trimmed text, only for failed/error), and at the end
-`{"end": pytest's exit code, "tamper": null or why}`. A test that never finishes has no line.
+Report (fd 3): first `{"key": HEX}`, a fresh random key written before any repository code
+exists in the process; then one line per record, `MAC JSON`, MAC being the record's HMAC-SHA256
+under that key: `{"collected": n}`, one `{"t": node id, "o": outcome, "m": text}` per finished
+test (`m`: a failure's trimmed text, only for failed/error), and at the end `{"end": pytest's
+exit code, "tamper": null or why}`. A test that never finishes has no line. The key lives only
+in this process's memory (a closure), so repository code that writes lines to fd 3 must first
+find it there: a forged report takes introspection of the runner, not knowledge of its format.
 
 The tamper check (the footer's `tamper`): after the run, the functions that make outcomes
 (runner, report construction, the recorder's own hooks) must be the objects they were before
@@ -30,6 +34,8 @@ this process can reach anything in it, this check included (testrun.py says what
 Not standalone-safe: run only inside the sandbox.
 """
 
+import hashlib
+import hmac
 import json
 import os
 import shutil
@@ -60,6 +66,8 @@ CRITICAL = {  # per _pytest module: functions and class attributes that decide a
 
 
 def main():
+    report = os.fdopen(FD_REPORT, "w", encoding="utf-8", errors="backslashreplace", buffering=1)
+    emit = _signed_writer(report)
     with open(os.path.join(JOB_DIR, "request.json"), encoding="utf-8") as handle:
         request = json.load(handle)
     env_dir = os.path.join(JOB_DIR, "env")
@@ -74,19 +82,31 @@ def main():
         plugin_args += ["-p", name]
     shutil.copytree(os.path.join(JOB_DIR, "repo"), REPO_DIR, symlinks=True)
     os.chdir(REPO_DIR)
-    report = os.fdopen(FD_REPORT, "w", encoding="utf-8", errors="backslashreplace", buffering=1)
     wanted = request["test_ids"]
     python_path = [os.path.normpath(os.path.join(REPO_DIR, entry)) for entry in request["python_path"]]
-    recorder = Recorder(report, None if wanted is None else set(wanted), python_path)
+    recorder = Recorder(emit, None if wanted is None else set(wanted), python_path)
     trusted_files = {os.path.join(REPO_DIR, path) for path in request["hook_files"]}
     guard = Guard(pytest, recorder, env_dir, trusted_files)
     args = ["-p", "no:cacheprovider", "-q", "--no-header", "-o", "console_output_style=classic",
             *plugin_args, *request["args"], *request["paths"]]  # fmt: skip
     code = pytest.main(args, plugins=[recorder, guard])
     tamper = guard.verdict(recorder)
-    report.write(json.dumps({"end": int(code), "tamper": tamper}) + "\n")
+    emit({"end": int(code), "tamper": tamper})
     report.flush()
     os._exit(0)
+
+
+def _signed_writer(report):
+    """Write the key line now; return the function that writes one signed record per line."""
+    key = os.urandom(32)
+    report.write(json.dumps({"key": key.hex()}) + "\n")
+    report.flush()
+
+    def emit(record):
+        line = json.dumps(record)
+        report.write(hmac.new(key, line.encode(), hashlib.sha256).hexdigest() + " " + line + "\n")
+
+    return emit
 
 
 def _env_plugins(env_dir):
@@ -104,8 +124,8 @@ def _env_plugins(env_dir):
 class Recorder:
     """Per-test outcome from the phase reports; one report line when a test's teardown ends."""
 
-    def __init__(self, report, wanted, python_path):
-        self.report = report
+    def __init__(self, emit, wanted, python_path):
+        self._emit = emit
         self.wanted = wanted
         self.python_path = python_path
 
@@ -157,9 +177,6 @@ class Recorder:
         self.budget -= take
         return text[-take:] if take > 0 else ""
 
-    def _emit(self, record):
-        self.report.write(json.dumps(record) + "\n")
-
 
 class Guard:
     """The tamper check (module docstring): identities taken before any repository code runs."""
@@ -193,8 +210,9 @@ class Guard:
                 owner, _, attribute = name.rpartition(".")
                 holder = getattr(module, owner, None) if owner else module
                 found[f"{short}.{name}"] = vars(holder).get(attribute) if holder is not None else None
-        for name in ("pytest_runtest_logreport", "pytest_collection_modifyitems", "_emit"):
+        for name in ("pytest_runtest_logreport", "pytest_collection_modifyitems"):
             found[f"recorder.{name}"] = vars(type(recorder))[name]
+        found["recorder._emit"] = vars(recorder)["_emit"]
         return found
 
     def pytest_configure(self, config):

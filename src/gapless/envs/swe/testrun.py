@@ -22,8 +22,10 @@ never stops the others (pytest refuses a command line naming an unknown id).
 
 Guaranteed, against code in the repository (conftest.py, test files, the package itself):
 - the host reads outcomes from the job's report pipe, parses them as untrusted text (bounded,
-  never an exception) and counts a test as passed only on a well-formed `passed` line; a
-  crash, an early exit, a kill or a timeout loses tests (missing), never adds passes;
+  never an exception) and counts a test as passed only on a well-formed `passed` line signed
+  with the key the runner wrote first, before any repository code was in its process (a line
+  without that signature marks the run `tampered`); a crash, an early exit, a kill or a
+  timeout loses tests (missing), never adds passes;
 - pytest, pluggy and the recorder come from `env`, never from the repository (a planted
   `pytest.py`, `_pytest/`, `*.dist-info` entry point or `-p` plugin module in the repository
   is not the runner; entry-point autoloading is off); `.pth`, `sitecustomize.py` and
@@ -33,8 +35,9 @@ Guaranteed, against code in the repository (conftest.py, test files, the package
   (`pytest_runtest_makereport` and the like) implemented outside `env`, pytest and the
   trusted `hook_files` marks the run `tampered`, and every outcome is then error.
 NOT guaranteed: code that runs in the test process can do anything that process can, including
-writing well-formed lines to the report pipe or defeating the tamper check itself; the check
-stops the obvious patches, not a determined forger. A grader must therefore take everything
+finding the runner's key in its memory and writing signed lines, or defeating the tamper check
+itself; the signature and the check stop code that knows the report's format and the obvious
+patches, not a determined forger that introspects the runner. A grader must therefore take everything
 that decides how tests run (test files, every conftest.py, pytest's configuration files:
 pytest.ini, tox.ini, setup.cfg, pyproject.toml) from the trusted snapshot and the test patch,
 and pass those conftest.py files as `hook_files`; what is left to the agent's code is then
@@ -43,6 +46,8 @@ the package's own modules, which can still patch pytest at import time past this
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import shlex
@@ -142,10 +147,16 @@ def parse_report(report: bytes, wanted: Sequence[str] | None, status: Status, ou
     messages: dict[str, str] = {}
     collected = exit_code = tampered = None
     is_complete = False
-    for raw in report.decode("utf-8", errors="replace").splitlines():
-        line = _record(raw)
+    lines = report.decode("utf-8", errors="replace").splitlines()
+    key = _key(lines[0]) if lines else None
+    if lines and key is None:
+        tampered = "the report does not start with the runner's key"
+    for raw in lines[1:]:
+        line = _record(raw, key)
         if line is None or is_complete:
-            tampered = tampered or ("a report line after the footer" if line is not None else "a malformed report line")
+            tampered = tampered or (
+                "a report line after the footer" if line is not None else "a malformed or unsigned report line"
+            )
             continue
         if "collected" in line and isinstance(line["collected"], int) and collected is None:
             collected = line["collected"]
@@ -179,9 +190,22 @@ _OUTCOMES = frozenset(o.value for o in Outcome if o is not Outcome.MISSING)
 _BAD = (Outcome.FAILED, Outcome.ERROR)
 
 
-def _record(raw: str) -> dict | None:
+def _key(raw: str) -> bytes | None:
     try:
         value = json.loads(raw)
+        return bytes.fromhex(value["key"]) if isinstance(value, dict) and len(value["key"]) == 64 else None
+    except (ValueError, RecursionError, KeyError, TypeError):
+        return None
+
+
+def _record(raw: str, key: bytes | None) -> dict | None:
+    """A signed line's record; None for a line that is malformed or not signed with `key`."""
+    mac, _, body = raw.partition(" ")
+    expected = hmac.new(key, body.encode(), hashlib.sha256).hexdigest().encode() if key is not None else b""
+    if key is None or not hmac.compare_digest(mac.encode(), expected):
+        return None
+    try:
+        value = json.loads(body)
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
