@@ -83,12 +83,18 @@ class InfraUnavailable(InfrastructureError):
     """Every rollout of a step failed for infrastructure reasons; fix the host, not the model."""
 
 
-def check_infra(rollouts: Sequence[Rollout], hint: str = "") -> int:
-    """Count infra failures; raise `InfraUnavailable` when no rollout could be scored at all."""
+def check_infra(
+    rollouts: Sequence[Rollout],
+    hint: str = "",
+    what: str = "rollout of this step failed to be scored",
+    error: type[Exception] = InfraUnavailable,
+) -> int:
+    """Count infra failures; raise `error` ("every {what} ({the first error}){hint}") when no
+    rollout could be scored at all."""
     failures = sum(r.is_infra_failure for r in rollouts)
     if rollouts and failures == len(rollouts):
         detail = rollouts[0].info.get("error", "")
-        raise InfraUnavailable(f"every rollout of this step failed to be scored ({detail}){hint}")
+        raise error(f"every {what} ({detail}){hint}")
     return failures
 
 

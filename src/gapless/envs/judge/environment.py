@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Sequence
 
 from gapless.config import Config
-from gapless.envs.base import Split
+from gapless.envs.base import Split, check_infra
 from gapless.envs.judge.client import HttpJudgeClient, JudgeClient, SchedulerJudgeClient
 from gapless.envs.judge.parse import parse_score
 from gapless.errors import InfrastructureError
@@ -123,10 +123,7 @@ class JudgeEnvironment:
     @staticmethod
     def check_infra(rollouts: list[Rollout]) -> int:
         """Count infra failures; raise when no rollout could be judged at all."""
-        failures = sum(r.is_infra_failure for r in rollouts)
-        if rollouts and failures == len(rollouts):
-            raise JudgeUnavailable(f"every judge request of this step failed: {rollouts[0].info.get('error')}")
-        return failures
+        return check_infra(rollouts, what="judge request of this step failed", error=JudgeUnavailable)
 
     def close(self) -> None:
         self.client.close()

@@ -46,7 +46,7 @@ from pathlib import PurePosixPath
 from typing import Callable, Sequence
 
 from gapless.config import Config
-from gapless.envs.base import Generator, Split
+from gapless.envs.base import Generator, Split, check_infra
 from gapless.envs.code.environment import HARNESSES, JUDGE_FILES, JUDGED, SandboxUnavailable, parse_report
 from gapless.envs.episode import Episode
 from gapless.envs.repo.tasks import RepoTask, generate_repo_tasks
@@ -283,12 +283,9 @@ class RepoEnvironment:
 
     @staticmethod
     def check_infra(rollouts: list[Rollout]) -> int:
-        failures = sum(r.is_infra_failure for r in rollouts)
-        if rollouts and failures == len(rollouts):
-            raise SandboxUnavailable(
-                f"every repo episode of this step failed ({rollouts[0].info.get('error')}); run `gapless sandbox check`"
-            )
-        return failures
+        return check_infra(
+            rollouts, "; run `gapless sandbox check`", "repo episode of this step failed", SandboxUnavailable
+        )
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

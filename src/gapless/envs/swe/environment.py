@@ -39,7 +39,7 @@ from dataclasses import replace
 from pathlib import PurePosixPath
 from typing import Callable, Sequence
 
-from gapless.envs.base import Generator, Split
+from gapless.envs.base import Generator, Split, check_infra
 from gapless.envs.code.environment import SandboxUnavailable
 from gapless.envs.commands import PLAIN, TurnFormat, observe, path_problem, session_code
 from gapless.envs.episode import Episode
@@ -240,12 +240,9 @@ class SweEnvironment:
 
     @staticmethod
     def check_infra(rollouts: list[Rollout]) -> int:
-        failures = sum(r.is_infra_failure for r in rollouts)
-        if rollouts and failures == len(rollouts):
-            raise SandboxUnavailable(
-                f"every swe episode of this step failed ({rollouts[0].info.get('error')}); run `gapless sandbox check`"
-            )
-        return failures
+        return check_infra(
+            rollouts, "; run `gapless sandbox check`", "swe episode of this step failed", SandboxUnavailable
+        )
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

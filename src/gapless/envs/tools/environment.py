@@ -51,7 +51,7 @@ from dataclasses import replace
 from typing import Callable, Sequence
 
 from gapless.config import Config
-from gapless.envs.base import Generator, Split
+from gapless.envs.base import Generator, Split, check_infra
 from gapless.envs.code.environment import SandboxUnavailable
 from gapless.envs.episode import Episode
 from gapless.envs.tools.tasks import (
@@ -314,12 +314,9 @@ class ToolUseEnvironment:
 
     @staticmethod
     def check_infra(rollouts: list[Rollout]) -> int:
-        failures = sum(r.is_infra_failure for r in rollouts)
-        if rollouts and failures == len(rollouts):
-            raise SandboxUnavailable(
-                f"every tool session of this step failed ({rollouts[0].info.get('error')}); run `gapless sandbox check`"
-            )
-        return failures
+        return check_infra(
+            rollouts, "; run `gapless sandbox check`", "tool session of this step failed", SandboxUnavailable
+        )
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
