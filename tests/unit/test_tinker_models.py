@@ -18,39 +18,23 @@ import tinker
 import torch
 from serve_model import tiny_policy
 from tinker import types
+from tinker_service import KEY, served
 
-from gapless.config import ConfigError, load_config
+from gapless.config import ConfigError
 from gapless.lora import LoraSpec
 from gapless.service.hub_cache import MARKER, check_renderer, export_tokenizer
 from gapless.service.models import AdamParams, BaseModels, TrainingRun
-from gapless.service.server import ServiceThread, build_service
 from gapless.service.wire import DatumIn
 
-KEY = "tml-gapless-test"
 CONTEXT = 64
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("tinker-models")
-    policy = tiny_policy()  # 256 positions: the service's max_seq_len (64) is the tighter bound
-    policy.save(root / "base")
-    cfg = load_config(
-        None,
-        {
-            "service.base_models": f'{{tiny = "{root / "base"}"}}',
-            "service.checkpoint_dir": f'"{root / "ckpt"}"',
-            "service.max_batch": "8",
-            "service.max_seq_len": str(CONTEXT),
-            "service.poll_hold_s": "5",
-            "service.export_tokenizers": "false",
-        },
-    )
-    server = ServiceThread(build_service(cfg, KEY, log=lambda *a, **k: None))
-    with tinker.ServiceClient(base_url=server.base_url, api_key=KEY) as client:
-        yield server, policy, client
-    server.close()
+    with served(root, max_seq_len=str(CONTEXT)) as (server, policy):
+        with tinker.ServiceClient(base_url=server.base_url, api_key=KEY) as client:
+            yield server, policy, client
 
 
 def _datum(tokens: list[int]) -> types.Datum:

@@ -12,36 +12,18 @@ import numpy as np
 import pytest
 import tinker
 import torch
-from serve_model import tiny_policy
 from tinker import types
+from tinker_service import KEY, served
 
-from gapless.config import load_config
-from gapless.service.server import ServiceThread, build_service
-
-KEY = "tml-gapless-test"
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("tinker-options")
-    policy = tiny_policy()
-    policy.save(root / "base")
-    cfg = load_config(
-        None,
-        {
-            "service.base_models": f'{{tiny = "{root / "base"}"}}',
-            "service.checkpoint_dir": f'"{root / "ckpt"}"',
-            "service.max_batch": "8",
-            "service.max_seq_len": "128",
-            "service.poll_hold_s": "5",
-        },
-    )
-    server = ServiceThread(build_service(cfg, KEY, log=lambda *a, **k: None))
-    with tinker.ServiceClient(base_url=server.base_url, api_key=KEY) as client:
-        yield (client, *_trained(client, server, policy), policy)
-    server.close()
+    with served(root) as (server, policy):
+        with tinker.ServiceClient(base_url=server.base_url, api_key=KEY) as client:
+            yield (client, *_trained(client, server, policy), policy)
 
 
 def _trained(client, server, policy):

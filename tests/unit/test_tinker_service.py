@@ -13,36 +13,17 @@ import openai
 import pytest
 import tinker
 import torch
-from serve_model import tiny_policy
 from tinker import types
+from tinker_service import KEY, served
 
-from gapless.config import load_config
 from gapless.service.losses import LossInputError, cispo, cross_entropy, dro, gspo, importance_sampling, ppo
-from gapless.service.server import ServiceThread, build_service
-
-KEY = "tml-gapless-test"
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("tinker")
-    policy = tiny_policy()
-    policy.save(root / "base")
-    cfg = load_config(
-        None,
-        {
-            "service.base_models": f'{{tiny = "{root / "base"}"}}',
-            "service.checkpoint_dir": f'"{root / "ckpt"}"',
-            "service.max_batch": "16",
-            "service.max_seq_len": "128",
-            "service.poll_hold_s": "5",
-            "service.export_tokenizers": "false",  # the user's Hugging Face cache is not the test's
-        },
-    )
-    server = ServiceThread(build_service(cfg, KEY, log=lambda *a, **k: None))
-    yield server, policy
-    server.close()
+    with served(root, max_batch="16") as (server, policy):
+        yield server, policy
 
 
 @pytest.fixture(scope="module")
