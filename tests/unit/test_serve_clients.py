@@ -78,37 +78,20 @@ class add(BaseModel):  # noqa: N801 -- langchain names the tool after the class
     b: Small
 
 
-def test_openai_agents_calls_a_function_tool(served):
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
-    from openai import AsyncOpenAI
-
-    set_tracing_disabled(True)
-    seen = []
-
-    @function_tool
-    def add_numbers(a: Small, b: Small) -> str:
-        """Add two numbers."""
-        seen.append((a, b))
-        return str(a + b)
-
-    model = OpenAIChatCompletionsModel("tiny", AsyncOpenAI(base_url=served, api_key="unused", max_retries=0))
-    agent = Agent(
-        name="adder",
-        instructions="Use the tool.",
-        tools=[add_numbers],
-        model=model,
-        model_settings=ModelSettings(tool_choice="add_numbers", max_tokens=200),
-        tool_use_behavior="stop_on_first_tool",
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_openai_agents_call_a_function_tool_and_give_an_output_type(served, api):
+    """openai-agents on either of its OpenAI models: chat completions, and its default, the Responses
+    API (the call goes out as a function_call item, the tool's output comes back as a
+    function_call_output item)."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
     )
-    result = asyncio.run(Runner.run(agent, "What is 2 + 3?", max_turns=3))
-    assert len(seen) == 1 and all(isinstance(v, int) for v in seen[0])
-    assert result.final_output == str(sum(seen[0]))
-
-
-def test_openai_agents_default_responses_model_calls_a_function_tool(served):
-    """openai-agents' default model speaks the Responses API: the call goes out as a function_call
-    item and the tool's output comes back as a function_call_output item."""
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)
@@ -120,7 +103,8 @@ def test_openai_agents_default_responses_model_calls_a_function_tool(served):
         seen.append((a, b))
         return str(a + b)
 
-    model = OpenAIResponsesModel("tiny", AsyncOpenAI(base_url=served, api_key="unused", max_retries=0))
+    kind = OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel
+    model = kind("tiny", AsyncOpenAI(base_url=served, api_key="unused", max_retries=0))
     agent = Agent(
         name="adder",
         instructions="Use the tool.",
