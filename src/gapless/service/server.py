@@ -5,7 +5,8 @@ The same stack as `gapless serve` (openai/server.py): one process, uvicorn's loo
 one training thread. The SDK's `base_url` is the server root (`http://HOST:PORT`).
 
     build_service(cfg, api_key)  the app over the configured base models (none: gapless-tiny), with the
-                                 OpenAI API (`/v1`, bearer KEY) over the first one's sampling scheduler
+                                 OpenAI API (`/v1`, bearer KEY) over the first one's sampling scheduler;
+                                 sampling on `generator.engine` ('torch' or 'vllm': one base model)
     ServiceThread(app)           the service from a background thread (tests, benchmarks)
     serve(cfg, sock, api_key)    the command: runs until Ctrl-C
 
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from gapless.config import Config, usable_cores
+from gapless.config import Config, ConfigError, usable_cores
 from gapless.models import Policy
 from gapless.serve.openai.app import OpenAIApp
 from gapless.serve.openai.server import ServerThread, _config
@@ -45,8 +46,24 @@ def default_model(cfg: Config, log=print) -> Policy:
     return policy
 
 
+def sampling_engine(cfg: Config) -> str:
+    """The engine the samplers run (`generator.engine`), or a `ConfigError` naming the field."""
+    engine = cfg.generator.engine
+    if engine == "reference":
+        raise ConfigError(
+            "generator.engine = 'reference' does not stream: serve-training samples with 'torch' or 'vllm'"
+        )
+    if engine == "vllm" and len(cfg.service.base_models) > 1:
+        raise ConfigError(
+            f"service.base_models lists {len(cfg.service.base_models)} models, and the vLLM engine serves one per "
+            "process (it sizes its cache from the memory it finds): list one, or use generator.engine = 'torch'"
+        )
+    return engine
+
+
 def build_service(cfg: Config, api_key: str, log=print) -> TinkerApp:
     s = cfg.service
+    engine = sampling_engine(cfg)
     bases = BaseModels(
         s.base_models, default=lambda: default_model(cfg, log), tokenizer_root=Path(s.checkpoint_dir) / "tokenizers"
     )
@@ -56,11 +73,13 @@ def build_service(cfg: Config, api_key: str, log=print) -> TinkerApp:
         max_batch=s.max_batch,
         max_seq_len=s.max_seq_len,
         max_snapshots=s.max_snapshots,
+        engine=engine,
+        work_dir=s.checkpoint_dir,
     )
     name = bases.names[0]  # the OpenAI routes serve the first base model, on its sampling scheduler
     base = bases.get(name)
     openai = OpenAIApp(
-        pool.scheduler_for(name), base.policy.tokenizer, name, scorer=Scorer(base.policy.model), api_key=api_key
+        pool.pinned(name), base.policy.tokenizer, name, scorer=Scorer(base.policy.model), api_key=api_key
     )
     return TinkerApp(
         bases,

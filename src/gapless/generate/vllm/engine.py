@@ -110,6 +110,8 @@ _ENGINE_IN_PROCESS = threading.Lock()  # held for the life of the process by the
 
 
 class VLLMEngine:
+    supports_constraints = False  # no grammar-constrained decoding through this backend
+
     def __init__(
         self,
         model_path: str,
