@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from gapless.faults import fault_point, process_role
 from gapless.generate.protocol import RunningSample
 from gapless.generate.sampling import sample_seed
 from gapless.types import Completion, FinishReason, SamplingParams
@@ -271,6 +272,7 @@ class VLLMEngine:
     def step(self) -> list[Completion]:
         finished = []
         with self._lock:
+            fault_point(process_role(), "vllm_step")  # the fault tests' wedge or error of a real step
             outputs = self.engine.step()
             for out in outputs:
                 sample = self._live.get(out.request_id)
