@@ -9,7 +9,8 @@ and its speed drifts within minutes. Reported per phase: decode tokens/s (genera
 generation wall time, prefill included, start-up excluded), start-up seconds, and for the two
 engines that take pushes the seconds to push the full state dict, per GB of fp32 weights
 (torch: `TorchEngine.update_weights`; vLLM: the in-place reload, `VLLMEngine.update_weights`).
-The torch engine's child starts with OMP_WAIT_POLICY=PASSIVE, as a generator replica does.
+Both engines' children start with OMP_WAIT_POLICY=PASSIVE, as a generator replica does (`--spin`:
+OpenMP's default; HF `generate` gets the caller's environment either way).
 Every round's figures and the medians are printed; the last line is one JSON object. Each child
 also records the machine's 1-minute load average at its start and end, and the CPU seconds other
 processes used while it generated (`outside_cores`: this machine is shared).
@@ -146,6 +147,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32", help="float32 and/or bfloat16 (bf16: a CPU with avx512_bf16)")
     ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--spin", action="store_true", help="the engines under OpenMP's default wait policy (spinning)")
     ap.add_argument("--phase")
     ap.add_argument("--shape")
     ap.add_argument("--dtype", default="float32")
@@ -165,7 +167,9 @@ def main() -> None:
         for shape, dtype, phase in cases:
             cmd = [sys.executable, __file__, "--phase", phase, "--shape", shape, "--dtype", dtype]
             env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
-            if phase == "torch":  # as a generator replica runs it (cluster/placement.engine_environ)
+            if (
+                phase in ("torch", "vllm") and not args.spin
+            ):  # as a generator replica runs it (placement.engine_environ)
                 env.update(ENGINE_WAIT_POLICY)
             proc = subprocess.run([*cmd, "--threads", str(args.threads)], capture_output=True, text=True, env=env)
             try:

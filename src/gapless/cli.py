@@ -298,11 +298,12 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.engine == "vllm":
                 _vllm_check(args.model_path, 0)
-            else:  # set before torch loads OpenMP (cluster/placement.engine_environ says why)
-                from gapless.cluster.placement import ENGINE_WAIT_POLICY
+            # set before torch loads OpenMP: either engine's threads sleep at barriers instead of
+            # spinning (cluster/placement.engine_environ says why)
+            from gapless.cluster.placement import ENGINE_WAIT_POLICY
 
-                if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-                    os.environ.update(ENGINE_WAIT_POLICY)
+            if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+                os.environ.update(ENGINE_WAIT_POLICY)
             try:
                 sock = bind(args.host, args.port)  # before the heavy imports: a port in use fails at once
             except PortInUse as exc:

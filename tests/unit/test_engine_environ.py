@@ -1,6 +1,6 @@
-"""A torch-engine generator replica's process starts with OpenMP's passive wait policy (its
-threads sleep at a barrier instead of spinning on a shared machine), unless the user chose one;
-no other actor or engine gets it, and the trainer's own environment is left as it was."""
+"""A generator replica's process (torch engine or vLLM) starts with OpenMP's passive wait policy
+(its threads sleep at a barrier instead of spinning on a shared machine), unless the user chose
+one; no other actor gets it, and the trainer's own environment is left as it was."""
 
 from __future__ import annotations
 
@@ -24,13 +24,14 @@ def _main(spec) -> None:
     _report(spec.queue)
 
 
-def test_only_torch_engine_replicas_get_the_passive_policy(monkeypatch):
+def test_only_generator_replicas_get_the_passive_policy(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     torch_cfg, vllm_cfg = load_config(None, {}), load_config(None, {"generator.engine": '"vllm"'})
     assert engine_environ("generator", torch_cfg) == {"OMP_WAIT_POLICY": "PASSIVE"}
     assert engine_environ("generator-1", torch_cfg) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert engine_environ("environment", torch_cfg) == {} and engine_environ("generator", vllm_cfg) == {}
+    assert engine_environ("generator", vllm_cfg) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert engine_environ("environment", torch_cfg) == {} and engine_environ("trainer", torch_cfg) == {}
     monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
     assert engine_environ("generator", torch_cfg) == {}  # the user's choice stands
 
