@@ -43,3 +43,22 @@ def test_serve_and_serve_training_refuse_that_head_dim_the_same_way(tmp_path, ca
     ):
         err = _stderr_of(argv, capsys)
         assert "head dims" in err and "is 8" in err and "generator.engine = 'torch'" in err
+
+
+def test_vllms_copy_of_the_config_covers_a_multi_turn_context(tmp_path):
+    """Plain RoPE: vLLM's copy gets the run's context as max_position_embeddings (vLLM refuses
+    more); a scaled RoPE, whose rotations depend on that field, is a one-line error instead."""
+    import json
+
+    from gapless.config import ConfigError
+    from gapless.generate import _fit_positions
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"max_position_embeddings": 532, "rope_parameters": {"rope_type": "default"}}))
+    _fit_positions(tmp_path, 750)
+    assert json.loads(config.read_text())["max_position_embeddings"] == 750
+    _fit_positions(tmp_path, 600)  # shorter: left as it is
+    assert json.loads(config.read_text())["max_position_embeddings"] == 750
+    config.write_text(json.dumps({"max_position_embeddings": 532, "rope_parameters": {"rope_type": "yarn"}}))
+    with pytest.raises(ConfigError, match="generator.engine = 'torch'"):
+        _fit_positions(tmp_path, 750)

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from gapless.config import GeneratorConfig
+from gapless.config import ConfigError, GeneratorConfig
 from gapless.generate.adapters import AdapterMerge
 from gapless.generate.engine import TorchEngine
 from gapless.generate.families import engine_path, require_engine
@@ -101,6 +101,7 @@ def _vllm_engine(
     check_model(head_dim(policy.model.config))  # before anything is written or built
     if save:
         policy.save(path)
+        _fit_positions(path, max_seq_len)
     # CPU: the policy's own dtype (fp32 keeps log-probs equal to the trainer's); GPU: model.dtype 'auto' is bf16
     dtype = str(policy.model.dtype).removeprefix("torch.") if on_cpu() else "bfloat16"
     engine = VLLMEngine(
@@ -121,6 +122,26 @@ def _vllm_engine(
         f"{'LoRA requests' if lora is not None else engine.weights.full.name}"
     )
     return engine
+
+
+def _fit_positions(path: Path, max_seq_len: int | None) -> None:
+    """vLLM refuses a context longer than the checkpoint's `max_position_embeddings`, which the
+    trainer and the torch engine run past (a multi-turn episode's context on the embedded model).
+    Under plain RoPE a position's rotation does not depend on that field, so vLLM's copy of the
+    config gets `max_seq_len` there; a scaled RoPE does depend on it: a one-line error instead."""
+    config_path = path / "config.json"
+    hf = json.loads(config_path.read_text())
+    if not max_seq_len or max_seq_len <= hf.get("max_position_embeddings", max_seq_len):
+        return
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ConfigError(
+            f"the run's context is {max_seq_len} tokens, past this model's max_position_embeddings "
+            f"({hf['max_position_embeddings']}) under a scaled RoPE, which vLLM does not extend: shorten "
+            "generator.max_new_tokens (or the episode's turns), or use generator.engine = 'torch'"
+        )
+    hf["max_position_embeddings"] = max_seq_len
+    config_path.write_text(json.dumps(hf, indent=2) + "\n")
 
 
 def head_dim(config) -> int:
