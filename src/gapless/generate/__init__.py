@@ -76,11 +76,12 @@ def serving_engine(
     max_seq_len: int | None,
     model_dir: str | Path,
     kernels: str = "auto",
+    save: bool = False,
     log=print,
 ) -> StreamingGenerator:
     """The engine a request scheduler drives (`gapless serve`, the Tinker service's samplers):
     'torch' (the torch engine over a copy of `policy`'s weights) or 'vllm' (vLLM loading
-    `model_dir`, where `policy` is saved first unless a checkpoint is there). No stop tokens of
+    `model_dir`, where `policy` is saved first if `save` or no checkpoint is there). No stop tokens of
     its own: every request names its stops (serve/scheduler.py). `max_seq_len` None: the model's."""
     if engine == "torch":
         return TorchEngine(
@@ -89,7 +90,7 @@ def serving_engine(
     if engine != "vllm":
         raise ValueError(f"unknown serving engine {engine!r}: 'torch' or 'vllm'")
     model_dir = Path(model_dir)
-    save = not (model_dir / "config.json").exists()
+    save = save or not (model_dir / "config.json").exists()
     return _vllm_engine(policy, model_dir, save, max_batch, max_seq_len, (), False, None, log)
 
 

@@ -150,6 +150,7 @@ class SamplerPool:
             max_batch=self.max_batch,
             max_seq_len=context,
             model_dir=self.work_dir / "vllm" / base.name,
+            save=True,  # this process's base weights, never an earlier run's copy
         )
         if key in self._snapshots:
             engine.update_weights(state, self._versions)
