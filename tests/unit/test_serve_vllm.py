@@ -31,10 +31,12 @@ def server(vllm_policy, tmp_path_factory):
     proc, url, lines = start_server(
         [*argv, "--max-batch", "4", "--max-seq-len", "256", "--model-name", "tiny"], "serving"
     )
-    assert any("generator: vLLM" in line for line in lines), "".join(lines[-20:])
-    yield url
-    proc.terminate()
-    proc.wait(timeout=60)
+    try:
+        assert any("generator: vLLM" in line for line in lines), "".join(lines[-20:])
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -45,9 +45,11 @@ def service(vllm_policy, tmp_path_factory):
         "5",
     ]
     proc, url, _ = start_server(argv, "Tinker API")
-    yield url
-    proc.terminate()
-    proc.wait(timeout=60)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def _sampled_equal_scored(sampler, prompt: list[int]) -> list[int]:
