@@ -1,6 +1,7 @@
 """Command line: `gapless train [CONFIG] [--run-dir DIR] [--resume] [--dotted.key value ...]`,
-`gapless serve --model.path DIR [--host H] [--port P] [--threads N] [--api-key KEY]` (an
-OpenAI-compatible server over a local checkpoint, e.g. as a judge; docs/serving.md),
+`gapless serve --model.path DIR [--host H] [--port P] [--threads N] [--api-key KEY]
+[--generator.engine torch|vllm]` (an OpenAI-compatible server over a local checkpoint, e.g. as a
+judge; docs/serving.md),
 `gapless serve-training [CONFIG] [--host H] [--port P] [--api-key KEY] [--section.key VALUE ...]`
 (the Tinker-compatible training service for the official `tinker` SDK; docs/service.md),
 `gapless eval [CONFIG] [--run-dir DIR] [--dotted.key value ...]` (pass@1 of `model.path` on the
@@ -77,6 +78,13 @@ def _parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' (default: $GAPLESS_API_KEY; unset = no check)",
     )
     serve.add_argument("--max-batch", type=int, default=64, help="sequences decoded together by the engine")
+    serve.add_argument(
+        "--generator.engine",
+        dest="engine",
+        choices=["torch", "vllm"],
+        default="torch",
+        help="the engine behind the scheduler: torch (default) or vllm (bash scripts/setup.sh --vllm)",
+    )
     serve.add_argument(
         "--max-seq-len",
         type=int,
@@ -157,14 +165,17 @@ def _load(argv: list[str]):
 def _vllm_preflight(cfg) -> None:
     """generator.engine = 'vllm' where vLLM is absent, or on a model its CPU attention cannot run:
     one line at start (exit 2), before any model is built."""
-    if cfg.generator.engine != "vllm":
-        return
+    if cfg.generator.engine == "vllm":
+        _vllm_check(cfg.model.path, cfg.model.hidden_size // cfg.model.num_heads)
+
+
+def _vllm_check(model_path: str | None, default_head_dim: int) -> None:
+    """`_vllm_preflight` for a checkpoint directory (or, without one, the embedded model's head dim)."""
     from gapless.generate.vllm.engine import VLLMUnavailable, check_model
 
-    if cfg.model.path is None:
-        head_dim = cfg.model.hidden_size // cfg.model.num_heads
-    else:
-        hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
+    head_dim = default_head_dim
+    if model_path is not None:
+        hf = json.loads((Path(model_path) / "config.json").read_text())
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     try:
         check_model(int(head_dim))
@@ -220,6 +231,11 @@ def _cmd_serve_training(argv: list[str]) -> int:
     if not key:
         raise _Usage("no API key: set TINKER_API_KEY or pass --api-key (the SDK wants it to start with 'tml-')")
     cfg = _load(rest)
+    from gapless.service.server import sampling_engine
+
+    if sampling_engine(cfg) == "vllm":  # its one base model (configured, else the embedded one)
+        first = next(iter(cfg.service.base_models.values()), None)
+        _vllm_check(first, cfg.model.hidden_size // cfg.model.num_heads)
     from gapless.serve.listen import PortInUse, bind
 
     try:
@@ -331,13 +347,30 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from gapless.serve.listen import PortInUse, bind
 
+            if args.engine == "vllm":
+                _vllm_check(args.model_path, 0)
+            # set before torch loads OpenMP: either engine's threads sleep at barriers instead of
+            # spinning (cluster/placement.engine_environ says why)
+            from gapless.cluster.placement import ENGINE_WAIT_POLICY
+
+            if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+                os.environ.update(ENGINE_WAIT_POLICY)
             try:
                 sock = bind(args.host, args.port)  # before the heavy imports: a port in use fails at once
             except PortInUse as exc:
                 raise _Usage(str(exc)) from None
             from gapless.serve.openai.server import serve
 
-            serve(args.model_path, sock, args.model_name, args.threads, args.api_key, args.max_batch, args.max_seq_len)
+            serve(
+                args.model_path,
+                sock,
+                args.model_name,
+                args.threads,
+                args.api_key,
+                args.max_batch,
+                args.max_seq_len,
+                engine=args.engine,
+            )
             print("gapless: server stopped", file=sys.stderr)
             return 0
         if args.command == "report":

@@ -23,7 +23,9 @@ channels are FIFO per producer only (two producers' records interleave in arriva
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
@@ -123,7 +125,8 @@ class LocalPlacement:
     def start(self, name: str, main: Callable[[Any], None], spec: Any) -> None:
         # actors.py's start-up asks the kernel to kill each actor when the trainer dies (PR_SET_PDEATHSIG)
         process = self.ctx.Process(target=main, args=(spec,), name=f"gapless-{name}", daemon=True)
-        process.start()
+        with _environ(engine_environ(name, getattr(spec, "cfg", None))):  # a spawned child reads it at start
+            process.start()
         self.processes[name] = process
 
     def exited(self) -> list[ActorExit]:
@@ -151,3 +154,35 @@ class LocalPlacement:
         from gapless.cluster.ranks import LocalRanks
 
         return LocalRanks()
+
+
+ENGINE_WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def engine_environ(name: str, cfg) -> dict[str, str]:
+    """What a generator replica's process adds to its environment: OpenMP threads that sleep at a
+    barrier instead of spinning. A torch-engine decode step is ~50 parallel regions, vLLM-CPU's
+    as many; where other processes share the cores, a spinning thread burns the time slice its
+    preempted sibling needs, and a step takes 10-100x longer (docs/engine.md, *Threads on a
+    shared machine*). Nothing where the user set OpenMP's wait policy or spin count, or for
+    another actor (the trainer keeps OpenMP's default)."""
+    if not name.startswith("generator") or cfg is None:
+        return {}
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return {}
+    return dict(ENGINE_WAIT_POLICY)
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]):
+    """`extra` in os.environ for the block (what a process spawned in it inherits)."""
+    before = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -7,16 +7,24 @@ import json
 import os
 from pathlib import Path
 
-from gapless.config import GeneratorConfig
+from gapless.config import ConfigError, GeneratorConfig
 from gapless.generate.adapters import AdapterMerge
 from gapless.generate.engine import TorchEngine
 from gapless.generate.families import engine_path, require_engine
-from gapless.generate.protocol import Generator, SteppedGenerator
+from gapless.generate.protocol import Generator, SteppedGenerator, StreamingGenerator
 from gapless.generate.sampler import TorchSampler
 from gapless.lora import LoraSpec
 from gapless.models import Policy
 
-__all__ = ["Generator", "SteppedGenerator", "TorchEngine", "TorchSampler", "make_generator"]
+__all__ = [
+    "Generator",
+    "SteppedGenerator",
+    "StreamingGenerator",
+    "TorchEngine",
+    "TorchSampler",
+    "make_generator",
+    "serving_engine",
+]
 
 
 def make_generator(
@@ -54,24 +62,58 @@ def _make(
         )
     if cfg.engine == "reference":
         return TorchSampler(copy.deepcopy(policy.model), policy.eos_id, policy.pad_id, policy.decode, policy.stop_ids)
-    from gapless.generate.vllm.engine import VLLMEngine, check_model, on_cpu
-
-    check_model(head_dim(policy.model.config))
     # vLLM builds its model from a directory; one per process (the trainer's eval engine and each
     # generator actor build their own)
     path = Path(work_dir) / "vllm" / f"policy-{os.getpid()}"
-    policy.save(path)
+    return _vllm_engine(policy, path, True, cfg.max_batch, max_seq_len, policy.stop_ids, cfg.recompute_kv, lora, log)
+
+
+def serving_engine(
+    engine: str,
+    policy: Policy,
+    *,
+    max_batch: int,
+    max_seq_len: int | None,
+    model_dir: str | Path,
+    kernels: str = "auto",
+    save: bool = False,
+    log=print,
+) -> StreamingGenerator:
+    """The engine a request scheduler drives (`gapless serve`, the Tinker service's samplers):
+    'torch' (the torch engine over a copy of `policy`'s weights) or 'vllm' (vLLM loading
+    `model_dir`, where `policy` is saved first if `save` or no checkpoint is there). No stop tokens of
+    its own: every request names its stops (serve/scheduler.py). `max_seq_len` None: the model's."""
+    if engine == "torch":
+        return TorchEngine(
+            policy.model, policy.eos_id, policy.decode, max_batch=max_batch, max_seq_len=max_seq_len, kernels=kernels
+        )
+    if engine != "vllm":
+        raise ValueError(f"unknown serving engine {engine!r}: 'torch' or 'vllm'")
+    model_dir = Path(model_dir)
+    save = save or not (model_dir / "config.json").exists()
+    return _vllm_engine(policy, model_dir, save, max_batch, max_seq_len, (), False, None, log)
+
+
+def _vllm_engine(
+    policy: Policy, path: Path, save: bool, max_batch: int, max_seq_len: int, stop_ids, recompute_kv: bool, lora, log
+) -> StreamingGenerator:
+    from gapless.generate.vllm.engine import VLLMEngine, check_model, on_cpu
+
+    check_model(head_dim(policy.model.config))  # before anything is written or built
+    if save:
+        policy.save(path)
+        _fit_positions(path, max_seq_len)
     # CPU: the policy's own dtype (fp32 keeps log-probs equal to the trainer's); GPU: model.dtype 'auto' is bf16
     dtype = str(policy.model.dtype).removeprefix("torch.") if on_cpu() else "bfloat16"
     engine = VLLMEngine(
         str(path),
         policy.eos_id,
         policy.decode,
-        max_batch=cfg.max_batch,
+        max_batch=max_batch,
         max_seq_len=max_seq_len,
-        stop_ids=policy.stop_ids,
+        stop_ids=stop_ids,
         dtype=dtype,
-        recompute_kv=cfg.recompute_kv,
+        recompute_kv=recompute_kv,
         lora_rank=lora.rank if lora is not None else 0,
         lora_alpha=lora.alpha if lora is not None else 32.0,
         lora_dir=str(path) + "-lora",
@@ -81,6 +123,26 @@ def _make(
         f"{'LoRA requests' if lora is not None else engine.weights.full.name}"
     )
     return engine
+
+
+def _fit_positions(path: Path, max_seq_len: int | None) -> None:
+    """vLLM refuses a context longer than the checkpoint's `max_position_embeddings`, which the
+    trainer and the torch engine run past (a multi-turn episode's context on the embedded model).
+    Under plain RoPE a position's rotation does not depend on that field, so vLLM's copy of the
+    config gets `max_seq_len` there; a scaled RoPE does depend on it: a one-line error instead."""
+    config_path = path / "config.json"
+    hf = json.loads(config_path.read_text())
+    if not max_seq_len or max_seq_len <= hf.get("max_position_embeddings", max_seq_len):
+        return
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ConfigError(
+            f"the run's context is {max_seq_len} tokens, past this model's max_position_embeddings "
+            f"({hf['max_position_embeddings']}) under a scaled RoPE, which vLLM does not extend: shorten "
+            "generator.max_new_tokens (or the episode's turns), or use generator.engine = 'torch'"
+        )
+    hf["max_position_embeddings"] = max_seq_len
+    config_path.write_text(json.dumps(hf, indent=2) + "\n")
 
 
 def head_dim(config) -> int:

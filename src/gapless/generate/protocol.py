@@ -5,8 +5,10 @@ weights, report the policy version it samples with. `SteppedGenerator` adds the 
 surface the asynchronous pipeline drives: queue groups, advance one decode step at a time, swap
 weights between steps, abort stragglers and resume them later. Implementations: `TorchSampler`
 (the simple reference, `Generator` only), `TorchEngine` and `VLLMEngine` (both stepped).
-`StreamingGenerator` adds one read-only view for the serving scheduler (`gapless.serve`): the
-tokens each running sequence holds so far, so a stream can publish them step by step.
+`StreamingGenerator` adds what the serving scheduler (`gapless.serve`) reads: the tokens each
+running sequence holds so far, so a stream can publish them step by step, and whether the engine
+decodes under a grammar. `TorchEngine` and `VLLMEngine` are both streaming, so one scheduler
+drives either (`gapless serve` and the Tinker service's samplers).
 Every attribute a caller touches is declared here, and `tests/unit/test_generator_contract.py`
 runs one contract over every implementation (the vLLM one under `-m gpu`).
 """
@@ -95,6 +97,8 @@ class RunningSample(NamedTuple):
 
 @runtime_checkable
 class StreamingGenerator(SteppedGenerator, Protocol):
+    supports_constraints: bool  # `resume(..., constraints=)`: grammar-constrained decoding
+
     def running_samples(self) -> Iterable[RunningSample]:
         """Every sequence in a running slot, with the tokens sampled so far (valid until the next step)."""
         ...

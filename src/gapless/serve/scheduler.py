@@ -1,5 +1,8 @@
 """The request scheduler: one engine thread in front of one engine, shared by every client.
 
+The engine is any `StreamingGenerator` (generate/protocol.py): the torch engine or vLLM's
+(`generate.serving_engine` builds either), driven through the same calls.
+
 HTTP routes, the judge environment and (later) the Tinker service and agents all `submit` here;
 their samples join the engine's continuous batch as they arrive and leave it as they finish.
 Who waits for whom:
@@ -254,7 +257,7 @@ class Scheduler:
             raise InvalidRequest(f"n must be at least 1 (got {request.n})", "n")
         if params.max_new_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1 (got {params.max_new_tokens})", "max_tokens")
-        if request.constraint is not None and not getattr(self.engine, "supports_constraints", False):
+        if request.constraint is not None and not self.engine.supports_constraints:
             raise InvalidRequest(
                 f"this server's engine ({type(self.engine).__name__}) does not do constrained decoding: "
                 "drop response_format / tool_choice required",

@@ -4,10 +4,10 @@
     ModelRouter(first, pool, api_key)   ASGI: reads a POST body's `model`; a sampler path goes to an
                                         OpenAIApp over that path's weights, anything else to `first`
 
-A path's OpenAIApp (serve/openai/app.py, unchanged) runs over a `PathScheduler`, whose `submit` is
-the pool's (samplers.py): the request joins that path's engine under the lock that re-keys
-engines, so it never samples other weights even when the pool moves an idle engine to another
-snapshot. Its tokenizer is the base model's.
+A path's OpenAIApp (serve/openai/app.py, unchanged) runs over the pool's `pinned(path)` view,
+whose `submit` is the pool's (samplers.py): the request joins that path's engine under the lock
+that re-keys engines, so it never samples other weights even when the pool moves an idle engine
+to another snapshot. Its tokenizer is the base model's.
 Guaranteed: a body is read once and handed on unchanged (a body past `first`'s size limit goes
 to `first` without its `model` being read, and `first` refuses it); a `tinker://` model the pool
 does not hold (never saved, deleted or dropped) is an OpenAI-shaped 404 naming it. Not
@@ -24,19 +24,6 @@ from starlette.responses import JSONResponse
 from gapless.serve.openai.app import OpenAIApp
 from gapless.service.models import UserError
 from gapless.service.samplers import SamplerPool
-
-
-class PathScheduler:
-    """The scheduler serving one sampler path, as OpenAIApp uses one."""
-
-    def __init__(self, pool: SamplerPool, path: str):
-        self.pool, self.path = pool, path
-
-    def submit(self, request):
-        return self.pool.submit(self.path, request)
-
-    def __getattr__(self, name):  # max_seq_len, engine, stats: the same base model's engine
-        return getattr(self.pool.scheduler_for(self.path), name)
 
 
 class PathScorer:
@@ -82,7 +69,7 @@ class ModelRouter:
         base = self.pool.base_of(path)  # UserError: not a sampler path the pool holds
         if path not in self._apps:
             self._apps[path] = OpenAIApp(
-                PathScheduler(self.pool, path),
+                self.pool.pinned(path),
                 base.policy.tokenizer,
                 path,
                 scorer=PathScorer(self.pool, path),

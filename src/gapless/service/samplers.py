@@ -12,13 +12,21 @@ so OpenAI and Tinker requests on the base model share one continuous batch.
     route ── submit(key, request) ──> [lock: pick/re-key a scheduler, scheduler.submit] ──> handle
     route ── scorer(key) ──> an HF module with the key's weights (prompt log-probs, compute_logprobs)
 
+With the vLLM engine (`engine="vllm"`: one vLLM engine per process, which sizes its cache from
+the memory it finds) there is one engine for one base model, and every key takes turns on it: a
+request on other weights than the engine holds re-keys it when it is idle, and is refused with
+`QueueFull` (HTTP 429, which the SDK and the OpenAI client back off on and retry) while requests
+on the current weights are in flight. The OpenAI routes then submit through `pinned(base)`, so
+they too get the base's weights, never a snapshot's.
+
 Guaranteed: a request is submitted under the same lock that re-keys engines, so it never runs on
 weights other than its key's; the `max_snapshots` most recently saved or sampled snapshots stay
 registered (in memory, full HF-named weights each), older ones are dropped and sampling them is a
 user error that says to save them again (an RL loop saves one per step: without the bound memory
 would grow by a model per step). Not guaranteed: one batch across different weights (no
-multi-LoRA batching: requests on different snapshots run in different engines), or any snapshot
-after a restart (`save_state` checkpoints are the durable ones).
+multi-LoRA batching: requests on different snapshots run in different engines), fairness between
+keys on the vLLM engine (a key with requests always in flight keeps it), or any snapshot after a
+restart (`save_state` checkpoints are the durable ones).
 """
 
 from __future__ import annotations
@@ -26,11 +34,12 @@ from __future__ import annotations
 import copy
 import threading
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 
-from gapless.generate.engine import TorchEngine
-from gapless.serve.protocol import SampleRequest
+from gapless.generate import serving_engine
+from gapless.serve.protocol import QueueFull, SampleRequest
 from gapless.serve.scheduler import RequestHandle, Scheduler
 from gapless.serve.scoring import Scorer
 from gapless.service.models import BaseModel, BaseModels, UserError
@@ -45,7 +54,14 @@ class SamplerPool:
         max_batch: int = 64,
         max_samples: int = 1024,
         max_snapshots: int = 16,
+        engine: str = "torch",
+        work_dir: str | Path = "runs/service",
     ):
+        """`engine`: 'torch' or 'vllm' (one engine in all, `max_engines` aside); `work_dir`: where
+        vLLM's copy of a base model is written."""
+        if engine == "vllm":
+            max_engines = 1
+        self.engine, self.work_dir = engine, Path(work_dir)
         self.bases, self.max_engines, self.max_snapshots = bases, max_engines, max_snapshots
         self.max_batch, self.max_samples = max_batch, max_samples
         self._snapshots: OrderedDict[str, tuple[str, dict[str, torch.Tensor]]] = (
@@ -103,6 +119,21 @@ class SamplerPool:
         with self._lock:
             return self._scheduler(key, base)
 
+    def pinned(self, key: str) -> Scheduler | PinnedScheduler:
+        """What the OpenAI routes submit to for `key`: a base model's own scheduler with the torch
+        engine (it keeps its weights for good); else a view whose submits go through
+        `submit(key, ...)`, since the engine serving a sampler path may be evicted, and the one
+        vLLM engine may hold another key's weights between two requests."""
+        base = self.base_of(key)
+        with self._lock:
+            if self.engine == "vllm" and self._engines:  # the one engine: submit re-keys it when idle
+                scheduler = next(iter(self._engines.values()))
+            else:
+                scheduler = self._scheduler(key, base)
+        if self.engine == "torch" and not key.startswith("tinker://"):
+            return scheduler
+        return PinnedScheduler(self, key, scheduler)
+
     def submit(self, key: str, request: SampleRequest) -> RequestHandle:
         """Queue `request` on the scheduler serving `key`'s weights (building or re-keying one)."""
         base = self.base_of(key)
@@ -119,6 +150,8 @@ class SamplerPool:
             self._engines.move_to_end(key)
             return self._engines[key]
         state = self._snapshots[key][1] if key in self._snapshots else base.policy.model.state_dict()
+        if self.engine == "vllm" and self._engines:
+            return self._rekey_vllm(key, state)
         self._versions += 1
         if len(self._engines) >= self.max_engines:
             for (
@@ -134,12 +167,13 @@ class SamplerPool:
                     old.update_weights(state, self._versions)  # applied before any later submit
                     self._engines[key] = old
                     return old
-        engine = TorchEngine(
-            base.policy.model,
-            base.policy.eos_id,
-            base.policy.decode,
+        engine = serving_engine(
+            self.engine,
+            base.policy,
             max_batch=self.max_batch,
             max_seq_len=base.context,
+            model_dir=self.work_dir / "vllm" / base.name,
+            save=True,  # this process's base weights, never an earlier run's copy
         )
         if key in self._snapshots:
             engine.update_weights(state, self._versions)
@@ -147,6 +181,20 @@ class SamplerPool:
             engine, base.policy.decode, max_samples=self.max_samples, name=f"tinker-sampler-{len(self._bases_of)}"
         )
         self._bases_of[id(scheduler)] = base.name
+        self._engines[key] = scheduler
+        return scheduler
+
+    def _rekey_vllm(self, key: str, state: dict[str, torch.Tensor]) -> Scheduler:
+        """The one vLLM engine takes `key`'s weights if it is idle; else a 429 with the reason."""
+        ((held, scheduler),) = self._engines.items()
+        if scheduler.samples_in_flight:
+            raise QueueFull(
+                f"the vLLM sampling engine holds requests on other weights ({held}) and serves one set of "
+                "weights at a time; retry when they finish"
+            )
+        self._versions += 1
+        scheduler.update_weights(state, self._versions)  # applied before any later submit
+        self._engines.clear()
         self._engines[key] = scheduler
         return scheduler
 
@@ -178,3 +226,17 @@ class SamplerPool:
     @property
     def schedulers(self) -> list[Scheduler]:
         return list(self._engines.values())
+
+
+class PinnedScheduler:
+    """A scheduler as the OpenAI routes use it, whose submits go to one key's weights through the
+    pool (the vLLM engine may hold another key's between two requests)."""
+
+    def __init__(self, pool: SamplerPool, key: str, scheduler: Scheduler):
+        self.pool, self.key, self._scheduler = pool, key, scheduler
+
+    def submit(self, request: SampleRequest) -> RequestHandle:
+        return self.pool.submit(self.key, request)
+
+    def __getattr__(self, name: str):  # engine, max_seq_len, stats, close: the one scheduler's
+        return getattr(self._scheduler, name)

@@ -6,7 +6,8 @@ one training thread. The SDK's `base_url` is the server root (`http://HOST:PORT`
 
     build_service(cfg, api_key)  the app over the configured base models (none: gapless-tiny), with the
                                  OpenAI API (`/v1`, bearer KEY) over the first one's sampling scheduler
-                                 and over any tinker:// sampler path named as `model`
+                                 and over any tinker:// sampler path named as `model`; sampling on
+                                 `generator.engine` ('torch' or 'vllm': one base model)
     ServiceThread(app)           the service from a background thread (tests, benchmarks)
     serve(cfg, sock, api_key)    the command: runs until Ctrl-C
 
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from gapless.config import Config, usable_cores
+from gapless.config import Config, ConfigError, usable_cores
 from gapless.models import Policy
 from gapless.serve.openai.app import OpenAIApp
 from gapless.serve.openai.server import ServerThread, _config
@@ -47,8 +48,24 @@ def default_model(cfg: Config, log=print) -> Policy:
     return policy
 
 
+def sampling_engine(cfg: Config) -> str:
+    """The engine the samplers run (`generator.engine`), or a `ConfigError` naming the field."""
+    engine = cfg.generator.engine
+    if engine == "reference":
+        raise ConfigError(
+            "generator.engine = 'reference' does not stream: serve-training samples with 'torch' or 'vllm'"
+        )
+    if engine == "vllm" and len(cfg.service.base_models) > 1:
+        raise ConfigError(
+            f"service.base_models lists {len(cfg.service.base_models)} models, and the vLLM engine serves one per "
+            "process (it sizes its cache from the memory it finds): list one, or use generator.engine = 'torch'"
+        )
+    return engine
+
+
 def build_service(cfg: Config, api_key: str, log=print) -> TinkerApp:
     s = cfg.service
+    engine = sampling_engine(cfg)
     bases = BaseModels(
         s.base_models,
         builtin=lambda: default_model(cfg, log),
@@ -57,14 +74,19 @@ def build_service(cfg: Config, api_key: str, log=print) -> TinkerApp:
         export_tokenizers=s.export_tokenizers,
         log=log,
     )
-    pool = SamplerPool(bases, max_engines=s.max_engines, max_batch=s.max_batch, max_snapshots=s.max_snapshots)
+    pool = SamplerPool(
+        bases,
+        max_engines=s.max_engines,
+        max_batch=s.max_batch,
+        max_snapshots=s.max_snapshots,
+        engine=engine,
+        work_dir=s.checkpoint_dir,
+    )
     for name in bases.names:  # every base model loaded (and its tokenizer exported) before any request
         bases.get(name)
     name = bases.names[0]  # the OpenAI routes serve the first base model, on its sampling scheduler
     base = bases.get(name)
-    first = OpenAIApp(
-        pool.scheduler_for(name), base.policy.tokenizer, name, scorer=Scorer(base.policy.model), api_key=api_key
-    )
+    first = OpenAIApp(pool.pinned(name), base.policy.tokenizer, name, scorer=Scorer(base.policy.model), api_key=api_key)
     openai = ModelRouter(first, pool, api_key)  # and any tinker:// sampler path given as `model`
     return TinkerApp(
         bases,

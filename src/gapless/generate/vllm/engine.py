@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from gapless.faults import fault_point, process_role
 from gapless.generate.protocol import RunningSample
 from gapless.generate.sampling import sample_seed
 from gapless.types import Completion, FinishReason, SamplingParams
@@ -110,6 +111,8 @@ _ENGINE_IN_PROCESS = threading.Lock()  # held for the life of the process by the
 
 
 class VLLMEngine:
+    supports_constraints = False  # no grammar-constrained decoding through this backend
+
     def __init__(
         self,
         model_path: str,
@@ -269,6 +272,7 @@ class VLLMEngine:
     def step(self) -> list[Completion]:
         finished = []
         with self._lock:
+            fault_point(process_role(), "vllm_step")  # the fault tests' wedge or error of a real step
             outputs = self.engine.step()
             for out in outputs:
                 sample = self._live.get(out.request_id)

@@ -9,7 +9,8 @@ the loop stays responsive while the engine decodes; `threads` sets torch's intra
                            one-line `PortInUse` before the model loads): prints "serving PATH at
                            URL", runs until Ctrl-C, then aborts what is in flight and returns
     ServerThread(app)      the same server from a background thread (tests, in-process users)
-    build_app(policy, ...) a scheduler over a TorchEngine for `policy`, and the app over it
+    build_app(policy, ...) a scheduler over an engine for `policy` (the torch engine, or vLLM:
+                           `engine`, generate.serving_engine), and the app over it
 
 Bind to 127.0.0.1 (the default) unless the network is trusted; `api_key` adds a bearer-token
 check, not transport security (there is no TLS).
@@ -24,7 +25,7 @@ import torch
 import uvicorn
 
 from gapless.config import usable_cores
-from gapless.generate.engine import TorchEngine
+from gapless.generate import serving_engine
 from gapless.generate.families import require_engine
 from gapless.models import Policy
 from gapless.serve.listen import BACKLOG, bind, url_of
@@ -42,9 +43,19 @@ def build_app(
     api_key: str | None = None,
     max_seq_len: int | None = None,
     kernels: str = "auto",
+    engine: str = "torch",
+    model_dir: str | None = None,
+    log=print,
 ) -> OpenAIApp:
-    engine = TorchEngine(
-        policy.model, policy.eos_id, policy.decode, max_batch=max_batch, max_seq_len=max_seq_len, kernels=kernels
+    """`model_dir`: the checkpoint vLLM loads (engine 'vllm'; `policy` is saved there if it holds none)."""
+    engine = serving_engine(
+        engine,
+        policy,
+        max_batch=max_batch,
+        max_seq_len=max_seq_len,
+        kernels=kernels,
+        model_dir=model_dir or "",
+        log=log,
     )
     scheduler = Scheduler(engine, policy.decode, max_samples=max_samples)
     return OpenAIApp(scheduler, policy.tokenizer, model_name, scorer=Scorer(policy.model), api_key=api_key)
@@ -97,21 +108,30 @@ def serve(
     api_key: str | None = None,
     max_batch: int = 64,
     max_seq_len: int | None = None,
+    engine: str = "torch",
     log=print,
 ) -> None:
     """Load a local checkpoint and serve it on the bound `sock` (listen.bind) until interrupted.
-    `max_seq_len`: the served context (prompt + completion), default min(the model's, 2048)."""
+    `max_seq_len`: the served context (prompt + completion), default min(the model's, 2048);
+    `engine`: 'torch' or 'vllm' (vLLM loads the checkpoint directory itself)."""
     from gapless.models import load_local
 
     torch.set_num_threads(threads or max(1, usable_cores() - 1))
     policy = load_local(model_path)
     require_engine(policy.model)
     context = max_seq_len or min(DEFAULT_CONTEXT, policy.model.config.max_position_embeddings)
-    app = build_app(policy, model_name or model_path, max_batch=max_batch, api_key=api_key, max_seq_len=context)
-    log(f"serving {model_path} at {url_of(sock)}", flush=True)
-    log(
-        f"context {context} tokens, up to {max_batch} sequences at once (the KV cache grows with the batch)", flush=True
+    app = build_app(
+        policy,
+        model_name or model_path,
+        max_batch=max_batch,
+        api_key=api_key,
+        max_seq_len=context,
+        engine=engine,
+        model_dir=model_path,
+        log=lambda line: log(line, flush=True),
     )
+    log(f"serving {model_path} at {url_of(sock)}", flush=True)
+    log(f"{engine} engine, context {context} tokens, up to {max_batch} sequences at once", flush=True)
     try:
         uvicorn.Server(_config(app)).run(sockets=[sock])
     except KeyboardInterrupt:
