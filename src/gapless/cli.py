@@ -235,7 +235,7 @@ def _cmd_serve_training(argv: list[str]) -> int:
 
     if sampling_engine(cfg) == "vllm":  # its one base model (configured, else the embedded one)
         first = next(iter(cfg.service.base_models.values()), None)
-        _vllm_check(first, cfg.model.hidden_size // cfg.model.num_heads)
+        _vllm_check(first.path if first is not None else None, cfg.model.hidden_size // cfg.model.num_heads)
     from gapless.serve.listen import PortInUse, bind
 
     try:
