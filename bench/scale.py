@@ -29,11 +29,16 @@ included: it runs at every trained position); backward 2x that for the inputs' g
 2x for the weights' gradients, the latter only where weights train (full: 6 in all; LoRA: 4,
 the adapters' own being negligible); causal attention 2 x layers x hidden x sum over rows of L^2
 forward (QK^T and AV, half the square) and twice that backward; gradient checkpointing runs the
-forward once more. MFU here is those FLOPs over the step's seconds over the matmul peak.
+forward once more. MFU here is those FLOPs over the step's seconds over the matmul peak; the
+same per CPU second of the process (`mfu_cpu`: FLOPs over the step's process CPU time over the
+matmul's FLOPs per CPU second), which a shared machine's other tenants move less: with one
+thread, a preempted process accrues no CPU time (with two, spin-waiting at barriers does).
 
 (c) bench/vs_trl.py's workload (16 prompts x 8 samples of at most 24 tokens, the tiny model
 random-initialised, the sandboxed code environment; its docstring lists what is aligned), one
-child per side per round, `--trl-warmup` + `--trl-steps` steps each, the sides alternating first.
+child per side per round, `--trl-warmup` + `--trl-steps` steps each, the sides alternating first;
+seconds per step and process CPU seconds per step (all threads; the sandbox's own processes not
+counted on either side).
 Needs bench/.venv-trl (created on first use, as vs_trl.py does).
 
 Parts and lengths run in a different order each round (reversed every other round). Prints one
@@ -68,14 +73,14 @@ def child(args: argparse.Namespace) -> dict:
     trainer = GRPOTrainer(model, cfg, 1.0, length, lora=lora)
     vocab = model.config.vocab_size
     trainer.step(random_batch(1, 256, vocab) if big else random_batch(rows, length, vocab))  # warm-up
-    peak_flops = matmul_peak()
+    peak_flops, peak_cpu_flops = matmul_peak()
     batch = random_batch(rows, length, vocab)
     rss_before = status_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current RSS
         f.write("5")
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     trainer.step(batch)
-    seconds = time.perf_counter() - started
+    seconds, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
     peak = status_kb("VmHWM")
     flops = step_flops(model, rows, length, checkpointing=big, lora=lora is not None)
     return {
@@ -90,6 +95,9 @@ def child(args: argparse.Namespace) -> dict:
         "flop_s": flops / seconds,
         "matmul_peak_flop_s": peak_flops,
         "mfu": flops / seconds / peak_flops,
+        "cpu_s": cpu_s,
+        "matmul_peak_cpu_flop_s": peak_cpu_flops,
+        "mfu_cpu": flops / cpu_s / peak_cpu_flops,
     }
 
 
@@ -164,16 +172,17 @@ def step_flops(model, rows: int, length: int, checkpointing: bool, lora: bool) -
     return per_param * matmul * rows * length + attention
 
 
-def matmul_peak() -> float:
+def matmul_peak() -> tuple[float, float]:
+    """FLOP/s of the best of three fp32 2048^3 matmuls, per wall second and per CPU second."""
     import torch
 
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    best = float("inf")
+    best, best_cpu = float("inf"), float("inf")
     for _ in range(3):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         torch.mm(a, b)
-        best = min(best, time.perf_counter() - started)
-    return 2 * 2048**3 / best
+        best, best_cpu = min(best, time.perf_counter() - started), min(best_cpu, time.process_time() - cpu_started)
+    return 2 * 2048**3 / best, 2 * 2048**3 / best_cpu
 
 
 def status_kb(key: str) -> int:
@@ -222,7 +231,8 @@ def main() -> None:
                     f"round {r} {shape:>12} length {length:>6} rows {rec['rows']:>3}  step {rec['step_s']:8.2f} s  "
                     f"step RSS +{rec['step_rss_mb']:7.0f} MB (peak {rec['peak_rss_mb']:.0f})  "
                     f"{rec['flop_s'] / 1e9:6.1f} GFLOP/s = {rec['mfu']:.2f} of matmul peak "
-                    f"{rec['matmul_peak_flop_s'] / 1e9:.1f}  load {load:.1f}",
+                    f"{rec['matmul_peak_flop_s'] / 1e9:.1f}; per CPU s {rec['mfu_cpu']:.2f} (cpu {rec['cpu_s']:.1f} s)  "
+                    f"load {load:.1f}",
                     flush=True,
                 )
     finally:
@@ -267,10 +277,11 @@ class TrlSides:
             step_s = statistics.median(rec["step_s"])
             print(
                 f"round {r} {'trl/' + side:>12} sync {step_s:.3f} s/step (steps {', '.join(f'{x:.2f}' for x in rec['step_s'])}), "
-                f"peak {rec['peak_rss_mb']:.0f} MB, load {os.getloadavg()[0]:.1f}",
+                f"cpu {statistics.median(rec['cpu_s']):.3f} s/step, peak {rec['peak_rss_mb']:.0f} MB, load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
-            yield side, {"step_s": step_s, "peak_rss_mb": rec["peak_rss_mb"], "steps": rec["step_s"]}
+            cpu_s = statistics.median(rec["cpu_s"])
+            yield side, {"step_s": step_s, "cpu_s": cpu_s, "peak_rss_mb": rec["peak_rss_mb"], "steps": rec["step_s"]}
 
     def close(self) -> None:
         self.tmp.cleanup()
@@ -284,7 +295,8 @@ def summarise(args: argparse.Namespace, runs: dict[tuple, list[dict]]) -> dict:
     by_length: dict[str, dict] = {}
     for (shape, length), recs in runs.items():
         if shape != "trl":
-            keys = ("step_s", "step_rss_mb", "peak_rss_mb", "mfu", "flop_s", "matmul_peak_flop_s", "load_1m")
+            keys = ("step_s", "cpu_s", "step_rss_mb", "peak_rss_mb", "mfu", "mfu_cpu", "flop_s", "matmul_peak_flop_s")
+            keys += ("load_1m",)
             by_length.setdefault(shape, {})[length] = {k: spread([x[k] for x in recs]) for k in keys}
     out = {"tokens": args.tokens, "big_tokens": args.big_tokens, "micro_batch_tokens": args.micro_batch_tokens}
     out |= {"threads": args.threads, "rounds": args.rounds, "by_shape": by_length}
@@ -296,6 +308,8 @@ def summarise(args: argparse.Namespace, runs: dict[tuple, list[dict]]) -> dict:
             "trl_step_s": spread([x["step_s"] for x in t]),
             "ratio_step_s": statistics.median(x["step_s"] for x in g) / statistics.median(x["step_s"] for x in t),
             "ratio_per_round": ratios,
+            "ratio_cpu_s": statistics.median(x["cpu_s"] for x in g) / statistics.median(x["cpu_s"] for x in t),
+            "ratio_cpu_s_per_round": [a["cpu_s"] / b["cpu_s"] for a, b in zip(g, t)],
             "target": 0.5,
         }
     return out
