@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from gapless.config import ModelConfig
+from gapless.generate import kv_cache
 from gapless.generate.engine import TorchEngine, decode_rows
 from gapless.generate.runner import DecoderRunner, attention_ranges
 from gapless.models import build_tiny
@@ -373,6 +374,22 @@ def test_partial_rollouts_cut_at_a_time_deadline_only_while_others_wait(policy, 
     lone.add_request(prompts[0], params, 1, request_id="x")
     lone.step()
     assert idle.cut(lone, lambda _: params) == [] and lone.num_waiting == 0  # nobody waits: no cut
+
+
+def test_kv_cache_grows_with_the_contexts_and_growth_changes_no_token(policy, problems, kernels, monkeypatch):
+    """Slots hold the longest context so far, not max_seq_len: a cache that doubles its positions
+    while sequences run (from 8 here) gives every token and log-prob of one sized at max_seq_len."""
+    monkeypatch.setattr(kv_cache, "INITIAL_POSITIONS", 8)
+    prompts = [policy.encode(p.prompt) for p in problems[:5]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=5, ignore_eos=True)
+    grown = _engine(policy, kernels, max_batch=4, max_seq_len=400)
+    full = _engine(policy, kernels, max_batch=4, max_seq_len=400)
+    full.cache.hold(400)
+    got, want = grown.generate(prompts, params), full.generate(prompts, params)
+    assert [(c.token_ids, c.logprobs) for c in got] == [(c.token_ids, c.logprobs) for c in want]
+    longest = max(len(p) for p in prompts) + 40
+    assert longest <= grown.cache.capacity < 2 * longest and full.cache.capacity == 400
+    assert grown.cache.num_bytes < full.cache.num_bytes
 
 
 def test_kv_cache_grows_with_the_batch_and_growth_changes_no_token(policy, problems, kernels):

@@ -33,6 +33,7 @@ def _write_run(path: Path, stale: bool) -> None:
         }
         if stale:
             metrics["staleness/count_1"] = 4.0
+            metrics["perf/peak_rss_mb"] = 1000.0 + step
         sink.log(step, metrics)
     sink.close()
     trainer, generator = Timeline(path, "trainer"), Timeline(path, "generator")
@@ -67,6 +68,7 @@ def test_report_renders_sync_async_and_empty_runs(tmp_path):
     assert "0.70" in text and "0.10" in text  # mean trainer idle of each run in the summary table
     assert "prompt prompt-7</td><td>4 / 4" in text and "4 scored as failures" in text  # the async run's flag
     assert "sync: no masking.json" in text and "0.200" in text  # masked share: 4 of 20
+    assert "<td>1003</td>" in text  # the async run's peak memory (no summary.json: no estimate beside it)
 
 
 def test_staleness_histogram_counts_rollouts(tmp_path):

@@ -441,6 +441,7 @@ class DecoderRunner:
         since each slot reads exactly its own length there."""
         if self.native is not None:
             return self._decode_native(tokens, positions, cache)
+        cache.hold(int(positions.max()) + 1)
         batch, heads, kv_heads, hd = tokens.shape[0], self.num_heads, self.kv_heads, self.head_dim
         lengths = positions.tolist()
         ranges = ranges if ranges is not None else attention_ranges(lengths)
@@ -486,6 +487,7 @@ class DecoderRunner:
                 f"decode: {tokens.shape[0]} rows at positions {int(positions.min())}..{int(positions.max())} "
                 f"do not fit a cache of {cache.slots} slots x {limit} positions"
             )
+        cache.hold(int(positions.max()) + 1)
         x = F.embedding(tokens, self.embed)  # (B, D)
         for i, layer in enumerate(self.layers):
             qkv = self._project_qkv(x, layer)  # (B, (H + 2 KV) * hd), contiguous

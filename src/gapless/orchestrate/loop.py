@@ -15,7 +15,8 @@ loop, inline.py); `process` runs the generator and environment as actors with a 
 (the pipeline, pipeline.py). The trainer sees advantages and masks, never rewards.
 
 Observability: each step logs `perf/step_s`, `perf/train_s`, `perf/weight_push_s`, `perf/weight_push_mb`,
-`perf/trainer_idle_frac` (the share of the step spent waiting for rollouts), `staleness/*`,
+`perf/trainer_idle_frac` (the share of the step spent waiting for rollouts), `perf/peak_rss_mb`
+(process_memory.py: against the estimate printed at start), `staleness/*`,
 `rollout/*` (with the masking watch's `rollout/infra_*`: what `infra_error` takes out of training,
 per step, prompt and policy version, and what it does past `pipeline.max_infra_fraction`;
 masking.py, RUN_DIR/masking.json), `train/*`, and the source's own metrics (generator idle, drops, sandbox latency);
@@ -51,6 +52,7 @@ from gapless.orchestrate.evaluate import EvalScore, greedy_pass_at_1, multi_turn
 from gapless.orchestrate.inline import InlineSource
 from gapless.orchestrate.masking import MaskingWatch
 from gapless.orchestrate.memory_fit import check_fits
+from gapless.orchestrate.process_memory import peak_rss_metrics
 from gapless.orchestrate.policy_setup import prepare_policy
 from gapless.orchestrate.source import RolloutSource
 from gapless.orchestrate.step_metrics import rollout_metrics, staleness_metrics, train_metrics
@@ -133,7 +135,10 @@ class RunLoop:
         self.lora = run_spec(cfg.lora, cfg.seed)  # None: full fine-tuning
         self.policy, self.setup_info = prepare_policy(cfg, self.env, log)
         self._keep_prompts()
-        check_fits(cfg, self.policy.model, self.max_seq_len(), log)  # before any rollout: refuse what cannot fit
+        estimate = check_fits(
+            cfg, self.policy.model, self.max_seq_len(), log
+        )  # before any rollout: refuse what cannot fit
+        self.setup_info["memory_estimate_mb"] = estimate.total / (1 << 20)
         self.start_step, self.state = 0, {}
         checkpoint = latest_checkpoint(self.run_dir) if resume else None
         if checkpoint is not None:
@@ -294,6 +299,7 @@ class RunLoop:
             "rl_wall_s": time.perf_counter() - started,
             "trained_samples": trained_samples,
             "steps": cfg.loop.steps,
+            **peak_rss_metrics(),
             **self.setup_info,
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -334,6 +340,7 @@ class RunLoop:
             **taken.metrics,
             **self.source.stats(),
             **self.masking.step_metrics(),
+            **peak_rss_metrics(),
         }
 
     def checkpoint(self, step: int, pass_start: float, trained_samples: int) -> None:

@@ -17,7 +17,10 @@ a run whose estimate passes the memory available (the cgroup's limit or MemAvail
 Guaranteed: the check runs before any rollout, and a refusal names a field. Not guaranteed: the
 estimate is a model, not a measurement; it leaves out the Python interpreter, the environment's
 workers and allocator fragmentation (about 1 GB a process here), and a multi-turn episode's
-context is priced at its configured bound. The run's peak RSS (`perf/peak_rss_mb`) checks it.
+context is priced at its configured bound. The held-out eval's engine (in the trainer's process) is
+not priced: its cache grows with the longest answer so far (kv_cache.py), small for a policy that
+stops, up to min(generator.max_batch, eval prompts) x max_seq_len for one whose greedy answers
+run to generator.max_new_tokens. The run's peak RSS (`perf/peak_rss_mb`) checks it.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ SUMMARY_ROWS = [
     ("generator idle (mean)", lambda r: r.mean("perf/generator_idle_frac"), "{:.2f}"),
     ("staleness max", lambda r: max(r.series("staleness/max")[2], default=float("nan")), "{:.0f}"),
     ("generated tokens/s (mean)", lambda r: r.mean("perf/gen_tokens_per_s"), "{:.0f}"),
+    ("peak memory, MB (estimate at start)", lambda r: _peak_memory(r), "{}"),
     ("timeline spans", lambda r: len(r.spans), "{:.0f}"),
     ("masked share (infra_error)", lambda r: _masked_share(r), "{:.3f}"),
     (
@@ -99,6 +100,15 @@ def masking_section(runs: list[Run]) -> str:
 def _first(run: Run, key: str) -> float:
     values = run.series(key)[2]
     return values[0] if values else float("nan")
+
+
+def _peak_memory(run: Run) -> str | float:
+    """The run's peak RSS (process tree, summed per-process peaks) beside the start's estimate."""
+    peak = run.summary.get("perf/peak_rss_mb", max(run.series("perf/peak_rss_mb")[2], default=float("nan")))
+    if math.isnan(peak):
+        return peak
+    estimate = run.summary.get("memory_estimate_mb")
+    return f"{peak:.0f}" + (f" ({estimate:.0f})" if estimate is not None else "")
 
 
 def _last(run: Run, key: str) -> float:
