@@ -52,8 +52,8 @@ from gapless.orchestrate.evaluate import EvalScore, greedy_pass_at_1, multi_turn
 from gapless.orchestrate.inline import InlineSource
 from gapless.orchestrate.masking import MaskingWatch
 from gapless.orchestrate.memory_fit import check_fits
-from gapless.orchestrate.process_memory import peak_rss_metrics
 from gapless.orchestrate.policy_setup import prepare_policy
+from gapless.orchestrate.process_memory import peak_rss_metrics
 from gapless.orchestrate.source import RolloutSource
 from gapless.orchestrate.step_metrics import rollout_metrics, staleness_metrics, train_metrics
 from gapless.timeline import export_chrome_trace, open_timeline
