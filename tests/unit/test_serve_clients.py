@@ -275,5 +275,6 @@ def test_inspect_ai_use_tools(served, tmp_path):
     [sample] = json.loads(dump.stdout)["samples"]
     calls = [c for m in sample["messages"] for c in m.get("tool_calls") or []]
     outputs = [m["content"] for m in sample["messages"] if m["role"] == "tool"]
-    assert [c["function"] for c in calls] == ["paint"] and calls[0]["arguments"]["colour"] in ("red", "blue")
-    assert outputs == [f"painted {calls[0]['arguments']['colour']}"]
+    # tool_choice "any" is `required`, which allows parallel calls: one or more, each run by inspect
+    assert calls and all(c["function"] == "paint" and c["arguments"]["colour"] in ("red", "blue") for c in calls)
+    assert outputs == [f"painted {c['arguments']['colour']}" for c in calls]
