@@ -79,7 +79,7 @@ def main(base_url: str) -> int:
         check("".join(deltas) == events.get_final_response().output_text, "responses stream")
     tool = {"type": "function", "name": "add", "parameters": TOOL["function"]["parameters"]}
     items = client.responses.create(
-        model="tiny", input="What is 2 + 3?", tools=[tool], tool_choice="required", max_output_tokens=200
+        model="tiny", input="What is 2 + 3?", tools=[tool], tool_choice="required", max_output_tokens=200, temperature=0
     ).output
     check([i.type for i in items][-1:] == ["function_call"], "responses function tools")
     try:

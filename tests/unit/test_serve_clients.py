@@ -258,7 +258,7 @@ def test_inspect_ai_use_tools(served, tmp_path):
     assert (bin_dir / "inspect").exists(), f"{bin_dir / 'inspect'} is missing: run `bash scripts/setup.sh`"
     env = {**os.environ, "GAPLESS_BASE_URL": served, "GAPLESS_API_KEY": "unused", "INSPECT_LOG_DIR": str(tmp_path)}
     task = Path(__file__).with_name("inspect_task.py")
-    args = ["--model", "openai-api/gapless/tiny", "--max-tokens", "200", "--display", "none"]
+    args = ["--model", "openai-api/gapless/tiny", "--max-tokens", "200", "--temperature", "0", "--display", "none"]
     ran = subprocess.run(  # inspect takes a task file relative to its working directory
         [str(bin_dir / "inspect"), "eval", task.name, *args],
         cwd=task.parent,
