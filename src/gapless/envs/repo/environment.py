@@ -63,10 +63,10 @@ from gapless.envs.repo.tools import (
     session_code,
     solution_text,
 )
+from gapless.envs.session_calls import call, close_session, tool_text
 from gapless.envs.turns import ToolLatency, run_waves
 from gapless.sandbox import SandboxError, SandboxLimits, Status, open_sandbox
 from gapless.sandbox.frames import clean_text
-from gapless.sandbox.worker import SlotFailure
 from gapless.types import Completion, Rollout, SamplingParams
 
 # The candidate's module in the grading job (trusted, the host's): it imports the repository's
@@ -179,42 +179,23 @@ class RepoEnvironment:
         result = self._call(episode, request)
         if result is None:
             return ""
-        if result.status in (Status.OK, Status.NONZERO_EXIT):
-            text = result.stdout if result.error is None else f"{result.stdout}error: {result.error}"
-        else:  # the live process was stopped; the files are kept and the next call gets a new one
-            text = f"error: the command hit the sandbox's {result.status.value} limit"
-        return self._observe(text)
+        return self._observe(tool_text(result))
 
     def _observe(self, text: str) -> str:
         return observe(text, self.max_output_bytes, self.turn_format)
 
     def _call(self, episode: Episode, request: dict):
         """One request in the episode's session (opened and seeded on first use); None when the
-        session failed, which ends the episode (infra_error or tool_error, module docstring)."""
-        try:
-            if episode.session is None:
-                episode.session = self.sandbox.open_session(self.limits, self.idle_timeout_s)
-                seeded = episode.session.run(
-                    session_code({"op": "seed", "files": episode.task.files, "max_file_bytes": self.max_file_bytes})
-                )
-                if seeded.status is not Status.OK:  # the host's own code, before any of the model's
-                    raise SandboxError(
-                        f"seeding the repository failed: {seeded.status.value} {clean_text(seeded.stderr, 200)}"
-                    )
-            result = episode.session.run(session_code(request))
-        except (SandboxError, SlotFailure) as exc:  # no session, or one the host closed (idle)
-            self._close_session(episode)
-            episode.finish("infra_error", error=str(exc)[:300])
-            return None
-        if result.status is Status.INFRA_ERROR:  # the session never started: nothing of the model ran
-            self._close_session(episode)
-            episode.finish("infra_error", error=clean_text(result.stderr, 300))
-            return None
-        if result.is_lost:  # the slot failed under the model's code: its own outcome, scored
-            self._close_session(episode)
-            episode.finish("tool_error", 0.0, tool_status="crashed")
-            return None
-        return result
+        session failed, which ends the episode (infra_error or tool_error, envs/session_calls.py)."""
+        return call(episode, self._open, request)
+
+    def _open(self, episode: Episode) -> None:
+        episode.session = self.sandbox.open_session(self.limits, self.idle_timeout_s)
+        seeded = episode.session.run(
+            session_code({"op": "seed", "files": episode.task.files, "max_file_bytes": self.max_file_bytes})
+        )
+        if seeded.status is not Status.OK:  # the host's own code, before any of the model's
+            raise SandboxError(f"seeding the repository failed: {seeded.status.value} {clean_text(seeded.stderr, 200)}")
 
     def _end(self, episode: Episode, ended_by: str) -> None:
         """Collect the final files and close the session; grading comes in `to_rollout`."""
@@ -226,17 +207,12 @@ class RepoEnvironment:
             if result is None:
                 return
             files = _collected(result.stdout, self.max_file_bytes)
-            self._close_session(episode)
+            close_session(episode)
         episode.finish("pending", ended_by=ended_by, final_files=files)
 
     def discard(self, episode: Episode) -> None:
         """An episode the run no longer needs (its group was cut): close its session."""
-        self._close_session(episode)
-
-    def _close_session(self, episode: Episode) -> None:
-        if episode.session is not None:
-            episode.session.close()
-            episode.session = None
+        close_session(episode)
 
     def to_rollout(self, episode: Episode) -> Rollout:
         """Grade a finished episode (one still running ends at its turn limit)."""

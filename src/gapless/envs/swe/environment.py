@@ -41,8 +41,9 @@ from typing import Callable, Sequence
 
 from gapless.envs.base import Generator, Split, check_infra
 from gapless.envs.code.environment import SandboxUnavailable
-from gapless.envs.commands import PLAIN, TurnFormat, observe, path_problem, session_code
+from gapless.envs.commands import PLAIN, TurnFormat, observe, path_problem
 from gapless.envs.episode import Episode
+from gapless.envs.session_calls import call, close_session, tool_text
 from gapless.envs.swe.grading import Changes, Grade, GradeRules, grade
 from gapless.envs.swe.instances import SweInstance
 from gapless.envs.swe.snapshots import SnapshotStore
@@ -57,9 +58,7 @@ from gapless.envs.swe.tools import (
     request_of,
 )
 from gapless.envs.turns import run_waves
-from gapless.sandbox import SandboxError, SandboxLimits, Status
-from gapless.sandbox.frames import clean_text
-from gapless.sandbox.worker import SlotFailure
+from gapless.sandbox import SandboxLimits, Status
 from gapless.types import Completion, Rollout, SamplingParams
 
 MAX_CHANGED_FILES = 256  # files an episode may change; more makes its tree ungradable (reward 0)
@@ -156,33 +155,16 @@ class SweEnvironment:
         result = self._call(episode, request)
         if result is None:
             return ""
-        if result.status in (Status.OK, Status.NONZERO_EXIT):
-            text = result.stdout if result.error is None else f"{result.stdout}error: {result.error}"
-        else:  # the live process was stopped; the files are kept and the next call gets a new one
-            text = f"error: the command hit the sandbox's {result.status.value} limit"
-        return observe(text, self.sizes.max_output_bytes, self.turn_format)
+        return observe(tool_text(result), self.sizes.max_output_bytes, self.turn_format)
 
     def _call(self, episode: Episode, request: dict):
         """One request in the episode's session (opened on first use); None when the session
-        failed, which ends the episode (infra_error or tool_error, module docstring)."""
-        try:
-            if episode.session is None:
-                base = self.snapshots.get(episode.task.instance).base
-                episode.session = self.sandbox.open_session(self.limits, self.idle_timeout_s, base=base)
-            result = episode.session.run(session_code(request))
-        except (SandboxError, SlotFailure) as exc:
-            self._close_session(episode)
-            episode.finish("infra_error", error=str(exc)[:300])
-            return None
-        if result.status is Status.INFRA_ERROR:
-            self._close_session(episode)
-            episode.finish("infra_error", error=clean_text(result.stderr, 300))
-            return None
-        if result.is_lost:
-            self._close_session(episode)
-            episode.finish("tool_error", 0.0, tool_status="crashed")
-            return None
-        return result
+        failed, which ends the episode (infra_error or tool_error, envs/session_calls.py)."""
+        return call(episode, self._open, request)
+
+    def _open(self, episode: Episode) -> None:
+        base = self.snapshots.get(episode.task.instance).base
+        episode.session = self.sandbox.open_session(self.limits, self.idle_timeout_s, base=base)
 
     def _end(self, episode: Episode, ended_by: str) -> None:
         """Collect the session's changes, close it and start grading them (on the grader's
@@ -194,7 +176,7 @@ class SweEnvironment:
             if result is None:
                 return
             changes = _changes(result.stdout if result.status is Status.OK else "", self.sizes.max_file_bytes)
-            self._close_session(episode)
+            close_session(episode)
         grading = None if changes is None else self.grader.submit(self._graded, episode.task.instance, changes)
         episode.finish("pending", ended_by=ended_by, grading=grading)
 
@@ -202,15 +184,10 @@ class SweEnvironment:
         return self.grade(instance, changes), len(changes.changed)
 
     def discard(self, episode: Episode) -> None:
-        self._close_session(episode)
+        close_session(episode)
         grading = episode.info.pop("grading", None)
         if grading is not None:
             grading.cancel()
-
-    def _close_session(self, episode: Episode) -> None:
-        if episode.session is not None:
-            episode.session.close()
-            episode.session = None
 
     def to_rollout(self, episode: Episode) -> Rollout:
         if not episode.is_done:
