@@ -6,15 +6,21 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
+from sandbox_host import SLOT_UID_BASE, assert_host_clean, host_state
 from swe_fixture import TINY_PACKAGE, write_tree
 
 from gapless.envs.swe.depenv import copy_installed, sandbox_python_version
-from gapless.envs.swe.instances import load_instances
+from gapless.envs.swe.environment import SweEnvironment
+from gapless.envs.swe.instances import SweInstance, load_instances
 from gapless.envs.swe.patches import make_patch
 from gapless.envs.swe.testrun import Outcome
+from gapless.envs.swe.tools import SweTask, prompt_of
+from gapless.sandbox import BwrapSandbox, SandboxLimits
 
 SANDBOX_PYTHON = "/usr/bin/python3"
 GOOD = "    return sum(values) / len(values)\n"
@@ -101,3 +107,22 @@ def swebench_resolved(outcomes: dict[str, Outcome], f2p: list[str], p2p: list[st
         return 1.0 if passed + failed == 0 else passed / (passed + failed)
 
     return rate(f2p) == 1.0 and rate(p2p) == 1.0
+
+
+@contextmanager
+def swe_environment(
+    instance: SweInstance, limits: SandboxLimits, grade_limits: SandboxLimits
+) -> Iterator[SweEnvironment]:
+    """The swe environment over `instance` alone (train and eval), four sessions; the host is
+    checked clean after it closes."""
+    before = host_state()
+    task = SweTask(instance.instance_id, prompt_of(instance), instance)
+    sandbox = BwrapSandbox(limits, slot_uid_base=SLOT_UID_BASE, max_concurrency=4)
+    environment = SweEnvironment(
+        sandbox, {"train": [task], "eval": [task]}, limits, grade_limits, max_turns=12, sessions=4
+    )
+    try:
+        yield environment
+    finally:
+        environment.close()
+    assert_host_clean(before)

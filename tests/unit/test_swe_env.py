@@ -9,14 +9,22 @@ import random
 from dataclasses import replace
 
 import pytest
-from sandbox_host import IS_ROOT, SLOT_UID_BASE, assert_host_clean, host_state, needs_bwrap
-from swe_instance import FAIL_TO_PASS, PASS_TO_PASS, instance, instance_file, swe_env_dir, swebench_resolved  # noqa: F401
+from sandbox_host import IS_ROOT, needs_bwrap
+from swe_instance import (  # noqa: F401
+    FAIL_TO_PASS,
+    PASS_TO_PASS,
+    instance,
+    instance_file,
+    swe_env_dir,
+    swe_environment,
+    swebench_resolved,
+)
 
 from gapless.envs.swe.environment import SweEnvironment, split_instances
 from gapless.envs.swe.grading import Changes, GradeRules, grading_tree, with_patch
 from gapless.envs.swe.testrun import DEFAULT_LIMITS, load_env, run_tests
-from gapless.envs.swe.tools import SweTask, prompt_of
-from gapless.sandbox import BwrapSandbox, SandboxLimits
+from gapless.envs.swe.tools import prompt_of
+from gapless.sandbox import SandboxLimits
 from gapless.types import Completion
 
 pytestmark = [needs_bwrap, pytest.mark.skipif(not IS_ROOT, reason="copy-on-write sessions need root")]
@@ -26,17 +34,8 @@ GRADE_LIMITS = replace(DEFAULT_LIMITS, timeout_s=60.0, memory_mb=1024, tmp_size_
 
 @pytest.fixture(scope="module")
 def env(instance):  # noqa: F811
-    before = host_state()
-    task = SweTask(instance.instance_id, prompt_of(instance), instance)
-    sandbox = BwrapSandbox(LIMITS, slot_uid_base=SLOT_UID_BASE, max_concurrency=4)
-    environment = SweEnvironment(
-        sandbox, {"train": [task], "eval": [task]}, LIMITS, GRADE_LIMITS, max_turns=12, sessions=4
-    )
-    try:
+    with swe_environment(instance, LIMITS, GRADE_LIMITS) as environment:
         yield environment
-    finally:
-        environment.close()
-    assert_host_clean(before)
 
 
 def test_the_grader_agrees_with_swebench_rule(env, instance):  # noqa: F811

@@ -7,14 +7,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from sandbox_host import IS_ROOT, SLOT_UID_BASE, assert_host_clean, host_state, needs_bwrap
-from swe_instance import instance, instance_file, swe_env_dir  # noqa: F401
+from sandbox_host import IS_ROOT, needs_bwrap
+from swe_instance import instance, instance_file, swe_env_dir, swe_environment  # noqa: F401
 
 from gapless.envs.swe.environment import SweEnvironment
 from gapless.envs.swe.grading import GradeRules
 from gapless.envs.swe.testrun import DEFAULT_LIMITS
-from gapless.envs.swe.tools import SweTask, prompt_of
-from gapless.sandbox import BwrapSandbox, SandboxLimits
+from gapless.sandbox import SandboxLimits
 from gapless.types import Completion
 
 pytestmark = [needs_bwrap, pytest.mark.skipif(not IS_ROOT, reason="copy-on-write sessions need root")]
@@ -95,17 +94,8 @@ ATTACKS = {
 
 @pytest.fixture(scope="module")
 def env(instance):  # noqa: F811
-    before = host_state()
-    task = SweTask(instance.instance_id, prompt_of(instance), instance)
-    sandbox = BwrapSandbox(LIMITS, slot_uid_base=SLOT_UID_BASE, max_concurrency=4)
-    environment = SweEnvironment(
-        sandbox, {"train": [task], "eval": [task]}, LIMITS, GRADE_LIMITS, max_turns=12, sessions=4
-    )
-    try:
+    with swe_environment(instance, LIMITS, GRADE_LIMITS) as environment:
         yield environment
-    finally:
-        environment.close()
-    assert_host_clean(before)
 
 
 def play(env, turns: list[str]):
