@@ -222,3 +222,35 @@ def test_a_sequence_spanning_a_swap_is_not_cached(policy, kernels):
 def test_the_generic_path_keeps_no_prefix_cache(policy):
     engine = TorchEngine(policy.model, policy.eos_id, prefix_cache_mb=64, path="generic")
     assert engine.prefix_cache is None
+
+
+def test_served_conversation_hits_the_cache_and_metrics_count_it():
+    """`gapless serve`'s path (the scheduler, the OpenAI routes): a growing conversation gives the
+    same text with the cache as without, and /metrics counts the hits."""
+    import httpx
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+    from serve_model import tiny_policy
+
+    from gapless.serve.openai.server import ServerThread, build_app
+
+    policy = tiny_policy()
+    texts = {}
+    for mb in (0, 16):
+        srv = ServerThread(build_app(policy, "tiny", max_batch=4, prefix_cache_mb=mb))
+        try:
+            client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+            prompt, turns = "Question 3: name 3 fruits, colours or animals. Answer:", []
+            for turn in range(4):
+                out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+                turns.append(out.choices[0].text)
+                prompt += out.choices[0].text + f" Question {turn}: name"
+            texts[mb] = turns
+            with httpx.Client(base_url=srv.url.removesuffix("/v1"), timeout=30) as http:
+                metrics = {
+                    f.name: f.samples[0].value for f in text_string_to_metric_families(http.get("/metrics").text)
+                }
+        finally:
+            srv.close()
+    assert texts[16] == texts[0]
+    assert metrics["gapless_prefix_cache_hits"] == 3 and metrics["gapless_prefix_cache_hit_tokens"] > 40
