@@ -12,7 +12,9 @@ Who calls what (one thread; the caller drives the steps and swaps weights betwee
 A step (1) fills the free slots from the waiting queue: the keys/values of each newcomer's
 context but its last token are prefilled in one batch, each distinct prefix once --
 the N samples of a group share one prompt prefill, and a stashed copy serves samples admitted in
-later steps; (2) decodes one token for every running sequence in one batched forward (a newcomer
+later steps; with a prefix cache (`prefix_cache_mb`, prefix_cache.py) only the tokens past the
+longest cached prefix are prefilled, and prompts and finished contexts are kept for later
+requests, under the current weights only (every weight change clears it); (2) decodes one token for every running sequence in one batched forward (a newcomer
 feeds its last context token, so every token is sampled in the same place); (3) retires the
 finished sequences and closes the holes by moving the last slots down, so the running batch is
 always the prefix 0..B-1 of the cache and a freed slot is refilled at the next step.

@@ -11,7 +11,8 @@ the config by `families.layout_of`; any other model is refused here and served b
 path (`hf_runner.py`).
 
 Two entry points: `prefill` runs right-padded contexts at positions 0..P-1 with a causal mask
-and returns their keys/values for the engine to place; `decode` feeds one token for each of
+(or only their tails, after keys/values a prefix cache holds) and returns their keys/values for
+the engine to place; `decode` feeds one token for each of
 the B running slots at its own position, writes its key/value into the cache, attends to
 positions <= its own and returns the logits of the next token.
 `load_state` takes a full HF state dict by name and copies it into the fused tensors in place;
