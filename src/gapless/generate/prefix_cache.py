@@ -74,6 +74,7 @@ class PrefixCache:
         self.num_bytes = 0
         self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # least recently used first
         self._by_block: dict[int, set[tuple[int, ...]]] = {}  # chain hash -> entries holding that prefix
+        self._by_last: dict[int, set[tuple[int, ...]]] = {}  # chain hash -> entries whose last full block it is
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -102,11 +103,12 @@ class PrefixCache:
             return
         entry = _Entry(tokens, kv, num_bytes, _chain(tokens))
         for h in entry.chain:  # entries that are prefixes of this one are covered by it
-            for old in [t for t in self._by_block.get(h, ()) if len(t) <= len(tokens) and tokens[: len(t)] == t]:
+            for old in [t for t in self._by_last.get(h, ()) if len(t) <= len(tokens) and tokens[: len(t)] == t]:
                 self._remove(old)
         self._entries[tokens] = entry
         for h in entry.chain:
             self._by_block.setdefault(h, set()).add(tokens)
+        self._by_last.setdefault(entry.chain[-1], set()).add(tokens)
         self.num_bytes += num_bytes
         while self.num_bytes > self.budget_bytes:
             self._remove(next(iter(self._entries)))
@@ -118,29 +120,30 @@ class PrefixCache:
             self.stats.invalidations += 1
         self._entries.clear()
         self._by_block.clear()
+        self._by_last.clear()
         self.num_bytes = 0
 
     def _longest(self, tokens: tuple[int, ...]) -> tuple[_Entry | None, int]:
-        best, best_len = None, 0
         candidates, depth = (), 0
         for i, h in enumerate(_chain(tokens)):
             found = self._by_block.get(h)
             if not found:
                 break
             candidates, depth = found, (i + 1) * BLOCK
-        for key in candidates:
-            if key[:depth] != tokens[:depth]:  # a hash collision, not a shared prefix
-                continue
-            length = _shared(key, tokens, depth)
-            if length > best_len:
-                best, best_len = self._entries[key], length
-        return best, best_len
+        # the candidates share `depth` tokens by hash: rank them by the cheap tail past it, then
+        # check the whole prefix of the best only (many entries may share a long system prompt)
+        ranked = sorted(((_shared(key, tokens, depth), key) for key in candidates), key=lambda p: p[0], reverse=True)
+        for length, key in ranked:
+            if key[:depth] == tokens[:depth]:  # else a hash collision, not a shared prefix
+                return self._entries[key], length
+        return None, 0
 
     def _remove(self, tokens: tuple[int, ...]) -> None:
         entry = self._entries.pop(tokens)
-        for h in entry.chain:
-            held = self._by_block[h]
-            held.discard(tokens)
-            if not held:
-                del self._by_block[h]
+        for index, hashes in ((self._by_block, entry.chain), (self._by_last, entry.chain[-1:])):
+            for h in hashes:
+                held = index[h]
+                held.discard(tokens)
+                if not held:
+                    del index[h]
         self.num_bytes -= entry.num_bytes
