@@ -254,3 +254,45 @@ def test_served_conversation_hits_the_cache_and_metrics_count_it():
             srv.close()
     assert texts[16] == texts[0]
     assert metrics["gapless_prefix_cache_hits"] == 3 and metrics["gapless_prefix_cache_hit_tokens"] > 40
+
+
+def test_tinker_service_conversation_reuses_keys_values_only_under_the_same_weights(tmp_path):
+    """The Tinker service (cache on by default): a conversation on a LoRA snapshot hits the cache;
+    after another step its engine is re-keyed to the new snapshot (one engine allowed), and the
+    same conversation's log-probs are the new weights', checked against `compute_logprobs`."""
+    import numpy as np
+    import tinker
+    from tinker import types
+    from tinker_service import KEY, served
+
+    with served(tmp_path, max_engines="1") as (server, policy):
+        with tinker.ServiceClient(base_url=server.base_url, api_key=KEY) as client:
+            trainer = client.create_lora_training_client(base_model="tiny", rank=4, seed=7).result()
+            text = policy.encode("Question 2: name 2 fruits. Answer: apple, red.")
+            datum = types.Datum(
+                model_input=types.ModelInput.from_ints(text[:-1]),
+                loss_fn_inputs={"target_tokens": np.array(text[1:], dtype=np.int64)},
+            )
+            prompt = policy.encode("Question 4: name 4 fruits, colours or animals. Answer:")
+            params = types.SamplingParams(max_tokens=6, seed=3)
+            hits = []
+            for _ in range(2):  # a training step, then a new snapshot sampled turn by turn
+                trainer.forward_backward([datum], "cross_entropy").result()
+                trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+                sampler = trainer.save_weights_and_get_sampling_client().result()
+                context = list(prompt)
+                for turn in range(3):
+                    seq = sampler.sample(types.ModelInput.from_ints(context), 1, params).result().sequences[0]
+                    full = context + list(seq.tokens)
+                    scored = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()[len(context) :]
+                    assert np.abs(np.array(seq.logprobs) - np.array(scored)).max() < 1e-4
+                    context = full + policy.encode(f" Question {turn}: name")
+                engines = {id(s.engine): s.engine for s in server.app.pool.schedulers}.values()
+                assert len(engines) == 2  # the base's (the OpenAI routes') and one for the snapshots
+                hits.append(sum(e.stats.prefix_cache.hits for e in engines))
+            misses = sum(e.stats.prefix_cache.misses for e in engines)
+            invalidations = sum(e.stats.prefix_cache.invalidations for e in engines)
+    # the SDK's compute_logprobs is a one-token sample of its prompt: per conversation the first
+    # sample misses, and its scoring and both later turns' samples and scorings hit
+    assert hits == [5, 10]
+    assert misses == 2 and invalidations == 1  # re-keyed to the second snapshot: nothing of the first is reused
