@@ -79,6 +79,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-batch", type=int, default=64, help="sequences decoded together by the engine")
     serve.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=256,
+        help="MB of keys/values the torch engine keeps for prompts that repeat an earlier context (0 = off)",
+    )
+    serve.add_argument(
         "--generator.engine",
         dest="engine",
         choices=["torch", "vllm"],
@@ -370,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.max_batch,
                 args.max_seq_len,
                 engine=args.engine,
+                prefix_cache_mb=args.prefix_cache_mb,
             )
             print("gapless: server stopped", file=sys.stderr)
             return 0

@@ -164,6 +164,12 @@ class GeneratorConfig(_Section):
     kernels on first use (RoPE, cache write and attention in one call per layer) and falls back to
     the torch path with a warning where no C compiler works; 'native' makes that an error; 'torch'
     never compiles them. Same results within fp32 rounding."""
+    prefix_cache_mb: int = Field(0, ge=0, le=1 << 20)
+    """Memory in MB for the torch engine's automatic prefix cache (docs/engine.md): keys/values of
+    finished contexts kept under the current weights, so a later prompt that starts with the same
+    tokens (the next turn of a multi-turn episode) prefills only the rest. Cleared at every weight
+    push; least recently used entries are evicted. 0 (default) = off: a GRPO group's samples already
+    share one prompt prefill, and pushes clear it every step; set it for multi-turn environments."""
 
 
 class TrainerConfig(_Section):
@@ -818,6 +824,11 @@ class ServiceConfig(_Section):
     """Where `save_state` checkpoints are written (one torch file per checkpoint, by model id)."""
     max_batch: int = Field(64, ge=1, le=1024)
     """Sequences one sampling engine decodes together (its KV cache holds this many)."""
+    prefix_cache_mb: int = Field(256, ge=0, le=1 << 20)
+    """Memory in MB for each torch sampling engine's automatic prefix cache (docs/engine.md): a
+    request whose prompt starts with an earlier prompt or prompt + completion on the same weights
+    (a multi-turn recipe re-sending its conversation) prefills only the new tokens. A token takes
+    2 x layers x kv_heads x head_dim x 4 bytes (fp32); raise it for larger models. 0 = off."""
     max_engines: int = Field(4, ge=1, le=64)
     """Sampling engines kept at once, one per set of weights being sampled (a base model or a
     saved sampler snapshot); past this the least recently used idle one takes the new weights."""

@@ -59,6 +59,7 @@ def _make(
             kernels=cfg.kernels,
             stop_ids=policy.stop_ids,
             recompute_kv=cfg.recompute_kv,
+            prefix_cache_mb=cfg.prefix_cache_mb,
         )
     if cfg.engine == "reference":
         return TorchSampler(copy.deepcopy(policy.model), policy.eos_id, policy.pad_id, policy.decode, policy.stop_ids)
@@ -77,15 +78,23 @@ def serving_engine(
     model_dir: str | Path,
     kernels: str = "auto",
     save: bool = False,
+    prefix_cache_mb: int = 0,
     log=print,
 ) -> StreamingGenerator:
     """The engine a request scheduler drives (`gapless serve`, the Tinker service's samplers):
     'torch' (the torch engine over a copy of `policy`'s weights) or 'vllm' (vLLM loading
     `model_dir`, where `policy` is saved first if `save` or no checkpoint is there). No stop tokens of
-    its own: every request names its stops (serve/scheduler.py). `max_seq_len` None: the model's."""
+    its own: every request names its stops (serve/scheduler.py). `max_seq_len` None: the model's.
+    `prefix_cache_mb`: the torch engine's prefix cache (0 = off; vLLM keeps its own)."""
     if engine == "torch":
         return TorchEngine(
-            policy.model, policy.eos_id, policy.decode, max_batch=max_batch, max_seq_len=max_seq_len, kernels=kernels
+            policy.model,
+            policy.eos_id,
+            policy.decode,
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            kernels=kernels,
+            prefix_cache_mb=prefix_cache_mb,
         )
     if engine != "vllm":
         raise ValueError(f"unknown serving engine {engine!r}: 'torch' or 'vllm'")

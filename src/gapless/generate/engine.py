@@ -12,7 +12,9 @@ Who calls what (one thread; the caller drives the steps and swaps weights betwee
 A step (1) fills the free slots from the waiting queue: the keys/values of each newcomer's
 context but its last token are prefilled in one batch, each distinct prefix once --
 the N samples of a group share one prompt prefill, and a stashed copy serves samples admitted in
-later steps; (2) decodes one token for every running sequence in one batched forward (a newcomer
+later steps; with a prefix cache (`prefix_cache_mb`, prefix_cache.py) only the tokens past the
+longest cached prefix are prefilled, and prompts and finished contexts are kept for later
+requests, under the current weights only (every weight change clears it); (2) decodes one token for every running sequence in one batched forward (a newcomer
 feeds its last context token, so every token is sampled in the same place); (3) retires the
 finished sequences and closes the holes by moving the last slots down, so the running batch is
 always the prefix 0..B-1 of the cache and a freed slot is refilled at the next step.
@@ -49,6 +51,7 @@ from gapless.generate.constraint import TokenConstraint, bitmask_words, mask_log
 from gapless.generate.families import engine_path
 from gapless.generate.hf_runner import HFRunner
 from gapless.generate.logit_adjust import apply_adjustments
+from gapless.generate.prefix_cache import PrefixCache, PrefixCacheStats
 from gapless.generate.protocol import RunningSample
 from gapless.generate.runner import DecoderRunner, attention_ranges
 from gapless.generate.sampling import RowSettings, sample_rows, sample_seed, uniform_stream
@@ -69,6 +72,7 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     constraint: TokenConstraint | None = None  # grammar-constrained decoding (generate/constraint.py)
+    weights: int = -1  # the engine's weight epoch when its keys/values were prefilled
 
     @property
     def context(self) -> tuple[int, ...]:
@@ -91,6 +95,7 @@ class EngineStats:
     steps: int = 0
     decode_tokens: int = 0
     prefill_tokens: int = 0  # context tokens run through a prefill
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)  # hits, misses, reused tokens
 
 
 class _Slots:
@@ -173,8 +178,11 @@ class TorchEngine:
         kernels: str = "auto",
         stop_ids: Iterable[int] = (),
         path: str = "auto",
+        prefix_cache_mb: int = 0,
     ):
-        """`path`: 'auto' (the family decides) or 'generic' (force the HF-module runner)."""
+        """`path`: 'auto' (the family decides) or 'generic' (force the HF-module runner).
+        `prefix_cache_mb`: memory for keys/values kept across requests (prefix_cache.py); 0 = off.
+        The lean runner only: the generic path keeps no prefix cache."""
         self.path, notice = (
             engine_path(model.config) if path == "auto" else ("generic", "engine: generic path (requested)")
         )
@@ -191,6 +199,10 @@ class TorchEngine:
         self.version = 0
         self.adapters: AdapterMerge | None = None  # set for a LoRA run (make_generator): pushes are adapters
         self.stats = EngineStats()
+        self.prefix_cache = PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb > 0 and self.path == "lean" else None
+        if self.prefix_cache is not None:
+            self.stats.prefix_cache = self.prefix_cache.stats
+        self._weights = 0  # bumped by every weight change: a sequence prefilled before one is not cached
         self.running: list[_Sequence] = []  # running[i] occupies slot i
         self.waiting: deque[_Sequence] = deque()
         self._decode_text = decode
@@ -327,7 +339,10 @@ class TorchEngine:
         else:
             self.runner.load_state(state)
         self.version = version
+        self._weights += 1
         self._prefixes.clear()  # stashed prefills belong to the old weights
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()  # and so does every cached prefix
         if self.recompute_kv if recompute_kv is None else recompute_kv:
             for seq in reversed(self.running):
                 self.waiting.appendleft(seq)
@@ -402,8 +417,9 @@ class TorchEngine:
         self._reserve(lo + take)
         self._fill_slots([ctx[:-1] for ctx in contexts], lo)
         self.slots.assign(lo, seqs, [ctx[-1] for ctx in contexts], [len(ctx) - 1 for ctx in contexts])
-        for ctx in contexts:
+        for seq, ctx in zip(seqs, contexts):
             self._leave_waiting(ctx[:-1])
+            seq.weights = self._weights
         self.running += seqs
         self._decode_rows = None
 
@@ -416,22 +432,46 @@ class TorchEngine:
 
     def _fill_slots(self, prefixes: list[tuple[int, ...]], lo: int) -> None:
         """Write the keys/values of `prefixes` into slots lo, lo+1, ... Each distinct prefix is
-        prefilled once (or copied from its stash); a fresh prefill is stashed while sequences
-        with the same prefix still wait for a slot."""
+        prefilled once (or copied from its stash), past what the prefix cache holds of it; a fresh
+        prefill is stashed while sequences with the same prefix still wait for a slot, and kept in
+        the prefix cache."""
         fresh = list(dict.fromkeys(p for p in prefixes if p and p not in self._prefixes))  # distinct, in order
+        hits = {p: hit for p in fresh if (hit := self._lookup(p)) is not None}
+        for prefix in [p for p in fresh if p in hits and hits[p][1] == len(p)]:  # wholly cached: nothing to run
+            self._prefixes[prefix] = hits[prefix][0]  # placed below like a stash; _leave_waiting drops it
+            fresh.remove(prefix)
         if fresh:
             row = {prefix: i for i, prefix in enumerate(fresh)}
-            kv = self.runner.prefill(fresh)  # lean: per layer (R, kv_heads, P, hd); generic: one HF cache per row
-            self.stats.prefill_tokens += sum(map(len, fresh))
+            past = [hits[p][0] if p in hits else None for p in fresh]
+            kv = self.runner.prefill(fresh, past) if hits else self.runner.prefill(fresh)
+            # lean: per layer (R, kv_heads, P, hd); generic: one HF cache per row
+            self.stats.prefill_tokens += sum(len(p) - (hits[p][1] if p in hits else 0) for p in fresh)
             into = [(row[p], lo + i) for i, p in enumerate(prefixes) if p in row]
             self.runner.place(self.cache, kv, [r for r, _ in into], [s for _, s in into])
             admitted = Counter(prefixes)
             for prefix, r in row.items():
-                if self._waiting_prefixes[prefix] > admitted[prefix]:
-                    self._prefixes[prefix] = self.runner.stash_row(kv, r, len(prefix))
+                waits = self._waiting_prefixes[prefix] > admitted[prefix]
+                if waits or self.prefix_cache is not None:
+                    stash = self.runner.stash_row(kv, r, len(prefix))  # a copy, never written to: shareable
+                    if waits:
+                        self._prefixes[prefix] = stash
+                    if self.prefix_cache is not None:
+                        self.prefix_cache.insert(prefix, stash)
         for prefix in dict.fromkeys(p for p in prefixes if p in self._prefixes and p not in fresh):
             slots = [lo + i for i, p in enumerate(prefixes) if p == prefix]
             self.runner.place(self.cache, self._prefixes[prefix], [0] * len(slots), slots)
+
+    def _lookup(self, prefix: tuple[int, ...]):
+        return self.prefix_cache.lookup(prefix) if self.prefix_cache is not None else None
+
+    def _keep(self, seq: _Sequence, slot: int) -> None:
+        """Put a finished sequence's keys/values (its context but the last token) in the prefix
+        cache, if the current weights computed all of them: the next turn of a conversation
+        starts with this context."""
+        if self.prefix_cache is None or seq.weights != self._weights:
+            return
+        length = int(self.slots.position[slot])
+        self.prefix_cache.insert(seq.context[:length], self.runner.stash_slot(self.cache, slot, length))
 
     def _record(self, tokens: list[int], logprobs: list[float]) -> list[Completion]:
         """Append one token to every running sequence; retire those that finished."""
@@ -454,6 +494,9 @@ class TorchEngine:
             return []
         reasons = [reasons] * len(done) if isinstance(reasons, str) else reasons
         out = [self._completion(self.running[i], r) for i, r in zip(done, reasons)]
+        for i, r in zip(done, reasons):
+            if r != "abort":
+                self._keep(self.running[i], i)
         gone = set(done)
         alive = len(self.running) - len(gone)
         holes = [i for i in range(alive) if i in gone]

@@ -11,7 +11,8 @@ the config by `families.layout_of`; any other model is refused here and served b
 path (`hf_runner.py`).
 
 Two entry points: `prefill` runs right-padded contexts at positions 0..P-1 with a causal mask
-and returns their keys/values for the engine to place; `decode` feeds one token for each of
+(or only their tails, after keys/values a prefix cache holds) and returns their keys/values for
+the engine to place; `decode` feeds one token for each of
 the B running slots at its own position, writes its key/value into the cache, attends to
 positions <= its own and returns the logits of the next token.
 `load_state` takes a full HF state dict by name and copies it into the fused tensors in place;
@@ -340,6 +341,13 @@ class DecoderRunner:
         """A copy of one prefill row's first `length` positions, placeable later as row 0."""
         return [(k[row : row + 1, :, :length].clone(), v[row : row + 1, :, :length].clone()) for k, v in kv]
 
+    def stash_slot(self, cache: KVCache, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of one cache slot's first `length` positions, placeable later as row 0."""
+        return [
+            (k[slot : slot + 1, :, :length].clone(), v[slot : slot + 1, :, :length].clone())
+            for k, v in zip(cache.keys, cache.values)
+        ]
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm without its weight (the next `_Linear` applies it), in fp32 like HF."""
         if self.native is not None and x.is_contiguous():
@@ -389,45 +397,63 @@ class DecoderRunner:
         return self.lm_head(self._norm(x))
 
     @torch.no_grad()
-    def prefill(self, rows: list[tuple[int, ...]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def prefill(
+        self, rows: list[tuple[int, ...]], past: list[list[tuple[torch.Tensor, torch.Tensor]] | None] | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Keys and values of token rows of any lengths, each at positions 0..n-1: per layer
         (R, kv_heads, P, head_dim) with P the longest row; past a row's length they are zero,
         which the decode mask hides. The matmuls see only real tokens (rows packed end to end);
         attention runs on the right-padded layout, where causality alone keeps rows apart.
+        `past[i]` (optional): keys/values already computed for row i's first m tokens (per layer
+        (1, kv_heads, m, head_dim), a prefix cache hit with m < len(row)); only the rest of the row
+        is run, attending to them, and they are copied into the returned rows as they are.
         No logits: the engine samples every token in `decode`."""
+        starts = [0 if p is None else p[0][0].shape[2] for p in past or [None] * len(rows)]
         lengths = [len(r) for r in rows]
-        width, count = max(lengths), len(rows)
-        tokens = torch.tensor([t for r in rows for t in r], device=self.device)  # (T,)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])  # (T,)
+        width, count, first = max(lengths), len(rows), min(starts)  # queries start at `first`
+        span = width - first  # query positions first..width-1
+        tokens = torch.tensor([t for r, s in zip(rows, starts) for t in r[s:]], device=self.device)  # (T,)
+        positions = torch.cat([torch.arange(s, n, device=self.device) for s, n in zip(starts, lengths)])  # (T,)
         padded = torch.cat(
-            [torch.arange(n, device=self.device) + i * width for i, n in enumerate(lengths)]
+            [torch.arange(s, n, device=self.device) + i * width for i, (s, n) in enumerate(zip(starts, lengths))]
         )  # (T,) into R * P
+        queries = padded - torch.repeat_interleave(
+            torch.arange(count, device=self.device) * first + first,
+            torch.tensor([n - s for s, n in zip(starts, lengths)]),
+        )  # (T,) into R * span
         cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # (T, 1, hd)
         at = torch.arange(width, device=self.device)
-        window_masks = {
-            w: (at[None] <= at[:, None]) & (at[None] > at[:, None] - w)  # (P, P): causal and within the window
+        seen = at[None] <= at[first:, None]  # (span, P): causal
+        masks = {
+            w: seen if w is None else seen & (at[None] > at[first:, None] - w)  # and within the window
             for w in {layer.window for layer in self.layers}
-            if w is not None and w < width
-        }
+            if first > 0 or (w is not None and w < width)
+        }  # none needed: full attention from position 0 is SDPA's is_causal
 
-        def pad(t: torch.Tensor) -> torch.Tensor:  # (T, heads, hd) -> (R, heads, P, hd)
-            out = t.new_zeros(count * width, t.shape[1], self.head_dim).index_copy_(0, padded, t)
-            return out.view(count, width, t.shape[1], self.head_dim).transpose(1, 2)
+        def pad(
+            t: torch.Tensor, at_rows: torch.Tensor, length: int
+        ) -> torch.Tensor:  # (T, heads, hd) -> (R, heads, length, hd)
+            out = t.new_zeros(count * length, t.shape[1], self.head_dim).index_copy_(0, at_rows, t)
+            return out.view(count, length, t.shape[1], self.head_dim).transpose(1, 2)
 
         x = F.embedding(tokens, self.embed)  # (T, D)
         kv = []
         for i, layer in enumerate(self.layers):
             qkv = self._project_qkv(x, layer).view(len(tokens), self.num_heads + 2 * self.kv_heads, self.head_dim)
             k = self._rope(qkv[:, self.num_heads : self.num_heads + self.kv_heads], cos, sin)
-            kv.append((pad(k), pad(qkv[:, self.num_heads + self.kv_heads :])))
+            keys, values = pad(k, padded, width), pad(qkv[:, self.num_heads + self.kv_heads :], padded, width)
+            for r, cached in enumerate(past or []):
+                if cached is not None:
+                    keys[r, :, : starts[r]], values[r, :, : starts[r]] = cached[i][0][0], cached[i][1][0]
+            kv.append((keys, values))
             if i == self.num_layers - 1:
                 break  # the last layer's output feeds only logits, which prefill does not produce
-            q = pad(self._rope(qkv[:, : self.num_heads], cos, sin))
-            mask = window_masks.get(layer.window)
+            q = pad(self._rope(qkv[:, : self.num_heads], cos, sin), queries, span)
+            mask = masks.get(layer.window)
             att = F.scaled_dot_product_attention(
-                q, *kv[-1], attn_mask=mask, is_causal=mask is None, enable_gqa=self.group > 1
-            )  # (R, H, P, hd)
-            att = att.transpose(1, 2).reshape(count * width, -1).index_select(0, padded)  # (T, H * hd)
+                q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=self.group > 1
+            )  # (R, H, span, hd)
+            att = att.transpose(1, 2).reshape(count * span, -1).index_select(0, queries)  # (T, H * hd)
             x = self._mlp_residual(self._attention_residual(x, att, layer), layer)
         return kv
 

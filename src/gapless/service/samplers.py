@@ -56,14 +56,16 @@ class SamplerPool:
         max_snapshots: int = 16,
         engine: str = "torch",
         work_dir: str | Path = "runs/service",
+        prefix_cache_mb: int = 0,
     ):
         """`engine`: 'torch' or 'vllm' (one engine in all, `max_engines` aside); `work_dir`: where
-        vLLM's copy of a base model is written."""
+        vLLM's copy of a base model is written; `prefix_cache_mb`: each torch engine's prefix cache."""
         if engine == "vllm":
             max_engines = 1
         self.engine, self.work_dir = engine, Path(work_dir)
         self.bases, self.max_engines, self.max_snapshots = bases, max_engines, max_snapshots
         self.max_batch, self.max_samples = max_batch, max_samples
+        self.prefix_cache_mb = prefix_cache_mb
         self._snapshots: OrderedDict[str, tuple[str, dict[str, torch.Tensor]]] = (
             OrderedDict()
         )  # path -> (base, weights)
@@ -174,6 +176,7 @@ class SamplerPool:
             max_seq_len=base.context,
             model_dir=self.work_dir / "vllm" / base.name,
             save=True,  # this process's base weights, never an earlier run's copy
+            prefix_cache_mb=self.prefix_cache_mb,
         )
         if key in self._snapshots:
             engine.update_weights(state, self._versions)

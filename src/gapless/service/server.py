@@ -81,6 +81,7 @@ def build_service(cfg: Config, api_key: str, log=print) -> TinkerApp:
         max_snapshots=s.max_snapshots,
         engine=engine,
         work_dir=s.checkpoint_dir,
+        prefix_cache_mb=s.prefix_cache_mb,
     )
     for name in bases.names:  # every base model loaded (and its tokenizer exported) before any request
         bases.get(name)

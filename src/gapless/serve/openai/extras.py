@@ -79,6 +79,12 @@ class _SchedulerCollector:
             "engine_steps": ("engine steps with work", stats.steps),
             "generation_tokens": ("completion tokens generated", stats.tokens),
         }
+        if (cache := getattr(getattr(s.engine, "stats", None), "prefix_cache", None)) is not None:
+            counters |= {
+                "prefix_cache_hits": ("prompts that reused cached keys/values", cache.hits),
+                "prefix_cache_misses": ("prompts with no cached prefix", cache.misses),
+                "prefix_cache_hit_tokens": ("prompt tokens whose keys/values came from the cache", cache.hit_tokens),
+            }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"gapless_{name}", doc, value=value)
 

@@ -45,6 +45,7 @@ def build_app(
     kernels: str = "auto",
     engine: str = "torch",
     model_dir: str | None = None,
+    prefix_cache_mb: int = 0,
     log=print,
 ) -> OpenAIApp:
     """`model_dir`: the checkpoint vLLM loads (engine 'vllm'; `policy` is saved there if it holds none)."""
@@ -55,6 +56,7 @@ def build_app(
         max_seq_len=max_seq_len,
         kernels=kernels,
         model_dir=model_dir or "",
+        prefix_cache_mb=prefix_cache_mb,
         log=log,
     )
     scheduler = Scheduler(engine, policy.decode, max_samples=max_samples)
@@ -109,11 +111,13 @@ def serve(
     max_batch: int = 64,
     max_seq_len: int | None = None,
     engine: str = "torch",
+    prefix_cache_mb: int = 256,
     log=print,
 ) -> None:
     """Load a local checkpoint and serve it on the bound `sock` (listen.bind) until interrupted.
     `max_seq_len`: the served context (prompt + completion), default min(the model's, 2048);
-    `engine`: 'torch' or 'vllm' (vLLM loads the checkpoint directory itself)."""
+    `engine`: 'torch' or 'vllm' (vLLM loads the checkpoint directory itself); `prefix_cache_mb`:
+    the torch engine's prefix cache (generate/prefix_cache.py), 0 = off."""
     from gapless.models import load_local
 
     torch.set_num_threads(threads or max(1, usable_cores() - 1))
@@ -128,6 +132,7 @@ def serve(
         max_seq_len=context,
         engine=engine,
         model_dir=model_path,
+        prefix_cache_mb=prefix_cache_mb,
         log=lambda line: log(line, flush=True),
     )
     log(f"serving {model_path} at {url_of(sock)}", flush=True)
