@@ -33,6 +33,8 @@ def test_terms_by_hand():
     assert (
         estimate_memory(config(trainer={"max_tokens_per_micro_batch": 64}), SHAPE, 100).micro_batch_tokens == 100
     )  # a longer row alone
+    cached = estimate_memory(config(generator={"group_size": 4, "max_batch": 64, "prefix_cache_mb": 3}), SHAPE, 10)
+    assert cached.kv_cache == est.kv_cache + 3 * 2**20  # the prefix cache's budget on top
 
 
 def test_a_run_that_cannot_fit_is_refused_with_the_knob(tiny_policy):

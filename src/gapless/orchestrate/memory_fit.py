@@ -121,6 +121,7 @@ def estimate_memory(
     activations = int(tokens * shape.layers * per_token * b)
     slots = min(cfg.generator.max_batch, rows * (1 + cfg.pipeline.max_staleness))
     kv = slots * shape.layers * 2 * shape.kv_heads * shape.head_dim * max_seq_len * b
+    kv += cfg.generator.prefix_cache_mb << 20  # the engine's prefix cache holds up to its budget
     return MemoryEstimate(weights + 3 * trained + reference, activations, logits, weights, kv, tokens, slots)
 
 
@@ -178,6 +179,11 @@ def _knob(cfg: Config, est: MemoryEstimate) -> str:
         return (
             f"lower generator.max_batch (now {cfg.generator.max_batch}; the KV cache holds {est.kv_slots} sequences) "
             f"or generator.max_new_tokens (now {cfg.generator.max_new_tokens})"
+            + (
+                f", or generator.prefix_cache_mb (now {cfg.generator.prefix_cache_mb})"
+                if cfg.generator.prefix_cache_mb
+                else ""
+            )
         )
     if largest == "state":
         return "the model itself does not fit: train LoRA adapters (lora.rank > 0) or use model.dtype = 'bfloat16'"
