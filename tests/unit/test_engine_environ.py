@@ -94,9 +94,10 @@ def _spin_count(argv: list[str], cwd: Path, **env) -> str:
         (["eval", str(ROOT / "configs/smoke.toml"), "--run_dir", "run"], "0"),
         (["serve-training", "--port", "0", "--api-key", "tml-x", "--service.checkpoint_dir", "ckpt"], "0"),
         (["serve", "--model.path", "model", "--port", "0"], "0"),
+        (["serve", "--model.path", "model", "--port", "0", "--generator.engine", "vllm"], "0"),  # its check loads torch
         (["train", str(ROOT / "configs/smoke.toml"), "--run_dir", "run"], "300000"),  # libgomp's default
     ],
-    ids=["eval", "serve-training", "serve", "train"],
+    ids=["eval", "serve-training", "serve", "serve-vllm", "train"],
 )
 def test_an_engine_commands_process_loads_openmp_with_the_passive_wait(command, spins, tmp_path):
     assert _spin_count(command, tmp_path) == spins
