@@ -8,6 +8,7 @@ test process back to one thread before the next test.
 """
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -41,6 +42,18 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def engine_wait_policy_stays_in_its_test():
+    """A command run in the test process (`main(["eval", ...])`) sets OpenMP's wait policy for its
+    process (cli._engine_threads_wait); later tests' child processes must not inherit it."""
+    before = os.environ.get("OMP_WAIT_POLICY")
+    yield
+    if before is None:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    else:
+        os.environ["OMP_WAIT_POLICY"] = before
 
 
 def pytest_collection_modifyitems(config, items):

@@ -206,9 +206,19 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_threads_wait() -> None:
+    """For a command whose process runs an engine (serve, serve-training, eval): its OpenMP threads
+    sleep at barriers instead of spinning (cluster/placement.engine_wait_policy says why). Set
+    before anything imports torch, which reads it once, when it loads OpenMP."""
+    from gapless.cluster.placement import engine_wait_policy
+
+    os.environ.update(engine_wait_policy())
+
+
 def _cmd_eval(argv: list[str]) -> int:
     if "--resume" in argv:
         raise _Usage("--resume is for gapless train")
+    _engine_threads_wait()
     cfg = _load(argv)
     _vllm_preflight(cfg)
     from gapless.orchestrate.eval_run import run_eval
@@ -236,6 +246,7 @@ def _cmd_serve_training(argv: list[str]) -> int:
     key = flags["--api-key"]
     if not key:
         raise _Usage("no API key: set TINKER_API_KEY or pass --api-key (the SDK wants it to start with 'tml-')")
+    _engine_threads_wait()  # the trainer shares the process: the engines' wait is the service's
     cfg = _load(rest)
     from gapless.service.server import sampling_engine
 
@@ -353,14 +364,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from gapless.serve.listen import PortInUse, bind
 
+            _engine_threads_wait()
             if args.engine == "vllm":
                 _vllm_check(args.model_path, 0)
-            # set before torch loads OpenMP: either engine's threads sleep at barriers instead of
-            # spinning (cluster/placement.engine_environ says why)
-            from gapless.cluster.placement import ENGINE_WAIT_POLICY
-
-            if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-                os.environ.update(ENGINE_WAIT_POLICY)
             try:
                 sock = bind(args.host, args.port)  # before the heavy imports: a port in use fails at once
             except PortInUse as exc:

@@ -21,6 +21,7 @@ class EchoSpec:
     stop: Any
     heartbeats: Any
     weights: Any
+    cfg: Any = None  # a run's config: a 'generator' actor then starts as a replica does (its environment)
 
 
 def echo_main(spec: EchoSpec) -> None:

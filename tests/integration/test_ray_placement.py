@@ -1,7 +1,7 @@
 """Ray placement (cluster/ray/placement.py), on a private Ray instance started by the test.
 
 The one Ray test of the fast suite drives RayPlacement's pieces through a real placed actor:
-channels FIFO both ways, heartbeats, progress marks and the actor's pid seen by the trainer, weight versions
+a 'generator' worker started with OpenMP's passive wait, channels FIFO both ways, heartbeats, progress marks and the actor's pid seen by the trainer, weight versions
 that arrive monotonic and never torn (each version fills every tensor with its number, bf16
 included), a kill -9 reported by `exited`, and a shutdown that leaves no Ray process behind.
 An actor killed by Ray's memory monitor for real (a low threshold, the actor growing past it) is
@@ -48,6 +48,11 @@ def _raylet_env(marker: str) -> dict[str, str]:
     lines = ray_processes(marker)
     pid = next((int(line.split()[0]) for line in lines if line.split()[1].endswith("/raylet")), None)
     assert pid is not None, lines
+    return _environ(pid)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    """The environment process `pid` started with."""
     pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(p.decode(errors="replace").split("=", 1) for p in pairs if b"=" in p)
 
@@ -79,6 +84,8 @@ def _get(channel, placement, kind: str, timeout_s: float = 60.0):
 
 def test_a_placed_actor_gets_fifo_messages_and_untorn_weights_and_leaves_nothing(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     cfg = load_config(
         CONFIGS / "smoke.toml",
         {"cluster.placement": '"ray"', "pipeline.generator_threads": "1", "cluster.object_store_mb": "100"},
@@ -98,9 +105,11 @@ def test_a_placed_actor_gets_fifo_messages_and_untorn_weights_and_leaves_nothing
         }
         stop, beats = placement.stop_flag(), placement.heartbeats(("trainer", "generator"))
         inbox, outbox = placement.channel(), placement.channel(8)
-        spec = EchoSpec("generator", os.getpid(), inbox, outbox, stop, beats, placement.weights(state, 0))
+        spec = EchoSpec("generator", os.getpid(), inbox, outbox, stop, beats, placement.weights(state, 0), cfg)
         placement.start("generator", echo_main, spec)
         _, pid = _get(outbox, placement, "pid", 120)
+        # a replica's worker starts with OpenMP's passive wait (cluster/placement.engine_environ); the driver not
+        assert _environ(pid).get("OMP_WAIT_POLICY") == "PASSIVE" and "OMP_WAIT_POLICY" not in os.environ
         assert _get(outbox, placement, "loaded") == ("loaded", 0, False)
         for v in range(1, 11):  # faster than the relay: versions may be skipped, never torn or reordered
             spec.weights.publish({k: torch.full_like(t, v) for k, t in state.items()}, v)

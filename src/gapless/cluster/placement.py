@@ -160,14 +160,20 @@ ENGINE_WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def engine_environ(name: str, cfg) -> dict[str, str]:
-    """What a generator replica's process adds to its environment: OpenMP threads that sleep at a
-    barrier instead of spinning. A torch-engine decode step is ~50 parallel regions, vLLM-CPU's
-    as many; where other processes share the cores, a spinning thread burns the time slice its
-    preempted sibling needs, and a step takes 10-100x longer (docs/engine.md, *Threads on a
-    shared machine*). Nothing where the user set OpenMP's wait policy or spin count, or for
-    another actor (the trainer keeps OpenMP's default)."""
+    """What a generator replica's process adds to its environment (local or Ray placement):
+    `engine_wait_policy()`. Nothing for another actor (the trainer keeps OpenMP's default)."""
     if not name.startswith("generator") or cfg is None:
         return {}
+    return engine_wait_policy()
+
+
+def engine_wait_policy() -> dict[str, str]:
+    """What a process whose work is an engine's (a generator replica, `gapless serve`, `gapless eval`,
+    `gapless serve-training`) adds to its environment before torch loads OpenMP: threads that
+    sleep at a barrier instead of spinning. A torch-engine decode step is ~50 parallel regions,
+    vLLM-CPU's as many; where other processes share the cores, a spinning thread burns the time
+    slice its preempted sibling needs, and a step takes 10-100x longer (docs/engine.md, *Threads
+    on a shared machine*). Nothing where the user set OpenMP's wait policy or spin count."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return {}
     return dict(ENGINE_WAIT_POLICY)

@@ -9,6 +9,10 @@ task (uid, ok samples, status and completion of the first sample) so a result ca
 Not guaranteed: comparability with published HumanEval numbers, which use a model's own prompt
 format and stop sequences; this scores the raw continuation of the prompt up to EOS or
 `generator.max_new_tokens`.
+
+The generator is the reference sampler (`generator.engine` 'torch' or 'reference'), or vLLM with
+`generator.engine = 'vllm'` (its own copy of the checkpoint under RUN_DIR/vllm; the same prompts,
+seeds and sampling parameters).
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from pathlib import Path
 
 from gapless.config import Config
 from gapless.envs.registry import make_environment
+from gapless.generate import Generator, make_generator
 from gapless.generate.sampler import TorchSampler
-from gapless.models import load_local
+from gapless.models import Policy, load_local
 from gapless.orchestrate.policy_setup import prepare_policy
 from gapless.types import SamplingParams
 
@@ -40,7 +45,7 @@ def run_eval(cfg: Config, log=print) -> dict:
             else prepare_policy(cfg, env, log)[0]
         )
         policy.encode.keep(t.prompt for t in tasks)  # each task's prompt encoded once, not once per sample
-        sampler = TorchSampler(policy.model, policy.eos_id, policy.pad_id, policy.decode)
+        sampler = _sampler(cfg, policy, max((len(policy.encode(t.prompt)) for t in tasks), default=0), log)
         k = cfg.eval.samples
         params = SamplingParams(
             cfg.generator.temperature, cfg.generator.top_p, cfg.generator.max_new_tokens, greedy=k == 1, seed=cfg.seed
@@ -85,3 +90,11 @@ def run_eval(cfg: Config, log=print) -> dict:
         f"{infra_errors} infra errors left out); wrote {out}"
     )
     return result
+
+
+def _sampler(cfg: Config, policy: Policy, longest_prompt: int, log) -> Generator:
+    if cfg.generator.engine == "vllm":
+        return make_generator(
+            cfg.generator, policy, longest_prompt + cfg.generator.max_new_tokens, Path(cfg.run_dir), log
+        )
+    return TorchSampler(policy.model, policy.eos_id, policy.pad_id, policy.decode)

@@ -51,7 +51,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from gapless.cluster.names import env_name, rank_name, replica_name
-from gapless.cluster.placement import ActorExit, PlacementError
+from gapless.cluster.placement import ActorExit, PlacementError, engine_environ
 from gapless.cluster.ray.deaths import MONITOR_ENV, death_reason
 from gapless.cluster.ray.mail import (
     PostOffice,
@@ -299,17 +299,25 @@ class RayPlacement:
             spec.weights.member = name
             self.sender.expect(name)
             self.members.add(name)
-        self.hosts[name], self.runs[name] = self.place(bundle, main, spec)
+        # a worker starts with its runtime_env's variables (merged with the run's GAPLESS_* ones):
+        # a replica's OpenMP reads its wait policy when torch loads, before `main` runs
+        extra = engine_environ(name, getattr(spec, "cfg", None))
+        self.hosts[name], self.runs[name] = self.place(bundle, main, spec, extra)
         self.bundles[name] = bundle
 
-    def place(self, bundle: int, main: Callable[[Any], None], spec: Any) -> tuple[Any, Any]:
-        """Start an `_ActorHost` on `bundle` of the placement group running `main(spec)`; returns
-        the host and the ObjectRef of its run."""
+    def place(
+        self, bundle: int, main: Callable[[Any], None], spec: Any, env_vars: dict[str, str] | None = None
+    ) -> tuple[Any, Any]:
+        """Start an `_ActorHost` on `bundle` of the placement group running `main(spec)`, its
+        process started with `env_vars` added; returns the host and the ObjectRef of its run."""
         if self.pg is None:
             raise RuntimeError("RayPlacement.place before reserve(): the placement group is not granted")
         strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
         cpus = self._demand()[bundle]["CPU"]
-        host = _ActorHost.options(num_cpus=cpus, scheduling_strategy=strategy, name=None).remote()
+        options: dict[str, Any] = dict(num_cpus=cpus, scheduling_strategy=strategy, name=None)
+        if env_vars:
+            options["runtime_env"] = {"env_vars": dict(env_vars)}
+        host = _ActorHost.options(**options).remote()
         # the actor is not the trainer's child: Ray ties its life to this driver instead of PR_SET_PDEATHSIG
         return host, host.run.remote(main, dataclasses.replace(spec, trainer_pid=0))
 
