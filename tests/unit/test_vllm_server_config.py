@@ -33,3 +33,16 @@ def test_a_server_per_engine_and_an_attached_sync_run_load():
     )
     cfg = load_config(None, {"generator.engine": "vllm-server", "generator.vllm_url": '"http://h:1"'})
     assert cfg.generator.vllm_url == "http://h:1"
+
+
+def test_attaching_where_no_server_answers_names_the_field():
+    import socket
+
+    from gapless.generate.vllm.engine import VLLMUnavailable
+    from gapless.generate.vllm.server import VLLMServer
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(VLLMUnavailable, match=r"generator.vllm_url = 'http://127.0.0.1:\d+': no vLLM server answers"):
+        VLLMServer.attach(f"http://127.0.0.1:{port}")

@@ -158,6 +158,19 @@ def test_a_push_mid_generation_then_abort_and_resume_keep_every_tokens_version(s
     engine.update_weights(vllm_policy.model.state_dict(), version=v0 + 2)
 
 
+def test_a_version_pushed_again_replaces_its_file(server_engine, vllm_policy, problems):
+    """The trainer's eval engine and a generator may push one version twice (a restart, a resync)."""
+    prompt = [vllm_policy.encode(problems[0].prompt)]
+    v = server_engine.version + 1
+    for model in (_perturbed(vllm_policy, 21), vllm_policy.model):
+        server_engine.update_weights(model.state_dict(), version=v)
+    assert server_engine.weights.versions[-1] == v and len(set(server_engine.weights.versions)) == len(
+        server_engine.weights.versions
+    )
+    got = server_engine.generate(prompt, SamplingParams(greedy=True, max_new_tokens=8))[0]
+    assert got.token_ids == _hf_greedy(vllm_policy.model, vllm_policy, prompt[0], 8)
+
+
 def test_attach_finds_the_served_model_and_the_weight_routes(server_engine):
     from gapless.generate.vllm.server import VLLMServer
 

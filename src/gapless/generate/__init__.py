@@ -134,13 +134,16 @@ def _vllm_server_engine(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, 
     `policy` (stopped when this process exits)."""
     import atexit
 
-    from gapless.generate.vllm.engine import check_model, on_cpu
+    from gapless.generate.vllm.engine import VLLMUnavailable, check_model, on_cpu
     from gapless.generate.vllm.remote import VLLMServerEngine
     from gapless.generate.vllm.server import VLLMServer
 
     tag = f"{os.getpid()}"
     if cfg.vllm_url is not None:
-        server = VLLMServer.attach(cfg.vllm_url)
+        try:
+            server = VLLMServer.attach(cfg.vllm_url)
+        except VLLMUnavailable as exc:  # the URL is configuration: one line, exit 2
+            raise ConfigError(str(exc)) from None
     else:
         check_model(head_dim(policy.model.config))
         path = root / f"policy-{tag}"
@@ -166,6 +169,8 @@ def _vllm_server_engine(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, 
         stop_ids=policy.stop_ids,
     )
     atexit.register(engine.close)
+    if cfg.vllm_url is not None:  # an attached server holds whatever it was started on: the policy's weights now
+        engine.update_weights(policy.model.state_dict(), 0)
     log(f"generator: vLLM server at {server.url}, weights by {engine.weights.name} (pause, reload_weights, resume)")
     return engine
 

@@ -43,7 +43,7 @@ class HTTPReload:
 
     def __init__(self, url: str, weights_dir: str | Path, timeout_s: float = 600.0):
         self.url = url.rstrip("/")
-        self.root = Path(weights_dir)
+        self.root = Path(weights_dir).resolve()  # the server resolves it, from its own working directory
         self.root.mkdir(parents=True, exist_ok=True)
         self.timeout_s = timeout_s
         self.versions: list[int] = []
@@ -57,7 +57,7 @@ class HTTPReload:
             self._post("/update_weight_version", json={"new_version": str(version)})
         finally:
             self._post("/resume")
-        self.versions.append(version)
+        self.versions = [v for v in self.versions if v != version] + [version]  # a version may be pushed again
         for old in self.versions[: -self.KEEP]:
             for f in (self.root / f"v{old}").glob("*"):
                 f.unlink()
