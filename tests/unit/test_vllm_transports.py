@@ -158,6 +158,28 @@ def test_a_push_mid_generation_then_abort_and_resume_keep_every_tokens_version(s
     engine.update_weights(vllm_policy.model.state_dict(), version=v0 + 2)
 
 
+def test_requests_another_client_pauses_away_are_resubmitted_and_complete(server_engine, vllm_policy, problems):
+    """`POST /pause?mode=abort` from elsewhere ends this engine's streams as aborted: the engine
+    continues each sample from its tokens, and the log-probs stay the policy's."""
+    import httpx
+
+    engine, v = server_engine, server_engine.version
+    params = SamplingParams(temperature=1.0, max_new_tokens=160, ignore_eos=True, seed=5)
+    engine.add_request(vllm_policy.encode(problems[0].prompt), params, n=2)
+    samples = list(engine.running)
+    while sum(len(s.tokens) for s in samples) < 4:
+        assert not engine.step()
+    httpx.post(engine.server.url + "/pause", params={"mode": "abort"}, timeout=60).raise_for_status()
+    httpx.post(engine.server.url + "/resume", timeout=60).raise_for_status()
+    done = []
+    while engine.has_work:
+        done += engine.step()
+    assert any(s.submission > 0 for s in samples)  # taken out and sent again
+    for c in done:
+        assert len(c.token_ids) == 160 and c.versions == [v] * 160
+        assert (_trainer_logprobs(vllm_policy.model, vllm_policy, c) - torch.tensor(c.logprobs)).abs().max() < 1e-4
+
+
 def test_a_version_pushed_again_replaces_its_file(server_engine, vllm_policy, problems):
     """The trainer's eval engine and a generator may push one version twice (a restart, a resync)."""
     prompt = [vllm_policy.encode(problems[0].prompt)]

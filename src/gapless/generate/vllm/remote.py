@@ -20,10 +20,11 @@ when its request was sent. Concurrency:
 A request the server ends as `abort` that this engine did not abort (another client's `/pause`)
 is resubmitted the same way. Guaranteed: the `SteppedGenerator` surface (generate/protocol.py);
 per-token versions exact as above; a failed request (an HTTP error, a server gone) raises in
-`step()`. Not guaranteed: `step()` advances by whatever the server produced meanwhile (up to
-`STEP_WAIT_S` of waiting for the first chunk), not one token per sample; `running` takes the
-first `max_batch` live samples in submission order to be the running ones (the server's scheduler
-is not read); a resumed sample differs from an uninterrupted one (reseeded); no LoRA, no
+`step()`, and so does a server that sends nothing for `NO_PROGRESS_S` while requests are in flight
+(wedged). Not guaranteed: `step()` advances by whatever the server produced meanwhile (up to
+`STEP_WAIT_S` of waiting for the first chunk), not one token per sample; `running` takes the first
+`max_batch` live samples in submission order to be the running ones (the server's scheduler is
+not read); a resumed sample differs from an uninterrupted one (reseeded); no LoRA, no
 grammar-constrained decoding. Two engines must not share one server: the other's pushes would
 change the weights under this one's requests (config/checks.py refuses it).
 """
@@ -35,6 +36,7 @@ import itertools
 import json
 import queue
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -49,6 +51,7 @@ from gapless.generate.vllm.server import VLLMServer
 from gapless.types import Completion, FinishReason, SamplingParams
 
 STEP_WAIT_S = 0.05  # longest a step waits for the server's next chunk
+NO_PROGRESS_S = 600.0  # requests in flight and not one chunk for this long: the server is wedged
 
 
 @dataclass
@@ -94,6 +97,7 @@ class VLLMServerEngine:
         max_batch: int,
         max_seq_len: int,
         stop_ids=(),
+        no_progress_s: float = NO_PROGRESS_S,
     ):
         self.server = server
         self.weights = HTTPReload(server.url, weights_dir)
@@ -102,6 +106,8 @@ class VLLMServerEngine:
         self.max_batch = max_batch
         self.max_seq_len = int(max_seq_len)
         self.version = 0
+        self.no_progress_s = no_progress_s
+        self._progress_at = time.monotonic()  # the last chunk received (or request sent)
         self._decode_text = decode
         self._live: dict[str, _Sample] = {}
         self._finished: list[Completion] = []  # finished while a push or an abort drained the queue
@@ -167,6 +173,11 @@ class VLLMServerEngine:
                     pass
             self._drain()
             finished, self._finished = self._finished, []
+            if self._live and time.monotonic() - self._progress_at > self.no_progress_s:
+                raise RuntimeError(
+                    f"vLLM server {self.server.url}: no token in {self.no_progress_s:.0f} s with {len(self._live)} "
+                    f"requests in flight (wedged); its log ends:\n{self.server.log_tail()}"
+                )
         return finished
 
     def abort(self, request_ids: Iterable[str]) -> list[Completion]:
@@ -246,6 +257,8 @@ class VLLMServerEngine:
         if p.top_k > 0 and not p.greedy:
             body["top_k"] = p.top_k
         sample.version = self.version
+        if not self._live:
+            self._progress_at = time.monotonic()  # an idle engine's clock starts with its first request
         self._live[sample.key] = sample
         chunks, url = self._chunks, self.server.url + "/v1/completions"
         sample.future = asyncio.run_coroutine_threadsafe(
@@ -267,6 +280,7 @@ class VLLMServerEngine:
 
     def _apply(self, chunk: _Chunk) -> None:
         sample = chunk.sample
+        self._progress_at = time.monotonic()
         if self._live.get(sample.key) is not sample or chunk.submission != sample.submission:
             return  # from a request taken out since
         if chunk.error is not None:
