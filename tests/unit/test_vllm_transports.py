@@ -164,7 +164,7 @@ def test_requests_another_client_pauses_away_are_resubmitted_and_complete(server
     import httpx
 
     engine, v = server_engine, server_engine.version
-    params = SamplingParams(temperature=1.0, max_new_tokens=160, ignore_eos=True, seed=5)
+    params = SamplingParams(temperature=1.0, max_new_tokens=96, ignore_eos=True, seed=5)
     engine.add_request(vllm_policy.encode(problems[0].prompt), params, n=2)
     samples = list(engine.running)
     while sum(len(s.tokens) for s in samples) < 4:
@@ -176,7 +176,7 @@ def test_requests_another_client_pauses_away_are_resubmitted_and_complete(server
         done += engine.step()
     assert any(s.submission > 0 for s in samples)  # taken out and sent again
     for c in done:
-        assert len(c.token_ids) == 160 and c.versions == [v] * 160
+        assert len(c.token_ids) == 96 and c.versions == [v] * 96
         assert (_trainer_logprobs(vllm_policy.model, vllm_policy, c) - torch.tensor(c.logprobs)).abs().max() < 1e-4
 
 
