@@ -171,7 +171,8 @@ def _load(argv: list[str]):
 def _vllm_preflight(cfg) -> None:
     """generator.engine = 'vllm' where vLLM is absent, or on a model its CPU attention cannot run:
     one line at start (exit 2), before any model is built."""
-    if cfg.generator.engine == "vllm":
+    g = cfg.generator
+    if g.engine == "vllm" or (g.engine == "vllm-server" and g.vllm_url is None):  # a server started here
         _vllm_check(cfg.model.path, cfg.model.hidden_size // cfg.model.num_heads)
 
 

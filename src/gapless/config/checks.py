@@ -29,6 +29,7 @@ def check_cross_field(cfg: Config) -> None:
     _check_trainer(cfg)
     _check_lora(cfg)
     _check_cluster(cfg)
+    _check_vllm_server(cfg)
     bad_levels = [lv for lv in cfg.task.levels if lv not in (1, 2, 3)]
     if bad_levels or not cfg.task.levels:
         raise ConfigError(f"task.levels: {cfg.task.levels} must be a non-empty list drawn from 1, 2, 3")
@@ -39,10 +40,11 @@ def check_cross_field(cfg: Config) -> None:
             f"generator.kernels = {cfg.generator.kernels!r} applies to generator.engine = 'torch' only "
             f"(not {cfg.generator.engine!r}); leave it at 'auto'"
         )
-    if (pl.partial_rollout_tokens or pl.partial_rollout_s) and cfg.generator.engine not in ("torch", "vllm"):
+    if (pl.partial_rollout_tokens or pl.partial_rollout_s) and cfg.generator.engine == "reference":
         field = "partial_rollout_tokens" if pl.partial_rollout_tokens else "partial_rollout_s"
         raise ConfigError(
-            f"pipeline.{field} cuts running sequences, which only the stepped engines ('torch', 'vllm') expose "
+            f"pipeline.{field} cuts running sequences, which only the stepped engines ('torch', 'vllm', "
+            "'vllm-server') expose "
             f"(not {cfg.generator.engine!r}); set it to 0 or use the torch engine"
         )
     if pl.suspend_between_turns and cfg.task.name != "tool_use":
@@ -132,6 +134,36 @@ def _check_lora(cfg: Config) -> None:
         raise ConfigError(
             f"lora.rank = {lora.rank} trains in one process; set cluster.trainer_world_size = 1 "
             "(data-parallel LoRA is not built) or lora.rank = 0"
+        )
+
+
+def _check_vllm_server(cfg: Config) -> None:
+    """A server at `generator.vllm_url` is shared by every engine of the run (the trainer's eval
+    engine, each replica): their pushes must all carry the weights the generator samples with."""
+    g = cfg.generator
+    if g.vllm_url is not None and g.engine != "vllm-server":
+        raise ConfigError(
+            f"generator.vllm_url attaches to a vLLM server, which generator.engine = {g.engine!r} does not use: "
+            "set generator.engine = 'vllm-server', or unset generator.vllm_url"
+        )
+    if g.engine == "vllm-server" and cfg.lora.rank:
+        raise ConfigError(
+            "generator.engine = 'vllm-server' pushes full weights only: set lora.rank = 0, or use "
+            "generator.engine = 'vllm' (adapters as LoRA requests)"
+        )
+    if g.vllm_url is None:
+        return
+    if cfg.cluster.replicas > 1:
+        raise ConfigError(
+            f"cluster.replicas = {cfg.cluster.replicas} would attach every replica to the one server at "
+            "generator.vllm_url, each pushing its own weights: set cluster.replicas = 1, or unset "
+            "generator.vllm_url (each replica then starts its own server)"
+        )
+    if cfg.pipeline.max_staleness > 0:
+        raise ConfigError(
+            f"pipeline.max_staleness = {cfg.pipeline.max_staleness} with generator.vllm_url: the evaluation "
+            "engine attaches to the same server and would push a newer version under the generator's "
+            "requests; set pipeline.max_staleness = 0, or unset generator.vllm_url (one server per engine)"
         )
 
 

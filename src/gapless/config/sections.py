@@ -144,12 +144,18 @@ class GeneratorConfig(_Section):
     force_long_every: int = Field(0, ge=0)
     """Synthetic heavy tail for benchmarks: every k-th group ignores EOS and runs to max_new_tokens.
     0 = off (the default; never use it for real training)."""
-    engine: Literal["torch", "reference", "vllm"] = "torch"
+    engine: Literal["torch", "reference", "vllm", "vllm-server"] = "torch"
     """Which generator samples rollouts: 'torch' (the project's engine: continuous batching, exact
     log-probs, in-flight weight swaps; Llama/Qwen2 models), 'reference' (the simple sampler over the
     HF model's forward that the engine is tested against; any HF causal LM), 'vllm' (vLLM's engine,
     on a GPU or through its CPU build: install it with `bash scripts/setup.sh --vllm` and run
-    .venv-vllm/bin/gapless; docs/engine.md)."""
+    .venv-vllm/bin/gapless; docs/engine.md), 'vllm-server' (a `vllm serve` process, reached over
+    its OpenAI API and its weight routes: one started per engine, or the one at `vllm_url`)."""
+    vllm_url: str | None = None
+    """generator.engine = 'vllm-server' only: the URL of a running vLLM server to attach to (e.g.
+    'http://host:8000'), started with VLLM_SERVER_DEV_MODE=1 and `--logprobs-mode
+    processed_logprobs` on this run's model and able to read the run directory (weights go by
+    file); None: gapless starts its own server per engine and stops it at exit."""
     max_batch: int = Field(128, ge=1, le=65536)
     """Sequences decoded together (KV-cache slots). Larger batches raise throughput until the
     matmuls are compute-bound. The torch engine's KV cache grows with the largest batch decoded so

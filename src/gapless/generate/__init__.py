@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
 from gapless.config import ConfigError, GeneratorConfig
 from gapless.generate.adapters import AdapterMerge
 from gapless.generate.engine import TorchEngine
@@ -63,6 +65,8 @@ def _make(
         )
     if cfg.engine == "reference":
         return TorchSampler(copy.deepcopy(policy.model), policy.eos_id, policy.pad_id, policy.decode, policy.stop_ids)
+    if cfg.engine == "vllm-server":
+        return _vllm_server_engine(cfg, policy, max_seq_len, Path(work_dir) / "vllm-server", log)
     # vLLM builds its model from a directory; one per process (the trainer's eval engine and each
     # generator actor build their own)
     path = Path(work_dir) / "vllm" / f"policy-{os.getpid()}"
@@ -131,6 +135,52 @@ def _vllm_engine(
         f"generator: vLLM {engine.vllm_version} ({'CPU' if on_cpu() else 'GPU'}, {dtype}), weights by "
         f"{'LoRA requests' if lora is not None else engine.weights.full.name}"
     )
+    return engine
+
+
+def _vllm_server_engine(cfg: GeneratorConfig, policy: Policy, max_seq_len: int, root: Path, log) -> Generator:
+    """A `VLLMServerEngine` on the server at `cfg.vllm_url`, or on one started here over a copy of
+    `policy` (stopped when this process exits)."""
+    import atexit
+
+    from gapless.generate.vllm.engine import VLLMUnavailable, check_model, on_cpu
+    from gapless.generate.vllm.remote import VLLMServerEngine
+    from gapless.generate.vllm.server import VLLMServer
+
+    tag = f"{os.getpid()}"
+    if cfg.vllm_url is not None:
+        try:
+            server = VLLMServer.attach(cfg.vllm_url)
+        except VLLMUnavailable as exc:  # the URL is configuration: one line, exit 2
+            raise ConfigError(str(exc)) from None
+    else:
+        check_model(head_dim(policy.model.config))
+        path = root / f"policy-{tag}"
+        policy.save(path)
+        _fit_positions(path, max_seq_len)
+        dtype = str(policy.model.dtype).removeprefix("torch.") if on_cpu() else "bfloat16"
+        log(f"generator: starting vllm serve over {path} ({dtype}); its log: {root / f'server-{tag}.log'}")
+        server = VLLMServer.start(
+            path,
+            root / f"server-{tag}.log",
+            dtype=dtype,
+            max_batch=cfg.max_batch,
+            max_seq_len=max_seq_len,
+            threads=torch.get_num_threads(),
+        )
+    engine = VLLMServerEngine(
+        server,
+        policy.eos_id,
+        policy.decode,
+        weights_dir=root / f"weights-{tag}",
+        max_batch=cfg.max_batch,
+        max_seq_len=max_seq_len,
+        stop_ids=policy.stop_ids,
+    )
+    atexit.register(engine.close)
+    if cfg.vllm_url is not None:  # an attached server holds whatever it was started on: the policy's weights now
+        engine.update_weights(policy.model.state_dict(), 0)
+    log(f"generator: vLLM server at {server.url}, weights by {engine.weights.name} (pause, reload_weights, resume)")
     return engine
 
 

@@ -4,7 +4,8 @@
 weights, report the policy version it samples with. `SteppedGenerator` adds the step-level
 surface the asynchronous pipeline drives: queue groups, advance one decode step at a time, swap
 weights between steps, abort stragglers and resume them later. Implementations: `TorchSampler`
-(the simple reference, `Generator` only), `TorchEngine` and `VLLMEngine` (both stepped).
+(the simple reference, `Generator` only), `TorchEngine`, `VLLMEngine` and `VLLMServerEngine` (a
+`vllm serve` process over HTTP; stepped, though a step advances by what the server streamed).
 `StreamingGenerator` adds what the serving scheduler (`gapless.serve`) reads: the tokens each
 running sequence holds so far, so a stream can publish them step by step, and whether the engine
 decodes under a grammar. `TorchEngine` and `VLLMEngine` are both streaming, so one scheduler

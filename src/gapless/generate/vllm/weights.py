@@ -18,8 +18,10 @@ transport is picked by name (`make_push`):
 Guaranteed: `push` returns after the weights are loaded (the reload and the IPC engine
 synchronise); a failed push raises and leaves the engine's version unchanged. Not guaranteed: a
 failed reload leaves vLLM's weights as they were (a push that fails half way may have loaded some
-layers: restart the generator). The HTTP routes of a `vllm serve` server are not a transport here:
-gapless runs vLLM in the generator's process.
+layers: restart the generator). For vLLM started as its own server (`vllm serve`), the transport
+is `HTTPReload` (vllm/http_push.py: the same in-place reload, reached over the server's routes),
+which the server engine (vllm/remote.py) holds; `tests/unit/test_vllm_transports.py` runs one
+contract over every transport.
 """
 
 from __future__ import annotations
