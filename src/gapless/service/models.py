@@ -7,8 +7,8 @@
       forward_backward   per-datum log-probs, the summed loss (tinker_losses), gradients accumulated
                          (datums sharing a prefix packed into prefix trees, each shared token run
                          once: service/prefix_tree.py; in micro-batches of at most
-                         `micro_batch_tokens` padded tree nodes: the sums, and so the gradients, are
-                         those of one datum at a time up to float rounding)
+                         `micro_batch_tokens` tree nodes, rows x widest: the sums, and so the
+                         gradients, are those of one datum at a time up to float rounding)
       optim_step         AdamW with the SDK's parameters on the accumulated gradients, then zero them
       save / load        adapter (or full weights) + optimizer state, one torch file per checkpoint
       sampler_state      full HF-named weights (adapter merged) for a sampling engine

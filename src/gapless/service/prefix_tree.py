@@ -7,18 +7,19 @@ causal model a position's hidden state depends only on the tokens up to it, so d
 their first k tokens share those k positions' states exactly: `pack` merges such datums into one
 prefix tree (a trie) per row, and the forward runs over the trees' nodes instead of the datums'
 tokens, each node at position id = its depth, attending to itself and its ancestors only
-(service/tree_attention.py). Each datum then reads its log-probs at its own path of nodes, with its own targets
-(two datums sharing a node may predict different next tokens there).
+(service/tree_attention.py). Each datum then reads its log-probs at its own path of nodes,
+with its own targets (two datums sharing a node may predict different next tokens there).
 
-    pack(sequences, max_tokens)  ->  rows (Row) and, per datum, (row, node of each position)
+    pack(sequences, max_tokens, attention_span)  ->  rows (Row) and, per datum, (row, its nodes)
 
-A datum joins the row where it adds the least cost (`cost`: the nodes, plus the row's attention,
-quadratic in its width) or starts its own row if that is cheaper, each row within `max_tokens`
-nodes; datums that share little, such as an SFT batch's separate conversations, stay one row each
-(the plain padded batch), and a multi-turn episode's turns become one tree.
+Longest datum first, each joins the row where it adds the least cost (`cost`: the nodes, plus
+the row's attention, quadratic in its width) or starts its own row if that is cheaper, each row
+within `max_tokens` nodes: datums that share little, such as an SFT batch's separate
+conversations, stay one row each (each the plain causal forward of its tokens), and a multi-turn
+episode's turns become one tree whose first sequence, its spine, is the episode's last turn.
 Guaranteed: every datum's path holds exactly its tokens at positions 0..len-1, and a node's
 ancestors are exactly the tokens before it in every datum through it. Not guaranteed: the fewest
-nodes overall (the choice of row is greedy, in datum order).
+nodes overall (the choice of row is greedy).
 """
 
 from __future__ import annotations
