@@ -99,3 +99,33 @@ def test_batched_forward_backward_equals_one_datum_at_a_time(attention, lora):
     # position moves them by a whole token's contribution
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(grads_a, grads_b))
     assert max(float(g.abs().max()) for g in grads_a) > 0.1
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_tree_attention_equals_the_dense_tree_mask(window):
+    """The row-by-row attention (causal spine, masked branches) against one SDPA call under the
+    dense mask of the same trees, a sliding window included (it bounds the depth distance)."""
+    import torch.nn.functional as F
+
+    from gapless.service import tree_attention
+
+    rows, _ = pack([[1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 8], [1, 2, 7], [4, 4, 4]], 64, 100)
+    assert [len(r) for r in rows] == [9, 3]
+    depths = torch.tensor([d for r in rows for d in r.depths])
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, len(depths), 8, generator=gen)
+    k, v = (torch.randn(1, 2, len(depths), 8, generator=gen) for _ in range(2))  # 2 kv heads: grouped
+
+    class Module(torch.nn.Module):
+        pass
+
+    dense = tree_attention._dense_mask(rows, depths, window)
+    expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=dense)
+    tree_attention._rows[:] = [
+        (len(r), r.spine, ancestors(r, r.spine) if len(r) > r.spine else None, torch.tensor(r.depths)) for r in rows
+    ]
+    try:
+        out, _ = tree_attention._tree_attention(Module().eval(), q, k, v, None, sliding_window=window)
+    finally:
+        tree_attention._rows.clear()
+    assert torch.allclose(out, expected.transpose(1, 2), atol=1e-6)
