@@ -30,8 +30,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from generate import LoadMeter
-
 
 def episode_datums(vocab: int, groups: int, group_size: int, turns: int, seed: int) -> list:
     """One datum per turn, as the cookbook's trajectory_to_data builds them when turns do not extend."""
@@ -91,6 +89,21 @@ def worker(args) -> None:
         print(json.dumps({"s": time.perf_counter() - t0, "loss": metrics["loss:sum"]}), flush=True)
 
 
+def cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes `pids` have used so far."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat(5)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def busy_s() -> float:
+    """CPU seconds the whole machine has been busy (every core, idle and iowait excluded)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def start(src: Path, args) -> subprocess.Popen:
     argv = [sys.executable, __file__, "--worker", "--threads", str(args.threads), "--groups", str(args.groups),
             "--group-size", str(args.group_size), "--turns", str(args.turns)]  # fmt: skip
@@ -131,12 +144,13 @@ def main() -> None:
         loads = []
         for r in range(args.rounds):
             order = ("baseline", "tree") if r % 2 == 0 else ("tree", "baseline")
-            with LoadMeter() as meter:
-                for name in order:
-                    times[name].append(ask(procs[name])["s"])
-            loads.append(meter.outside_cores)
+            pids = [p.pid for p in procs.values()]
+            t0, busy0, own0 = time.perf_counter(), busy_s(), cpu_s(pids)
+            for name in order:
+                times[name].append(ask(procs[name])["s"])
+            loads.append(max(0.0, (busy_s() - busy0) - (cpu_s(pids) - own0)) / (time.perf_counter() - t0))
             print(f"round {r} ({', '.join(order)}): baseline {times['baseline'][-1]:.3f} s, tree "
-                  f"{times['tree'][-1]:.3f} s, other processes {meter.outside_cores:.1f} cores", flush=True)  # fmt: skip
+                  f"{times['tree'][-1]:.3f} s, other processes {loads[-1]:.1f} cores", flush=True)  # fmt: skip
         for p in procs.values():
             p.stdin.close()
             p.wait()
