@@ -121,11 +121,37 @@ def test_tree_attention_equals_the_dense_tree_mask(window):
 
     dense = tree_attention._dense_mask(rows, depths, window)
     expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=dense)
-    tree_attention._rows[:] = [
+    tree_attention._state.rows = [
         (len(r), r.spine, ancestors(r, r.spine) if len(r) > r.spine else None, torch.tensor(r.depths)) for r in rows
     ]
     try:
         out, _ = tree_attention._tree_attention(Module().eval(), q, k, v, None, sliding_window=window)
     finally:
-        tree_attention._rows.clear()
+        tree_attention._state.rows = None
     assert torch.allclose(out, expected.transpose(1, 2), atol=1e-6)
+
+
+def test_other_threads_see_plain_attention_during_a_tree_call():
+    """The service's scorer (and a generic sampling engine) run the same module on other threads
+    while the training thread's call has switched its attention: they must get the plain forward."""
+    import threading
+
+    from gapless.service.tree_attention import tree_inputs
+
+    policy = tiny_policy()
+    model = policy.model
+    batch = torch.tensor([[5, 6, 7, 8, 9], [0, 0, 5, 6, 7]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])  # left padding: HF's own mask is needed
+    with torch.no_grad():
+        expected = model(input_ids=batch, attention_mask=mask).logits
+        alone = model(input_ids=torch.tensor([[1, 2, 3, 4]])).logits[0]
+        rows, _ = pack([[1, 2, 3, 4], [1, 2, 9]], 64, 100)
+        seen = {}
+        with tree_inputs(model.config, rows) as kwargs:
+            other = threading.Thread(target=lambda: seen.update(out=model(input_ids=batch, attention_mask=mask).logits))
+            other.start()
+            other.join()
+            tree = model(**kwargs).logits[0]
+    assert torch.allclose(seen["out"][mask.bool()], expected[mask.bool()], atol=1e-6)
+    assert torch.allclose(tree[:4], alone, atol=1e-5)
+    assert model.config._attn_implementation == "sdpa"

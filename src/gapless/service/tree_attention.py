@@ -11,27 +11,37 @@ attention implementations get the dense additive (1, 1, N, N) mask of every row'
 A sliding window (mistral, the gemmas' local layers) bounds the depth distance in both.
 
 Guaranteed: each node's output is the model's causal forward of the one sequence on its path (its
-ancestors, then itself) within float rounding; the prefix-tree test checks log-probs and
-gradients against one datum at a time. Not guaranteed: models whose forward ignores
+ancestors, then itself) within float rounding (tests/unit/test_service_prefix_tree.py checks
+log-probs and gradients against one datum at a time); other threads running the same module
+meanwhile (the scorer of prompt log-probs, a generic sampling engine) get plain SDPA. Not guaranteed: models whose forward ignores
 `position_ids` or derives its own mask from them (flash-attention's variable-length path).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from gapless.service.prefix_tree import Row, ancestors
 
 TREE_ATTENTION = "gapless_prefix_trees"
-# the call's rows, set around the forward (the training thread makes one call at a time):
-# per row (nodes, spine, branch mask (nodes - spine, nodes) or None, depths (nodes,))
-_rows: list[tuple[int, int, torch.Tensor | None, torch.Tensor]] = []
+# The call's rows, set around the forward on the thread making it, per row (nodes, spine, branch
+# mask (nodes - spine, nodes) or None, depths (nodes,)). The config switch is seen by every thread
+# using the model (the service's scorer and a generic sampling engine run the same module, and a
+# deepcopy taken meanwhile keeps the switch), so on any thread without rows both functions below
+# are plain SDPA's.
+_state = threading.local()
+
+
+def _rows() -> list[tuple[int, int, torch.Tensor | None, torch.Tensor]] | None:
+    return getattr(_state, "rows", None)
 
 
 @contextlib.contextmanager
@@ -39,18 +49,19 @@ def tree_inputs(config, rows: list[Row]) -> Iterator[dict]:
     ids = torch.tensor([t for row in rows for t in row.tokens])[None]  # (1, N)
     positions = torch.tensor([d for row in rows for d in row.depths])[None]  # (1, N)
     kwargs = {"input_ids": ids, "position_ids": positions, "use_cache": False}
-    if getattr(config, "_attn_implementation", None) != "sdpa":
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ("sdpa", TREE_ATTENTION):  # TREE_ATTENTION: a deepcopy taken during a call
         yield {**kwargs, "attention_mask": _dense_mask(rows, positions[0], getattr(config, "sliding_window", None))}
         return
-    _rows[:] = [
+    _state.rows = [
         (len(r), r.spine, ancestors(r, r.spine) if len(r) > r.spine else None, torch.tensor(r.depths)) for r in rows
     ]
     config._attn_implementation_internal = TREE_ATTENTION  # the internal field: the setter would re-validate
     try:
         yield {**kwargs, "attention_mask": None}
     finally:
-        config._attn_implementation_internal = "sdpa"
-        _rows.clear()
+        config._attn_implementation_internal = "sdpa"  # a copy taken during a call is restored too
+        _state.rows = None
 
 
 def _dense_mask(rows: list[Row], depths: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -78,15 +89,21 @@ def _tree_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """query (1, heads, N, d), key and value (1, kv_heads, N, d) -> (1, N, heads, d)."""
+    rows = _rows()
+    if rows is None:  # another thread's forward on the same model: plain SDPA
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+            sliding_window=sliding_window, **kwargs,
+        )  # fmt: skip
     repeat = query.shape[1] // key.shape[1]
     if repeat > 1:
         key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
-    sizes = [n for n, _, _, _ in _rows]
+    sizes = [n for n, _, _, _ in rows]
     dropout = dropout if module.training else 0.0
     out = []
     # one split per tensor, not a slice per row: a slice's backward writes a full-size zero tensor per row
     for (n, spine, branch_mask, depths), q, k, v in zip(
-        _rows, query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2)
+        rows, query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2)
     ):
         chain_mask = None
         if sliding_window is not None and spine > sliding_window:  # q attends to k when q - window < k <= q
@@ -115,4 +132,7 @@ def _tree_attention(
 
 
 AttentionInterface.register(TREE_ATTENTION, _tree_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(TREE_ATTENTION, lambda *args, **kwargs: None)  # rows, not a mask
+ALL_MASK_ATTENTION_FUNCTIONS.register(
+    TREE_ATTENTION,
+    lambda *args, **kwargs: None if _rows() is not None else ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs),
+)  # rows, not a mask, on the thread making the call
