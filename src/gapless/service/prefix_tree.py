@@ -95,9 +95,9 @@ def pack(
 
 def cost(nodes: int, attention_span: int) -> float:
     """Relative cost of a row's forward and backward: linear in its nodes (the layers' matmuls) plus
-    its masked attention, quadratic in them (every query against every key of the row, the mask
-    zeroing most). `attention_span` is the width at which the two are equal; so merging two
-    sequences pays off only where they share enough: never for sequences that share nothing."""
+    its attention, quadratic in them (each query against the row's keys before it). `attention_span`
+    is the width at which the two are equal; the square makes merging two sequences pay off only
+    where they share enough: never for sequences that share nothing."""
     return nodes + nodes * nodes / attention_span
 
 
