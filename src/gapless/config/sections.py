@@ -839,8 +839,9 @@ class ServiceConfig(_Section):
     """Sampling engines kept at once, one per set of weights being sampled (a base model or a
     saved sampler snapshot); past this the least recently used idle one takes the new weights."""
     micro_batch_tokens: int = Field(4096, ge=1)
-    """Padded tokens (datums x longest) per forward pass of `forward_backward`; a larger batch is
-    split and its gradients accumulated (same result). Bounds the logits' memory: tokens x vocab."""
+    """Tokens per forward pass of `forward_backward`, counting a prefix shared by several datums
+    once; a larger batch is split and its gradients accumulated (same result). Bounds the logits'
+    memory: tokens x vocab."""
     max_snapshots: int = Field(16, ge=1)
     """Sampler weight snapshots (`save_weights_for_sampler`) kept in memory, a full model each;
     older ones are dropped (an RL loop saves one per step). Raise it to sample old snapshots."""

@@ -5,8 +5,10 @@
                          peft copy (or a whole private copy, for full fine-tuning), its gradients
                          and Adam state
       forward_backward   per-datum log-probs, the summed loss (tinker_losses), gradients accumulated
-                         (in micro-batches of at most `micro_batch_tokens` padded tokens: the sums,
-                         and so the gradients, are those of one batch up to float rounding)
+                         (datums sharing a prefix packed into prefix trees, each shared token run
+                         once: service/prefix_tree.py; in micro-batches of at most
+                         `micro_batch_tokens` tree nodes, rows x widest: the sums, and so the
+                         gradients, are those of one datum at a time up to float rounding)
       optim_step         AdamW with the SDK's parameters on the accumulated gradients, then zero them
       save / load        adapter (or full weights) + optimizer state, one torch file per checkpoint
       sampler_state      full HF-named weights (adapter merged) for a sampling engine
@@ -48,6 +50,8 @@ from gapless.lora import (
 from gapless.models import Policy, load_local, load_tokenizer, save_tokenizer
 from gapless.service.hub_cache import check_renderer, export_tokenizer, recommended_renderer
 from gapless.service.losses import LossInputError, loss_fn
+from gapless.service.prefix_tree import pack
+from gapless.service.tree_attention import tree_inputs
 from gapless.service.wire import DatumIn
 from gapless.trainer.selected_logprobs import selected_logprobs
 
@@ -222,6 +226,12 @@ class TrainingRun:
         self.optimizer: torch.optim.AdamW | None = None
         self.steps = 0
 
+    @property
+    def _attention_span(self) -> int:
+        """Row width at which masked attention costs about what the layers' matmuls do (prefix_tree.cost):
+        per token the matmuls grow with hidden^2 and attention with width x hidden."""
+        return int(self.base.policy.model.config.get_text_config().hidden_size)
+
     def _activate(self) -> None:
         if self.spec is not None:
             activate(self.model, self.adapter)
@@ -257,32 +267,45 @@ class TrainingRun:
         except LossInputError as exc:
             raise UserError(str(exc)) from None
         self._activate()
-        logprobs: list[np.ndarray] = []
+        rows, where = pack([d.tokens for d in datums], self.micro_batch_tokens, self._attention_span)
+        logprobs: list[np.ndarray | None] = [None] * len(datums)
         total = 0.0
-        for lo, hi in micro_batches([len(d.tokens) for d in datums], self.micro_batch_tokens):
-            out, loss = self._micro_batch(datums[lo:hi], targets[lo:hi], inputs[lo:hi], fn, config, forward_only)
-            logprobs += out
+        for lo, hi in micro_batches([len(r) for r in rows], self.micro_batch_tokens):
+            members = [i for i, (r, _) in enumerate(where) if lo <= r < hi]
+            paths = [(where[i][0] - lo, where[i][1]) for i in members]
+            out, loss = self._micro_batch(
+                rows[lo:hi],
+                paths,
+                [targets[i] for i in members],
+                [inputs[i] for i in members],
+                fn,
+                config,
+                forward_only,
+            )
+            for i, lp in zip(members, out):
+                logprobs[i] = lp
             total += loss
         return logprobs, {"loss:sum": total}
 
-    def _micro_batch(self, datums, targets, inputs, fn, config, forward_only) -> tuple[list[np.ndarray], float]:
-        """One padded forward (and backward) over a few datums; losses are sums, so gradients add up."""
-        lengths = [len(d.tokens) for d in datums]
-        width = max(lengths)
-        input_ids = torch.zeros(len(datums), width, dtype=torch.long)  # (B, L), right-padded
-        attention = torch.zeros(len(datums), width, dtype=torch.long)
-        target_ids = torch.zeros(len(datums), width, dtype=torch.long)
-        for i, (d, t) in enumerate(zip(datums, targets)):
-            input_ids[i, : lengths[i]] = torch.tensor(d.tokens)
-            attention[i, : lengths[i]] = 1
-            target_ids[i, : lengths[i]] = t
-        with torch.set_grad_enabled(not forward_only):
-            logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits  # (B, L, V)
-            logp, _ = selected_logprobs(logits, target_ids)  # (B, L), no (B, L, V) log-softmax kept
-            total = torch.stack([fn(logp[i, : lengths[i]], x, config) for i, x in enumerate(inputs)]).sum()
+    def _micro_batch(self, rows, paths, targets, inputs, fn, config, forward_only) -> tuple[list[np.ndarray], float]:
+        """One forward (and backward) over a few rows of prefix trees packed into one sequence
+        (service/tree_attention.py), each datum's log-probs read at its own path of nodes; losses
+        are sums, so gradients add up."""
+        offsets = np.cumsum([0] + [len(r) for r in rows[:-1]])
+        # each datum position's node in the packed sequence, and the token it must predict there;
+        # a node shared by datums that predict different tokens there is read once per distinct target
+        nodes = torch.cat([int(offsets[r]) + torch.tensor(path) for r, path in paths])  # (M,)
+        vocab = self.base.vocab_size
+        pairs, which = torch.unique(nodes * vocab + torch.cat(targets), return_inverse=True)  # (P,), (M,)
+        model = self.model.get_base_model() if self.spec is not None else self.model
+        with torch.set_grad_enabled(not forward_only), tree_inputs(model.config, rows) as kwargs:
+            logits = self.model(**kwargs).logits[0]  # (N, V)
+            picked, _ = selected_logprobs(logits[pairs // vocab][None], (pairs % vocab)[None])  # (1, P)
+            logp = picked[0][which].split([len(t) for t in targets])  # per datum, (T,) each
+            total = torch.stack([fn(lp, x, config) for lp, x in zip(logp, inputs)]).sum()
             if not forward_only:
                 total.backward()
-        return [logp[i, : lengths[i]].detach().numpy().copy() for i in range(len(datums))], float(total.detach())
+        return [lp.detach().numpy().copy() for lp in logp], float(total.detach())
 
     def _check(self, i: int, d: DatumIn) -> torch.Tensor:
         vocab = self.base.vocab_size
