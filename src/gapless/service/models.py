@@ -249,11 +249,11 @@ class TrainingRun:
             raise UserError(str(exc)) from None
         if not datums:
             raise UserError("forward_backward needs at least one datum")
-        targets = [self._check(i, d) for i, d in enumerate(datums)]
+        targets = [self._check(i, d, loss_name) for i, d in enumerate(datums)]
         inputs = [{k: v.float() for k, v in d.inputs.items() if k != "target_tokens"} for d in datums]
         try:  # every datum's loss inputs checked before any gradient changes
             for t, x in zip(targets, inputs):
-                fn(torch.zeros(len(t)), x, config)
+                fn(torch.zeros(t.shape), x, config)
         except LossInputError as exc:
             raise UserError(str(exc)) from None
         self._activate()
@@ -271,20 +271,26 @@ class TrainingRun:
         width = max(lengths)
         input_ids = torch.zeros(len(datums), width, dtype=torch.long)  # (B, L), right-padded
         attention = torch.zeros(len(datums), width, dtype=torch.long)
-        target_ids = torch.zeros(len(datums), width, dtype=torch.long)
+        k = max(t.shape[1] if t.dim() == 2 else 1 for t in targets)  # top-k targets: K per position
+        target_ids = torch.zeros(len(datums), width, k, dtype=torch.long)  # (B, L, K)
         for i, (d, t) in enumerate(zip(datums, targets)):
             input_ids[i, : lengths[i]] = torch.tensor(d.tokens)
             attention[i, : lengths[i]] = 1
-            target_ids[i, : lengths[i]] = t
+            target_ids[i, : lengths[i], : t.shape[1] if t.dim() == 2 else 1] = t.view(len(t), -1)
         with torch.set_grad_enabled(not forward_only):
             logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits  # (B, L, V)
-            logp, _ = selected_logprobs(logits, target_ids)  # (B, L), no (B, L, V) log-softmax kept
-            total = torch.stack([fn(logp[i, : lengths[i]], x, config) for i, x in enumerate(inputs)]).sum()
+            # one gather per column: no (B, L, V) log-softmax kept, nor a (B, L, K, V) copy of the logits
+            logp = torch.stack([selected_logprobs(logits, target_ids[..., j])[0] for j in range(k)], dim=-1)
+            per_datum = [
+                logp[i, : lengths[i], : t.shape[1]] if t.dim() == 2 else logp[i, : lengths[i], 0]
+                for i, t in enumerate(targets)
+            ]
+            total = torch.stack([fn(lp, x, config) for lp, x in zip(per_datum, inputs)]).sum()
             if not forward_only:
                 total.backward()
-        return [logp[i, : lengths[i]].detach().numpy().copy() for i in range(len(datums))], float(total.detach())
+        return [lp.detach().numpy().copy() for lp in per_datum], float(total.detach())
 
-    def _check(self, i: int, d: DatumIn) -> torch.Tensor:
+    def _check(self, i: int, d: DatumIn, loss_name: str) -> torch.Tensor:
         vocab = self.base.vocab_size
         if not d.tokens:
             raise UserError(f"datum {i}: model_input is empty")
@@ -292,10 +298,17 @@ class TrainingRun:
         if "target_tokens" not in d.inputs:
             raise UserError(f"datum {i}: loss_fn_inputs has no 'target_tokens'")
         target = d.inputs["target_tokens"].long()
-        if target.shape != (len(d.tokens),):
+        topk = target.dim() == 2 and target.shape[0] == len(d.tokens) and target.shape[1] >= 1
+        if topk and loss_name != "cross_entropy":
+            raise UserError(
+                f"datum {i}: target_tokens has shape {tuple(target.shape)}, K targets per position (top-k "
+                f"distillation), which only cross_entropy takes; {loss_name!r} needs shape ({len(d.tokens)},)"
+            )
+        if target.shape != (len(d.tokens),) and not topk:
             raise UserError(
                 f"datum {i}: target_tokens has shape {tuple(target.shape)}; it must have one token per "
-                f"model_input position, shape ({len(d.tokens)},)"
+                f"model_input position, shape ({len(d.tokens)},), or K of them for cross_entropy, "
+                f"shape ({len(d.tokens)}, K)"
             )
         for what, ids in (("model_input", torch.tensor(d.tokens)), ("target_tokens", target)):
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
