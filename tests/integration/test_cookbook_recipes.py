@@ -209,6 +209,8 @@ def more(cookbook):
     root, data = cookbook["root"], cookbook["root"] / "datasets"
     seed_named_dataset(data, "open-thoughts/OpenThoughts3-1.2M", "default", {"train": openthoughts_rows(64, 7)})
     seed_named_dataset(data, "Salesforce/wikitext", "wikitext-103-raw-v1", {"train": wikitext_rows(400, 8)})
+    deepmath = [{"question": r["question"]} for r in gsm8k_rows(64, 12)]
+    seed_named_dataset(data, "zwhe99/DeepMath-103K", "default", {"train": deepmath})
     write_toolalpaca(root / "toolalpaca", 40, 9)
     write_messages_jsonl(root / "lang.jsonl", 64, 10)
     write_prophet_arena(root / "prophet.csv", 48, 11)
@@ -350,3 +352,36 @@ def test_tinker_cli_lists_and_downloads(cookbook, sl_loop):
     )  # fmt: skip
     assert got.returncode == 0, got.stderr[-2000:]
     assert {p.name for p in out.rglob("*")} >= {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"}
+
+
+def test_chat_sl_trains_on_no_robots(cookbook):
+    rows = _recipe(
+        cookbook, "chat_sl.train", "chat_sl",
+        f"model_name={MODEL}", "renderer_name=qwen3_instruct", "dataset=no_robots", "lora_rank=16",
+        "batch_size=16", "learning_rate=3e-3", "max_length=1024", "eval_every=0", "infrequent_eval_every=0",
+        "save_every=0", "max_steps=3",
+    )  # fmt: skip
+    nll = [r["train_mean_nll"] for r in rows if "train_mean_nll" in r]
+    assert len(nll) == 3 and nll[-1] < nll[0], nll
+
+
+def test_forecasting_rl_runs_on_a_local_csv(more):
+    rows = _recipe(
+        more, "forecasting.train", "forecasting_rl",
+        f"model_name={MODEL}", "renderer_name=qwen3_instruct", f"data_path={more['root'] / 'prophet.csv'}",
+        "lora_rank=16", "group_size=4", "groups_per_batch=4", "validation_group_size=2", "max_tokens=32",
+        "learning_rate=3e-3", "eval_every=0", "save_every=0", "max_steps=2",
+    )  # fmt: skip
+    assert len([r for r in rows if "env/all/brier_reward" in r]) == 2
+
+
+def test_multi_teacher_distillation_against_its_own_base(more):
+    """Both teachers are the student's base model: the teacher KL of the first step is 0."""
+    rows = _recipe(
+        more, "distillation.on_policy_multi_teacher", "multi_teacher",
+        f"model_name={MODEL}", "renderer_name=qwen3_instruct", f"deepmath_teacher_model={MODEL}",
+        f"tulu3_teacher_model={MODEL}", "deepmath_groups_per_batch=2", "tulu3_groups_per_batch=2", "group_size=2",
+        "max_tokens=16", "lora_rank=16", "learning_rate=3e-3", "eval_every=0", "save_every=0", "max_steps=2",
+    )  # fmt: skip
+    first = next(r for r in rows if "teacher_kl/dataset_0" in r)
+    assert abs(first["teacher_kl/dataset_0"]) < 1e-4 and abs(first["teacher_kl/dataset_1"]) < 1e-4, first
