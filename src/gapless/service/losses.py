@@ -9,6 +9,8 @@ returns each datum's `logprobs` (no gradient). With p_t = exp(logp_t), q_t the s
 probability (`logprobs` input), A_t = `advantages`, sg = stop-gradient, lo/hi the clip range:
 
     cross_entropy        -sum_t w_t * logp_t                       (w = `weights`, default 1)
+                         with target_tokens and weights (T, K), top-k distillation:
+                         -sum_t sum_k w_tk * log p(target_tk | input[:t+1]), logprobs (T, K) back
     importance_sampling  -sum_t (p_t / q_t) * A_t
     ppo                  -sum_t min(r_t A_t, clip(r_t, lo, hi) A_t)   r_t = p_t / q_t (Schulman et al. 2017)
     cispo                -sum_t sg(clip(r_t, lo, hi)) * logp_t * A_t  (MiniMax-M1, Chen et al. 2025)
@@ -52,9 +54,13 @@ def _need(inputs: Inputs, name: str, length: int, loss: str) -> torch.Tensor:
 
 
 def cross_entropy(logprobs: torch.Tensor, inputs: Inputs, config: dict[str, float]) -> torch.Tensor:
-    weights = (
-        _need(inputs, "weights", len(logprobs), "cross_entropy") if "weights" in inputs else torch.ones_like(logprobs)
-    )
+    """Also top-k distillation: logprobs and weights (T, K), K target tokens per position."""
+    weights = inputs.get("weights", torch.ones_like(logprobs))
+    if weights.shape != logprobs.shape:
+        raise LossInputError(
+            f"loss_fn_inputs['weights'] has shape {tuple(weights.shape)}; it must match target_tokens, "
+            f"shape {tuple(logprobs.shape)}"
+        )
     return -(weights * logprobs).sum()
 
 

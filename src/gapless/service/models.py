@@ -259,11 +259,11 @@ class TrainingRun:
             raise UserError(str(exc)) from None
         if not datums:
             raise UserError("forward_backward needs at least one datum")
-        targets = [self._check(i, d) for i, d in enumerate(datums)]
+        targets = [self._check(i, d, loss_name) for i, d in enumerate(datums)]
         inputs = [{k: v.float() for k, v in d.inputs.items() if k != "target_tokens"} for d in datums]
         try:  # every datum's loss inputs checked before any gradient changes
             for t, x in zip(targets, inputs):
-                fn(torch.zeros(len(t)), x, config)
+                fn(torch.zeros(t.shape), x, config)
         except LossInputError as exc:
             raise UserError(str(exc)) from None
         self._activate()
@@ -294,20 +294,23 @@ class TrainingRun:
         offsets = np.cumsum([0] + [len(r) for r in rows[:-1]])
         # each datum position's node in the packed sequence, and the token it must predict there;
         # a node shared by datums that predict different tokens there is read once per distinct target
-        nodes = torch.cat([int(offsets[r]) + torch.tensor(path) for r, path in paths])  # (M,)
+        # (a top-k datum's (T, K) targets read K tokens at each of its T nodes)
+        at = [int(offsets[r]) + torch.tensor(path) for r, path in paths]  # (T,) each
+        nodes = torch.cat([(n[:, None].expand_as(t) if t.dim() == 2 else n).reshape(-1) for n, t in zip(at, targets)])
         vocab = self.base.vocab_size
-        pairs, which = torch.unique(nodes * vocab + torch.cat(targets), return_inverse=True)  # (P,), (M,)
+        flat = torch.cat([t.reshape(-1) for t in targets])  # (M,)
+        pairs, which = torch.unique(nodes * vocab + flat, return_inverse=True)  # (P,), (M,)
         model = self.model.get_base_model() if self.spec is not None else self.model
         with torch.set_grad_enabled(not forward_only), tree_inputs(model.config, rows) as kwargs:
             logits = self.model(**kwargs).logits[0]  # (N, V)
             picked, _ = selected_logprobs(logits[pairs // vocab][None], (pairs % vocab)[None])  # (1, P)
-            logp = picked[0][which].split([len(t) for t in targets])  # per datum, (T,) each
+            logp = [lp.view(t.shape) for lp, t in zip(picked[0][which].split([t.numel() for t in targets]), targets)]
             total = torch.stack([fn(lp, x, config) for lp, x in zip(logp, inputs)]).sum()
             if not forward_only:
                 total.backward()
         return [lp.detach().numpy().copy() for lp in logp], float(total.detach())
 
-    def _check(self, i: int, d: DatumIn) -> torch.Tensor:
+    def _check(self, i: int, d: DatumIn, loss_name: str) -> torch.Tensor:
         vocab = self.base.vocab_size
         if not d.tokens:
             raise UserError(f"datum {i}: model_input is empty")
@@ -315,10 +318,17 @@ class TrainingRun:
         if "target_tokens" not in d.inputs:
             raise UserError(f"datum {i}: loss_fn_inputs has no 'target_tokens'")
         target = d.inputs["target_tokens"].long()
-        if target.shape != (len(d.tokens),):
+        topk = target.dim() == 2 and target.shape[0] == len(d.tokens) and target.shape[1] >= 1
+        if topk and loss_name != "cross_entropy":
+            raise UserError(
+                f"datum {i}: target_tokens has shape {tuple(target.shape)}, K targets per position (top-k "
+                f"distillation), which only cross_entropy takes; {loss_name!r} needs shape ({len(d.tokens)},)"
+            )
+        if target.shape != (len(d.tokens),) and not topk:
             raise UserError(
                 f"datum {i}: target_tokens has shape {tuple(target.shape)}; it must have one token per "
-                f"model_input position, shape ({len(d.tokens)},)"
+                f"model_input position, shape ({len(d.tokens)},), or K of them for cross_entropy, "
+                f"shape ({len(d.tokens)}, K)"
             )
         for what, ids in (("model_input", torch.tensor(d.tokens)), ("target_tokens", target)):
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):

@@ -86,15 +86,24 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
 
 
 def encode_forward_backward(logprobs: list[np.ndarray], metrics: dict[str, float]) -> bytes:
-    """One ArrayRecord with a `logprobs` float32 field per datum, and the metrics (`name:reduction` keys)."""
+    """A `logprobs` float32 field per datum, and the metrics (`name:reduction` keys): one ArrayRecord
+    per run of datums whose arrays share a trailing shape ((T,) or top-k (T, K); the SDK reads a
+    chunk's `trailing_shape`)."""
     out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
-    record = out.loss_fn_outputs.add(num_datums=len(logprobs))
     arrays = [np.asarray(a, dtype=np.float32) for a in logprobs]
-    offsets = np.concatenate([[0], np.cumsum([a.nbytes for a in arrays])]).astype(np.int64)
-    field = record.fields["logprobs"]
-    field.data = b"".join(a.tobytes() for a in arrays)
-    field.offsets = offsets.tobytes()
-    field.dtype = pb.DTYPE_FLOAT32
+    start = 0
+    while start < len(arrays):
+        end = start + 1
+        while end < len(arrays) and arrays[end].shape[1:] == arrays[start].shape[1:]:
+            end += 1
+        chunk = arrays[start:end]
+        record = out.loss_fn_outputs.add(num_datums=len(chunk))
+        field = record.fields["logprobs"]
+        field.data = b"".join(a.tobytes() for a in chunk)
+        field.offsets = np.concatenate([[0], np.cumsum([a.nbytes for a in chunk])]).astype(np.int64).tobytes()
+        field.dtype = pb.DTYPE_FLOAT32
+        field.trailing_shape.extend(chunk[0].shape[1:])
+        start = end
     for key, value in metrics.items():
         out.metrics[key] = float(value)
     return out.SerializeToString()
