@@ -83,8 +83,9 @@ def check_context(base: BaseModel, tokens: int, what: str) -> None:
 
 class BaseModels:
     """The configured base models (`[service] base_models`: name -> entry); an entry without a
-    path is the embedded tiny model (`builtin` builds it on first use), and no entry at all serves
-    it as "gapless-tiny".
+    path is a built-in model (`builtin` builds the embedded tiny model on first use, `builtins`
+    the other kinds by their `BaseModelEntry.builtin` name), and no entry at all serves the tiny
+    one as "gapless-tiny".
 
     Each base model's tokenizer is also saved alone under `tokenizer_root/NAME`, and that directory
     is what get_info reports as `tokenizer_id`: `AutoTokenizer.from_pretrained` (the SDK's
@@ -97,6 +98,7 @@ class BaseModels:
         self,
         entries: dict[str, BaseModelEntry | dict | str],
         builtin=None,
+        builtins: dict | None = None,
         tokenizer_root: str | Path = "runs/service/tokenizers",
         max_seq_len: int = 4096,
         export_tokenizers: bool = False,
@@ -105,7 +107,8 @@ class BaseModels:
         self._entries = {k: _entry(v) for k, v in entries.items()}
         if not self._entries and builtin is not None:
             self._entries = {"gapless-tiny": BaseModelEntry()}
-        self._builtin, self._builtin_policy = builtin, None
+        self._builtins = {"tiny": builtin, **(builtins or {})}
+        self._built: dict[str, Policy] = {}
         self._tokenizer_root, self.max_seq_len = Path(tokenizer_root), max_seq_len
         self._export, self._log = export_tokenizers, log
         self._loaded: dict[str, BaseModel] = {}
@@ -118,7 +121,7 @@ class BaseModels:
         if name in self._loaded:
             return self._loaded[name]
         entry = self._entries.get(name)
-        if entry is None or (entry.path is None and self._builtin is None):
+        if entry is None or (entry.path is None and self._builtins.get(entry.builtin) is None):
             raise UserError(
                 f"unknown base model {name!r}; this service serves {', '.join(self.names) or 'nothing'} "
                 '(name more in the service config: [service] base_models = {NAME = "DIR"})'
@@ -129,7 +132,7 @@ class BaseModels:
             require_engine(policy.model)
             context = min(self.max_seq_len, policy.model.config.max_position_embeddings)
         else:
-            policy = self._builtin_copy()
+            policy = self._builtin_copy(entry.builtin)
             # rotary positions, no learned table: the config's bound is all that limits the context
             policy.model.config.max_position_embeddings = max(
                 policy.model.config.max_position_embeddings, self.max_seq_len
@@ -152,13 +155,13 @@ class BaseModels:
         model = self._loaded[name] = BaseModel(name, policy, str(tokenizer_dir), context, renderer)
         return model
 
-    def _builtin_copy(self) -> Policy:
-        """The embedded model, built once; a second name serving it gets its own copy (LoRA
+    def _builtin_copy(self, kind: str) -> Policy:
+        """A built-in model, built once; a second name serving it gets its own copy (LoRA
         adapters attach to a base model's module, which two names must not share)."""
-        if self._builtin_policy is None:
-            self._builtin_policy = self._builtin()
-            return self._builtin_policy
-        return copy.deepcopy(self._builtin_policy)
+        if kind not in self._built:
+            self._built[kind] = self._builtins[kind]()
+            return self._built[kind]
+        return copy.deepcopy(self._built[kind])
 
 
 def untie_head(model: torch.nn.Module) -> None:
