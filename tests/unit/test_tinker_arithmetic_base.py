@@ -95,3 +95,19 @@ def test_built_once_then_loaded_from_the_cache(tmp_path, monkeypatch):
 def test_a_path_and_a_builtin_together_are_a_config_error():
     with pytest.raises(ConfigError, match=re.escape("service.base_models.'m'") + ".*builtin"):
         load_config(None, {"service.base_models": '{"m" = {path = "x", builtin = "chat_arithmetic"}}'})
+
+
+def test_builtin_models_get_qwen_think_tokens_for_the_qwen3_5_renderers(tmp_path):
+    pytest.importorskip("tinker_cookbook")
+    from serve_model import tiny_policy
+
+    from gapless.service.hub_cache import check_renderer
+
+    policy = tiny_policy()
+    assert check_renderer("qwen3_5_disable_thinking", policy.tokenizer) is not None  # `</think>` is not one token
+    base = BaseModels({"Qwen/Qwen3.5-4B": {}}, builtin=lambda: policy, tokenizer_root=tmp_path).get("Qwen/Qwen3.5-4B")
+    assert base.renderer == "qwen3_5"  # the name's renderer, checked at start: it now works
+    for renderer in ("qwen3_5", "qwen3_5_disable_thinking", "qwen3_instruct"):
+        assert check_renderer(renderer, policy.tokenizer) is None, renderer
+    think = policy.tokenizer.convert_tokens_to_ids("</think>")
+    assert policy.tokenizer.decode([think]) == "</think>" and base.vocab_size == len(policy.tokenizer)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tokenizers import AddedToken
 
 from gapless.config import ConfigError
 from gapless.config.sections import BaseModelEntry
@@ -71,13 +72,13 @@ class BaseModel:
         return int(self.policy.model.config.vocab_size)
 
 
-def check_context(base: BaseModel, tokens: int, what: str) -> None:
+def check_context(base: BaseModel, tokens: int, what: str, fix: str = "shorten it") -> None:
     """The one context rule of the service: forward, forward_backward and sample all refuse a
     sequence longer than the base model's context with this message (and capabilities report it)."""
     if tokens > base.context:
         raise UserError(
             f"{what} has {tokens} tokens, more than the {base.context}-token context of {base.name!r} "
-            "(max_context_length in get_server_capabilities): shorten it"
+            f"(max_context_length in get_server_capabilities): {fix}"
         )
 
 
@@ -138,6 +139,7 @@ class BaseModels:
                 policy.model.config.max_position_embeddings, self.max_seq_len
             )
             untie_head(policy.model)
+            add_think_tokens(policy)
             context = self.max_seq_len
         if entry.tokenizer is not None:
             policy = _with_tokenizer(policy, load_tokenizer(Path(entry.tokenizer)), f"{field}.tokenizer")
@@ -177,6 +179,30 @@ def untie_head(model: torch.nn.Module) -> None:
     model.config.tie_word_embeddings = False
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     text.tie_word_embeddings = False
+
+
+THINK_TOKENS = ("<think>", "</think>")
+
+
+def add_think_tokens(policy: Policy) -> None:
+    """Give a built-in model's tokenizer Qwen3's `<think>` and `</think>` (one token each, decoded
+    as text, as in Qwen3's own tokenizer), with new rows in the embedding and the head. The
+    cookbook's Qwen3.5 renderers (the default of its `shorter` and `guess_number` recipes) need
+    `</think>` to be one token. Each new row (embedding and head) is the mean of the old ones: the
+    existing tokens' logits are unchanged, and a new token is about as likely as an average one."""
+    tokenizer, model = policy.tokenizer, policy.model
+    missing = [t for t in THINK_TOKENS if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
+    if not missing:
+        return
+    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in missing])
+    old = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) <= old:
+        return
+    means = [m.weight.detach().mean(0) for m in (model.get_input_embeddings(), model.get_output_embeddings())]
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    with torch.no_grad():
+        for module, mean in zip((model.get_input_embeddings(), model.get_output_embeddings()), means):
+            module.weight[old:] = mean
 
 
 def _entry(value: BaseModelEntry | dict | str) -> BaseModelEntry:
