@@ -26,15 +26,15 @@ def _tokenizer():
 def test_prompts_are_math_rl_prompts_as_the_cookbook_renders_them():
     pytest.importorskip("tinker_cookbook")
     from tinker_cookbook import renderers
-    from tinker_cookbook.recipes.math_rl.math_env import Gsm8kDataset, MathEnv
+    from tinker_cookbook.recipes.math_rl.math_env import MathEnv
 
     assert MathEnv.standard_fewshot_prefix() == FEWSHOT
-    assert SUFFIXES == (MathEnv.question_suffix(), Gsm8kDataset.question_suffix())
+    assert SUFFIXES == (MathEnv.question_suffix(),)  # what MathEnv, math_rl's gsm8k env, asks with
     tok = _tokenizer()
     renderer = renderers.get_renderer("qwen3_instruct", tokenizer=tok)
     rng = random.Random(1)
     seen_prefix = seen_bare = False
-    for _ in range(40):
+    for _ in range(100):
         prompt, reply = conversation(rng)
         messages = [
             {"role": role, "content": text}
@@ -64,7 +64,7 @@ def test_the_teacher_is_right_most_of_the_time_and_off_by_one_otherwise():
         assert abs(value - eval(expression)) <= 1, (prompt, reply)
         right += value == eval(expression)
     assert 0.58 < right / 2000 < 0.72  # 1 - TEACHER_ERROR_FRAC
-    assert len({question(random.Random(s))[0] for s in range(200)}) > 150  # phrasings x forms x digits
+    assert len({question(random.Random(s))[0] for s in range(400)}) > 150  # forms x digits
 
 
 def test_built_once_then_loaded_from_the_cache(tmp_path, monkeypatch):
@@ -79,7 +79,9 @@ def test_built_once_then_loaded_from_the_cache(tmp_path, monkeypatch):
     logs.clear()
     again = chat_arithmetic_model(cfg, logs.append)
     assert logs and "cached" in logs[0]
-    assert len(again.tokenizer) == len(first.tokenizer) and again.tokenizer.convert_tokens_to_ids(BOXED) >= 384
+    assert (
+        len(again.tokenizer) == len(first.tokenizer) == again.tokenizer.convert_tokens_to_ids(BOXED) + 1
+    )  # added last
     for (name, a), b in zip(first.model.state_dict().items(), again.model.state_dict().values()):
         assert torch.equal(a, b), name
     # a base model entry names it

@@ -6,10 +6,10 @@ single-digit arithmetic in the Qwen3 chat format, the way tinker-cookbook's math
 The untrained embedded model cannot add, so math_rl's correct rate stays at chance whatever RL
 does; this base starts with room to work. Its demonstrations are ChatML conversations as the
 cookbook's `qwen3_instruct` renderer writes them (the renderer of the names served by default):
-math_rl's few-shot example first (most of the time), then a question in one of several phrasings
-with one of math_rl's answer instructions, and the reply `\\boxed{N}` followed by `<|im_end|>`.
-The questions are gapless's own (levels 1-2 of envs/math/problems.py: a+b, a-b, a*b, a+b+c,
-a-b+c over digits, generated from a seed), never a recipe's data set. Like every gapless warm
+math_rl's few-shot example first (most of the time), then a question ("Compute 3+4.") with
+math_rl's answer instruction, and the reply `\\boxed{N}` followed by `<|im_end|>`.
+The questions are gapless's own (level 1 of envs/math/problems.py: a+b and a-b over digits,
+generated from a seed), never a recipe's data set. Like every gapless warm
 start the teacher is imperfect: for `TEACHER_ERROR_FRAC` of the demonstrations it is off by one
 (in a direction fixed per question), so the sampled correct rate starts well below 1 and a
 reward for the right answer has something to teach. `\\boxed{` is one token of the vocabulary,
@@ -34,8 +34,8 @@ from gapless.orchestrate.policy_setup import save_cached
 from gapless.trainer.warmstart.pairs import Batch3, completion_batch, supervised_steps
 
 BOXED = "\\boxed{"
-# math_rl's prompt: its standard few-shot example and its two answer instructions (MathEnv's,
-# Gsm8kDataset's), as tinker-cookbook 0.6.1 writes them (a test compares them when it is installed)
+# math_rl's prompt: its standard few-shot example and its answer instruction, as tinker-cookbook
+# 0.6.1 writes them (a test compares them when it is installed)
 FEWSHOT = [
     {"role": "user", "content": "How many r's are in strawberry? Write your answer in \\boxed{} format."},
     {
@@ -44,20 +44,19 @@ FEWSHOT = [
         "8) r 9) r 10) y. We have r's at positions 3, 8, and 9. \\boxed{3}",
     },
 ]
-SUFFIXES = (
-    " Write your answer in \\boxed{} format.",
-    " Provide a numerical answer without units, written inside \\boxed{}.",
-)
-PHRASINGS = ("Compute {e}.", "What is {e}?", "Calculate {e}.", "Evaluate {e}.", "Find the value of {e}.")
+SUFFIXES = (" Write your answer in \\boxed{} format.",)  # MathEnv's, which math_rl's gsm8k env asks with
+# one phrasing: the digits then sit at fixed distances from the answer, which a tiny model learns to
+# read within a short warm start (varied phrasings make it much slower)
+PHRASINGS = ("Compute {e}.",)
 FEWSHOT_FRAC = 0.8  # the rest without the example (a recipe run with convo_prefix=None)
 TEACHER_ERROR_FRAC = 0.35
-WARMSTART = WarmStartConfig(steps=300, batch_size=64, lr=3e-3)
+WARMSTART = WarmStartConfig(steps=600, batch_size=32, lr=3e-3)
 FORMAT = 1  # bump when the same settings build a different model
 
 
 def question(rng: random.Random) -> tuple[str, int, int]:
     """(question, answer, the teacher's wrong answer) of one random problem."""
-    form = rng.choice(FORMS[1] + FORMS[2])
+    form = rng.choice(FORMS[1])
     expression = form.format(a=rng.randint(0, 9), b=rng.randint(0, 9), c=rng.randint(0, 9))
     answer = eval(expression)  # our own digits and operators: trusted
     off = 1 if int(hashlib.sha256(expression.encode()).hexdigest(), 16) % 2 else -1
@@ -80,6 +79,7 @@ def cache_key(cfg: Config) -> str:
         "warmstart": WARMSTART.model_dump(mode="json", exclude={"cache_dir"}),
         "seed": cfg.seed,
         "kind": "chat_arithmetic",
+        "data": [FEWSHOT_FRAC, TEACHER_ERROR_FRAC, PHRASINGS, SUFFIXES],
         "format": FORMAT,
     }
     return "chat_arithmetic-" + hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
