@@ -5,19 +5,19 @@ single-digit arithmetic in the Qwen3 chat format, the way tinker-cookbook's math
 
 The untrained embedded model cannot add, so math_rl's correct rate stays at chance whatever RL
 does; this base starts with room to work. Its demonstrations are ChatML conversations as the
-cookbook's `qwen3_instruct` renderer writes them (the renderer of the names served by default):
+cookbook's `qwen3_instruct` renderer writes them (its choice for Qwen3 instruct-2507 names):
 math_rl's few-shot example first (most of the time), then a question ("Compute 3+4.") with
 math_rl's answer instruction, and the reply `\\boxed{N}` followed by `<|im_end|>`.
 The questions are gapless's own (level 1 of envs/math/problems.py: a+b and a-b over digits,
-generated from a seed), never a recipe's data set. Like every gapless warm
-start the teacher is imperfect: for `TEACHER_ERROR_FRAC` of the demonstrations it is off by one
+generated from a seed), never a recipe's data set. Like every gapless warm start the teacher is
+imperfect: for `TEACHER_ERROR_FRAC` of the demonstrations it is off by one
 (in a direction fixed per question), so the sampled correct rate starts well below 1 and a
 reward for the right answer has something to teach. `\\boxed{` is one token of the vocabulary,
 so a two-digit reply with its end-of-turn token is five tokens: math_rl's default `max_tokens=5`.
 
 Guaranteed: deterministic in (`seed`, [model]); built once per content hash and written
-atomically (a second start loads it). Not guaranteed: that it answers anything but short
-arithmetic in this format (other text is as new to it as to the untrained model).
+atomically (a second start loads it). Not guaranteed: that it answers anything but this one
+phrasing of digit arithmetic ("What is 3+4?" is as new to it as any other text).
 """
 
 from __future__ import annotations
