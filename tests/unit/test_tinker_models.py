@@ -71,6 +71,7 @@ def test_one_context_rule_everywhere(service):
     long_reply = types.SamplingParams(max_tokens=10, seed=0)
     message = _refusal(lambda: sampler.sample(types.ModelInput.from_ints(fits[:60]), 1, long_reply).result())
     assert f"the prompt plus max_tokens has 70 tokens, more than the {CONTEXT}-token context" in message
+    assert "max_tokens 4 or less fits this prompt" in message
     ok = sampler.sample(types.ModelInput.from_ints(fits[:54]), 1, long_reply).result()  # 54 + 10 = 64 fits
     assert len(ok.sequences[0].tokens) <= 10
 
@@ -120,7 +121,8 @@ def test_builtin_model_gets_the_configured_context(tmp_path):
     ids = torch.randint(5, 200, (1, 4096))
     with torch.no_grad():  # rotary positions: a 4096-token forward runs on the model built with 256
         assert policy.model(input_ids=ids).logits.shape == (1, 4096, policy.model.config.vocab_size)
-        assert torch.equal(policy.model(input_ids=short).logits, before)  # the head untied: same function
+        after = policy.model(input_ids=short).logits  # the head untied and <think>, </think> added: same logits
+        assert torch.equal(after[..., : before.shape[-1]], before) and after.shape[-1] == before.shape[-1] + 2
     head, embed = policy.model.get_output_embeddings().weight, policy.model.get_input_embeddings().weight
     assert head.data_ptr() != embed.data_ptr()
     # a LoRA client's train_unembed now adapts the head (a tied head would be frozen with the embedding)

@@ -790,8 +790,15 @@ class MetricsConfig(_Section):
 
 class BaseModelEntry(_Section):
     path: str | None = None
-    """Local Hugging Face checkpoint directory of this base model; None (the default): the embedded
-    tiny model, built and warm-started as `gapless train` does from [model], [task], [warmstart]."""
+    """Local Hugging Face checkpoint directory of this base model; None (the default): a built-in
+    model (`builtin`)."""
+    builtin: Literal["tiny", "chat_arithmetic"] = "tiny"
+    """Which built-in model to serve when `path` is none. 'tiny': the embedded tiny model, built
+    and warm-started as `gapless train` does from [model], [task], [warmstart]. 'chat_arithmetic':
+    the embedded tiny model warm-started (once, cached under `warmstart.cache_dir`) to answer
+    single-digit arithmetic in the Qwen3 chat format with a `\\boxed{}` answer, as
+    tinker-cookbook's math_rl asks; right most of the time, not always, so RL has room to work
+    (service/arithmetic_base.py)."""
     renderer: str | None = None
     """The tinker-cookbook renderer family this model's chat format follows (e.g. "qwen3",
     "qwen3_instruct", "role_colon"); checked at start to render and parse a conversation with
@@ -808,7 +815,11 @@ class ServiceConfig(_Section):
     names allowed, which is what cookbook recipes pass and look renderers up by), each a
     checkpoint directory or a table: {"my-model" = "checkpoints/base"} or
     {"Qwen/Qwen3-8B" = {renderer = "qwen3"}}. A table's keys: `path` (the checkpoint directory;
-    none: the embedded tiny model under that name), `renderer` (the tinker-cookbook renderer
+    none: a built-in model under that name), `builtin` (which built-in model: 'tiny', the default,
+    the embedded tiny model of [model], [task], [warmstart]; 'chat_arithmetic', the tiny model
+    warm-started once, cached under `warmstart.cache_dir`, to answer single-digit arithmetic in the
+    Qwen3 chat format with a boxed answer, right most of the time: a base with room for
+    tinker-cookbook's math_rl), `renderer` (the tinker-cookbook renderer
     family, checked against the tokenizer at start; default: the cookbook's choice for the name),
     `tokenizer` (a tokenizer directory replacing the checkpoint's). Empty: the embedded tiny model
     under the name "gapless-tiny"."""
@@ -819,6 +830,17 @@ class ServiceConfig(_Section):
         """`NAME = "DIR"` is `NAME = {path = "DIR"}`."""
         if isinstance(value, dict):
             return {k: {"path": v} if isinstance(v, str) else v for k, v in value.items()}
+        return value
+
+    @field_validator("base_models")
+    @classmethod
+    def _path_or_builtin(cls, value: dict[str, BaseModelEntry]):
+        for name, entry in value.items():
+            if entry.path is not None and entry.builtin != "tiny":
+                raise ValueError(
+                    f"service.base_models.{name!r} names both a path and builtin = {entry.builtin!r}: "
+                    "a base model is a checkpoint directory or a built-in model, remove one"
+                )
         return value
 
     export_tokenizers: bool = True

@@ -85,12 +85,17 @@ def prepare_policy(cfg: Config, env: Environment, log=print) -> tuple[Policy, di
 
     losses = _warm_start(cfg, policy, env, train, teacher, report)
     elapsed = time.perf_counter() - started
+    save_cached(policy, cached)
+    return policy, {"warmstart_s": elapsed, "warmstart_cached": False, "warmstart_final_loss": losses[-1]}
+
+
+def save_cached(policy: Policy, cached: Path) -> None:
+    """Write a warm-started policy to its cache directory atomically (a reader never sees half of it)."""
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     policy.save(tmp)
     shutil.rmtree(cached, ignore_errors=True)
     os.replace(tmp, cached)
-    return policy, {"warmstart_s": elapsed, "warmstart_cached": False, "warmstart_final_loss": losses[-1]}
 
 
 def _warm_start(

@@ -447,7 +447,9 @@ class TinkerApp:
         text = [c for c in body.prompt.chunks if isinstance(c, tt.EncodedTextChunk)]
         check_context(base, sum(len(c.tokens) for c in text), "the prompt")
         request = scheduler_request(body, base.vocab_size, base.context, self.default_max_tokens)
-        check_context(base, len(request.prompt_ids) + request.params.max_new_tokens, "the prompt plus max_tokens")
+        room = base.context - len(request.prompt_ids)
+        fix = f"shorten it (max_tokens {room} or less fits this prompt; the service's service.max_seq_len sets the context)"
+        check_context(base, len(request.prompt_ids) + request.params.max_new_tokens, "the prompt plus max_tokens", fix)
         options = logprobs.requested(body, list(request.prompt_ids), base.vocab_size, request.params.seed)
         # off the loop: the first request on new weights builds an engine (or swaps one's weights)
         return key, await asyncio.to_thread(self.pool.submit, key, request), options

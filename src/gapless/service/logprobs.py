@@ -70,7 +70,9 @@ def requested(body: tt.SampleRequest, prompt: list[int], vocab_size: int, seed: 
     if body.record_stability_info:
         raise UserError(
             "record_stability_info is not served: stability information only serves the stable_reinforce "
-            "loss, which this service does not serve (its objective is unpublished); sample without it"
+            "loss, which this service does not serve (its objective is unpublished); sample without it. "
+            "tinker-cookbook's RL recipes ask for it when loss_fn is stable_reinforce (their default): "
+            "pass loss_fn=importance_sampling (or ppo, cispo, dro, gspo) on the command line"
         )
     for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
         if getattr(body, name) < 0:

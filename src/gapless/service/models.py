@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tokenizers import AddedToken
 
 from gapless.config import ConfigError
 from gapless.config.sections import BaseModelEntry
@@ -75,20 +76,21 @@ class BaseModel:
         return int(self.policy.model.config.vocab_size)
 
 
-def check_context(base: BaseModel, tokens: int, what: str) -> None:
+def check_context(base: BaseModel, tokens: int, what: str, fix: str = "shorten it") -> None:
     """The one context rule of the service: forward, forward_backward and sample all refuse a
     sequence longer than the base model's context with this message (and capabilities report it)."""
     if tokens > base.context:
         raise UserError(
             f"{what} has {tokens} tokens, more than the {base.context}-token context of {base.name!r} "
-            "(max_context_length in get_server_capabilities): shorten it"
+            f"(max_context_length in get_server_capabilities): {fix}"
         )
 
 
 class BaseModels:
     """The configured base models (`[service] base_models`: name -> entry); an entry without a
-    path is the embedded tiny model (`builtin` builds it on first use), and no entry at all serves
-    it as "gapless-tiny".
+    path is a built-in model (`builtin` builds the embedded tiny model on first use, `builtins`
+    the other kinds by their `BaseModelEntry.builtin` name), and no entry at all serves the tiny
+    one as "gapless-tiny".
 
     Each base model's tokenizer is also saved alone under `tokenizer_root/NAME`, and that directory
     is what get_info reports as `tokenizer_id`: `AutoTokenizer.from_pretrained` (the SDK's
@@ -101,6 +103,7 @@ class BaseModels:
         self,
         entries: dict[str, BaseModelEntry | dict | str],
         builtin=None,
+        builtins: dict | None = None,
         tokenizer_root: str | Path = "runs/service/tokenizers",
         max_seq_len: int = 4096,
         export_tokenizers: bool = False,
@@ -109,7 +112,8 @@ class BaseModels:
         self._entries = {k: _entry(v) for k, v in entries.items()}
         if not self._entries and builtin is not None:
             self._entries = {"gapless-tiny": BaseModelEntry()}
-        self._builtin, self._builtin_policy = builtin, None
+        self._builtins = {"tiny": builtin, **(builtins or {})}
+        self._built: dict[str, Policy] = {}
         self._tokenizer_root, self.max_seq_len = Path(tokenizer_root), max_seq_len
         self._export, self._log = export_tokenizers, log
         self._loaded: dict[str, BaseModel] = {}
@@ -122,7 +126,7 @@ class BaseModels:
         if name in self._loaded:
             return self._loaded[name]
         entry = self._entries.get(name)
-        if entry is None or (entry.path is None and self._builtin is None):
+        if entry is None or (entry.path is None and self._builtins.get(entry.builtin) is None):
             raise UserError(
                 f"unknown base model {name!r}; this service serves {', '.join(self.names) or 'nothing'} "
                 '(name more in the service config: [service] base_models = {NAME = "DIR"})'
@@ -133,12 +137,13 @@ class BaseModels:
             require_engine(policy.model)
             context = min(self.max_seq_len, policy.model.config.max_position_embeddings)
         else:
-            policy = self._builtin_copy()
+            policy = self._builtin_copy(entry.builtin)
             # rotary positions, no learned table: the config's bound is all that limits the context
             policy.model.config.max_position_embeddings = max(
                 policy.model.config.max_position_embeddings, self.max_seq_len
             )
             untie_head(policy.model)
+            add_think_tokens(policy)
             context = self.max_seq_len
         if entry.tokenizer is not None:
             policy = _with_tokenizer(policy, load_tokenizer(Path(entry.tokenizer)), f"{field}.tokenizer")
@@ -156,13 +161,13 @@ class BaseModels:
         model = self._loaded[name] = BaseModel(name, policy, str(tokenizer_dir), context, renderer)
         return model
 
-    def _builtin_copy(self) -> Policy:
-        """The embedded model, built once; a second name serving it gets its own copy (LoRA
+    def _builtin_copy(self, kind: str) -> Policy:
+        """A built-in model, built once; a second name serving it gets its own copy (LoRA
         adapters attach to a base model's module, which two names must not share)."""
-        if self._builtin_policy is None:
-            self._builtin_policy = self._builtin()
-            return self._builtin_policy
-        return copy.deepcopy(self._builtin_policy)
+        if kind not in self._built:
+            self._built[kind] = self._builtins[kind]()
+            return self._built[kind]
+        return copy.deepcopy(self._built[kind])
 
 
 def untie_head(model: torch.nn.Module) -> None:
@@ -178,6 +183,30 @@ def untie_head(model: torch.nn.Module) -> None:
     model.config.tie_word_embeddings = False
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     text.tie_word_embeddings = False
+
+
+THINK_TOKENS = ("<think>", "</think>")
+
+
+def add_think_tokens(policy: Policy) -> None:
+    """Give a built-in model's tokenizer Qwen3's `<think>` and `</think>` (one token each, decoded
+    as text, as in Qwen3's own tokenizer), with new rows in the embedding and the head. The
+    cookbook's Qwen3.5 renderers (the default of its `shorter` and `guess_number` recipes) need
+    `</think>` to be one token. Each new row (embedding and head) is the mean of the old ones: the
+    existing tokens' logits are unchanged, and a new token is about as likely as an average one."""
+    tokenizer, model = policy.tokenizer, policy.model
+    missing = [t for t in THINK_TOKENS if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
+    if not missing:
+        return
+    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in missing])
+    old = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) <= old:
+        return
+    means = [m.weight.detach().mean(0) for m in (model.get_input_embeddings(), model.get_output_embeddings())]
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    with torch.no_grad():
+        for module, mean in zip((model.get_input_embeddings(), model.get_output_embeddings()), means):
+            module.weight[old:] = mean
 
 
 def _entry(value: BaseModelEntry | dict | str) -> BaseModelEntry:

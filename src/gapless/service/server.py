@@ -29,6 +29,7 @@ from gapless.serve.openai.app import OpenAIApp
 from gapless.serve.openai.server import ServerThread, _config
 from gapless.serve.scoring import Scorer
 from gapless.service.app import TinkerApp
+from gapless.service.arithmetic_base import chat_arithmetic_model
 from gapless.service.models import BaseModels
 from gapless.service.openai_models import ModelRouter
 from gapless.service.samplers import SamplerPool
@@ -69,6 +70,7 @@ def build_service(cfg: Config, api_key: str, log=print) -> TinkerApp:
     bases = BaseModels(
         s.base_models,
         builtin=lambda: default_model(cfg, log),
+        builtins={"chat_arithmetic": lambda: chat_arithmetic_model(cfg, log)},
         tokenizer_root=Path(s.checkpoint_dir) / "tokenizers",
         max_seq_len=s.max_seq_len,
         export_tokenizers=s.export_tokenizers,

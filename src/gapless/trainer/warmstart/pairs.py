@@ -30,8 +30,13 @@ def supervised_batch(policy: Policy, pairs: list[tuple[str, str]]) -> Batch3:
         p = policy.encode(prompt)
         seqs.append(p + policy.encode.text(target) + [policy.stop_ids[0] if policy.stop_ids else policy.eos_id])
         starts.append(len(p))
+    return completion_batch(seqs, starts, policy.pad_id)
+
+
+def completion_batch(seqs: list[list[int]], starts: list[int], pad_id: int) -> Batch3:
+    """Right-padded token sequences with the loss on each one's tokens from `starts[i]` on."""
     width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), policy.pad_id, dtype=torch.long)  # (B, L)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # (B, L)
     attn = torch.zeros_like(ids)
     mask = torch.zeros((len(seqs), width - 1))  # (B, L-1)
     for row, (seq, start) in enumerate(zip(seqs, starts)):
