@@ -6,13 +6,12 @@ import copy
 
 import pytest
 import torch
+from engine_model import tiny_in
 from transformers import DynamicCache
 
-from gapless.config import ModelConfig
 from gapless.generate import kv_cache
 from gapless.generate.engine import TorchEngine, decode_rows
 from gapless.generate.runner import DecoderRunner, attention_ranges
-from gapless.models import build_tiny
 from gapless.trainer.batch import build_batch, token_logprobs
 from gapless.types import SamplingParams
 
@@ -30,16 +29,7 @@ def _peaked(model, seed: int, std: float = 0.15):
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
 def policy(request, problems):
-    cfg = ModelConfig(
-        architecture=request.param,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=64,
-        vocab_size=300,
-    )
-    pol = build_tiny(cfg, [p.prompt + p.solution for p in problems], seed=0)
+    pol = tiny_in(request.param, [p.prompt + p.solution for p in problems])
     pol.model = _peaked(pol.model, seed=1)
     return pol
 

@@ -8,11 +8,10 @@ import logging
 
 import pytest
 import torch
+from engine_model import tiny_in
 
-from gapless.config import ModelConfig
 from gapless.generate.engine import TorchEngine
 from gapless.generate.families import engine_path
-from gapless.models import build_tiny
 from gapless.trainer.batch import build_batch, token_logprobs
 from gapless.types import SamplingParams
 
@@ -36,16 +35,7 @@ def _randomise(model, seed: int):
 
 @pytest.fixture(scope="module", params=LEAN + GENERIC)
 def policy(request, problems):
-    cfg = ModelConfig(
-        architecture=request.param,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=64,
-        vocab_size=300,
-    )
-    pol = build_tiny(cfg, [p.prompt + p.solution for p in problems], seed=0)
+    pol = tiny_in(request.param, [p.prompt + p.solution for p in problems])
     _randomise(pol.model, seed=1)
     return pol
 

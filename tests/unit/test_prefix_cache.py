@@ -7,11 +7,10 @@ import copy
 
 import pytest
 import torch
+from engine_model import tiny_in
 
-from gapless.config import ModelConfig
 from gapless.generate.engine import TorchEngine
 from gapless.generate.prefix_cache import BLOCK, PrefixCache
-from gapless.models import build_tiny
 from gapless.trainer.batch import build_batch, token_logprobs
 from gapless.types import SamplingParams
 
@@ -79,16 +78,7 @@ def test_a_hash_collision_never_serves_another_context(monkeypatch):
 
 @pytest.fixture(scope="module", params=["qwen2", "mistral"])
 def policy(request, problems):
-    cfg = ModelConfig(
-        architecture=request.param,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=64,
-        vocab_size=300,
-    )
-    pol = build_tiny(cfg, [p.prompt + p.solution for p in problems], seed=0)
+    pol = tiny_in(request.param, [p.prompt + p.solution for p in problems])
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():  # larger weights: greedy outputs vary instead of repeating one token
         for p in pol.model.parameters():
