@@ -176,17 +176,10 @@ class VLLMEngine(SampleBook):
 
     def _submit(self, sample: Sample) -> None:
         p = sample.params
-        left = p.max_new_tokens - len(sample.tokens)
-        if left <= 0:
-            raise ValueError(f"sample {sample.key} has no tokens left to generate")
-        context = len(sample.prompt) + len(sample.tokens)
-        if context >= self.max_seq_len:
-            raise ValueError(
-                f"sample {sample.key}: {context} context tokens leave no room under max_seq_len = {self.max_seq_len}"
-            )
+        room = self._room(sample)
         vp = self._vllm.SamplingParams(
             n=1,
-            max_tokens=min(left, self.max_seq_len - context),
+            max_tokens=room,
             logprobs=0,
             seed=(sample.seed + len(sample.tokens)) % (1 << 63),
             temperature=0.0 if p.greedy else p.temperature,

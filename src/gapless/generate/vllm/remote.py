@@ -160,16 +160,9 @@ class VLLMServerEngine(SampleBook):
 
     def _submit(self, sample: _Sample) -> None:
         p = sample.params
-        left = p.max_new_tokens - len(sample.tokens)
-        if left <= 0:
-            raise ValueError(f"sample {sample.key} has no tokens left to generate")
-        context = len(sample.prompt) + len(sample.tokens)
-        if context >= self.max_seq_len:
-            raise ValueError(
-                f"sample {sample.key}: {context} context tokens leave no room under max_seq_len = {self.max_seq_len}"
-            )
+        room = self._room(sample)
         prompt, seed = sample.prompt + sample.tokens, (sample.seed + len(sample.tokens)) % (1 << 63)
-        body = request_body(self.server.model, prompt, p, min(left, self.max_seq_len - context), seed, self.stop_ids)
+        body = request_body(self.server.model, prompt, p, room, seed, self.stop_ids)
         sample.version = self.version
         if not self._live:
             self._progress_at = time.monotonic()  # an idle engine's clock starts with its first request

@@ -4,7 +4,7 @@ submission order, the first `max_batch` of them counted as running, and an ended
 `Completion`.
 
 A subclass provides `_submit(sample)` (hand the sample to vLLM and record it in `_live`), `step()`,
-`has_work`, and the attributes `max_batch`, `_live`, `_ids`, `_lock` (held around every change of
+`has_work`, and the attributes `max_batch`, `max_seq_len`, `_live`, `_ids`, `_lock` (held around every change of
 `_live`) and `_decode_text`. Not guaranteed: which samples vLLM actually runs; `running` assumes
 first come first served.
 """
@@ -90,6 +90,19 @@ class SampleBook:
         while self.has_work:
             done.update((c.index, c) for c in self.step())
         return [done[i] for i in range(len(prompts))]
+
+    def _room(self, sample: Sample) -> int:
+        """How many tokens the sample may still generate: what `max_new_tokens` leaves, within
+        `max_seq_len`; a ValueError where nothing is left."""
+        left = sample.params.max_new_tokens - len(sample.tokens)
+        if left <= 0:
+            raise ValueError(f"sample {sample.key} has no tokens left to generate")
+        context = len(sample.prompt) + len(sample.tokens)
+        if context >= self.max_seq_len:
+            raise ValueError(
+                f"sample {sample.key}: {context} context tokens leave no room under max_seq_len = {self.max_seq_len}"
+            )
+        return min(left, self.max_seq_len - context)
 
     def _completion(self, s: Sample, reason: FinishReason) -> Completion:
         text_ids = s.tokens[:-1] if reason == "stop" else s.tokens
