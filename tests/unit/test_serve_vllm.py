@@ -14,6 +14,7 @@ import openai
 import pytest
 import torch
 from serve_process import start_server
+from vllm_checks import hf_greedy
 
 from gapless.serve.protocol import SampleRequest
 from gapless.serve.scheduler import Scheduler
@@ -44,19 +45,6 @@ def client(server):
     return openai.OpenAI(base_url=server, api_key="unused", max_retries=0, timeout=120)
 
 
-def _hf_greedy(policy, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = policy.model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=n,
-            pad_token_id=policy.pad_id,
-            eos_token_id=policy.eos_id,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 def _trainer_logprobs(model, policy, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
     ids = torch.tensor([prompt + tokens])
     with torch.no_grad():
@@ -70,7 +58,7 @@ def test_completions_greedy_and_sampled_logprobs(client, vllm_policy, problems):
         greedy = client.completions.create(
             model="tiny", prompt=prompt, max_tokens=10, temperature=0, extra_body={"return_token_ids": True}
         )
-        expected = _hf_greedy(vllm_policy, prompt, 10)
+        expected = hf_greedy(vllm_policy.model, vllm_policy, prompt, 10)
         assert greedy.choices[0].model_extra["token_ids"] == expected
         sampled = client.completions.create(
             model="tiny",

@@ -5,12 +5,12 @@ Skipped where vLLM is absent (tests/conftest.py). Every test shares the session'
 (`vllm_engine`, fp32, prefix cache on, LoRA enabled) and leaves `vllm_policy`'s weights in it.
 """
 
-import copy
 import dataclasses
 import threading
 
 import pytest
 import torch
+from vllm_checks import hf_greedy, perturbed
 
 from gapless.generate.vllm.engine import VLLMEngine
 from gapless.lora import LoraSpec, adapter_state, attach_lora
@@ -22,19 +22,6 @@ pytestmark = pytest.mark.vllm
 
 def _prompts(policy, problems, k=6):
     return [policy.encode(p.prompt) for p in problems[:k]]
-
-
-def _hf_greedy(model, policy, prompt, n):
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=n,
-            pad_token_id=policy.pad_id,
-            eos_token_id=policy.eos_id,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def _trainer_gap(model, policy, completions, temperature):
@@ -51,22 +38,13 @@ def engine(vllm_engine, vllm_policy):
     vllm_engine.update_weights(vllm_policy.model.state_dict(), version=vllm_engine.version + 1)
 
 
-def _perturbed(policy, seed):
-    model = copy.deepcopy(policy.model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    return model
-
-
 def test_greedy_equals_transformers_generate_before_and_after_a_push(engine, vllm_policy, problems):
     prompts = _prompts(vllm_policy, problems)
-    for model in (vllm_policy.model, _perturbed(vllm_policy, 1)):
+    for model in (vllm_policy.model, perturbed(vllm_policy, 1)):
         engine.update_weights(model.state_dict(), version=engine.version + 1)
         got = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=10))
         for prompt, c in zip(prompts, got):
-            assert c.token_ids == _hf_greedy(model, vllm_policy, prompt, 10)
+            assert c.token_ids == hf_greedy(model, vllm_policy, prompt, 10)
             assert c.versions == [engine.version] * len(c.token_ids)
 
 
@@ -81,7 +59,7 @@ def test_sampled_logprobs_equal_the_trainers(engine, vllm_policy, problems):
 def test_swap_mid_generation_then_abort_and_resume(engine, vllm_policy, problems):
     """Tokens before the swap carry the old version, after it the new; each token's log-prob is
     the one its version's weights give (the swap recomputes the prefix under the new weights)."""
-    new = _perturbed(vllm_policy, 2)
+    new = perturbed(vllm_policy, 2)
     params = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=1)
     v0 = engine.version
     ids = [engine.add_request(p, params, n=2) for p in _prompts(vllm_policy, problems, 3)]
@@ -146,7 +124,7 @@ def test_lora_adapter_swap_goes_to_vllm_as_a_lora_request(engine, vllm_policy, p
         assert engine.weights.lora_request().lora_int_id == engine.version + 1
         got = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=8))
         for prompt, c in zip(prompts, got):
-            assert c.token_ids == _hf_greedy(adapted, vllm_policy, prompt, 8)
+            assert c.token_ids == hf_greedy(adapted, vllm_policy, prompt, 8)
         sampled = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8, seed=7))
         assert _trainer_gap(adapted, vllm_policy, sampled, 1.0) < 1e-4
 

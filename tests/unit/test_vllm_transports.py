@@ -8,11 +8,11 @@ and across a push in the middle of generation every token's log-prob is its own 
 Run from the vLLM venv (`.venv-vllm/bin/python -m pytest -m vllm`); one server for the module.
 """
 
-import copy
 import dataclasses
 
 import pytest
 import torch
+from vllm_checks import hf_greedy, perturbed
 
 from gapless.trainer.batch import build_batch, token_logprobs
 from gapless.types import SamplingParams
@@ -74,28 +74,6 @@ def pushed(request, vllm_policy):
     engine.update_weights(vllm_policy.model.state_dict(), version=engine.version + 1)
 
 
-def _perturbed(policy, seed):
-    model = copy.deepcopy(policy.model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    return model
-
-
-def _hf_greedy(model, policy, prompt, n):
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=n,
-            pad_token_id=policy.pad_id,
-            eos_token_id=policy.eos_id,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 def _trainer_logprobs(model, policy, completion, temperature=1.0):
     batch = build_batch([completion], [1.0], [True], policy.pad_id)
     with torch.no_grad():
@@ -107,12 +85,12 @@ def _trainer_logprobs(model, policy, completion, temperature=1.0):
 def test_after_a_push_greedy_output_equals_hf_generate_with_the_new_weights(pushed, vllm_policy, problems):
     prompts = [vllm_policy.encode(p.prompt) for p in problems[:4]]
     for seed in (11, 12):  # two pushes: the second must replace the first, not add to it
-        model = _perturbed(vllm_policy, seed)
+        model = perturbed(vllm_policy, seed)
         version = pushed.version + 1
         pushed.update_weights(model.state_dict(), version=version)
         got = pushed.generate(prompts, SamplingParams(greedy=True, max_new_tokens=10))
         for prompt, c in zip(prompts, got):
-            assert c.token_ids == _hf_greedy(model, vllm_policy, prompt, 10)
+            assert c.token_ids == hf_greedy(model, vllm_policy, prompt, 10)
             assert c.versions == [version] * len(c.token_ids) and pushed.version == version
 
 
@@ -131,7 +109,7 @@ def test_sampled_logprobs_over_the_openai_api_equal_the_trainers(server_engine, 
 def test_a_push_mid_generation_then_abort_and_resume_keep_every_tokens_version(server_engine, vllm_policy, problems):
     """Tokens received before the push carry the old version, the rest the new; each token's
     log-prob is the one its version's weights give over the whole prefix."""
-    engine, new = server_engine, _perturbed(vllm_policy, 2)
+    engine, new = server_engine, perturbed(vllm_policy, 2)
     params = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=1)
     v0 = engine.version
     ids = [engine.add_request(vllm_policy.encode(p.prompt), params, n=2) for p in problems[:2]]
@@ -190,13 +168,13 @@ def test_a_version_pushed_again_replaces_its_file(server_engine, vllm_policy, pr
     """The trainer's eval engine and a generator may push one version twice (a restart, a resync)."""
     prompt = [vllm_policy.encode(problems[0].prompt)]
     v = server_engine.version + 1
-    for model in (_perturbed(vllm_policy, 21), vllm_policy.model):
+    for model in (perturbed(vllm_policy, 21), vllm_policy.model):
         server_engine.update_weights(model.state_dict(), version=v)
     assert server_engine.weights.versions[-1] == v and len(set(server_engine.weights.versions)) == len(
         server_engine.weights.versions
     )
     got = server_engine.generate(prompt, SamplingParams(greedy=True, max_new_tokens=8))[0]
-    assert got.token_ids == _hf_greedy(vllm_policy.model, vllm_policy, prompt[0], 8)
+    assert got.token_ids == hf_greedy(vllm_policy.model, vllm_policy, prompt[0], 8)
 
 
 def test_attach_finds_the_served_model_and_the_weight_routes(server_engine):
